@@ -1,0 +1,200 @@
+"""Chunk keys and the chunk index.
+
+Keys: a chunk's key is a hash chain over the token ids up to its end, so equal prefixes share
+keys across requests and a chunk's key names its whole prefix, not just its own tokens. The
+chain starts from a root made of the model/layout salt and the request's cache salt. Hashing
+uses blake2b over a fixed little-endian encoding: stable across processes, platforms and
+Python versions (never Python's ``hash``). Partial chunks (the tail of a prompt shorter than a
+chunk) use a separate personalisation, so a partial key can never equal a full one.
+
+Index: which chunks the host pool holds, and in which slot. It is an event-sourced value: it
+changes only through ``apply_*`` methods called by the tracker's fold with recorded events,
+so replaying a log rebuilds it exactly, and every lookup replays to the same answer. Queries
+(``prefix_hit``, ``choose_slots``) never change it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+__all__ = ["ChunkIndex", "chunk_keys", "partial_key", "root_key"]
+
+_FULL = b"kvledger-full"
+_PART = b"kvledger-part"
+_ROOT = b"kvledger-root"
+KEY_BYTES = 16
+
+
+def root_key(salt: str, cache_salt: str = "") -> bytes:
+    """The chain's start: model/layout salt plus the request's own cache salt."""
+    data = salt.encode() + b"\x00" + cache_salt.encode()
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_ROOT).digest()
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+def chunk_keys(
+    prev: bytes, tokens: Sequence[int], chunk_size: int, first_chunk: int = 0
+) -> list[bytes]:
+    """Keys of the full chunks of ``tokens`` from chunk ``first_chunk`` on, chained from
+    ``prev`` (the key of chunk ``first_chunk - 1``, or the root)."""
+    keys: list[bytes] = []
+    start = first_chunk * chunk_size
+    while start + chunk_size <= len(tokens):
+        h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_FULL)
+        h.update(_tokens_bytes(tokens[start : start + chunk_size]))
+        prev = h.digest()
+        keys.append(prev)
+        start += chunk_size
+    return keys
+
+
+def partial_key(prev: bytes, tokens: Sequence[int]) -> bytes:
+    """Key of a partial chunk holding ``tokens`` after the full chunk keyed ``prev``."""
+    h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
+    h.update(_tokens_bytes(tokens))
+    return h.digest()
+
+
+class ChunkIndex:
+    """Key -> host slot, bounded by ``num_slots``, least recently used first.
+
+    A stored chunk is readable; a reserved one is being written (its save is planned, not yet
+    confirmed) and is never offered to a lookup; a pinned one is being read by a planned load
+    and is never evicted. Cancelled reservations (their source KV turned out wrong) free their
+    slot when the worker reports back, and are never stored.
+    """
+
+    __slots__ = ("_cancelled", "_free", "_readers", "_stored", "_writing", "num_slots")
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._stored: OrderedDict[bytes, int] = OrderedDict()
+        self._writing: dict[bytes, int] = {}
+        self._cancelled: set[bytes] = set()
+        self._readers: dict[bytes, int] = {}
+        # Popped from the end: slots are handed out 0, 1, 2, ... deterministically.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+
+    # --- queries ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._stored
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._stored.get(key)
+
+    def is_busy(self, key: bytes) -> bool:
+        """Stored or being written: either way nobody else should write it."""
+        return key in self._stored or key in self._writing
+
+    def is_writing(self, key: bytes) -> bool:
+        return key in self._writing
+
+    def prefix_hit(self, keys: Iterable[bytes]) -> int:
+        """How many of ``keys``, from the first, are stored."""
+        n = 0
+        stored = self._stored
+        for key in keys:
+            if key not in stored:
+                break
+            n += 1
+        return n
+
+    def choose_slots(self, count: int) -> tuple[list[int], list[bytes]]:
+        """Up to ``count`` slots for new chunks: free slots first, then the least recently used
+        stored chunks that no planned load is reading. Returns (slots, evicted keys)."""
+        slots = self._free[::-1][:count]
+        evicted: list[bytes] = []
+        if len(slots) < count:
+            for key, slot in self._stored.items():
+                if len(slots) >= count:
+                    break
+                if not self._readers.get(key):
+                    slots.append(slot)
+                    evicted.append(key)
+        return slots, evicted
+
+    def stored_items(self) -> list[tuple[bytes, int]]:
+        return list(self._stored.items())
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "stored": len(self._stored),
+            "writing": len(self._writing),
+            "pinned": sum(1 for v in self._readers.values() if v),
+            "free": len(self._free),
+        }
+
+    # --- event application (only the tracker's fold calls these) --------------------------
+
+    def apply_save_planned(
+        self, keys: Sequence[bytes], slots: Sequence[int], evicted: Sequence[bytes]
+    ) -> None:
+        for key in evicted:
+            slot = self._stored.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+        taken = set(slots)
+        self._free = [s for s in self._free if s not in taken]
+        for key, slot in zip(keys, slots, strict=True):
+            self._writing[key] = slot
+
+    def apply_save_done(self, key: bytes) -> bool:
+        """The worker stored ``key``; False if no such write was planned."""
+        slot = self._writing.pop(key, None)
+        if slot is None:
+            return False
+        if key in self._cancelled:
+            self._cancelled.discard(key)
+            self._free.append(slot)
+            return True
+        self._stored[key] = slot
+        return True
+
+    def apply_save_failed(self, key: bytes) -> bool:
+        slot = self._writing.pop(key, None)
+        if slot is None:
+            return False
+        self._cancelled.discard(key)
+        self._free.append(slot)
+        return True
+
+    def cancel_write(self, key: bytes) -> None:
+        """The chunk's source KV is not trustworthy: never store it."""
+        if key in self._writing:
+            self._cancelled.add(key)
+
+    def pin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._readers[key] = self._readers.get(key, 0) + 1
+            if key in self._stored:
+                self._stored.move_to_end(key)
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            n = self._readers.get(key, 0) - 1
+            if n > 0:
+                self._readers[key] = n
+            else:
+                self._readers.pop(key, None)
+
+    def apply_stored(self, key: bytes, slot: int) -> None:
+        """A chunk that appeared outside our plans (a warm pool)."""
+        if key in self._stored or slot not in self._free:
+            return
+        self._free.remove(slot)
+        self._stored[key] = slot
+
+    def apply_evicted(self, key: bytes) -> None:
+        slot = self._stored.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)

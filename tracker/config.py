@@ -1,0 +1,76 @@
+"""The tracker's configuration: every number the fold and the plans depend on.
+
+It is written into the log header, so a replay uses the configuration the run used, and a
+what-if replay (``kvledger check --with chunk_size=512``) changes only what it names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["ConfigError", "TrackerConfig"]
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range; the message names the key and what is accepted."""
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@attrs.frozen(slots=True)
+class TrackerConfig:
+    """Configuration of the fold, the plans and the chunk index.
+
+    - ``block_size``: vLLM's tokens per KV block.
+    - ``chunk_size``: tokens per saved chunk; a multiple of ``block_size``.
+    - ``num_slots``: how many chunks the host pool holds (the index's bound).
+    - ``discard_partial_chunks``: never save the partial chunk at the end of a prefill.
+    - ``save_decode_cache``: also save chunks completed during decode.
+    - ``salt``: model and layout identity mixed into every chunk key, so chunks of two models
+      (or two layouts) can never match.
+    - ``max_async_lag``: how many scheduled tokens may not be sampled yet (async scheduling: 1;
+      with speculative decoding, 1 + the number of draft tokens).
+    - ``strict``: raise on the first violation (tests); the default records it and falls back
+      to recompute.
+    """
+
+    block_size: int = 16
+    chunk_size: int = 256
+    num_slots: int = 1024
+    discard_partial_chunks: bool = True
+    save_decode_cache: bool = False
+    salt: str = ""
+    max_async_lag: int = 1
+    strict: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("chunk_size", self.chunk_size)
+        _positive("num_slots", self.num_slots)
+        if self.chunk_size % self.block_size:
+            raise ConfigError(
+                f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
+                f"({self.block_size})"
+            )
+        if not isinstance(self.max_async_lag, int) or self.max_async_lag < 0:
+            raise ConfigError(f"max_async_lag must be >= 0, got {self.max_async_lag!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrackerConfig:
+        """Build from a header or user dict; an unknown key is an error naming it."""
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown tracker config key(s) {unknown}; accepted: {sorted(known)}")
+        return cls(**data)
+
+    def with_changes(self, **changes: Any) -> TrackerConfig:
+        return self.from_dict({**self.to_dict(), **changes})

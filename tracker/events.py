@@ -1,0 +1,293 @@
+"""Immutable events: facts the connector observed, and decisions it made.
+
+Rule of this module: an event is a value. It is copied out of vLLM's mutable objects at the
+moment of the callback and never refers back to them. Every event class carries a wire ``TAG``
+(stable forever), a ``VERSION`` (bumped when its fields change, with an upcaster in
+``codec.py``) and a ``KIND``: ``"input"`` events are what a callback told us, ``"decision"``
+events are what the tracker derived from state, logged so that replay can compare what this
+code decides now with what the recorded run decided then.
+
+Field order is wire order (the codec packs fields positionally and drops trailing fields that
+equal their defaults), so new fields go at the end with a default. Sequences are tuples.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import attrs
+
+__all__ = [
+    "EVENT_TYPES",
+    "Admission",
+    "Allocated",
+    "ChunkEvicted",
+    "ChunkStored",
+    "DecisionEvent",
+    "Event",
+    "Finished",
+    "InputEvent",
+    "LoadDone",
+    "LoadFailed",
+    "LoadPlanned",
+    "LookupAnswered",
+    "LookupAsked",
+    "Preempted",
+    "RequestAdded",
+    "SaveDone",
+    "SaveFailed",
+    "SavePlanned",
+    "Scheduled",
+    "ViolationRecorded",
+]
+
+
+class Admission(enum.IntEnum):
+    """How a request appeared in a scheduler step (``Scheduled.admission``)."""
+
+    RUNNING = 0  # already running: block ids are appended
+    NEW = 1  # first admission, or MRV2 / async-load re-admission: block table replaced
+    RESUMED = 2  # back from preemption (``resumed_req_ids``): block table replaced
+
+
+def _ints(value: object) -> tuple[int, ...]:
+    # Converters copy whatever sequence vLLM hands us (lists, ConstantList views) into a tuple,
+    # so an event can never alias a list that vLLM goes on mutating.
+    return tuple(value)  # type: ignore[call-overload, no-any-return]
+
+
+def _keys(value: object) -> tuple[bytes, ...]:
+    return tuple(value)  # type: ignore[call-overload, no-any-return]
+
+
+@attrs.frozen(slots=True)
+class Event:
+    """Base of all events. ``step`` is the scheduler step the fact belongs to."""
+
+    TAG: ClassVar[int] = -1
+    VERSION: ClassVar[int] = 1
+    KIND: ClassVar[str] = ""
+
+    step: int
+    req_id: str
+
+
+@attrs.frozen(slots=True)
+class InputEvent(Event):
+    """A fact a vLLM callback told us."""
+
+    KIND: ClassVar[str] = "input"
+
+
+@attrs.frozen(slots=True)
+class DecisionEvent(Event):
+    """What the tracker decided; derivable from state, logged for comparison on replay."""
+
+    KIND: ClassVar[str] = "decision"
+
+
+# --- input events -------------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class RequestAdded(InputEvent):
+    """``on_new_request``, or first sight of a request: its prompt and cache salt."""
+
+    TAG: ClassVar[int] = 1
+    prompt_token_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    cache_salt: str = ""
+
+
+@attrs.frozen(slots=True)
+class LookupAsked(InputEvent):
+    """``get_num_new_matched_tokens(request, local_hit)``: a query, asked again every step
+    while the request waits. ``token_ids`` are ``all_token_ids[token_start:]`` (the connector
+    sends only what the tracker does not know yet); ``num_tokens`` is ``len(all_token_ids)``.
+    """
+
+    TAG: ClassVar[int] = 2
+    local_hit: int
+    num_tokens: int
+    token_start: int = 0
+    token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    preempted: bool = False
+
+
+@attrs.frozen(slots=True)
+class Allocated(InputEvent):
+    """``update_state_after_alloc``: vLLM allocated blocks and accepted ``num_external``
+    tokens from us. Called a second time with ``num_external=0`` after an async load."""
+
+    TAG: ClassVar[int] = 3
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+    num_external: int = 0
+
+
+@attrs.frozen(slots=True)
+class Scheduled(InputEvent):
+    """One request's share of a ``build_connector_meta`` step.
+
+    ``num_computed`` is vLLM's count before this step's tokens; ``num_scheduled`` the tokens it
+    computes now. ``token_ids`` are ``all_token_ids[token_start:]`` up to what exists (under
+    async scheduling the newest input token may not be sampled yet). ``block_ids`` are appended
+    for a running request and are the full table on admission.
+    """
+
+    TAG: ClassVar[int] = 4
+    num_computed: int
+    num_scheduled: int
+    token_start: int = 0
+    token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    block_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    admission: Admission = attrs.field(default=Admission.RUNNING, converter=Admission)
+
+
+@attrs.frozen(slots=True)
+class Preempted(InputEvent):
+    """``preempted_req_ids`` (vLLM >= 0.12), or inferred at re-admission: blocks revoked."""
+
+    TAG: ClassVar[int] = 5
+
+
+@attrs.frozen(slots=True)
+class Finished(InputEvent):
+    """``request_finished``: exactly once, before vLLM frees the blocks."""
+
+    TAG: ClassVar[int] = 6
+    reason: str = "stopped"
+
+
+@attrs.frozen(slots=True)
+class SaveDone(InputEvent):
+    """The worker confirmed that these chunks are in the host pool."""
+
+    TAG: ClassVar[int] = 7
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+
+
+@attrs.frozen(slots=True)
+class SaveFailed(InputEvent):
+    """The worker could not store these chunks; their slots are released."""
+
+    TAG: ClassVar[int] = 8
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+
+
+@attrs.frozen(slots=True)
+class LoadDone(InputEvent):
+    """The worker finished the request's planned load."""
+
+    TAG: ClassVar[int] = 9
+
+
+@attrs.frozen(slots=True)
+class LoadFailed(InputEvent):
+    """The worker could not load into these blocks (``invalid_block_ids``); vLLM's recompute
+    policy rolls the request's ``num_computed_tokens`` back to before the first of them."""
+
+    TAG: ClassVar[int] = 10
+    block_ids: tuple[int, ...] = attrs.field(converter=_ints)
+
+
+@attrs.frozen(slots=True)
+class ChunkStored(InputEvent):
+    """A chunk appeared in the pool outside our plans (a warm pool). ``req_id`` is empty."""
+
+    TAG: ClassVar[int] = 11
+    key: bytes = b""
+    slot: int = -1
+    num_tokens: int = 0
+
+
+@attrs.frozen(slots=True)
+class ChunkEvicted(InputEvent):
+    """A chunk left the pool outside our plans (``reset_cache``). ``req_id`` is empty."""
+
+    TAG: ClassVar[int] = 12
+    key: bytes = b""
+
+
+# --- decision events ----------------------------------------------------------------------
+
+
+@attrs.frozen(slots=True)
+class LookupAnswered(DecisionEvent):
+    """The answer to a ``LookupAsked``: ``hit`` tokens found in the pool, ``external`` tokens
+    offered to vLLM (``max(0, hit - local_hit - full_hit)``)."""
+
+    TAG: ClassVar[int] = 20
+    hit: int
+    external: int
+
+
+@attrs.frozen(slots=True)
+class LoadPlanned(DecisionEvent):
+    """Load tokens ``[start, end)`` from the chunks ``keys`` (host ``slots``) into the
+    request's blocks. ``refused_blocks`` are blocks vLLM believes loaded that we refuse to fill
+    (the request fell back to recompute): the connector reports them as load errors."""
+
+    TAG: ClassVar[int] = 21
+    start: int
+    end: int
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    slots: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    refused_blocks: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+
+@attrs.frozen(slots=True)
+class SavePlanned(DecisionEvent):
+    """Save tokens ``[start, end)`` as the chunks ``keys`` into host ``slots``; ``evicted``
+    are the keys whose slots were reclaimed (least recently used) to make room; ``skip_to`` is
+    how far the request's saved watermark moves at once because the pool already holds those
+    chunks (stored by an earlier request with the same prefix)."""
+
+    TAG: ClassVar[int] = 22
+    start: int
+    end: int
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    slots: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    evicted: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    skip_to: int = 0
+
+
+@attrs.frozen(slots=True)
+class ViolationRecorded(DecisionEvent):
+    """A rule was broken at this step; the request fell back to recompute."""
+
+    TAG: ClassVar[int] = 23
+    rule: str
+    event: str
+    detail: str = ""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RequestAdded,
+    LookupAsked,
+    Allocated,
+    Scheduled,
+    Preempted,
+    Finished,
+    SaveDone,
+    SaveFailed,
+    LoadDone,
+    LoadFailed,
+    ChunkStored,
+    ChunkEvicted,
+    LookupAnswered,
+    LoadPlanned,
+    SavePlanned,
+    ViolationRecorded,
+)
+
+
+def _check_tags() -> None:
+    # Tags are the wire identity of a type: a duplicate would make logs ambiguous forever.
+    seen: dict[int, str] = {}
+    for cls in EVENT_TYPES:
+        if cls.TAG in seen:
+            raise RuntimeError(f"event tag {cls.TAG} used by {seen[cls.TAG]} and {cls.__name__}")
+        seen[cls.TAG] = cls.__name__
+
+
+_check_tags()

@@ -1,0 +1,235 @@
+"""Pure decisions: the lookup answer, the load plan and the save plan.
+
+Rule of this module: all chunk arithmetic lives here, and every function is a pure function of
+(state, index, config). Nothing here changes the index or the state: the tracker records the
+decision as an event and folds it, so a replay re-derives the same decision from the same
+facts and can tell when this code would now decide differently.
+
+The rules:
+
+- A lookup answers ``external = max(0, hit - local_hit - full)`` where ``full`` is 1 when the
+  hit covers every token: vLLM must compute at least the last token to get logits. Asked ten
+  times with the same pool, it answers ten times the same.
+- A load covers exactly ``[local_hit, local_hit + accepted)``: never the recomputed last token,
+  never more than vLLM accepted, never beyond the allocated blocks.
+- A save covers whole chunks of tokens whose KV exists after this step and whose ids are
+  known. Chunks past the admission's prefill (decode chunks) only with ``save_decode_cache``;
+  the partial chunk at the end of a prefill only without ``discard_partial_chunks``. Chunks the
+  pool already holds are skipped (the watermark moves over them); a chunk another request is
+  writing is waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from tracker import events as ev
+from tracker.chunks import ChunkIndex, partial_key
+from tracker.config import TrackerConfig
+from tracker.state import RequestState, Violation
+
+__all__ = [
+    "ChunkTransfer",
+    "TransferPlan",
+    "answer_lookup",
+    "blocks_covering",
+    "plan_load",
+    "plan_save",
+    "transfer_plan",
+]
+
+
+def _prefix_key(state: RequestState, chunk: int) -> bytes:
+    """Key of full chunk ``chunk - 1`` (the chain's previous link), or the root."""
+    return state.keys[chunk - 1] if chunk > 0 else state.root
+
+
+def _tail_key(state: RequestState, config: TrackerConfig, end: int) -> bytes:
+    c = config.chunk_size
+    first = end // c * c
+    return partial_key(_prefix_key(state, first // c), state.token_ids[first:end])
+
+
+def answer_lookup(
+    state: RequestState, index: ChunkIndex, config: TrackerConfig, local_hit: int, num_tokens: int
+) -> tuple[int, int]:
+    """(hit, external): tokens the pool holds for this prefix, tokens to offer vLLM."""
+    c = config.chunk_size
+    n_keys = min(len(state.keys), num_tokens // c)
+    full = index.prefix_hit(state.keys[i] for i in range(n_keys))
+    hit = full * c
+    if full == n_keys and num_tokens % c and len(state.token_ids) >= num_tokens:
+        # A prompt tail saved as a partial chunk counts only if it is exactly this tail.
+        if _tail_key(state, config, num_tokens) in index:
+            hit = num_tokens
+    if state.recompute_only:
+        return hit, 0
+    external = max(0, hit - local_hit - (1 if hit >= num_tokens else 0))
+    return hit, external
+
+
+def blocks_covering(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """The blocks holding token positions ``[start, end)``."""
+    if end <= start:
+        return []
+    return list(block_ids[start // block_size : (end - 1) // block_size + 1])
+
+
+def plan_load(
+    state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
+) -> tuple[ev.LoadPlanned | None, tuple[Violation, ...]]:
+    """The admission's load, or a refusal naming the blocks vLLM must recompute."""
+    if state.accepted <= 0 or state.lookup is None:
+        return None, ()
+    start = state.lookup.local_hit
+    end = start + state.accepted
+    c, b = config.chunk_size, config.block_size
+
+    def refuse(rule: str | None, **detail: int) -> tuple[ev.LoadPlanned, tuple[Violation, ...]]:
+        refused = blocks_covering(state.block_ids, b, start, end)
+        decision = ev.LoadPlanned(step, state.req_id, start, start, refused_blocks=refused)
+        if rule is None:
+            return decision, ()
+        return decision, (Violation(rule, step, state.req_id, "LoadPlanned", detail),)
+
+    if state.recompute_only:
+        return refuse(None)
+    if end > state.block_capacity(b):
+        return refuse("load_within_allocation", end=end, capacity=state.block_capacity(b))
+    if end > state.lookup.hit or end > state.lookup.num_tokens - 1:
+        # Never load past the hit, and never the last token: vLLM recomputes it for logits.
+        return refuse(
+            "load_within_hit", end=end, hit=state.lookup.hit, num_tokens=state.lookup.num_tokens
+        )
+    keys: list[bytes] = []
+    slots: list[int] = []
+    for chunk in range(start // c, (end - 1) // c + 1):
+        if chunk < len(state.keys) and (chunk + 1) * c <= state.lookup.hit:
+            key = state.keys[chunk]
+        else:  # the hit ends in a partial chunk saved at the end of a prefill
+            key = _tail_key(state, config, state.lookup.hit)
+        slot = index.slot_of(key)
+        if slot is None:
+            return refuse("load_chunks_present", chunk=chunk)
+        keys.append(key)
+        slots.append(slot)
+    return ev.LoadPlanned(step, state.req_id, start, end, tuple(keys), tuple(slots)), ()
+
+
+def plan_save(
+    state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
+) -> ev.SavePlanned | None:
+    """The chunks to save after this step, or None."""
+    if state.recompute_only:
+        return None
+    c = config.chunk_size
+    cursor = state.save.cursor
+    limit = min(state.num_tokens, len(state.token_ids), state.block_capacity(config.block_size))
+    if not config.save_decode_cache:
+        limit = min(limit, state.prefill_end)
+    if cursor + c > limit:  # the hot path: nothing new to save this step
+        return _plan_partial(state, index, config, step)
+    skip_to = cursor
+    new_keys: list[bytes] = []
+    chunk = cursor // c
+    while (chunk + 1) * c <= limit and chunk < len(state.keys):
+        key = state.keys[chunk]
+        if key in index:
+            if new_keys:
+                break  # keep the plan one contiguous range; the next step continues
+            skip_to = (chunk + 1) * c
+        elif index.is_writing(key):
+            break  # another request is writing it: wait for its result
+        else:
+            new_keys.append(key)
+        chunk += 1
+    slots: list[int] = []
+    evicted: list[bytes] = []
+    if new_keys:
+        slots, evicted = index.choose_slots(len(new_keys))
+        new_keys = new_keys[: len(slots)]
+    if not new_keys and skip_to == cursor:
+        return None
+    start = skip_to
+    end = start + len(new_keys) * c
+    return ev.SavePlanned(
+        step, state.req_id, start, end, tuple(new_keys), tuple(slots), tuple(evicted), skip_to
+    )
+
+
+def _plan_partial(
+    state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
+) -> ev.SavePlanned | None:
+    """The partial chunk at the end of a prefill, when the configuration keeps them."""
+    if config.discard_partial_chunks:
+        return None
+    c = config.chunk_size
+    end = state.prefill_end
+    start = end // c * c
+    if (
+        end % c == 0
+        or state.save.cursor != start
+        or state.num_tokens < end
+        or len(state.token_ids) < end
+        or len(state.keys) < start // c
+    ):
+        return None
+    key = _tail_key(state, config, end)
+    if index.is_busy(key):
+        return None
+    slots, evicted = index.choose_slots(1)
+    if not slots:
+        return None
+    return ev.SavePlanned(
+        step, state.req_id, start, end, (key,), tuple(slots), tuple(evicted), start
+    )
+
+
+@attrs.frozen(slots=True)
+class ChunkTransfer:
+    """Move tokens ``[token_start, token_end)`` of a request between its blocks and host
+    ``slot``, at ``slot_offset`` tokens into the slot."""
+
+    key: bytes
+    slot: int
+    token_start: int
+    token_end: int
+    slot_offset: int
+
+
+@attrs.frozen(slots=True)
+class TransferPlan:
+    """What the worker needs to execute a load or save: plain values that cross processes."""
+
+    req_id: str
+    kind: str  # "load" | "save"
+    block_ids: tuple[int, ...]
+    chunks: tuple[ChunkTransfer, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(ch.token_end - ch.token_start for ch in self.chunks)
+
+
+def transfer_plan(
+    decision: ev.LoadPlanned | ev.SavePlanned, state: RequestState, config: TrackerConfig
+) -> TransferPlan | None:
+    """Expand a load or save decision into per-chunk token ranges over the block table."""
+    if not decision.keys or decision.end <= decision.start:
+        return None
+    c = config.chunk_size
+    kind = "load" if isinstance(decision, ev.LoadPlanned) else "save"
+    chunks: list[ChunkTransfer] = []
+    first_chunk = decision.start // c
+    for i, (key, slot) in enumerate(zip(decision.keys, decision.slots, strict=True)):
+        chunk_start = (first_chunk + i) * c
+        lo = max(decision.start, chunk_start)
+        hi = min(decision.end, chunk_start + c)
+        chunks.append(ChunkTransfer(key, slot, lo, hi, lo - chunk_start))
+    blocks = blocks_covering(state.block_ids, config.block_size, decision.start, decision.end)
+    first_block = decision.start // config.block_size
+    # Block ids for the whole table prefix up to the range end, so token positions index it.
+    table = tuple(state.block_ids[: first_block + len(blocks)])
+    return TransferPlan(state.req_id, kind, table, tuple(chunks))

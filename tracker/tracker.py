@@ -1,0 +1,334 @@
+"""Tracker: applies events, keeps the live states and the chunk index, derives decisions,
+runs invariants, writes the log, and reports violations.
+
+The four verbs: ``apply(event) -> decisions``, ``end_step()``, ``state(req_id)``, ``close()``.
+The named helpers (``lookup``, ``scheduled``, ...) only build the input event for the current
+step and call ``apply``. A replay builds a Tracker without a log and feeds it the recorded
+input events: the decisions it returns are what this code decides now.
+
+A violation never raises (unless ``strict``): it is recorded as a ``ViolationRecorded`` event,
+logged through structlog with the request id bound, counted, and the request falls back to
+recompute (no load, no save) for the rest of its life.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import structlog
+
+from tracker import events as ev
+from tracker import invariants
+from tracker.chunks import ChunkIndex
+from tracker.config import TrackerConfig
+from tracker.plans import answer_lookup, plan_load, plan_save
+from tracker.state import Phase, RequestState, Violation, fold
+
+__all__ = ["LogSink", "Tracker"]
+
+# Finished requests are dropped once no work of theirs is in flight; their ids are remembered
+# this long so that a late event about them is named for what it is.
+_RETIRED_MEMORY = 65536
+
+
+class LogSink(Protocol):
+    """Where events go: ``tracker.log.LogWriter`` or anything with these two methods."""
+
+    def append(self, event: ev.Event) -> None: ...
+
+    def end_step(self, step: int) -> None: ...
+
+
+class Tracker:
+    """Holds the per-request states and the chunk index; the only way in is an event."""
+
+    def __init__(
+        self,
+        config: TrackerConfig | None = None,
+        *,
+        log: LogSink | None = None,
+        logger: Any = None,
+    ) -> None:
+        self.config = config or TrackerConfig()
+        self.index = ChunkIndex(self.config.num_slots)
+        self.states: dict[str, RequestState] = {}
+        self.violations: list[Violation] = []
+        self.step = 0
+        self.counts: dict[str, int] = {
+            "events": 0,
+            "decisions": 0,
+            "preemptions": 0,
+            "tokens_loaded": 0,
+            "tokens_saved": 0,
+            "finished": 0,
+        }
+        self._log = log
+        self._logger = logger if logger is not None else structlog.get_logger("kvledger")
+        self._retired: OrderedDict[str, None] = OrderedDict()
+
+    # --- the core verb ------------------------------------------------------------------
+
+    def apply(self, event: ev.Event) -> list[ev.DecisionEvent]:
+        """Fold an input event, derive and fold its decisions, check, log. Never raises for
+        bad input unless the configuration is strict."""
+        config = self.config
+        req_id = event.req_id
+        self.counts["events"] += 1
+        if isinstance(event, (ev.ChunkStored, ev.ChunkEvicted)):
+            self._apply_pool_event(event)
+            self._record(event, ())
+            return []
+        before = self.states.get(req_id)
+        if before is None and req_id in self._retired and not isinstance(event, ev.RequestAdded):
+            violations: tuple[Violation, ...] = (
+                Violation("event_after_finish", event.step, req_id, type(event).__name__, {}),
+            )
+            self._record(event, ())
+            self._report(violations, None)
+            return []
+        state, violations = fold(before, event, config)
+        if state is not None:
+            self._apply_index_effects(before, state, event)
+        if violations and state is not None:
+            state = state._replace(recompute_only=True)
+
+        decisions: list[ev.DecisionEvent] = []
+        if state is not None:
+            state, decisions, more = self._decide(state, event)
+            violations = violations + more
+            checked = invariants.check(state, event, config)
+            for d in decisions:
+                checked.extend(invariants.check(state, d, config))
+            if checked:
+                violations = violations + tuple(checked)
+                state = state._replace(recompute_only=True)
+            self.states[req_id] = state
+            if state.phase is Phase.FINISHED and self._idle(state):
+                self._retire(req_id)
+        self._record(event, decisions)
+        if violations:
+            decisions.extend(self._report(violations, state))
+        return decisions
+
+    def end_step(self) -> int:
+        """Close the current step: its events become one log frame. Returns the next step."""
+        if self._log is not None:
+            self._log.end_step(self.step)
+        self.step += 1
+        return self.step
+
+    def state(self, req_id: str) -> RequestState | None:
+        return self.states.get(req_id)
+
+    def close(self) -> None:
+        closer = getattr(self._log, "close", None)
+        if closer is not None:
+            closer()
+
+    # --- decisions ----------------------------------------------------------------------
+
+    def _decide(
+        self, state: RequestState, event: ev.Event
+    ) -> tuple[RequestState, list[ev.DecisionEvent], tuple[Violation, ...]]:
+        config, index = self.config, self.index
+        decisions: list[ev.DecisionEvent] = []
+        violations: tuple[Violation, ...] = ()
+        if isinstance(event, ev.LookupAsked):
+            hit, external = answer_lookup(state, index, config, event.local_hit, event.num_tokens)
+            decisions.append(ev.LookupAnswered(event.step, state.req_id, hit, external))
+        elif isinstance(event, ev.Scheduled) and state.phase is Phase.RUNNING:
+            if event.admission is not ev.Admission.RUNNING:
+                load, violations = plan_load(state, index, config, event.step)
+                if load is not None:
+                    decisions.append(load)
+                    if violations:
+                        state = state._replace(recompute_only=True)
+            if not state.recompute_only:
+                save = plan_save(state, index, config, event.step)
+                if save is not None:
+                    decisions.append(save)
+        for d in decisions:
+            state, more = fold(state, d, config)
+            violations = violations + more
+            self._apply_decision_to_index(d)
+        self.counts["decisions"] += len(decisions)
+        return state, decisions, violations
+
+    def _apply_decision_to_index(self, d: ev.DecisionEvent) -> None:
+        if isinstance(d, ev.LoadPlanned):
+            if d.keys:
+                self.index.pin(d.keys)
+                self.counts["tokens_loaded"] += d.end - d.start
+        elif isinstance(d, ev.SavePlanned) and d.keys:
+            self.index.apply_save_planned(d.keys, d.slots, d.evicted)
+            self.counts["tokens_saved"] += d.end - d.start
+
+    def _apply_index_effects(
+        self, before: RequestState | None, after: RequestState, event: ev.Event
+    ) -> None:
+        index = self.index
+        if isinstance(event, ev.SaveDone):
+            for key in event.keys:
+                index.apply_save_done(key)
+        elif isinstance(event, ev.SaveFailed):
+            for key in event.keys:
+                index.apply_save_failed(key)
+        elif isinstance(event, (ev.LoadDone, ev.LoadFailed)):
+            if before is not None and before.load is not None and not before.load.done:
+                index.unpin(before.load.keys)
+            if isinstance(event, ev.LoadFailed):
+                # KV computed over the failed range is wrong: never store chunks from there on.
+                for key, start in after.save.pending:
+                    if start >= after.num_tokens:
+                        index.cancel_write(key)
+        elif before is not None and before.load is not None and not before.load.done:
+            if after.load is None or after.phase is not Phase.RUNNING:
+                index.unpin(before.load.keys)  # revoked before the worker reported back
+        if isinstance(event, ev.Preempted) or (
+            before is not None and after.life.num_preemptions > before.life.num_preemptions
+        ):
+            self.counts["preemptions"] += 1
+
+    def _apply_pool_event(self, event: ev.ChunkStored | ev.ChunkEvicted) -> None:
+        if isinstance(event, ev.ChunkStored):
+            self.index.apply_stored(event.key, event.slot)
+        else:
+            self.index.apply_evicted(event.key)
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    @staticmethod
+    def _idle(state: RequestState) -> bool:
+        return not state.save.pending and (state.load is None or state.load.done)
+
+    def _retire(self, req_id: str) -> None:
+        del self.states[req_id]
+        self.counts["finished"] += 1
+        self._retired[req_id] = None
+        if len(self._retired) > _RETIRED_MEMORY:
+            self._retired.popitem(last=False)
+
+    def _record(self, event: ev.Event, decisions: Sequence[ev.DecisionEvent]) -> None:
+        if self._log is None:
+            return
+        self._log.append(event)
+        for d in decisions:
+            self._log.append(d)
+
+    def _report(
+        self, violations: Iterable[Violation], state: RequestState | None
+    ) -> list[ev.DecisionEvent]:
+        recorded: list[ev.DecisionEvent] = []
+        for v in violations:
+            self.violations.append(v)
+            detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
+            record = ev.ViolationRecorded(v.step, v.req_id, v.rule, v.event, detail)
+            recorded.append(record)
+            if self._log is not None:
+                self._log.append(record)
+            self._logger.warning(
+                "kvledger.violation",
+                req_id=v.req_id,
+                step=v.step,
+                rule=v.rule,
+                event=v.event,
+                **{k: val for k, val in v.detail.items() if k not in ("req_id", "step")},
+                state=state.summary() if state is not None else None,
+            )
+        if self.config.strict:
+            first = next(iter(self.violations[-len(recorded) :]), None)
+            if first is not None:
+                raise invariants.InvariantViolation(first)
+        return recorded
+
+    # --- one helper per callback: build the event for the current step, apply it ---------
+
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str = "") -> None:
+        self.apply(ev.RequestAdded(self.step, req_id, tuple(prompt_token_ids), cache_salt))
+
+    def lookup(
+        self,
+        req_id: str,
+        local_hit: int,
+        all_token_ids: Sequence[int],
+        preempted: bool = False,
+    ) -> int:
+        """Answer ``get_num_new_matched_tokens``: the external tokens to offer vLLM. Sends the
+        tracker only the token ids it does not know yet."""
+        state = self.states.get(req_id)
+        start = len(state.token_ids) if state is not None else 0
+        start = min(start, len(all_token_ids))
+        decisions = self.apply(
+            ev.LookupAsked(
+                self.step,
+                req_id,
+                local_hit,
+                len(all_token_ids),
+                start,
+                tuple(all_token_ids[start:]),
+                preempted,
+            )
+        )
+        for d in decisions:
+            if isinstance(d, ev.LookupAnswered):
+                return d.external
+        return 0
+
+    def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
+        self.apply(ev.Allocated(self.step, req_id, tuple(block_ids), num_external))
+
+    def scheduled(
+        self,
+        req_id: str,
+        *,
+        num_computed: int,
+        num_scheduled: int,
+        all_token_ids: Sequence[int],
+        block_ids: Sequence[int] = (),
+        admission: ev.Admission = ev.Admission.RUNNING,
+    ) -> list[ev.DecisionEvent]:
+        """One request's share of ``build_connector_meta``. ``all_token_ids`` is the request's
+        full token list as vLLM has it now (it may trail ``num_computed + num_scheduled`` under
+        async scheduling); only the unknown tail is recorded."""
+        state = self.states.get(req_id)
+        known = len(state.token_ids) if state is not None else 0
+        start = min(known, len(all_token_ids))
+        end = min(len(all_token_ids), num_computed + num_scheduled)
+        if admission is not ev.Admission.RUNNING:
+            end = len(all_token_ids)  # an admission learns every token vLLM has
+        tokens = tuple(all_token_ids[start:end]) if end > start else ()
+        return self.apply(
+            ev.Scheduled(
+                self.step,
+                req_id,
+                num_computed,
+                num_scheduled,
+                start,
+                tokens,
+                tuple(block_ids),
+                admission,
+            )
+        )
+
+    def preempted(self, req_id: str) -> None:
+        self.apply(ev.Preempted(self.step, req_id))
+
+    def finished(self, req_id: str, reason: str = "stopped") -> bool:
+        """Returns True when saves still read the request's blocks (vLLM must delay freeing)."""
+        self.apply(ev.Finished(self.step, req_id, reason))
+        state = self.states.get(req_id)
+        return state is not None and bool(state.save.pending)
+
+    def save_done(self, req_id: str, keys: Iterable[bytes]) -> None:
+        self.apply(ev.SaveDone(self.step, req_id, tuple(keys)))
+
+    def save_failed(self, req_id: str, keys: Iterable[bytes]) -> None:
+        self.apply(ev.SaveFailed(self.step, req_id, tuple(keys)))
+
+    def load_done(self, req_id: str) -> None:
+        self.apply(ev.LoadDone(self.step, req_id))
+
+    def load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
+        self.apply(ev.LoadFailed(self.step, req_id, tuple(block_ids)))
