@@ -14,6 +14,7 @@ equal their defaults), so new fields go at the end with a default. Sequences are
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
@@ -51,14 +52,14 @@ class Admission(enum.IntEnum):
     RESUMED = 2  # back from preemption (``resumed_req_ids``): block table replaced
 
 
-def _ints(value: object) -> tuple[int, ...]:
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
     # Converters copy whatever sequence vLLM hands us (lists, ConstantList views) into a tuple,
     # so an event can never alias a list that vLLM goes on mutating.
-    return tuple(value)  # type: ignore[call-overload, no-any-return]
+    return value if type(value) is tuple else tuple(value)
 
 
-def _keys(value: object) -> tuple[bytes, ...]:
-    return tuple(value)  # type: ignore[call-overload, no-any-return]
+def _keys(value: Iterable[bytes]) -> tuple[bytes, ...]:
+    return value if type(value) is tuple else tuple(value)
 
 
 @attrs.frozen(slots=True)

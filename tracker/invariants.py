@@ -76,9 +76,7 @@ def saved_le_computed(s: RequestState, e: ev.Event, cfg: TrackerConfig) -> Viola
     return None
 
 
-def load_within_allocation(
-    s: RequestState, e: ev.Event, cfg: TrackerConfig
-) -> Violation | None:
+def load_within_allocation(s: RequestState, e: ev.Event, cfg: TrackerConfig) -> Violation | None:
     """A load stays inside the blocks, inside what vLLM counts computed, and short of the
     last token."""
     load = s.load

@@ -308,9 +308,7 @@ def _on_lookup_asked(state: RequestState, e: ev.LookupAsked, config: TrackerConf
     return state, vs
 
 
-def _on_lookup_answered(
-    state: RequestState, e: ev.LookupAnswered, config: TrackerConfig
-) -> Result:
+def _on_lookup_answered(state: RequestState, e: ev.LookupAnswered, config: TrackerConfig) -> Result:
     # Idempotent by construction: asked again with the same pool, the same values are written.
     lookup = LookupResult(
         local_hit=state.lookup.local_hit if state.lookup else 0,
@@ -447,9 +445,7 @@ def _on_load_failed(state: RequestState, e: ev.LoadFailed, config: TrackerConfig
     return state, _NONE
 
 
-def _first_failed_token(
-    state: RequestState, failed: Sequence[int], block_size: int
-) -> int | None:
+def _first_failed_token(state: RequestState, failed: Sequence[int], block_size: int) -> int | None:
     failed_set = set(failed)
     for i, block in enumerate(state.block_ids):
         if block in failed_set:
@@ -534,5 +530,5 @@ def fold(state: RequestState | None, event: ev.Event, config: TrackerConfig) -> 
             return state, (_violation("finished_twice", event),)
     try:
         return handler(state, event, config)
-    except Exception as exc:  # noqa: BLE001 - the fold is total: a bug here is a violation
+    except Exception as exc:
         return state, (_violation("fold_error", event, error=f"{type(exc).__name__}: {exc}"),)

@@ -88,7 +88,8 @@ class Tracker:
             self._record(event, ())
             self._report(violations, None)
             return []
-        state, violations = fold(before, event, config)
+        folded, violations = fold(before, event, config)
+        state = folded
         if state is not None:
             self._apply_index_effects(before, state, event)
         if violations and state is not None:
@@ -150,7 +151,9 @@ class Tracker:
                 if save is not None:
                     decisions.append(save)
         for d in decisions:
-            state, more = fold(state, d, config)
+            after, more = fold(state, d, config)
+            if after is not None:  # always: decisions are folded into a known request
+                state = after
             violations = violations + more
             self._apply_decision_to_index(d)
         self.counts["decisions"] += len(decisions)
@@ -183,9 +186,13 @@ class Tracker:
                 for key, start in after.save.pending:
                     if start >= after.num_tokens:
                         index.cancel_write(key)
-        elif before is not None and before.load is not None and not before.load.done:
-            if after.load is None or after.phase is not Phase.RUNNING:
-                index.unpin(before.load.keys)  # revoked before the worker reported back
+        elif (
+            before is not None
+            and before.load is not None
+            and not before.load.done
+            and (after.load is None or after.phase is not Phase.RUNNING)
+        ):
+            index.unpin(before.load.keys)  # revoked before the worker reported back
         if isinstance(event, ev.Preempted) or (
             before is not None and after.life.num_preemptions > before.life.num_preemptions
         ):
@@ -245,7 +252,9 @@ class Tracker:
 
     # --- one helper per callback: build the event for the current step, apply it ---------
 
-    def add_request(self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str = "") -> None:
+    def add_request(
+        self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str = ""
+    ) -> None:
         self.apply(ev.RequestAdded(self.step, req_id, tuple(prompt_token_ids), cache_salt))
 
     def lookup(
