@@ -250,6 +250,15 @@ class Tracker:
                 raise invariants.InvariantViolation(first)
         return recorded
 
+    def mark_violation(self, req_id: str, rule: str, event: str, **detail: Any) -> None:
+        """Record a violation found outside the fold (the connector could not read vLLM's
+        object, say): the request falls back to recompute like any other violation."""
+        state = self.states.get(req_id)
+        if state is not None:
+            state = state._replace(recompute_only=True)
+            self.states[req_id] = state
+        self._report((Violation(rule, self.step, req_id, event, detail),), state)
+
     # --- one helper per callback: build the event for the current step, apply it ---------
 
     def add_request(

@@ -1,0 +1,351 @@
+"""The scheduler side: vLLM's callbacks in, tracker events out, plans to the worker.
+
+This module does not import vLLM. It reads vLLM's objects by duck typing (the field names
+listed in docs/using-with-vllm.md), copies the facts it needs at the moment of the callback,
+and hands them to the tracker. It keeps one reference to each live vLLM ``Request``, and reads
+exactly one thing from it: ``all_token_ids`` during ``build_connector_meta``, copying only the
+tail the tracker does not know. Counts (``num_computed_tokens``) always come from the
+``SchedulerOutput`` of the step, never from the mutable request.
+
+Nothing here may crash the engine: an unexpected object shape is recorded as a violation for
+the request concerned, logged, and the request falls back to recompute.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import attrs
+import structlog
+
+from connector.config import ConnectorConfig
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.plans import TransferPlan, transfer_plan
+from tracker.tracker import Tracker
+
+__all__ = ["SchedulerSide", "StepPlan", "WorkerReport", "first_group"]
+
+_log = structlog.get_logger("kvledger.connector")
+T = TypeVar("T")
+
+
+@attrs.frozen
+class StepPlan:
+    """What the scheduler tells the worker for one step (travels in the connector metadata)."""
+
+    step: int
+    loads: tuple[TransferPlan, ...] = ()
+    saves: tuple[TransferPlan, ...] = ()
+    # Blocks vLLM counts as loaded but that we refuse to fill: the worker reports them through
+    # get_block_ids_with_load_errors so vLLM's recompute policy recomputes them.
+    refused_blocks: tuple[int, ...] = ()
+    preempted: tuple[str, ...] = ()
+    # request_finished returned True for these: the worker reports each in finished_sending
+    # once no save of it is in flight, and only then may vLLM free its blocks.
+    delayed_free: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class WorkerReport:
+    """What the worker tells the scheduler (travels in ``kv_connector_worker_meta``)."""
+
+    saves_done: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
+    saves_failed: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
+    loads_done: tuple[str, ...] = ()
+    loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    def merged(self, other: WorkerReport) -> WorkerReport:
+        return WorkerReport(
+            self.saves_done + other.saves_done,
+            self.saves_failed + other.saves_failed,
+            self.loads_done + other.loads_done,
+            self.loads_failed + other.loads_failed,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
+
+
+def first_group(block_ids: Any) -> tuple[int, ...]:
+    """Block ids of KV-cache group 0, from any shape vLLM has used: ``tuple[list[int], ...]``,
+    a flat list, a ``KVCacheBlocks`` (``get_block_ids()``), or None (no new blocks)."""
+    if block_ids is None:
+        return ()
+    getter = getattr(block_ids, "get_block_ids", None)
+    if getter is not None:
+        block_ids = getter()
+    if (
+        isinstance(block_ids, (tuple, list))
+        and block_ids
+        and isinstance(block_ids[0], (list, tuple))
+    ):
+        return tuple(block_ids[0])
+    return tuple(block_ids)
+
+
+def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """Never let bookkeeping crash the engine: log, count, return a safe default.
+
+    Strict mode (tests) re-raises so that a bug is seen at once.
+    """
+
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def inner(self: SchedulerSide, *args: Any, **kwargs: Any) -> T:
+            try:
+                return fn(self, *args, **kwargs)
+            except Exception as exc:
+                if self.config.strict:
+                    raise
+                self.adapter_errors += 1
+                _log.error(
+                    "kvledger.adapter_error", callback=fn.__name__, error=repr(exc), exc_info=True
+                )
+                return default()
+
+        return inner
+
+    return wrap
+
+
+def _status_name(request: Any) -> str:
+    status = getattr(request, "status", None)
+    return str(getattr(status, "name", status) or "").lower()
+
+
+class SchedulerSide:
+    """Owns the Tracker; one instance per engine, called on the engine-core thread."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        block_size: int,
+        num_slots: int,
+        salt: str = "",
+        log_header: dict[str, Any] | None = None,
+        logger: Any = None,
+    ) -> None:
+        config.check_block_size(block_size)
+        self.config = config
+        self.tracker_config = TrackerConfig(
+            block_size=block_size,
+            chunk_size=config.chunk_size,
+            num_slots=num_slots,
+            discard_partial_chunks=config.discard_partial_chunks,
+            save_decode_cache=config.save_decode_cache,
+            salt=salt,
+            strict=config.strict,
+        )
+        self.log_path: str | None = None
+        writer = None
+        if config.log_dir:
+            writer = self._open_log(config.log_dir, log_header or {})
+        self.tracker = Tracker(self.tracker_config, log=writer, logger=logger)
+        self.adapter_errors = 0
+        self._requests: dict[str, Any] = {}
+        self._delayed_free: list[str] = []
+
+    def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
+        from tracker.log import LogWriter  # the only file I/O, and only when asked for
+
+        os.makedirs(log_dir, exist_ok=True)
+        path = os.path.join(log_dir, f"kvledger-{os.getpid()}.kvlog")
+        self.log_path = path
+        header = {**self.tracker_config.to_dict(), **extra}
+        return LogWriter(path, header, rotate_bytes=self.config.log_rotate_bytes)
+
+    # --- callbacks ------------------------------------------------------------------------
+
+    @_guarded(lambda: None)
+    def on_new_request(self, request: Any) -> None:
+        self._see(request)
+
+    def _see(self, request: Any) -> str:
+        req_id = str(request.request_id)
+        if req_id not in self._requests or self._requests[req_id] is not request:
+            self._requests[req_id] = request
+            prompt = getattr(request, "prompt_token_ids", None) or ()
+            salt = getattr(request, "cache_salt", None) or ""
+            self.tracker.add_request(req_id, prompt, str(salt))
+        return req_id
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Pure with respect to the pool: asked again, answers the same."""
+        return self._lookup(request, num_computed_tokens)
+
+    @_guarded(lambda: (0, False))
+    def _lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        req_id = self._see(request)
+        external = self.tracker.lookup(
+            req_id,
+            int(num_computed_tokens),
+            request.all_token_ids,
+            preempted=_status_name(request) == "preempted",
+        )
+        return external, False
+
+    @_guarded(lambda: None)
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        req_id = self._see(request)
+        self.tracker.allocated(req_id, first_group(blocks), int(num_external_tokens))
+
+    def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        try:
+            return self._build(scheduler_output)
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self.adapter_errors += 1
+            _log.error("kvledger.adapter_error", callback="build_connector_meta", error=repr(exc))
+            self.tracker.end_step()
+            return StepPlan(step=self.tracker.step - 1)
+
+    def _build(self, out: Any) -> StepPlan:
+        tracker = self.tracker
+        step = tracker.step
+        preempted = tuple(sorted(getattr(out, "preempted_req_ids", None) or ()))
+        for req_id in preempted:
+            tracker.preempted(req_id)
+        num_scheduled: dict[str, int] = out.num_scheduled_tokens
+        decisions: list[ev.DecisionEvent] = []
+        for new in out.scheduled_new_reqs:
+            decisions += self._scheduled_new(new, num_scheduled.get(new.req_id, 0))
+        cached = out.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None)
+        resumed_flags = (
+            None if resumed_ids is not None else getattr(cached, "resumed_from_preemption", None)
+        )
+        cached_all = getattr(cached, "all_token_ids", None) or {}
+        for i, req_id in enumerate(cached.req_ids):
+            resumed = (
+                (req_id in resumed_ids)
+                if resumed_ids is not None
+                else bool(resumed_flags[i] if resumed_flags is not None else False)
+            )
+            decisions += self._scheduled_one(
+                req_id,
+                admission=ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
+                num_computed=int(cached.num_computed_tokens[i]),
+                num_scheduled=num_scheduled.get(req_id, 0),
+                block_ids=first_group(cached.new_block_ids[i]),
+                fallback_tokens=cached_all.get(req_id),
+            )
+        plan = self._plan(step, decisions, preempted)
+        tracker.end_step()
+        return plan
+
+    def _scheduled_new(self, new: Any, num_scheduled: int) -> list[ev.DecisionEvent]:
+        tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
+        return self._scheduled_one(
+            new.req_id,
+            admission=ev.Admission.NEW,
+            num_computed=int(new.num_computed_tokens),
+            num_scheduled=num_scheduled,
+            block_ids=first_group(new.block_ids),
+            fallback_tokens=tokens,
+        )
+
+    def _scheduled_one(
+        self,
+        req_id: str,
+        *,
+        admission: ev.Admission,
+        num_computed: int,
+        num_scheduled: int,
+        block_ids: tuple[int, ...],
+        fallback_tokens: Sequence[int] | None,
+    ) -> list[ev.DecisionEvent]:
+        try:
+            request = self._requests.get(req_id)
+            tokens = request.all_token_ids if request is not None else (fallback_tokens or ())
+            return self.tracker.scheduled(
+                req_id,
+                num_computed=num_computed,
+                num_scheduled=num_scheduled,
+                all_token_ids=tokens,
+                block_ids=block_ids,
+                admission=admission,
+            )
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self.adapter_errors += 1
+            self.tracker.mark_violation(req_id, "adapter_error", "Scheduled", error=repr(exc))
+            return []
+
+    def _plan(
+        self, step: int, decisions: Iterable[ev.DecisionEvent], preempted: tuple[str, ...]
+    ) -> StepPlan:
+        loads: list[TransferPlan] = []
+        saves: list[TransferPlan] = []
+        refused: list[int] = []
+        for d in decisions:
+            if isinstance(d, (ev.LoadPlanned, ev.SavePlanned)):
+                state = self.tracker.state(d.req_id)
+                if isinstance(d, ev.LoadPlanned) and d.refused_blocks:
+                    refused.extend(d.refused_blocks)
+                if state is None:
+                    continue
+                plan = transfer_plan(d, state, self.tracker_config)
+                if plan is not None:
+                    (loads if plan.kind == "load" else saves).append(plan)
+        delayed, self._delayed_free = tuple(self._delayed_free), []
+        return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
+
+    @_guarded(lambda: None)
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        report = getattr(meta, "report", meta)
+        if isinstance(report, WorkerReport):
+            self.apply_report(report)
+
+    def apply_report(self, report: WorkerReport) -> None:
+        tracker = self.tracker
+        for req_id in report.loads_done:
+            tracker.load_done(req_id)
+        for req_id, blocks in report.loads_failed:
+            tracker.load_failed(req_id, blocks)
+        for req_id, keys in report.saves_done:
+            tracker.save_done(req_id, keys)
+        for req_id, keys in report.saves_failed:
+            tracker.save_failed(req_id, keys)
+
+    def request_finished(
+        self, request: Any, block_ids: Any = None
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """True while a save still reads the request's blocks: vLLM keeps them until the worker
+        reports the request in ``finished_sending``."""
+        try:
+            req_id = str(request.request_id)
+            self._requests.pop(req_id, None)
+            delay = self.tracker.finished(req_id, _status_name(request) or "finished")
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            self.adapter_errors += 1
+            _log.error("kvledger.adapter_error", callback="request_finished", error=repr(exc))
+            return False, None
+        if delay:
+            self._delayed_free.append(req_id)
+        return delay, None
+
+    def shutdown(self) -> None:
+        self.tracker.close()
+
+    def summary(self) -> dict[str, Any]:
+        t = self.tracker
+        return {
+            **t.counts,
+            "steps": t.step,
+            "violations": len(t.violations),
+            "adapter_errors": self.adapter_errors,
+            "live_requests": len(t.states),
+            "pool": t.index.stats(),
+        }
