@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Save/load throughput of connector.transfer against a raw copy of the same bytes.
+
+Run by hand; it prints numbers and never passes or fails on them. One 256-token chunk of
+Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16, block size 16: 32 MiB) moves between
+a paged KV cache (random block ids by default) and a host chunk slot from HostChunkPool:
+
+  save  paged cache -> host slot      compared with   raw  one contiguous copy, device -> host
+  load  host slot -> other blocks     compared with   raw  one contiguous copy, host -> device
+
+On --device cpu the raw copy is a plain ``copy_`` between two preallocated CPU tensors (about a
+memcpy); on --device cuda it is a pinned host <-> device copy on a side stream. Rounds interleave
+raw, save and load so that drift on a shared machine hits all three alike; each figure is the
+median over --repeats rounds after --warmup rounds, in GB/s (1e9 bytes/s). Every time includes
+waiting for the transfer to finish (TransferHandle.synchronize / stream sync); "submit" is the host
+time until save()/load() returned. Protocol: /work/shared/reference/kv-transfer.md §4-§5.
+
+  python bench/transfer_bench.py --device cpu
+  python bench/transfer_bench.py --device cuda --repeats 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from connector.store import HostChunkPool
+from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
+
+GB = 1e9
+
+
+def cache_shape(layout: str, num_blocks: int, args: argparse.Namespace) -> tuple[int, ...]:
+    if layout == "flash_attn":
+        return (2, num_blocks, args.block_size, args.kv_heads, args.head_size)
+    return (num_blocks, 2, args.block_size, args.kv_heads, args.head_size)
+
+
+def fill_random_bits(t: torch.Tensor) -> None:
+    """Random bit patterns (NaNs included: every comparison here is bitwise)."""
+    t.view(torch.int16).random_()
+
+
+def timed(fn: Callable[[], TransferHandle | None], sync: Callable[[], None]) -> tuple[float, float]:
+    """(seconds until done, seconds until fn returned)."""
+    t0 = time.perf_counter()
+    handle = fn()
+    t1 = time.perf_counter()
+    if handle is not None:
+        handle.synchronize()
+    sync()
+    return time.perf_counter() - t0, t1 - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+Row = tuple[str, str, float, float, float, float, float, "float | None", "bool | None"]
+
+
+def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
+    dtype = torch.bfloat16
+    blocks_per_chunk = args.chunk_tokens // args.block_size
+    num_blocks = args.num_blocks or 4 * blocks_per_chunk
+    caches = {}
+    for i in range(args.layers):
+        cache = torch.empty(cache_shape(layout, num_blocks, args), dtype=dtype, device=device)
+        fill_random_bits(cache)
+        caches[f"model.layers.{i}.self_attn"] = cache
+    backend = TransferBackend(caches, args.chunk_tokens, layout)
+    # Slot 0 is the transfer's; slot 1 is the raw copy's host end, the same kind of memory.
+    pool = HostChunkPool(backend.spec, args.chunk_tokens, 2)
+    for i in range(2):
+        pool.slot(i).zero_()  # pre-touch: no page faults inside the timed region
+    chunk = pool.slot(0)
+    raw_host = pool.slot(1)
+    raw_other = torch.zeros(backend.chunk_shape, dtype=dtype, device=device)
+
+    gen = torch.Generator().manual_seed(args.seed)
+    if args.block_order == "random":
+        order = torch.randperm(num_blocks, generator=gen).tolist()
+    else:
+        order = list(range(num_blocks))
+    src_blocks = order[:blocks_per_chunk]
+    dst_blocks = order[blocks_per_chunk : 2 * blocks_per_chunk]
+    src_map = slot_mapping_for(src_blocks, args.block_size, 0, args.chunk_tokens)
+    dst_map = slot_mapping_for(dst_blocks, args.block_size, 0, args.chunk_tokens)
+
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device=device)
+
+        def sync() -> None:
+            torch.cuda.synchronize(device)
+
+        def raw_save() -> None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                raw_host.copy_(raw_other, non_blocking=True)
+            stream.synchronize()
+
+        def raw_load() -> None:
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                raw_other.copy_(raw_host, non_blocking=True)
+            stream.synchronize()
+    else:
+
+        def sync() -> None:
+            pass
+
+        def raw_save() -> None:
+            raw_host.copy_(raw_other)
+
+        def raw_load() -> None:
+            raw_other.copy_(raw_host)
+
+    ops: dict[str, Callable[[], TransferHandle | None]] = {
+        "raw save-dir": raw_save,
+        "save": lambda: backend.save(chunk, src_map),
+        "raw load-dir": raw_load,
+        "load": lambda: backend.load(chunk, dst_map),
+    }
+
+    # Correctness first: a bitwise round trip into other blocks.
+    backend.save(chunk, src_map).synchronize()
+    backend.load(chunk, dst_map).synchronize()
+    sync()
+    ok = all(
+        torch.equal(
+            (c[:, dst_blocks] if layout == "flash_attn" else c[dst_blocks]).view(torch.int16),
+            (c[:, src_blocks] if layout == "flash_attn" else c[src_blocks]).view(torch.int16),
+        )
+        for c in caches.values()
+    )
+
+    times: dict[str, list[float]] = {k: [] for k in ops}
+    submits: dict[str, list[float]] = {k: [] for k in ops}
+    for r in range(args.warmup + args.repeats):
+        for name, fn in ops.items():
+            total, submit = timed(fn, sync)
+            if r >= args.warmup:
+                times[name].append(total)
+                submits[name].append(submit)
+
+    nbytes = backend.slot_bytes
+    rows: list[Row] = []
+    refs = {"save": "raw save-dir", "load": "raw load-dir"}
+    for name in ops:
+        med = statistics.median(times[name])
+        gbps = nbytes / med / GB
+        ref = refs.get(name)
+        ratio = gbps / (nbytes / statistics.median(times[ref]) / GB) if ref else None
+        rows.append(
+            (
+                layout,
+                name,
+                gbps,
+                med * 1e3,
+                pct(times[name], 0.1) * 1e3,
+                pct(times[name], 0.9) * 1e3,
+                statistics.median(submits[name]) * 1e3,
+                ratio,
+                ok if ref else None,
+            )
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layout", default="all", choices=["flash_attn", "flashinfer", "all"])
+    p.add_argument("--block-order", default="random", choices=["random", "sequential"])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--num-blocks", type=int, default=0, help="cache blocks (default 4x a chunk)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads on CPU (default 1: on small shared VMs OpenMP barriers stall "
+        "at random, see kv-transfer.md §5); 0 leaves torch's default",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    if args.chunk_tokens % args.block_size:
+        p.error("--chunk-tokens must be a multiple of --block-size")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+
+    token_bytes = args.layers * 2 * args.kv_heads * args.head_size * 2
+    chunk_mib = token_bytes * args.chunk_tokens / 2**20
+    where = cpu_model()
+    if device.type == "cuda":
+        where = f"{torch.cuda.get_device_name(device)}, host {where}"
+    print(
+        f"# transfer_bench: torch {torch.__version__}, python {platform.python_version()}, "
+        f"{where}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}"
+    )
+    print(
+        f"# L={args.layers} H_kv={args.kv_heads} D={args.head_size} bf16 block_size="
+        f"{args.block_size}, one chunk of {args.chunk_tokens} tokens = {chunk_mib:.2f} MiB, "
+        f"{args.block_order} block ids, device {args.device}, "
+        f"median of {args.repeats} (+{args.warmup} warmup)"
+    )
+    header = (
+        f"{'layout':<11} {'op':<13} {'GB/s':>7} {'med ms':>8} {'p10 ms':>8} {'p90 ms':>8} "
+        f"{'submit ms':>9} {'vs raw':>7}  check"
+    )
+    print(header)
+    print("-" * len(header))
+    layouts = ["flash_attn", "flashinfer"] if args.layout == "all" else [args.layout]
+    failed = False
+    for layout in layouts:
+        for layout_, name, gbps, med, p10, p90, sub, ratio, ok in bench_layout(
+            layout, args, device
+        ):
+            ratio_s = f"{100 * ratio:6.1f}%" if ratio is not None else "      -"
+            ok_s = "" if ok is None else ("OK" if ok else "FAILED")
+            failed |= ok is False
+            print(
+                f"{layout_:<11} {name:<13} {gbps:7.2f} {med:8.3f} {p10:8.3f} {p90:8.3f} "
+                f"{sub:9.3f} {ratio_s}  {ok_s}"
+            )
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""The embedded host chunk pool: worker-side host memory that KV chunks are saved into.
+
+Rule of this module: it holds bytes and knows which slots have a transfer in flight, nothing
+more. Which chunk lives in which slot, LRU order and eviction are decided by the scheduler side's
+chunk index and reach the worker as plans; the pool never picks a slot by itself.
+
+All slots live in ONE preallocated tensor, so the pool costs one allocation (and one pinning) at
+start-up and none per chunk. On CUDA the memory is pinned, because a ``non_blocking`` copy from
+pageable memory is silently synchronous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from connector.transfer import PagedKVSpec, TransferBackend, TransferHandle
+
+__all__ = ["HostChunkPool", "SlotBusyError", "SlotMode"]
+
+SlotMode = Literal["read", "write"]
+
+
+class SlotBusyError(RuntimeError):
+    """A transfer would touch a host slot that another transfer is still reading or writing."""
+
+
+class HostChunkPool:
+    """``num_slots`` host chunk slots of ``spec.chunk_shape(chunk_tokens)``, in one tensor."""
+
+    def __init__(
+        self,
+        spec: PagedKVSpec,
+        chunk_tokens: int,
+        num_slots: int,
+        *,
+        pin: bool | None = None,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be positive, got {num_slots}")
+        self.spec = spec
+        self.chunk_tokens = chunk_tokens
+        self.chunk_shape = spec.chunk_shape(chunk_tokens)
+        self.slot_bytes = spec.chunk_bytes(chunk_tokens)
+        if pin is None:
+            pin = spec.device.type == "cuda" and torch.cuda.is_available()
+        self.pinned = pin
+        self._buffer = torch.empty((num_slots, *self.chunk_shape), dtype=spec.dtype)
+        if pin and not _pin_in_place(self._buffer, self):
+            # cudaHostRegister is unavailable: fall back to the CUDA caching host allocator,
+            # which rounds the allocation up to a power of two.
+            self._buffer = torch.empty(
+                (num_slots, *self.chunk_shape), dtype=spec.dtype, pin_memory=True
+            )
+        # Per slot, the transfers issued on it that may still be running.
+        self._pending: list[list[tuple[SlotMode, TransferHandle]]] = [[] for _ in range(num_slots)]
+
+    @classmethod
+    def from_bytes_budget(
+        cls,
+        host_pool_bytes: int,
+        spec: PagedKVSpec,
+        chunk_tokens: int,
+        *,
+        pin: bool | None = None,
+    ) -> HostChunkPool:
+        """As many slots as fit in ``host_pool_bytes``."""
+        slot_bytes = spec.chunk_bytes(chunk_tokens)
+        num_slots = host_pool_bytes // slot_bytes
+        if num_slots == 0:
+            raise ValueError(
+                f"host pool budget of {host_pool_bytes} bytes is smaller than one chunk slot "
+                f"of {slot_bytes} bytes ({spec.num_layers} layers x K/V x {chunk_tokens} tokens "
+                f"x {spec.num_kv_heads * spec.head_size} x {spec.element_size} B)"
+            )
+        return cls(spec, chunk_tokens, num_slots, pin=pin)
+
+    @property
+    def num_slots(self) -> int:
+        return self._buffer.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def slot(self, i: int) -> torch.Tensor:
+        """View of slot ``i``; bookkeeping is the caller's job when it transfers through this."""
+        self._check_index(i)
+        return self._buffer[i]
+
+    # -- transfers with bookkeeping -----------------------------------------------------------
+
+    def save(
+        self,
+        backend: TransferBackend,
+        i: int,
+        slot_mapping: torch.Tensor | Sequence[int],
+        offset: int = 0,
+    ) -> TransferHandle:
+        """Save the tokens at ``slot_mapping`` into slot ``i`` at ``offset``, and track it."""
+        self._check_backend(backend)
+        self._claim(i, "write")
+        handle = backend.save(self._buffer[i], slot_mapping, offset)
+        self._pending[i].append(("write", handle))
+        return handle
+
+    def load(
+        self,
+        backend: TransferBackend,
+        i: int,
+        slot_mapping: torch.Tensor | Sequence[int],
+        offset: int = 0,
+    ) -> TransferHandle:
+        """Load slot ``i`` from ``offset`` into the cache at ``slot_mapping``, and track it."""
+        self._check_backend(backend)
+        self._claim(i, "read")
+        handle = backend.load(self._buffer[i], slot_mapping, offset)
+        self._pending[i].append(("read", handle))
+        return handle
+
+    def track(self, i: int, mode: SlotMode, handle: TransferHandle) -> None:
+        """Record a transfer on slot ``i`` that was issued through :meth:`slot` directly."""
+        self._claim(i, mode)
+        self._pending[i].append((mode, handle))
+
+    def in_flight(self, i: int) -> bool:
+        """True while a transfer on slot ``i`` may still be running."""
+        self._check_index(i)
+        self._prune(i)
+        return bool(self._pending[i])
+
+    def wait_slot(self, i: int) -> None:
+        """Block the host until every transfer touching slot ``i`` has finished."""
+        self._check_index(i)
+        for _, handle in self._pending[i]:
+            handle.synchronize()
+        self._pending[i].clear()
+
+    def wait_all(self) -> None:
+        for i in range(self.num_slots):
+            self.wait_slot(i)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_index(self, i: int) -> None:
+        if not 0 <= i < self.num_slots:
+            raise IndexError(f"slot {i} out of range [0, {self.num_slots})")
+
+    def _check_backend(self, backend: TransferBackend) -> None:
+        if backend.chunk_shape != self.chunk_shape or backend.spec.dtype != self.spec.dtype:
+            raise ValueError(
+                f"backend moves chunks of {backend.chunk_shape} {backend.spec.dtype}, "
+                f"but this pool holds {self.chunk_shape} {self.spec.dtype}"
+            )
+
+    def _prune(self, i: int) -> None:
+        self._pending[i] = [(m, h) for m, h in self._pending[i] if not h.done()]
+
+    def _claim(self, i: int, mode: SlotMode) -> None:
+        """Refuse a transfer that would race one in flight: a write must be alone on its slot;
+        reads may share it with other reads."""
+        self._check_index(i)
+        self._prune(i)
+        for other, _ in self._pending[i]:
+            if mode == "write" or other == "write":
+                raise SlotBusyError(
+                    f"slot {i}: cannot start a {mode} while a {other} is in flight; "
+                    f"call wait_slot({i}) first"
+                )
+
+
+def _pin_in_place(buffer: torch.Tensor, owner: object) -> bool:
+    """Pin ``buffer`` with cudaHostRegister until ``owner`` is collected; False if unavailable.
+
+    Registering a plain allocation pins exactly its size, where ``pin_memory=True`` rounds up to
+    a power of two (100 GB becomes 128 GB); vLLM's CPU offloading registers for the same reason.
+    """
+    try:
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    except (AttributeError, RuntimeError):
+        return False
+    if int(getattr(err, "value", err)) != 0:
+        return False
+    weakref.finalize(owner, _unpin, cudart, buffer)
+    return True
+
+
+def _unpin(cudart: Any, buffer: torch.Tensor) -> None:
+    # At interpreter shutdown the CUDA runtime may be gone already; the process is ending anyway.
+    with contextlib.suppress(Exception):
+        cudart.cudaHostUnregister(buffer.data_ptr())

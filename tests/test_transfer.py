@@ -1,0 +1,427 @@
+"""Tests for connector/transfer.py: layout detection and bitwise save/load round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connector.transfer import (
+    KVCacheLayoutError,
+    PagedKVSpec,
+    TransferBackend,
+    TransferHandle,
+    describe_kv_caches,
+    slot_mapping_for,
+)
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
+LAYOUTS = ["flash_attn", "flashinfer"]
+DTYPES = [torch.float16, torch.bfloat16]
+
+# Small shapes: 3 layers, 12 blocks of 4 tokens, 2 KV heads of size 8; chunks of 16 tokens.
+L, NB, BS, H, D, C = 3, 12, 4, 2, 8, 16
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret as integers, so that comparisons are bitwise (NaN patterns included)."""
+    return t.view(_BITS[t.element_size()])
+
+
+def fill_random(t: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    src = torch.randint(-(2**15), 2**15, t.shape, generator=gen, dtype=torch.int32)
+    bits(t).copy_(src.to(bits(t).dtype))
+
+
+def make_caches(
+    layout: str,
+    device: str,
+    dtype: torch.dtype = torch.bfloat16,
+    num_blocks: int = NB,
+    seed: int = 0,
+) -> dict[str, torch.Tensor]:
+    shape = (2, num_blocks, BS, H, D) if layout == "flash_attn" else (num_blocks, 2, BS, H, D)
+    caches = {}
+    for i in range(L):
+        cache = torch.empty(shape, dtype=dtype, device=device)
+        fill_random(cache, seed + i)
+        caches[f"model.layers.{i}.self_attn"] = cache
+    return caches
+
+
+def host_slot(backend: TransferBackend, fill: int = 0) -> torch.Tensor:
+    pin = backend.spec.device.type == "cuda"
+    slot = torch.empty(backend.chunk_shape, dtype=backend.spec.dtype, pin_memory=pin)
+    bits(slot).fill_(fill)
+    return slot
+
+
+def token(cache: torch.Tensor, layout: str, kv: int, slot_id: int) -> torch.Tensor:
+    """K or V of one token at a flat slot id, as ``[H*D]``."""
+    block, off = divmod(slot_id, BS)
+    t = cache[kv, block, off] if layout == "flash_attn" else cache[block, kv, off]
+    return t.reshape(-1)
+
+
+def block_of(cache: torch.Tensor, layout: str, block: int) -> torch.Tensor:
+    return cache[:, block] if layout == "flash_attn" else cache[block]
+
+
+def snapshot(caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    return [c.clone() for c in caches.values()]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("order", ["random", "sequential"])
+def test_round_trip_into_other_blocks(device: str, dtype: torch.dtype, layout: str, order: str):
+    """A chunk saved from some blocks and loaded into others is bitwise the same, and nothing
+    else in the caches changes."""
+    caches = make_caches(layout, device, dtype, seed=10)
+    backend = TransferBackend(caches, C)
+    if order == "random":
+        src_blocks, dst_blocks = [9, 2, 7, 0], [5, 11, 1, 8]
+    else:
+        src_blocks, dst_blocks = [0, 1, 2, 3], [4, 5, 6, 7]
+    src_map = slot_mapping_for(src_blocks, BS, 0, C)
+    dst_map = slot_mapping_for(dst_blocks, BS, 0, C)
+
+    slot = host_slot(backend)
+    backend.save(slot, src_map).synchronize()
+    # The slot holds [layer, K/V, token, H*D] in token order.
+    for layer, cache in enumerate(caches.values()):
+        for kv in range(2):
+            for t, s in enumerate(src_map):
+                assert torch.equal(
+                    bits(slot[layer, kv, t]), bits(token(cache, layout, kv, s).cpu())
+                )
+
+    for cache in caches.values():
+        for b in dst_blocks:
+            block_of(cache, layout, b).zero_()
+    before = snapshot(caches)
+    handle = backend.load(slot, torch.tensor(dst_map))
+    handle.wait()
+    for cache, old in zip(caches.values(), before, strict=True):
+        for s_blk, d_blk in zip(src_blocks, dst_blocks, strict=True):
+            assert torch.equal(
+                bits(block_of(cache, layout, d_blk)), bits(block_of(cache, layout, s_blk))
+            )
+        for b in set(range(NB)) - set(dst_blocks):
+            assert torch.equal(bits(block_of(cache, layout, b)), bits(block_of(old, layout, b)))
+    assert handle.done()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_partial_last_chunk(device: str, layout: str):
+    """A chunk of fewer tokens than chunk_tokens fills only its rows of the slot and loads back
+    only its tokens."""
+    caches = make_caches(layout, device, seed=20)
+    backend = TransferBackend(caches, C)
+    n = 10  # two full blocks and half of a third
+    src_map = slot_mapping_for([6, 3, 10], BS, 0, n)
+    dst_map = slot_mapping_for([1, 8, 4], BS, 0, n)
+    slot = host_slot(backend, fill=0x5A5A)
+    backend.save(slot, src_map).synchronize()
+    assert (bits(slot[:, :, n:]) == 0x5A5A).all()
+    assert not (bits(slot[:, :, :n]) == 0x5A5A).all()
+
+    before = snapshot(caches)
+    backend.load(slot, dst_map).synchronize()
+    for cache, old in zip(caches.values(), before, strict=True):
+        for kv in range(2):
+            for s, d in zip(src_map, dst_map, strict=True):
+                assert torch.equal(
+                    bits(token(cache, layout, kv, d)), bits(token(old, layout, kv, s))
+                )
+            # The rest of the third destination block is untouched.
+            for d in slot_mapping_for([1, 8, 4], BS, n, 3 * BS):
+                assert torch.equal(
+                    bits(token(cache, layout, kv, d)), bits(token(old, layout, kv, d))
+                )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_mid_block_load_range(device: str, layout: str):
+    """Loading tokens [5, 15) of a chunk writes exactly those tokens, starting and ending
+    mid-block, and leaves their neighbours alone."""
+    caches = make_caches(layout, device, seed=30)
+    backend = TransferBackend(caches, C)
+    src_blocks, dst_blocks = [4, 9, 0, 6], [2, 11, 7, 5]
+    slot = host_slot(backend)
+    backend.save(slot, slot_mapping_for(src_blocks, BS, 0, C)).synchronize()
+
+    start, end = 5, 15  # block 1 offset 1 .. block 3 offset 3 (exclusive)
+    before = snapshot(caches)
+    backend.load(slot, slot_mapping_for(dst_blocks, BS, start, end), src_offset=start).wait()
+    src_all = slot_mapping_for(src_blocks, BS, 0, C)
+    dst_all = slot_mapping_for(dst_blocks, BS, 0, C)
+    for cache, old in zip(caches.values(), before, strict=True):
+        for kv in range(2):
+            for pos in range(C):
+                got = bits(token(cache, layout, kv, dst_all[pos]))
+                if start <= pos < end:
+                    want = bits(token(old, layout, kv, src_all[pos]))
+                else:
+                    want = bits(token(old, layout, kv, dst_all[pos]))
+                assert torch.equal(got, want), (kv, pos)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_at_offset_keeps_other_rows(device: str, layout: str):
+    """A save at dst_offset writes rows [dst_offset, dst_offset + n) of the slot only."""
+    caches = make_caches(layout, device, seed=40)
+    backend = TransferBackend(caches, C)
+    slot = host_slot(backend, fill=0x1234)
+    slots = slot_mapping_for([3, 8], BS, 2, 7)  # 5 tokens, mid-block
+    backend.save(slot, slots, dst_offset=6).synchronize()
+    assert (bits(slot[:, :, :6]) == 0x1234).all()
+    assert (bits(slot[:, :, 11:]) == 0x1234).all()
+    for layer, cache in enumerate(caches.values()):
+        for kv in range(2):
+            for i, s in enumerate(slots):
+                assert torch.equal(
+                    bits(slot[layer, kv, 6 + i]), bits(token(cache, layout, kv, s).cpu())
+                )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_caches_round_trip(device: str):
+    """Caches that are views with other strides (heads-before-tokens storage, and per-layer views
+    of one cross-layer buffer) still round-trip bitwise."""
+    # HND storage: [2, NB, H, BS, D] seen as [2, NB, BS, H, D]; a token's heads are not one row.
+    hnd = {}
+    for i in range(L):
+        store = torch.empty((2, NB, H, BS, D), dtype=torch.float16, device=device)
+        fill_random(store, 50 + i)
+        hnd[f"l{i}"] = store.permute(0, 1, 3, 2, 4)
+    # Cross-layer storage: [NB, L, 2, BS, H, D], each layer a flashinfer-shaped view.
+    cross = torch.empty((NB, L, 2, BS, H, D), dtype=torch.float16, device=device)
+    fill_random(cross, 60)
+    crossed = {f"l{i}": cross[:, i] for i in range(L)}
+
+    for caches, layout in ((hnd, "flash_attn"), (crossed, "flashinfer")):
+        backend = TransferBackend(caches, C)
+        src_map = slot_mapping_for([7, 1, 10], BS, 0, 11)
+        dst_map = slot_mapping_for([2, 9, 4], BS, 0, 11)
+        slot = host_slot(backend)
+        backend.save(slot, src_map).synchronize()
+        before = snapshot(caches)
+        backend.load(slot, dst_map).synchronize()
+        for cache, old in zip(caches.values(), before, strict=True):
+            for kv in range(2):
+                for s, d in zip(src_map, dst_map, strict=True):
+                    assert torch.equal(
+                        bits(token(cache, layout, kv, d)), bits(token(old, layout, kv, s))
+                    )
+                assert torch.equal(
+                    bits(token(cache, layout, kv, 0)), bits(token(old, layout, kv, 0))
+                )
+
+
+def test_odd_row_size_round_trip():
+    """Rows whose byte size is not a multiple of 16 (H*D*2 = 6 bytes) round-trip too."""
+    caches = {f"l{i}": torch.empty((2, NB, BS, 1, 3), dtype=torch.float16) for i in range(L)}
+    for i, cache in enumerate(caches.values()):
+        fill_random(cache, 70 + i)
+    backend = TransferBackend(caches, C)
+    src_map, dst_map = slot_mapping_for([3, 6], BS, 1, 7), slot_mapping_for([0, 11], BS, 1, 7)
+    slot = host_slot(backend)
+    backend.save(slot, src_map)
+    before = snapshot(caches)
+    backend.load(slot, dst_map)
+    for cache, old in zip(caches.values(), before, strict=True):
+        for kv in range(2):
+            for s, d in zip(src_map, dst_map, strict=True):
+                assert torch.equal(
+                    bits(token(cache, "flash_attn", kv, d)), bits(token(old, "flash_attn", kv, s))
+                )
+
+
+def test_empty_slot_mapping_is_a_finished_no_op():
+    caches = make_caches("flash_attn", "cpu")
+    backend = TransferBackend(caches, C)
+    slot = host_slot(backend, fill=7)
+    before = snapshot(caches)
+    assert backend.save(slot, []).done()
+    assert backend.load(slot, []).done()
+    assert (bits(slot) == 7).all()
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(caches.values(), before, strict=True))
+
+
+# -- layout detection ---------------------------------------------------------------------------
+
+
+def test_describe_infers_both_layouts():
+    spec = describe_kv_caches(make_caches("flash_attn", "cpu"))
+    assert spec == PagedKVSpec(
+        layout="flash_attn",
+        num_layers=L,
+        num_blocks=NB,
+        block_size=BS,
+        num_kv_heads=H,
+        head_size=D,
+        dtype=torch.bfloat16,
+        device=torch.device("cpu"),
+        layer_names=tuple(f"model.layers.{i}.self_attn" for i in range(L)),
+    )
+    assert spec.token_bytes == L * 2 * H * D * 2
+    assert spec.chunk_shape(256) == (L, 2, 256, H * D)
+    assert spec.chunk_bytes(256) == 256 * spec.token_bytes
+    fi = describe_kv_caches(make_caches("flashinfer", "cpu", num_blocks=5))
+    assert (fi.layout, fi.num_blocks, fi.block_size) == ("flashinfer", 5, BS)
+
+
+def test_describe_ambiguous_needs_explicit_layout():
+    """With num_blocks == 2 both layouts fit; inference refuses, an explicit layout decides."""
+    caches = make_caches("flash_attn", "cpu", num_blocks=2)
+    with pytest.raises(KVCacheLayoutError, match="explicitly") as err:
+        describe_kv_caches(caches)
+    assert "(2, 2, 4, 2, 8)" in str(err.value)
+    assert describe_kv_caches(caches, "flash_attn").layout == "flash_attn"
+    assert describe_kv_caches(caches, "flashinfer").layout == "flashinfer"
+
+
+ACCEPTED = "[2, num_blocks, block_size, num_kv_heads, head_size]"
+
+
+@pytest.mark.parametrize(
+    ("caches", "layout", "needles"),
+    [
+        ({"attn.0": torch.empty(12, 4, 16)}, None, ["'attn.0': got shape (12, 4, 16)", ACCEPTED]),
+        ({"attn.0": torch.empty(3, 12, 4, 2, 8)}, None, ["got shape (3, 12, 4, 2, 8)", ACCEPTED]),
+        (
+            {"attn.0": torch.empty(2, 12, 4, 2, 8)},
+            "flashinfer",
+            ["(2, 12, 4, 2, 8), which is not layout 'flashinfer'", ACCEPTED],
+        ),
+        ({"attn.0": torch.empty(2, 12, 4, 2, 8)}, "paged", ["unknown layout 'paged'"]),
+        ({}, None, ["no KV cache layers", ACCEPTED]),
+        (
+            {"a": torch.empty(2, 12, 4, 2, 8), "b": torch.empty(2, 10, 4, 2, 8)},
+            None,
+            ["layer 'b': got shape (2, 10, 4, 2, 8)", "'a' has (2, 12, 4, 2, 8)"],
+        ),
+        (
+            {"a": torch.empty(2, 12, 4, 2, 8), "b": torch.empty(2, 12, 4, 2, 8).half()},
+            None,
+            ["layer 'b'", "torch.float16", "torch.float32"],
+        ),
+        ({"a": torch.empty(2, 12, 4, 2, 8), "b": [1, 2]}, None, ["layer 'b'", "list"]),
+    ],
+)
+def test_describe_rejects(caches, layout, needles):
+    """Every rejection names the layer, the shape it got, and what is accepted."""
+    with pytest.raises(KVCacheLayoutError) as err:
+        describe_kv_caches(caches, layout)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_layout_error_is_a_value_error():
+    assert issubclass(KVCacheLayoutError, ValueError)
+
+
+# -- validation ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cpu_backend() -> TransferBackend:
+    return TransferBackend(make_caches("flash_attn", "cpu"), C)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(slot_mapping=[0, NB * BS]), f"slot id {NB * BS} out of range [0, {NB * BS})"),
+        (dict(slot_mapping=[-1, 3]), "slot id -1 out of range"),
+        (dict(slot_mapping=list(range(C + 1))), f"{C + 1} tokens at"),
+        (dict(slot_mapping=[1, 2, 3], offset=C - 2), f"offset={C - 2} do not fit"),
+        (dict(slot_mapping=[1], offset=-1), "offset=-1"),
+    ],
+)
+@pytest.mark.parametrize("direction", ["save", "load"])
+def test_bad_slot_mapping(cpu_backend: TransferBackend, direction: str, kwargs, needle):
+    slot = host_slot(cpu_backend)
+    call = getattr(cpu_backend, direction)
+    with pytest.raises(ValueError) as err:
+        call(slot, kwargs["slot_mapping"], kwargs.get("offset", 0))
+    assert needle in str(err.value)
+
+
+def test_bad_slot_tensor(cpu_backend: TransferBackend):
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.float16, but the caches are torch\.bfloat16"
+    ):
+        cpu_backend.save(torch.empty(cpu_backend.chunk_shape, dtype=torch.float16), [0])
+    with pytest.raises(ValueError, match="expected chunk shape"):
+        cpu_backend.load(torch.empty(L, 2, C + 1, H * D, dtype=torch.bfloat16), [0])
+    strided = torch.empty(L, 2, 2 * C, H * D, dtype=torch.bfloat16)[:, :, ::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_backend.save(strided, [0])
+    with pytest.raises(TypeError, match="integers"):
+        cpu_backend.save(host_slot(cpu_backend), torch.tensor([0.0, 1.0]))
+
+
+def test_load_rejects_duplicate_slots(cpu_backend: TransferBackend):
+    with pytest.raises(ValueError, match="twice"):
+        cpu_backend.load(host_slot(cpu_backend), [5, 6, 5])
+
+
+@pytest.mark.cuda
+@CUDA
+def test_cuda_requires_pinned_slot():
+    backend = TransferBackend(make_caches("flash_attn", "cuda"), C)
+    with pytest.raises(ValueError, match="pinned"):
+        backend.save(torch.empty(backend.chunk_shape, dtype=torch.bfloat16), [0])
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def test_slot_mapping_for():
+    assert slot_mapping_for([7, 2], 4, 0, 8) == [28, 29, 30, 31, 8, 9, 10, 11]
+    assert slot_mapping_for([7, 2, 5], 4, 3, 9) == [31, 8, 9, 10, 11, 20]
+    assert slot_mapping_for([7], 4, 2, 2) == []
+    with pytest.raises(ValueError, match="capacity 8"):
+        slot_mapping_for([7, 2], 4, 0, 9)
+    with pytest.raises(ValueError, match="does not fit"):
+        slot_mapping_for([7, 2], 4, 5, 3)
+
+
+class FakeEvent:
+    """Stands in for a torch.cuda.Event: finished when the test says so."""
+
+    def __init__(self) -> None:
+        self.finished = False
+        self.waited_on: list[object] = []
+
+    def query(self) -> bool:
+        return self.finished
+
+    def synchronize(self) -> None:
+        self.finished = True
+
+    def wait(self, stream: object = None) -> None:
+        self.waited_on.append(stream)
+
+
+def test_handle_tracks_its_event():
+    assert TransferHandle().done()
+    event = FakeEvent()
+    handle = TransferHandle(event)
+    assert not handle.done()
+    event.finished = True
+    assert handle.done()
+    handle.wait()  # finished: nothing to wait for
+    assert event.waited_on == []
+    other = FakeEvent()
+    handle = TransferHandle(other)
+    handle.synchronize()
+    assert handle.done()
