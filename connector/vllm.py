@@ -1,0 +1,228 @@
+"""``KVLedgerConnector``: the class vLLM loads. Thin: every method forwards to one side.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "KVLedgerConnector",
+                           "kv_connector_module_path": "connector.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"chunk_size": 256}}'
+
+vLLM builds it twice, once per role, in different processes. The scheduler role owns a
+``SchedulerSide`` (the tracker, the chunk index, the log); the worker role owns a
+``WorkerSide`` (the host pool bytes, the transfer backend). A method called in the wrong
+role fails loudly, naming the role. Only plain values cross between them: a ``StepPlan`` in the
+connector metadata, a ``WorkerReport`` in the worker metadata.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from connector.config import ConnectorConfig
+from connector.scheduler import SchedulerSide, StepPlan, WorkerReport
+
+try:  # vLLM >= 0.18: the worker -> scheduler channel
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
+__all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerWorkerMetadata"]
+
+_BASE_TAKES_KV_CACHE_CONFIG = (
+    "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
+)
+
+
+class KVLedgerMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """Scheduler -> worker, once per step."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+    """Worker -> scheduler, once per step; ``aggregate`` merges tensor-parallel workers."""
+
+    def __init__(self, report: WorkerReport) -> None:
+        self.report = report
+
+    def aggregate(self, other: KVLedgerWorkerMetadata) -> KVLedgerWorkerMetadata:
+        return KVLedgerWorkerMetadata(self.report.merged(other.report))
+
+
+def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str]:
+    """(bytes of one token's K and V over all layers, number of layers, a salt naming the
+    model and layout), from the KV cache config when vLLM gives it, else the model config."""
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    model = str(getattr(model_config, "model", ""))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        raise ValueError(
+            f"KVLedgerConnector supports one KV-cache group, got {len(groups)}; "
+            "start vLLM with --disable-hybrid-kv-cache-manager"
+        )
+    if groups:
+        spec = groups[0].kv_cache_spec
+        num_layers = len(groups[0].layer_names)
+        per_block = int(spec.page_size_bytes)
+        token_bytes = per_block // int(spec.block_size) * num_layers
+        desc = f"{spec.num_kv_heads}x{spec.head_size}:{spec.dtype}"
+    else:
+        num_layers = int(model_config.get_num_layers(parallel))
+        heads = int(model_config.get_num_kv_heads(parallel))
+        head = int(model_config.get_head_size())
+        import torch
+
+        dtype = model_config.dtype
+        token_bytes = 2 * heads * head * torch.empty((), dtype=dtype).element_size() * num_layers
+        desc = f"{heads}x{head}:{dtype}"
+    rank = getattr(parallel, "rank", 0)
+    salt = f"{model}|{num_layers}L|{desc}|tp{parallel.tensor_parallel_size}r{rank}"
+    return token_bytes, num_layers, salt
+
+
+class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's entry point; see the module docstring."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if _BASE_TAKES_KV_CACHE_CONFIG:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # pragma: no cover - vLLM <= 0.11.0
+            super().__init__(vllm_config, role)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.kv_config = ConnectorConfig.from_extra_config(extra)
+        block_size = int(vllm_config.cache_config.block_size)
+        token_bytes, _, salt = _slot_geometry(vllm_config, kv_cache_config)
+        slot_bytes = token_bytes * self.kv_config.chunk_size
+        num_slots = self.kv_config.host_pool_bytes // slot_bytes
+        if num_slots < 1:
+            raise ValueError(
+                f"host_pool_bytes={self.kv_config.host_pool_bytes} holds no chunk: one chunk of "
+                f"{self.kv_config.chunk_size} tokens takes {slot_bytes} bytes"
+            )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            import vllm
+
+            self._scheduler = SchedulerSide(
+                self.kv_config,
+                block_size=block_size,
+                num_slots=num_slots,
+                salt=salt,
+                log_header={
+                    "vllm_version": getattr(vllm, "__version__", "?"),
+                    "slot_bytes": slot_bytes,
+                },
+            )
+        else:
+            from connector.worker import WorkerSide  # torch only where bytes move
+
+            self._worker = WorkerSide(self.kv_config, num_slots=num_slots)
+
+    # --- role guards ----------------------------------------------------------------------
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("KVLedgerConnector: scheduler method called on the worker role")
+        return self._scheduler
+
+    @property
+    def worker_side(self) -> Any:
+        if self._worker is None:
+            raise RuntimeError("KVLedgerConnector: worker method called on the scheduler role")
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a preempted hand-off is simply recomputed
+
+    # --- scheduler side -------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVLedgerMetadata:
+        return KVLedgerMetadata(self.scheduler_side.build_connector_meta(scheduler_output))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def take_events(self) -> tuple[()]:
+        return ()
+
+    def get_kv_connector_stats(self) -> None:
+        return None
+
+    # --- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        plan = getattr(kv_connector_metadata, "plan", None)
+        if plan is None and kv_connector_metadata:  # vLLM 0.14-0.18 passes the id set
+            plan = StepPlan(step=-1, preempted=tuple(kv_connector_metadata))
+        self.worker_side.handle_preemptions(plan)
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KVLedgerMetadata):
+            self._worker.bind(connector_metadata.plan)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self.worker_side.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker_side.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        self.worker_side.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self.worker_side.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker_side.get_finished(finished_req_ids)  # type: ignore[no-any-return]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.get_block_ids_with_load_errors()  # type: ignore[no-any-return]
+
+    def build_connector_worker_meta(self) -> KVLedgerWorkerMetadata | None:
+        report = self.worker_side.build_report()
+        return KVLedgerWorkerMetadata(report) if report else None
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
