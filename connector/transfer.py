@@ -292,12 +292,9 @@ class TransferBackend:
         n = slots.numel()
         if n == 0:
             return TransferHandle()
-        rows = self._cache_rows(slots)
-        move = self._gather if save else self._scatter
+        index = self._index(slots)
         if not self._is_cuda:
-            wide = self._wide(host)
-            for layer in range(self.spec.num_layers):
-                move(layer, rows, slots, host[layer, :, offset : offset + n], wide)
+            self._move(host, offset, n, index, save=save)
             return TransferHandle()
 
         stream = self._stream
@@ -305,20 +302,17 @@ class TransferBackend:
         # Load: compute issued earlier may still use these blocks (their previous owner).
         stream.wait_stream(torch.cuda.current_stream(self.spec.device))
         with torch.cuda.stream(stream):
-            # Allocated on the side stream, so the caching allocator recycles them in its order.
-            rows_dev = rows.to(self.spec.device, non_blocking=True)
-            slots_dev = slots.to(self.spec.device, non_blocking=True)
+            # Allocated on the side stream, so the caching allocator recycles it in its order.
+            index_dev = index.to(self.spec.device, non_blocking=True)
             staging = self._staging_for(n)
-            wide = self._wide(staging)
             if not save:
                 self._copy_region(host, staging, offset, n, to_host=False)
-            for layer in range(self.spec.num_layers):
-                move(layer, rows_dev, slots_dev, staging[layer], wide)
+            self._move(staging, 0, n, index_dev, save=save)
             if save:
                 self._copy_region(host, staging, offset, n, to_host=True)
             event = torch.cuda.Event()
             event.record(stream)
-        return TransferHandle(event, self.spec.device, (host, rows_dev, slots_dev))
+        return TransferHandle(event, self.spec.device, (host, index_dev))
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -403,17 +397,18 @@ class TransferBackend:
             found = strides
         return found
 
-    def _cache_rows(self, slots: torch.Tensor) -> torch.Tensor:
-        """Row ids of K then V for ``slots``: shape ``[2 * n]``. Same for every layer."""
+    def _index(self, slots: torch.Tensor) -> torch.Tensor:
+        """What the per-layer moves index with, the same for every layer: row ids of K then V
+        (``[2 * n]``), or on the advanced-indexing path the slot ids themselves."""
         if self._row_strides is None:
-            return slots  # unused by the fallback path
+            return slots
         s_kv, s_blk, s_off = self._row_strides
         bs = self.spec.block_size
         base = (slots // bs) * s_blk + (slots % bs) * s_off
         return torch.cat([base, base + s_kv])
 
-    def _layer_rows(self, layer: int, dtype: torch.dtype) -> torch.Tensor:
-        """Layer ``layer`` as a 2-D ``[rows, H*D]`` view, reinterpreted as ``dtype``."""
+    def _rows_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each layer as a 2-D ``[rows, H*D]`` view, reinterpreted as ``dtype``."""
         views = self._rows.get(dtype)
         if views is None:
             assert self._row_strides is not None
@@ -427,58 +422,56 @@ class TransferBackend:
                 for c in self._caches
             ]
             self._rows[dtype] = views
-        return views[layer]
+        return views
 
-    def _wide(self, other: torch.Tensor) -> torch.dtype:
-        """Widest dtype that the cache rows and rows of ``other`` (a host slot or the staging
-        buffer, whose rows start at multiples of the row size from its offset) can all take."""
-        return _wide_dtype(self._cache_align, int(other.storage_offset()) * self._esize)
+    # -- gather / scatter -----------------------------------------------------------------------
 
-    # -- per-layer gather / scatter -----------------------------------------------------------
-
-    def _gather(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        out: torch.Tensor,
-        wide: torch.dtype,
+    def _move(
+        self, chunk: torch.Tensor, offset: int, n: int, index: torch.Tensor, *, save: bool
     ) -> None:
-        """out ``[2, n, H*D]`` (each K/V half contiguous) <- this layer's tokens at ``slots``."""
-        n = out.shape[1]
-        if self._row_strides is not None:
-            src = self._layer_rows(layer, wide)
-            if out.is_contiguous():
-                torch.index_select(src, 0, rows, out=out.view(2 * n, self._row).view(wide))
-            else:  # a partial range of a host slot: its K and V halves are apart
-                for kv in range(2):
-                    torch.index_select(src, 0, rows[kv * n : (kv + 1) * n], out=out[kv].view(wide))
+        """Save: ``chunk[:, :, offset:offset+n]`` <- the caches at ``index``; load: the reverse.
+
+        ``chunk`` is ``[L, 2, T, H*D]`` and contiguous (a host slot, or the staging buffer).
+        Views are made in bulk (``unbind``) because per-layer Python indexing costs more than
+        the copy itself for short ranges.
+        """
+        num_layers = self.spec.num_layers
+        if self._row_strides is None:
+            region = chunk.narrow(2, offset, n)
+            for layer in range(num_layers):
+                self._move_indexed(layer, index, region[layer], save=save)
             return
+        wide = _wide_dtype(self._cache_align, int(chunk.storage_offset()) * self._esize)
+        rows = self._rows_as(wide)
+        t = chunk.view(wide)
+        if offset == 0 and n == chunk.shape[2]:
+            # K rows and V rows of a layer are adjacent: one index op per layer.
+            pieces = t.view(num_layers, 2 * n, -1).unbind(0)
+            indices = [index] * num_layers
+        else:
+            pieces = t.view(2 * num_layers, chunk.shape[2], -1).narrow(1, offset, n).unbind(0)
+            rows = [r for r in rows for _ in range(2)]
+            indices = [index[:n], index[n:]] * num_layers
+        if save:
+            for src, idx, out in zip(rows, indices, pieces, strict=True):
+                torch.index_select(src, 0, idx, out=out)
+        else:
+            for dst, idx, src in zip(rows, indices, pieces, strict=True):
+                dst.index_copy_(0, idx, src)
+
+    def _move_indexed(
+        self, layer: int, slots: torch.Tensor, piece: torch.Tensor, *, save: bool
+    ) -> None:
+        """The advanced-indexing path, for caches whose tokens are not rows: ``piece`` is
+        ``[2, n, H*D]`` and each K/V half is contiguous."""
+        n = piece.shape[1]
         blk, off = slots // self.spec.block_size, slots % self.spec.block_size
         for kv, view in enumerate(self._kv_views(layer)):
-            out[kv].view(n, *view.shape[2:]).copy_(view[blk, off])
-
-    def _scatter(
-        self,
-        layer: int,
-        rows: torch.Tensor,
-        slots: torch.Tensor,
-        src: torch.Tensor,
-        wide: torch.dtype,
-    ) -> None:
-        """This layer's tokens at ``slots`` <- src ``[2, n, H*D]`` (each K/V half contiguous)."""
-        n = src.shape[1]
-        if self._row_strides is not None:
-            dst = self._layer_rows(layer, wide)
-            if src.is_contiguous():
-                dst.index_copy_(0, rows, src.view(2 * n, self._row).view(wide))
+            tokens = piece[kv].view(n, *view.shape[2:])
+            if save:
+                tokens.copy_(view[blk, off])
             else:
-                for kv in range(2):
-                    dst.index_copy_(0, rows[kv * n : (kv + 1) * n], src[kv].view(wide))
-            return
-        blk, off = slots // self.spec.block_size, slots % self.spec.block_size
-        for kv, view in enumerate(self._kv_views(layer)):
-            view[blk, off] = src[kv].view(n, *view.shape[2:])
+                view[blk, off] = tokens
 
     def _kv_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer as ``[num_blocks, block_size, H, D]`` views (any strides)."""
@@ -502,11 +495,9 @@ class TransferBackend:
         else:
             # A strided cross-device copy_ would go through a pageable temporary and block, so
             # a partial range moves as one DMA per layer and K/V half instead.
-            pairs = [
-                (host[layer, kv, offset : offset + n], staging[layer, kv])
-                for layer in range(self.spec.num_layers)
-                for kv in range(2)
-            ]
+            pieces = 2 * self.spec.num_layers
+            host_pieces = host.view(pieces, self.chunk_tokens, -1).narrow(1, offset, n).unbind(0)
+            pairs = list(zip(host_pieces, staging.view(pieces, n, -1).unbind(0), strict=True))
         for h, d in pairs:
             if to_host:
                 h.copy_(d, non_blocking=True)
