@@ -32,6 +32,9 @@ __all__ = ["LogSink", "Tracker"]
 # this long so that a late event about them is named for what it is.
 _RETIRED_MEMORY = 65536
 
+# Keys of the violation log record that a violation's detail must not shadow.
+_RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule", "state"})
+
 
 class LogSink(Protocol):
     """Where events go: ``tracker.log.LogWriter`` or anything with these two methods."""
@@ -240,8 +243,10 @@ class Tracker:
                 req_id=v.req_id,
                 step=v.step,
                 rule=v.rule,
-                event=v.event,
-                **{k: val for k, val in v.detail.items() if k not in ("req_id", "step")},
+                # ``event`` is structlog's own positional (the message): passing it as a
+                # keyword raised TypeError on every violation, crashing the caller.
+                event_type=v.event,
+                **{k: val for k, val in v.detail.items() if k not in _RESERVED_LOG_KEYS},
                 state=state.summary() if state is not None else None,
             )
         if self.config.strict:
