@@ -681,7 +681,9 @@ class SchedulerHarness:
         self.stats.resumptions += len(resumed)
         kv_out = self.on_scheduled(out) if self.on_scheduled is not None else None
         if kv_out is None and self.connector is not None:
-            # A worker with a connector always reports a (possibly empty) KVConnectorOutput.
+            # Always report a (possibly empty) KVConnectorOutput, as MultiprocExecutor's
+            # KVOutputAggregator does, so update_connector_output runs every step.
+            # (UniProcExecutor omits it on a no-forward step with nothing to report.)
             kv_out = make_kv_connector_output()
         mro = _make_model_runner_output(sampled, kv_out)
         return _Pending(step, out, mro, new, resumed)
