@@ -11,9 +11,10 @@ a paged KV cache (random block ids by default) and a host chunk slot from HostCh
 On --device cpu the raw copy is a plain ``copy_`` between two preallocated CPU tensors (about a
 memcpy); on --device cuda it is a pinned host <-> device copy on a side stream. Rounds interleave
 raw, save and load so that drift on a shared machine hits all three alike; each figure is the
-median over --repeats rounds after --warmup rounds, in GB/s (1e9 bytes/s). Every time includes
-waiting for the transfer to finish (TransferHandle.synchronize / stream sync); "submit" is the host
-time until save()/load() returned. Protocol: /work/shared/reference/kv-transfer.md §4-§5.
+median over --repeats rounds after --warmup rounds, in GB/s (1e9 bytes/s); "vs raw" is the median
+of the per-round ratios. Every time includes waiting for the transfer to finish
+(TransferHandle.synchronize / stream sync); "submit" is the host time until save()/load()
+returned. Protocol: /work/shared/reference/kv-transfer.md §4-§5.
 
   python bench/transfer_bench.py --device cpu
   python bench/transfer_bench.py --device cuda --repeats 100
@@ -169,7 +170,13 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         med = statistics.median(times[name])
         gbps = nbytes / med / GB
         ref = refs.get(name)
-        ratio = gbps / (nbytes / statistics.median(times[ref]) / GB) if ref else None
+        # Median of per-round ratios: a round's raw copy and transfer ran back to back, so
+        # load from other tenants between rounds cancels out.
+        ratio = (
+            statistics.median(r / t for r, t in zip(times[ref], times[name], strict=True))
+            if ref
+            else None
+        )
         rows.append(
             (
                 layout,
@@ -191,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layout", default="all", choices=["flash_attn", "flashinfer", "all"])
     p.add_argument("--block-order", default="random", choices=["random", "sequential"])
