@@ -61,6 +61,8 @@ class RunReport:
     preemptions: int
     resumptions: int
     tokens_loaded: int
+    tokens_loaded_on_resume: int
+    full_hits: int
     tokens_saved: int
     chunks_saved: int
     load_errors: int
@@ -258,6 +260,8 @@ def run(
         preemptions=harness.stats.preemptions,
         resumptions=harness.stats.resumptions,
         tokens_loaded=worker_stats["tokens_loaded"],
+        tokens_loaded_on_resume=side.load_stats["tokens_loaded_on_resume"],
+        full_hits=side.load_stats["full_hits"],
         tokens_saved=worker_stats["tokens_saved"],
         chunks_saved=worker_stats["chunks_saved"],
         load_errors=driver.load_errors,
@@ -278,6 +282,8 @@ def summarize(report: RunReport) -> Sequence[tuple[str, object]]:
         ("preemptions", report.preemptions),
         ("resumptions", report.resumptions),
         ("tokens loaded", report.tokens_loaded),
+        ("  of which on resume", report.tokens_loaded_on_resume),
+        ("full-prompt hits", report.full_hits),
         ("tokens saved", report.tokens_saved),
         ("load errors (recomputed)", report.load_errors),
         ("violations", len(report.violations)),

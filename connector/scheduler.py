@@ -147,6 +147,8 @@ class SchedulerSide:
             writer = self._open_log(config.log_dir, log_header or {})
         self.tracker = Tracker(self.tracker_config, log=writer, logger=logger)
         self.adapter_errors = 0
+        # What the loads were for: resumed requests, and hits covering the whole prompt.
+        self.load_stats = {"tokens_loaded_on_resume": 0, "full_hits": 0}
         self._requests: dict[str, Any] = {}
         self._delayed_free: list[str] = []
 
@@ -293,6 +295,11 @@ class SchedulerSide:
                     refused.extend(d.refused_blocks)
                 if state is None:
                     continue
+                if isinstance(d, ev.LoadPlanned) and d.keys:
+                    if state.life.num_preemptions:
+                        self.load_stats["tokens_loaded_on_resume"] += d.end - d.start
+                    if state.lookup is not None and d.end == state.lookup.num_tokens - 1:
+                        self.load_stats["full_hits"] += 1
                 plan = transfer_plan(d, state, self.tracker_config)
                 if plan is not None:
                     (loads if plan.kind == "load" else saves).append(plan)
@@ -346,6 +353,7 @@ class SchedulerSide:
             "steps": t.step,
             "violations": len(t.violations),
             "adapter_errors": self.adapter_errors,
+            **self.load_stats,
             "live_requests": len(t.states),
             "pool": t.index.stats(),
         }
