@@ -45,7 +45,7 @@ pytest: setup-vllm
 	$(BIN)/python -m pytest -q
 
 docs: setup
-	$(BIN)/mkdocs build --strict -q
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 test: lint typecheck pytest docs
 
