@@ -1,0 +1,613 @@
+#!/usr/bin/env python3
+"""Scheduler-side overhead of KVLedgerConnector: vLLM's real scheduler, with and without it.
+
+Run by hand; it prints numbers and never passes or fails on them (the exit status is non-zero
+only if the run itself went wrong: a preemption, an adapter error, a violation). Three (four with
+``--log``) ``SchedulerHarness`` instances share one ``HarnessConfig`` except ``kv_connector``:
+
+  base   no connector
+  null   a connector that does nothing (defined here): vLLM's own cost of having a connector,
+         i.e. the floor for any connector                         (skip with --no-null)
+  conn   KVLedgerConnector, kv_connector_extra_config {"chunk_size": 256}, no event log
+  log    the same, writing the event log to a temp dir                 (only with --log)
+
+Each gets ``--requests`` prompts of ``--prompt-len`` distinct random tokens, enough GPU blocks and
+batch budget for all of them to run at once without preemption, and prefix caching on.
+
+Phase 1 (not timed): add the requests, step until every one is running past its prefill, then
+``--warmup-steps`` more decode steps (the prefill's chunk saves complete and are reported).
+
+Phase 2 (timed): ``--steps`` decode steps per variant, split into ``--rounds`` rounds; within a
+round the variants take turns of ``--block`` steps (A B C, then C B A, ...), so drift on a
+shared machine hits all alike. The cyclic GC's heap is frozen first, as vLLM's EngineCore does.
+Only the scheduler's own work is timed: ``scheduler.schedule()`` plus
+``scheduler.update_from_output()`` (where vLLM calls the connector's scheduler-side methods),
+measured by ``perf_counter_ns`` wrappers installed on the scheduler instance. The fake worker
+(``on_scheduled``) and the harness's fake sampler are not timed. For the connector variants the
+worker is a second KVLedgerConnector in the worker role over small CPU KV tensors, driven in
+vLLM's model-runner order (no KV-content oracle), so the scheduler gets the worker metadata a
+real worker would send. "connector" time is the time spent inside the scheduler-role
+connector's methods, measured by wrappers on that instance (outermost call only).
+
+Figures: median per-step time per variant; "ratio" is median(variant) / median(base) over all
+timed steps; the per-round ratios (median of the variant's steps / median of base's steps in
+the same round) give min / median / max; per connector method, calls and mean time per step.
+``--profile`` then runs extra (untimed) connector steps under cProfile and prints the top
+functions of tracker/ and connector/ by cumulative time.
+
+  python bench/scheduler_overhead.py
+  python bench/scheduler_overhead.py --requests 128 --steps 200 --rounds 5 --prompt-len 512 --log
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import functools
+import gc
+import inspect
+import io
+import logging
+import os
+import platform
+import pstats
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # `python bench/scheduler_overhead.py` from anywhere
+    sys.path.insert(0, str(ROOT))
+
+from connector.harness import (  # noqa: E402
+    HarnessConfig,
+    SchedulerHarness,
+    make_kv_connector_output,
+    skip_reason,
+)
+
+TARGET = 1.05
+
+
+# --------------------------------------------------------------------------------------------
+# A connector that does nothing: the floor, i.e. vLLM's own cost of having a connector
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _null_connector_class() -> type:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+    )
+
+    class NullConnector(KVConnectorBase_V1):  # type: ignore[misc]
+        """Answers every scheduler-side call with "nothing" (no hit, no plan, free now)."""
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+            return 0, False
+
+        def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+            return None
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return KVConnectorMetadata()
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            return None
+
+        def wait_for_layer_load(self, layer_name: str) -> None:
+            return None
+
+        def save_kv_layer(
+            self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kw: Any
+        ) -> None:
+            return None
+
+        def wait_for_save(self) -> None:
+            return None
+
+    return NullConnector
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM loads ``NullConnector`` from this module by name; built on first access so that
+    importing this file does not import vLLM."""
+    if name == "NullConnector":
+        return _null_connector_class()
+    raise AttributeError(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Timing wrappers (installed on instances; no project file is changed)
+# --------------------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Accumulates nanoseconds spent in the scheduler's methods and in the connector's."""
+
+    def __init__(self) -> None:
+        self.sched_ns = 0
+        self.conn_ns = 0
+        self.conn_depth = 0
+        self.per_method: dict[str, list[int]] = {}  # name -> [calls, ns]
+        self.profiler: cProfile.Profile | None = None
+
+    def take(self) -> tuple[int, int]:
+        out = (self.sched_ns, self.conn_ns)
+        self.sched_ns = self.conn_ns = 0
+        return out
+
+
+def wrap_scheduler(scheduler: Any, timer: StepTimer) -> None:
+    for name in ("schedule", "update_from_output"):
+        original = getattr(scheduler, name)
+
+        def timed(*args: Any, _fn: Callable[..., Any] = original, **kwargs: Any) -> Any:
+            prof = timer.profiler
+            if prof is not None:
+                prof.enable()
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                timer.sched_ns += time.perf_counter_ns() - t0
+                if prof is not None:
+                    prof.disable()
+
+        setattr(scheduler, name, timed)
+
+
+def wrap_connector(connector: Any, timer: StepTimer) -> list[str]:
+    """Wrap every public method of the scheduler-role connector (its own and the base class's
+    defaults that vLLM calls, e.g. has_pending_block_frees); nested calls count once."""
+    names = []
+    for name in dir(type(connector)):
+        if name.startswith("_"):
+            continue
+        static = inspect.getattr_static(connector, name)
+        if not inspect.isfunction(static):  # properties, class attributes, static methods
+            continue
+        original = getattr(connector, name)
+        stat = timer.per_method.setdefault(name, [0, 0])
+
+        def timed(
+            *args: Any, _fn: Callable[..., Any] = original, _stat: list[int] = stat, **kwargs: Any
+        ) -> Any:
+            if timer.conn_depth:
+                return _fn(*args, **kwargs)
+            timer.conn_depth = 1
+            t0 = time.perf_counter_ns()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter_ns() - t0
+                timer.conn_depth = 0
+                timer.conn_ns += dt
+                _stat[0] += 1
+                _stat[1] += dt
+
+        setattr(connector, name, timed)
+        names.append(name)
+    return names
+
+
+# --------------------------------------------------------------------------------------------
+# Variants
+# --------------------------------------------------------------------------------------------
+
+
+class Variant:
+    def __init__(self, name: str, config: HarnessConfig, log_dir: str | None) -> None:
+        self.name = name
+        self.log_dir = log_dir
+        self.worker: Any = None
+        ours = config.kv_connector is not None and config.kv_connector["kv_connector"] == (
+            "KVLedgerConnector"
+        )
+        # The null connector gets no hook: the harness reports an empty KVConnectorOutput.
+        self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled if ours else None)
+        self.connector = self.harness.connector
+        if ours:
+            self._build_worker()
+        self.timer = StepTimer()
+        wrap_scheduler(self.harness.scheduler, self.timer)
+        self.wrapped = wrap_connector(self.connector, self.timer) if self.connector else []
+        self.sched_us: list[float] = []  # per timed step
+        self.conn_us: list[float] = []
+        self.rounds: list[list[float]] = []  # per round, per step scheduler us
+
+    def _build_worker(self) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from connector.vllm import KVLedgerConnector
+
+        h = self.harness
+        spec = h.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.worker = KVLedgerConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
+        shape = (2, h.config.num_gpu_blocks, h.config.block_size, spec.num_kv_heads, spec.head_size)
+        caches = {name: torch.zeros(shape, dtype=spec.dtype) for name in h.layer_names}
+        self.worker.register_kv_caches(caches)
+
+    def _on_scheduled(self, out: Any) -> Any:
+        """What a model runner does with the connector around one forward pass (none here)."""
+        worker = self.worker
+        meta = out.kv_connector_metadata
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(set(out.finished_req_ids))
+        errors = worker.get_block_ids_with_load_errors()
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        return make_kv_connector_output(
+            sending or (), recving or (), errors, kv_connector_worker_meta=worker_meta
+        )
+
+    def step(self) -> Any:
+        result = self.harness.step()
+        if result is None:
+            raise RuntimeError(f"{self.name}: nothing left to schedule")
+        return result
+
+    def run_block(self, steps: int, num_requests: int) -> None:
+        """``steps`` timed decode steps; checks each one decoded every request."""
+        preemptions = self.harness.stats.preemptions
+        self.timer.take()
+        for _ in range(steps):
+            result = self.step()
+            sched_ns, conn_ns = self.timer.take()
+            n = len(result.num_scheduled_tokens)
+            if n != num_requests or any(v != 1 for v in result.num_scheduled_tokens.values()):
+                raise RuntimeError(f"{self.name}: a timed step scheduled {n} requests, not decode")
+            self.sched_us.append(sched_ns / 1e3)
+            self.conn_us.append(conn_ns / 1e3)
+            self.rounds[-1].append(sched_ns / 1e3)
+        if self.harness.stats.preemptions != preemptions or self.harness.finished:
+            raise RuntimeError(f"{self.name}: preemption or finish during the timed phase")
+
+    def problems(self) -> list[str]:
+        if self.worker is None:
+            return []
+        side = self.connector.scheduler_side
+        out = []
+        if side.adapter_errors:
+            out.append(f"{self.name}: {side.adapter_errors} adapter errors")
+        if side.tracker.violations:
+            out.append(f"{self.name}: violations {[v.describe() for v in side.tracker.violations]}")
+        return out
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+        self.harness.close()
+
+
+def make_config(args: argparse.Namespace, decode_tokens: int) -> HarnessConfig:
+    per_request = -(-(args.prompt_len + decode_tokens) // args.block_size)
+    return HarnessConfig(
+        block_size=args.block_size,
+        num_gpu_blocks=args.requests * per_request + 1,  # + vLLM's null block
+        max_num_seqs=args.requests,
+        max_num_batched_tokens=max(args.requests * args.prompt_len, 2048),
+        max_model_len=args.prompt_len + decode_tokens + args.block_size,
+        enable_prefix_caching=True,
+        seed=args.seed,
+    )
+
+
+def token_bytes(harness: SchedulerHarness) -> int:
+    """K and V bytes of one token over all layers, as the connector sizes its slots."""
+    group = harness.kv_cache_config.kv_cache_groups[0]
+    spec = group.kv_cache_spec
+    return int(spec.page_size_bytes) // int(spec.block_size) * len(group.layer_names)
+
+
+def connector_spec(
+    args: argparse.Namespace, token_bytes: int, log_dir: str | None, null: bool = False
+) -> dict[str, Any]:
+    extra: dict[str, Any] = {"chunk_size": args.chunk_size}
+    # Slots for every full chunk of every prompt, twice over: nothing is evicted.
+    slots = 2 * args.requests * (args.prompt_len // args.chunk_size + 1)
+    extra["host_pool_bytes"] = slots * token_bytes * args.chunk_size
+    if log_dir is not None:
+        extra["log_dir"] = log_dir
+    if null:
+        return {
+            "kv_connector": "NullConnector",
+            "kv_connector_module_path": "bench.scheduler_overhead",
+            "kv_role": "kv_both",
+        }
+    return {
+        "kv_connector": "KVLedgerConnector",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+def warm_up(v: Variant, args: argparse.Namespace) -> int:
+    """Add the requests, step past every prefill, then ``warmup_steps`` decode steps."""
+    rng = random.Random(args.seed)
+    for i in range(args.requests):
+        prompt = [rng.randrange(3, 1024) for _ in range(args.prompt_len)]
+        v.harness.add_request(f"req-{i}", prompt, max_tokens=args.max_tokens)
+    steps = 0
+    while True:
+        v.step()
+        steps += 1
+        sched = v.harness.scheduler
+        running = len(sched.running) == args.requests and not sched.waiting
+        if running and all(r.num_computed_tokens >= r.num_prompt_tokens for r in sched.running):
+            break
+        if steps > 100:
+            raise RuntimeError(f"{v.name}: prefill not done after 100 steps")
+    for _ in range(args.warmup_steps):
+        v.step()
+    if v.harness.stats.preemptions:
+        raise RuntimeError(f"{v.name}: preempted during warm-up; more blocks needed")
+    return steps
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def environment() -> list[str]:
+    import torch
+    import vllm
+
+    cpu = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    git = "?"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "tracker", "connector"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
+        changed = [x for x in dirty if "/" in x]
+        git = head + (f" + uncommitted changes to {', '.join(changed)}" if changed else "")
+    return [
+        f"kvledger {git}",
+        f"python {platform.python_version()}  vllm {vllm.__version__}  torch {torch.__version__}",
+        f"cpu {cpu}  x{os.cpu_count()}  loadavg {load}",
+    ]
+
+
+def report(variants: list[Variant], args: argparse.Namespace) -> None:
+    base = variants[0]
+    base_med = statistics.median(base.sched_us)
+    null = next((v for v in variants if v.name == "null"), None)
+    n = args.requests
+    print()
+    print(
+        f"{'variant':<7} {'median us/step':>14} {'p10':>8} {'p90':>8} {'ratio':>6} "
+        f"{'round ratio min/med/max':>24} {'connector us/step':>17} {'us/req/step':>11}"
+    )
+    for v in variants:
+        med = statistics.median(v.sched_us)
+        ratio = rr = conn = per_req = "-"
+        if v is not base:
+            rounds = [
+                statistics.median(a) / statistics.median(b)
+                for a, b in zip(v.rounds, base.rounds, strict=True)
+            ]
+            ratio = f"{med / base_med:.3f}"
+            rr = "/".join(f"{x:.3f}" for x in (min(rounds), statistics.median(rounds), max(rounds)))
+            c = statistics.median(v.conn_us)
+            conn = f"{c:.1f}"
+            per_req = f"{c / n:.3f}"
+        print(
+            f"{v.name:<7} {med:>14.1f} {pct(v.sched_us, 0.1):>8.1f} {pct(v.sched_us, 0.9):>8.1f} "
+            f"{ratio:>6} {rr:>24} {conn:>17} {per_req:>11}"
+        )
+    print(
+        "(us = microseconds of schedule() + update_from_output(); ratio = median / base median; "
+        "connector = inside the connector's methods, median per step)"
+    )
+    for v in variants[1:]:
+        steps = len(v.sched_us)
+        med = statistics.median(v.sched_us)
+        c = statistics.median(v.conn_us)
+        rest = statistics.median(a - b for a, b in zip(v.sched_us, v.conn_us, strict=True))
+        print()
+        line = (
+            f"{v.name}: +{med - base_med:.1f} us/step over base; in the connector's methods "
+            f"{c:.1f}; the rest of the step {rest:.1f} (base {base_med:.1f})"
+        )
+        if null is not None and v is not null:
+            line += f"; +{med - statistics.median(null.sched_us):.1f} us/step over null"
+        print(line)
+        rows = sorted(
+            ((k, st) for k, st in v.timer.per_method.items() if st[0]), key=lambda kv: -kv[1][1]
+        )
+        print(f"  {'method':<30} {'calls/step':>10} {'us/step':>8} {'us/call':>8}  (means)")
+        for name, (calls, ns) in rows:
+            print(
+                f"  {name:<30} {calls / steps:>10.2f} {ns / 1e3 / steps:>8.1f} "
+                f"{ns / 1e3 / calls:>8.2f}"
+            )
+    verdict = []
+    for v in variants[1:]:
+        ratio = statistics.median(v.sched_us) / base_med
+        verdict.append(f"{v.name} {ratio:.3f} {'<=' if ratio <= TARGET else '>'} {TARGET}")
+    print()
+    print(f"target: ratio <= {TARGET}: " + ", ".join(verdict))
+
+
+def profile(v: Variant, args: argparse.Namespace) -> None:
+    """cProfile over ``args.profile_steps`` more (untimed) steps of ``v``, restricted to the
+    scheduler's two methods, filtered to this repository's tracker/ and connector/."""
+    prof = cProfile.Profile()
+    v.timer.profiler = prof
+    for _ in range(args.profile_steps):
+        v.step()
+    v.timer.profiler = None
+    buf = io.StringIO()
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("cumulative")
+    pattern = re.escape(str(ROOT)) + r"/(tracker|connector)/"
+    stats.print_stats(pattern, 15)
+    text = buf.getvalue().replace(str(ROOT) + "/", "")
+    print()
+    print(f"cProfile, {v.name}, {args.profile_steps} steps (schedule + update_from_output only):")
+    # Drop pstats' preamble lines up to the column header.
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
+    total = next((line for line in lines if "function calls" in line), "")
+    print(total.strip())
+    print("\n".join(lines[start:]).rstrip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200, help="timed decode steps per variant")
+    p.add_argument("--rounds", type=int, default=5, help="rounds the timed steps split in")
+    p.add_argument(
+        "--block", type=int, default=2, help="steps a variant runs before the next one's turn"
+    )
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--warmup-steps", type=int, default=10, help="untimed decode steps")
+    p.add_argument("--log", action="store_true", help="also time the variant writing the log")
+    p.add_argument(
+        "--no-null",
+        dest="null",
+        action="store_false",
+        help="skip the do-nothing connector (vLLM's own cost of having a connector)",
+    )
+    p.add_argument("--profile", action="store_true", help="cProfile the connector's steps")
+    p.add_argument("--profile-steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.steps < args.rounds or args.rounds < 1 or args.block < 1:
+        p.error("--steps must be at least --rounds >= 1, and --block >= 1")
+    # vLLM's start-up warnings (no vllm._C, HMA off for this connector) are expected here.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    reason = skip_reason()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return 2
+
+    per_round = args.steps // args.rounds
+    # Decode tokens each request may produce: no request finishes during the run.
+    decode = args.warmup_steps + 4 + per_round * args.rounds + args.profile_steps + 16
+    args.max_tokens = decode
+    base_cfg = make_config(args, decode)
+    tmp = tempfile.TemporaryDirectory(prefix="kvledger-bench-") if args.log else None
+
+    print("scheduler overhead: vLLM's real Scheduler, decode steps, CPU")
+    for line in environment():
+        print(line)
+    print(
+        f"requests {args.requests}  prompt {args.prompt_len}  block {args.block_size}  "
+        f"chunk {args.chunk_size}  gpu blocks {base_cfg.num_gpu_blocks}  "
+        f"max_num_batched_tokens {base_cfg.max_num_batched_tokens}  prefix caching on  "
+        f"sync scheduling  MRV2 {base_cfg.model_runner_v2}"
+    )
+    print(
+        f"timed: {per_round * args.rounds} steps per variant in {args.rounds} rounds of "
+        f"{per_round}, interleaved {args.block} steps at a time; warm-up: prefill + "
+        f"{args.warmup_steps} decode steps"
+    )
+
+    variants: list[Variant] = []
+    t0 = time.perf_counter()
+    try:
+        base = Variant("base", base_cfg, None)
+        variants.append(base)
+        tb = token_bytes(base.harness)
+        if args.null:
+            cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, None, null=True))
+            variants.append(Variant("null", cfg, None))
+        conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)), None)
+        variants.append(conn)
+        if tmp is not None:
+            cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, tmp.name))
+            variants.append(Variant("log", cfg, tmp.name))
+        for v in variants:
+            prefill_steps = warm_up(v, args)
+        print(
+            f"built + warmed in {time.perf_counter() - t0:.1f}s (prefill took {prefill_steps} "
+            f"step(s)); connector methods wrapped: {len(conn.wrapped)}"
+        )
+        if tmp is not None:
+            print(f"log variant writes {variants[-1].connector.scheduler_side.log_path}")
+
+        for v in variants:  # count the timed phase only
+            for stat in v.timer.per_method.values():
+                stat[:] = [0, 0]
+        # As EngineCore does after start-up: the long-lived heap leaves the cyclic GC's scans.
+        gc.collect()
+        gc.freeze()
+        t1 = time.perf_counter()
+        turn = 0
+        for _ in range(args.rounds):
+            for v in variants:
+                v.rounds.append([])
+            done = 0
+            while done < per_round:
+                n = min(args.block, per_round - done)
+                # A B C, then C B A: no variant always runs right after another one.
+                for v in variants if turn % 2 == 0 else variants[::-1]:
+                    v.run_block(n, args.requests)
+                done += n
+                turn += 1
+        print(f"timed phase took {time.perf_counter() - t1:.1f}s wall (all variants, hooks too)")
+        for v in variants:  # freeze the per-method figures before --profile steps more
+            v.timer.per_method = {k: list(s) for k, s in v.timer.per_method.items()}
+        if tmp is not None:
+            size = os.path.getsize(variants[-1].connector.scheduler_side.log_path)
+            print(f"log size after the run: {size} bytes")
+
+        report(variants, args)
+        if args.profile:
+            profile(conn, args)
+        problems = [msg for v in variants for msg in v.problems()]
+        for msg in problems:
+            print("PROBLEM:", msg)
+        return 1 if problems else 0
+    finally:
+        for v in variants:
+            v.close()
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
