@@ -89,7 +89,7 @@ def _null_connector_class() -> type:
         KVConnectorMetadata,
     )
 
-    class NullConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    class NullConnector(KVConnectorBase_V1):
         """Answers every scheduler-side call with "nothing" (no hit, no plan, free now)."""
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
@@ -460,8 +460,8 @@ def report(variants: list[Variant], args: argparse.Namespace) -> None:
             )
     verdict = []
     for v in variants[1:]:
-        ratio = statistics.median(v.sched_us) / base_med
-        verdict.append(f"{v.name} {ratio:.3f} {'<=' if ratio <= TARGET else '>'} {TARGET}")
+        r = statistics.median(v.sched_us) / base_med
+        verdict.append(f"{v.name} {r:.3f} {'<=' if r <= TARGET else '>'} {TARGET}")
     print()
     print(f"target: ratio <= {TARGET}: " + ", ".join(verdict))
 
