@@ -1,0 +1,420 @@
+"""The first divergence between two logs, overall and per request.
+
+Two runs of the same workload rarely keep the same steps (a different chunk size changes what
+is loaded, which changes what vLLM schedules) nor the same request ids (vLLM appends random
+suffixes). So ``diff`` compares, for each request, the *sequence* of its events (input facts
+and decisions) by content: type and every field but ``step`` and ``req_id``. It reports, per
+request, the first pair of events that differ (or the first event one side lacks), with both
+steps and both positions in the logs, and overall the earliest of those.
+
+Requests are aligned, in this order:
+
+1. by id, where both logs hold the id (the ``n``-th life of an id reused after it finished
+   with the ``n``-th life on the other side);
+2. then by the hash of the prompt (``RequestAdded.prompt_token_ids`` and the cache salt) and
+   arrival order: the ``k``-th request with that prompt in A with the ``k``-th in B;
+3. then by id with vLLM's random suffix removed (``-`` and 8 hex digits, as vLLM's
+   ``lifecycle.py`` normalises it), for a request whose prompt changed as well as its id.
+
+What is left is unmatched (``unmatched_a``, ``unmatched_b``).
+
+Memory: one small entry per request (id, prompt hash) for the alignment, plus, while both logs
+are read side by side, the events of a request that one log has and the other has not reached
+yet (nothing when the logs agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import typing
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from replay.views import (
+    POOL,
+    LogPath,
+    LogSource,
+    _Lives,
+    damage_dict,
+    describe_event,
+    event_content,
+    event_fields,
+    field_names,
+    open_log,
+)
+from tracker import events as ev
+from tracker.log import StopInfo
+
+__all__ = ["DiffResult", "Divergence", "EventAt", "diff"]
+
+_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+# Matched events kept per request before a divergence, to show what led to it.
+_CONTEXT = 3
+
+
+@attrs.frozen
+class EventAt:
+    """An event and where it is: ``index`` is its position among all events of its log."""
+
+    index: int
+    step: int
+    event: ev.Event
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "step": self.step,
+            "type": type(self.event).__name__,
+            "request": self.event.req_id,
+            "fields": event_fields(self.event),
+        }
+
+    def describe(self) -> str:
+        e = self.event
+        return f"step {self.step} #{self.index} {type(e).__name__} {describe_event(e)}".rstrip()
+
+
+@attrs.frozen
+class Divergence:
+    """The first difference in one request's events.
+
+    ``kind``: ``"differ"`` (both have an event at ``position``, with different content),
+    ``"missing"`` (A has events from ``position`` on that B lacks), ``"extra"`` (B has
+    events from ``position`` on that A lacks). ``position`` counts the request's own events
+    from 0. ``fields`` names the fields that differ (``("type",)`` for two types).
+    ``context`` holds the last events both agreed on (as read in A)."""
+
+    request_a: str
+    request_b: str
+    kind: str
+    position: int
+    a: EventAt | None
+    b: EventAt | None
+    fields: tuple[str, ...] = ()
+    context: tuple[EventAt, ...] = ()
+
+    @property
+    def step_a(self) -> int | None:
+        return None if self.a is None else self.a.step
+
+    @property
+    def step_b(self) -> int | None:
+        return None if self.b is None else self.b.step
+
+    @property
+    def step(self) -> int:
+        """The earlier of the two steps: where to start looking."""
+        return min(s for s in (self.step_a, self.step_b) if s is not None)
+
+    @property
+    def request(self) -> str:
+        return (
+            self.request_a
+            if self.request_a == self.request_b
+            else (f"{self.request_a} ~ {self.request_b}")
+        )
+
+    def sort_key(self) -> tuple[int, int, int]:
+        side = self.a if self.a is not None else self.b
+        assert side is not None
+        return (self.step, 0 if self.a is not None else 1, side.index)
+
+    def describe(self) -> str:
+        where = f"{self.request}, event {self.position}"
+        if self.kind == "differ":
+            assert self.a is not None and self.b is not None
+            what = ", ".join(self.fields)
+            return f"{where}: {what} differ\n  A: {self.a.describe()}\n  B: {self.b.describe()}"
+        if self.kind == "missing":
+            assert self.a is not None
+            return f"{where}: B lacks A's events from\n  A: {self.a.describe()}"
+        assert self.b is not None
+        return f"{where}: B has events A lacks, from\n  B: {self.b.describe()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_a": self.request_a,
+            "request_b": self.request_b,
+            "kind": self.kind,
+            "position": self.position,
+            "step_a": self.step_a,
+            "step_b": self.step_b,
+            "fields": list(self.fields),
+            "a": None if self.a is None else self.a.to_dict(),
+            "b": None if self.b is None else self.b.to_dict(),
+            "context": [c.to_dict() for c in self.context],
+        }
+
+
+@attrs.frozen
+class DiffResult:
+    """What :func:`diff` found. ``identical``: every request of each log has a counterpart
+    with the same events in the same order (configuration differences and read damage are
+    reported, but only what the events say decides)."""
+
+    a: str
+    b: str
+    first: Divergence | None
+    per_request: dict[str, Divergence]  # by A's request label, in the order of their steps
+    unmatched_a: tuple[str, ...]
+    unmatched_b: tuple[str, ...]
+    matched: dict[str, str]  # A's label -> B's label
+    aligned_by: dict[str, int]  # "id" | "prompt" | "suffix" -> requests aligned that way
+    events_a: int
+    events_b: int
+    config_changes: dict[str, tuple[Any, Any]]
+    damage_a: StopInfo | None
+    damage_b: StopInfo | None
+
+    @property
+    def identical(self) -> bool:
+        return self.first is None and not self.unmatched_a and not self.unmatched_b
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "a": self.a,
+            "b": self.b,
+            "identical": self.identical,
+            "first": None if self.first is None else self.first.to_dict(),
+            "per_request": {k: v.to_dict() for k, v in self.per_request.items()},
+            "unmatched_a": list(self.unmatched_a),
+            "unmatched_b": list(self.unmatched_b),
+            "matched": len(self.matched),
+            "renamed": {k: v for k, v in self.matched.items() if k != v},
+            "aligned_by": self.aligned_by,
+            "events_a": self.events_a,
+            "events_b": self.events_b,
+            "config_changes": {k: list(v) for k, v in self.config_changes.items()},
+            "damage_a": damage_dict(self.damage_a),
+            "damage_b": damage_dict(self.damage_b),
+        }
+
+
+# --- alignment ----------------------------------------------------------------------------
+
+
+class _Life(typing.NamedTuple):
+    label: str
+    req_id: str
+    prompt: bytes | None  # hash of the prompt and salt; None: no RequestAdded seen
+
+
+def _prompt_hash(e: ev.RequestAdded) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(e.cache_salt.encode())
+    h.update(b"\0")
+    h.update(b",".join(str(t).encode() for t in e.prompt_token_ids))
+    return h.digest()
+
+
+def _labelled(src: LogSource) -> Iterator[tuple[int, int, str, bool, ev.Event]]:
+    """(index, step, life label, starts a life, event) for every event; the pool's events
+    (ChunkStored, ChunkEvicted) under the label ``""``."""
+    lives = _Lives()
+    index = -1
+    for frame in src.frames():
+        for e in frame.events:
+            index += 1
+            if e.req_id == POOL and isinstance(e, (ev.ChunkStored, ev.ChunkEvicted)):
+                yield index, frame.step, POOL, False, e
+                continue
+            label, new = lives.label(e)
+            yield index, frame.step, label, new, e
+            if isinstance(e, ev.Finished):
+                # Free the live entry at once: numbering still follows (a later RequestAdded
+                # for the id starts its next life); a late result keeps the finished label.
+                lives.retire(e.req_id)
+
+
+def _lives(src: LogSource) -> list[_Life]:
+    out: list[_Life] = []
+    for _, _, label, new, e in _labelled(src):
+        if new:
+            prompt = _prompt_hash(e) if isinstance(e, ev.RequestAdded) else None
+            out.append(_Life(label, e.req_id, prompt))
+    return out
+
+
+def _align(la: Sequence[_Life], lb: Sequence[_Life]) -> tuple[dict[str, str], dict[str, int]]:
+    matched: dict[str, str] = {POOL: POOL}
+    how = {"id": 0, "prompt": 0, "suffix": 0}
+    b_labels = {life.label for life in lb}
+    for life in la:
+        if life.label in b_labels:
+            matched[life.label] = life.label
+            how["id"] += 1
+    taken = set(matched.values())
+    rest_a = [life for life in la if life.label not in matched]
+    rest_b = [life for life in lb if life.label not in taken]
+    by_prompt: dict[bytes, deque[_Life]] = {}
+    for life in rest_b:
+        if life.prompt is not None:
+            by_prompt.setdefault(life.prompt, deque()).append(life)
+    still_a: list[_Life] = []
+    for life in rest_a:
+        queue = by_prompt.get(life.prompt) if life.prompt is not None else None
+        if queue:
+            other = queue.popleft()
+            matched[life.label] = other.label
+            taken.add(other.label)
+            how["prompt"] += 1
+        else:
+            still_a.append(life)
+    by_stem: dict[str, deque[_Life]] = {}
+    for life in rest_b:
+        if life.label not in taken:
+            by_stem.setdefault(_stem(life), deque()).append(life)
+    for life in still_a:
+        queue = by_stem.get(_stem(life))
+        if queue:
+            other = queue.popleft()
+            matched[life.label] = other.label
+            how["suffix"] += 1
+    return matched, how
+
+
+def _stem(life: _Life) -> str:
+    rid = _SUFFIX.sub("", life.req_id)
+    return life.label.replace(life.req_id, rid, 1)
+
+
+# --- comparison ---------------------------------------------------------------------------
+
+
+class _Pair:
+    __slots__ = ("a", "b", "context", "diverged", "label_b", "position")
+
+    def __init__(self, label_b: str) -> None:
+        self.label_b = label_b
+        self.a: deque[EventAt] = deque()  # A's events that B has not reached yet
+        self.b: deque[EventAt] = deque()
+        self.position = 0  # events compared and equal so far
+        self.context: deque[EventAt] = deque(maxlen=_CONTEXT)
+        self.diverged = False
+
+
+def _differing_fields(x: ev.Event, y: ev.Event) -> tuple[str, ...]:
+    if type(x) is not type(y):
+        return ("type",)
+    return tuple(n for n in field_names(type(x)) if getattr(x, n) != getattr(y, n))
+
+
+def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
+    """The first divergence between logs ``a`` and ``b`` (files, directories of one log's
+    segments, or lists of segment files), overall and per request; see the module's text.
+    Raises :class:`replay.views.LogUnreadable` when either log cannot be read at all."""
+    src_a, src_b = open_log(a), open_log(b)
+    lives_a, lives_b = _lives(src_a), _lives(src_b)
+    matched, how = _align(lives_a, lives_b)
+    matched_b = set(matched.values())
+    unmatched_a = tuple(life.label for life in lives_a if life.label not in matched)
+    unmatched_b = tuple(life.label for life in lives_b if life.label not in matched_b)
+    del lives_a, lives_b
+    pairs: dict[str, _Pair] = {}  # by A's label, for live pairs
+    by_b: dict[str, str] = {lb: la for la, lb in matched.items()}
+    found: list[Divergence] = []
+
+    def pair_of(label_a: str) -> _Pair | None:
+        p = pairs.get(label_a)
+        if p is None:
+            label_b = matched.get(label_a)
+            if label_b is None:
+                return None
+            p = pairs[label_a] = _Pair(label_b)
+        return p
+
+    def compare(label_a: str, p: _Pair) -> None:
+        while p.a and p.b and not p.diverged:
+            x, y = p.a.popleft(), p.b.popleft()
+            if event_content(x.event) == event_content(y.event):
+                p.position += 1
+                p.context.append(x)
+                continue
+            found.append(
+                Divergence(
+                    label_a,
+                    p.label_b,
+                    "differ",
+                    p.position,
+                    x,
+                    y,
+                    _differing_fields(x.event, y.event),
+                    tuple(p.context),
+                )
+            )
+            p.diverged = True
+            p.a.clear()
+            p.b.clear()
+
+    counts = [0, 0]
+    streams = (_labelled(src_a), _labelled(src_b))
+    done = [False, False]
+    # Read both logs side by side, always advancing the one that has read fewer events, so
+    # that agreeing logs never queue more than a few events.
+    while not (done[0] and done[1]):
+        side = 0 if (not done[0] and (done[1] or counts[0] <= counts[1])) else 1
+        item = next(streams[side], None)
+        if item is None:
+            done[side] = True
+            continue
+        counts[side] += 1
+        index, step, label, _, e = item
+        label_a = label if side == 0 else by_b.get(label)
+        if label_a is None:
+            continue
+        p = pair_of(label_a)
+        if p is None or p.diverged:
+            continue
+        (p.a if side == 0 else p.b).append(EventAt(index, step, e))
+        compare(label_a, p)
+    for label_a, p in pairs.items():
+        if p.diverged:
+            continue
+        if p.a:
+            found.append(
+                Divergence(
+                    label_a, p.label_b, "missing", p.position, p.a[0], None, (), tuple(p.context)
+                )
+            )
+        elif p.b:
+            found.append(
+                Divergence(
+                    label_a, p.label_b, "extra", p.position, None, p.b[0], (), tuple(p.context)
+                )
+            )
+    found.sort(key=Divergence.sort_key)
+    per_request = {d.request_a: d for d in found}
+    config_changes = _config_changes(src_a.header, src_b.header)
+    matched.pop(POOL, None)
+    return DiffResult(
+        a=src_a.name,
+        b=src_b.name,
+        first=found[0] if found else None,
+        per_request=per_request,
+        unmatched_a=unmatched_a,
+        unmatched_b=unmatched_b,
+        matched=matched,
+        aligned_by=how,
+        events_a=counts[0],
+        events_b=counts[1],
+        config_changes=config_changes,
+        damage_a=src_a.damage,
+        damage_b=src_b.damage,
+    )
+
+
+def _config_changes(ha: dict[str, Any], hb: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    ca, cb = ha.get("config") or {}, hb.get("config") or {}
+    out: dict[str, tuple[Any, Any]] = {}
+    for key in sorted(set(ca) | set(cb), key=str):
+        if ca.get(key) != cb.get(key):
+            out[str(key)] = (ca.get(key), cb.get(key))
+    for key in ("library_version",):
+        if ha.get(key) != hb.get(key):
+            out[key] = (ha.get(key), hb.get(key))
+    return out
