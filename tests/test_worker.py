@@ -1,0 +1,292 @@
+"""WorkerSide on CPU paged caches in both vLLM layouts: it executes hand-written StepPlans and
+reports what happened; the KV-content oracle checks the bytes.
+
+Geometry: blocks of 4 tokens, chunks of 8 tokens (two blocks), 2 layers, 2 KV heads of 4.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from fakes import hold_saves
+
+from connector.config import ConnectorConfig
+from connector.oracle import KVOracle
+from connector.scheduler import StepPlan, WorkerReport
+from connector.transfer import KVCacheLayoutError
+from connector.worker import WorkerSide
+from tracker.plans import ChunkTransfer, TransferPlan
+
+LAYOUTS = ["flash_attn", "flashinfer"]
+B, C = 4, 8
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
+def make(
+    layout: str,
+    *,
+    num_blocks: int = 16,
+    slots: int = 4,
+    load_fault: Any = None,
+) -> tuple[WorkerSide, KVOracle]:
+    oracle = KVOracle(
+        LAYERS, num_blocks=num_blocks, block_size=B, num_kv_heads=2, head_size=4, layout=layout
+    )
+    worker = WorkerSide(
+        ConnectorConfig(chunk_size=C), num_slots=slots, layout=layout, load_fault=load_fault
+    )
+    worker.register_kv_caches(oracle.caches)
+    return worker, oracle
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    return [10 + (seed * 1000 + i * 17) % 5000 for i in range(n)]
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def plan(
+    req_id: str, kind: str, table: list[int], start: int, end: int, slots: list[int]
+) -> TransferPlan:
+    """Tokens [start, end) of a request with block table ``table``, chunk by chunk, into or
+    out of ``slots`` (one per chunk touched)."""
+    chunks = []
+    first = start // C
+    for i, slot in enumerate(slots):
+        lo = max(start, (first + i) * C)
+        hi = min(end, (first + i + 1) * C)
+        chunks.append(ChunkTransfer(key(slot), slot, lo, hi, lo - (first + i) * C))
+    return TransferPlan(req_id, kind, tuple(table), tuple(chunks))
+
+
+def run_step(worker: WorkerSide, step_plan: StepPlan) -> WorkerReport:
+    """vLLM's worker order for one step (no forward pass)."""
+    worker.handle_preemptions(step_plan)
+    worker.bind(step_plan)
+    worker.start_load_kv()
+    worker.wait_for_save()
+    worker.get_finished(set())
+    report = worker.build_report()
+    worker.clear()
+    return report
+
+
+def stored(worker: WorkerSide, oracle: KVOracle, req_id: str, toks: list[int], table: list[int]):
+    """Write the request's KV with the fake forward and save it into slots 0.. (one per
+    chunk)."""
+    n = len(toks)
+    oracle.write(req_id, toks, table, 0, n)
+    save = plan(req_id, "save", table, 0, n, list(range(-(-n // C))))
+    report = run_step(worker, StepPlan(step=0, saves=(save,)))
+    assert report.saves_done == ((req_id, tuple(c.key for c in save.chunks)),)
+    return save
+
+
+# --- register_kv_caches ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("caches", "layout", "named"),
+    [
+        ({"l0": torch.zeros(3, 4, 5)}, None, "(3, 4, 5)"),
+        ({"l0": torch.zeros(3, 6, 4, 2, 4)}, None, "(3, 6, 4, 2, 4)"),
+        ({"l0": torch.zeros(2, 6, 4, 2, 4)}, "flashinfer", "(2, 6, 4, 2, 4)"),
+        ({"l0": torch.zeros(2, 6, 4, 2, 4), "l1": torch.zeros(2, 5, 4, 2, 4)}, None, "(2, 5, 4"),
+        ({"l0": torch.zeros(2, 2, 4, 2, 4)}, None, "(2, 2, 4, 2, 4)"),  # ambiguous
+    ],
+    ids=["3d", "no-kv-dim", "wrong-layout", "layers-differ", "ambiguous"],
+)
+def test_register_kv_caches_errors_name_the_shape(
+    caches: dict[str, torch.Tensor], layout: str | None, named: str
+) -> None:
+    worker = WorkerSide(ConnectorConfig(chunk_size=C), num_slots=2, layout=layout)
+    with pytest.raises(KVCacheLayoutError, match=re.escape(named)):
+        worker.register_kv_caches(caches)
+
+
+def test_register_kv_caches_with_no_layers() -> None:
+    with pytest.raises(KVCacheLayoutError, match="no KV cache layers"):
+        WorkerSide(ConnectorConfig(chunk_size=C), num_slots=2).register_kv_caches({})
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_register_infers_the_layout_and_sizes_the_pool_from_the_budget(layout: str) -> None:
+    oracle = KVOracle(LAYERS, num_blocks=16, block_size=B, layout=layout)
+    # One slot: 2 layers x K/V x 8 tokens x (2 heads x 8) x 4 bytes = 2048 bytes.
+    worker = WorkerSide(ConnectorConfig(chunk_size=C, host_pool_bytes=3 * 2048 + 100))
+    worker.register_kv_caches(oracle.caches)
+    assert worker.backend is not None and worker.backend.spec.layout == layout
+    assert worker.pool is not None and worker.pool.num_slots == 3
+
+
+def test_host_pool_budget_smaller_than_one_chunk_is_an_error() -> None:
+    oracle = KVOracle(LAYERS, num_blocks=16, block_size=B)
+    worker = WorkerSide(ConnectorConfig(chunk_size=C, host_pool_bytes=2047))
+    with pytest.raises(ValueError, match=r"2047 bytes is smaller than one chunk slot of 2048"):
+        worker.register_kv_caches(oracle.caches)
+
+
+def test_transfers_before_register_kv_caches_are_an_error() -> None:
+    worker = WorkerSide(ConnectorConfig(chunk_size=C), num_slots=2)
+    worker.bind(StepPlan(step=0, loads=(plan("R", "load", [1, 2], 0, 8, [0]),)))
+    with pytest.raises(RuntimeError, match="register_kv_caches"):
+        worker.start_load_kv()
+
+
+# --- loads and saves ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_then_load_into_other_blocks(layout: str) -> None:
+    """start_load_kv takes no forward context: loads are issued from the bound plan alone."""
+    worker, oracle = make(layout)
+    toks = tokens(20)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4, 5])
+    # Another request with the same 20 tokens: loads [0, 16) into fresh blocks.
+    table = [9, 10, 11, 12, 13]
+    assert oracle.verify("B", toks, table, 16) is not None  # nothing there yet
+    load = plan("B", "load", table, 0, 16, [0, 1])
+    worker.bind(StepPlan(step=1, loads=(load,)))
+    worker.start_load_kv()
+    assert oracle.verify("B", toks, table, 16) is None
+    mismatch = oracle.verify("B", toks, table, 17)
+    assert mismatch.position == 16  # nothing past the load's range
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    report = worker.build_report()
+    assert report.loads_done == ("B",) and report.loads_failed == ()
+    assert worker.stats["tokens_loaded"] == 16 and worker.stats["chunks_loaded"] == 2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_load_at_a_slot_offset_touches_only_its_range(layout: str) -> None:
+    worker, oracle = make(layout)
+    toks = tokens(16)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4])
+    table = [9, 10, 11, 12]
+    oracle.write("B", toks, table, 0, 4)  # block 9: a local prefix-cache hit
+    load = plan("B", "load", table, 4, 12, [0, 1])
+    assert [(c.token_start, c.token_end, c.slot_offset) for c in load.chunks] == [
+        (4, 8, 4),
+        (8, 12, 0),
+    ]
+    run_step(worker, StepPlan(step=1, loads=(load,)))
+    assert oracle.verify("B", toks, table, 12) is None
+    assert oracle.verify("B", toks, table, 13).position == 12
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("failing_chunk", [0, 1, 2])
+def test_load_fault_reports_the_blocks_from_the_failed_chunk_on(
+    layout: str, failing_chunk: int
+) -> None:
+    def fault(req_id: str, chunk: ChunkTransfer) -> bool:
+        return req_id == "B" and chunk.token_start == failing_chunk * C
+
+    worker, oracle = make(layout, load_fault=fault)
+    toks = tokens(24)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4, 5, 6])
+    table = [9, 10, 11, 12, 13, 14, 15]
+    load = plan("B", "load", table, 0, 24, [0, 1, 2])
+    other = plan("O", "load", [7, 8], 0, 8, [0])
+    report = run_step(worker, StepPlan(step=1, loads=(load, other)))
+    failed = tuple(table[failing_chunk * 2 : 6])
+    assert report.loads_failed == (("B", failed),)
+    assert report.loads_done == ("O",)
+    assert worker.get_block_ids_with_load_errors() == set(failed)
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    # The chunks before the failed one did arrive.
+    assert oracle.verify("B", toks, table, failing_chunk * C) is None
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_saves_of_a_request_whose_load_failed_are_not_stored(layout: str) -> None:
+    """Its forward ran over a prefix that is not in the cache: the save is reported failed
+    and its host slot is never written; another request's save in the step goes on."""
+    worker, oracle = make(layout, load_fault=lambda req, ch: req == "B")
+    toks = tokens(16)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4])
+    table = [9, 10, 11, 12, 13, 14]
+    oracle.write("B", toks + tokens(8, 1), table, 8, 24, poisoned=True)
+    oracle.write("O", tokens(8, 2), [7, 8], 0, 8)
+    sentinel = worker.pool.slot(2).clone().fill_(-7.0)
+    worker.pool.slot(2).copy_(sentinel)
+    load = plan("B", "load", table, 0, 8, [0])
+    save_b = plan("B", "save", table, 16, 24, [2])
+    save_o = plan("O", "save", [7, 8], 0, 8, [3])
+    report = run_step(worker, StepPlan(step=1, loads=(load,), saves=(save_b, save_o)))
+    assert report.loads_failed == (("B", (9, 10)),)
+    assert report.saves_failed == (("B", (key(2),)),)
+    assert report.saves_done == (("O", (key(3),)),)
+    assert torch.equal(worker.pool.slot(2), sentinel)
+    assert worker.stats["chunks_saved"] == 3  # A's two chunks, then O's; never B's
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_refused_blocks_are_reported_as_load_errors(layout: str) -> None:
+    worker, _ = make(layout)
+    worker.bind(StepPlan(step=0, refused_blocks=(3, 4)))
+    worker.start_load_kv()
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert not worker.build_report()  # refusals are not load results of a request
+
+
+def test_refused_and_failed_blocks_are_reported_together() -> None:
+    worker, oracle = make("flash_attn", load_fault=lambda req, ch: True)
+    stored(worker, oracle, "A", tokens(8), [1, 2])
+    load = plan("B", "load", [9, 10], 0, 8, [0])
+    run_step(worker, StepPlan(step=1, loads=(load,), refused_blocks=(5,)))
+    assert worker.get_block_ids_with_load_errors() == {5, 9, 10}
+
+
+# --- lifetimes ---------------------------------------------------------------------------------
+
+
+def test_delayed_free_is_reported_once_the_saves_completed(monkeypatch) -> None:
+    worker, oracle = make("flash_attn")
+    events = hold_saves(worker, monkeypatch)
+    oracle.write("R", tokens(16), [1, 2, 3, 4], 0, 16)
+    save = plan("R", "save", [1, 2, 3, 4], 0, 16, [0, 1])
+    worker.bind(StepPlan(step=0, saves=(save,)))
+    worker.wait_for_save()
+    assert worker.get_finished({"R"}) == (None, None)
+    assert not worker.build_report()  # still in flight
+    worker.clear()
+    worker.bind(StepPlan(step=1, delayed_free=("R",)))
+    assert worker.get_finished(set()) == (None, None)
+    events[0].completed = True
+    assert worker.get_finished(set()) == (None, None)  # one chunk still in flight
+    events[1].completed = True
+    assert worker.get_finished(set()) == ({"R"}, None)
+    assert worker.get_finished(set()) == (None, None)  # reported once
+    done = worker.build_report().saves_done
+    assert [(r, k) for r, keys in done for k in keys] == [("R", key(0)), ("R", key(1))]
+
+
+def test_handle_preemptions_waits_only_when_something_was_preempted(monkeypatch) -> None:
+    worker, oracle = make("flashinfer")
+    events = hold_saves(worker, monkeypatch)
+    oracle.write("R", tokens(8), [1, 2], 0, 8)
+    run_step(worker, StepPlan(step=0, saves=(plan("R", "save", [1, 2], 0, 8, [0]),)))
+    worker.handle_preemptions(None)
+    worker.handle_preemptions(StepPlan(step=1))
+    assert events[0].synchronized == 0
+    worker.handle_preemptions(StepPlan(step=2, preempted=("R",)))
+    assert events[0].synchronized == 1
+    assert worker.build_report().saves_done == (("R", (key(0),)),)
+
+
+def test_shutdown_drains_saves(monkeypatch) -> None:
+    worker, oracle = make("flash_attn")
+    events = hold_saves(worker, monkeypatch)
+    oracle.write("R", tokens(8), [1, 2], 0, 8)
+    run_step(worker, StepPlan(step=0, saves=(plan("R", "save", [1, 2], 0, 8, [0]),)))
+    worker.shutdown()
+    assert events[0].synchronized == 1
