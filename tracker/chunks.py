@@ -187,6 +187,13 @@ class ChunkIndex:
             else:
                 self._readers.pop(key, None)
 
+    def drop_unread(self, keys: Iterable[bytes]) -> None:
+        """A planned read of these chunks failed: forget them, unless another planned load
+        still reads one (its own result will tell)."""
+        for key in keys:
+            if not self._readers.get(key):
+                self.apply_evicted(key)
+
     def apply_stored(self, key: bytes, slot: int) -> None:
         """A chunk that appeared outside our plans (a warm pool)."""
         if key in self._stored or slot not in self._free:

@@ -121,7 +121,13 @@ def plan_load(
 def plan_save(
     state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
 ) -> ev.SavePlanned | None:
-    """The chunks to save after this step, or None."""
+    """The chunks to save after this step, or None.
+
+    One contiguous range of chunks: the full chunks from the cursor on, then, when every full
+    chunk of the prefill is stored or planned, the prefill's partial chunk (if the
+    configuration keeps them) in the same plan, so a request that finishes after its prefill
+    step (a P/D prefill, ``max_tokens=1``) still saves it.
+    """
     if state.recompute_only:
         return None
     c = config.chunk_size
@@ -129,62 +135,73 @@ def plan_save(
     limit = min(state.num_tokens, len(state.token_ids), state.block_capacity(config.block_size))
     if not config.save_decode_cache:
         limit = min(limit, state.prefill_end)
-    if cursor + c > limit:  # the hot path: nothing new to save this step
-        return _plan_partial(state, index, config, step)
-    skip_to = cursor
-    new_keys: list[bytes] = []
+    # The cursor is a chunk boundary except just after a partial chunk was saved (it is then
+    # the prefill's end). The next full chunk starts at the beginning of the chunk holding the
+    # cursor: its key names all of its tokens, so its slot must receive all of them.
     chunk = cursor // c
-    while (chunk + 1) * c <= limit and chunk < len(state.keys):
+    if (chunk + 1) * c > limit and config.discard_partial_chunks:
+        return None  # the hot path: nothing new to save this step
+    skip_to = cursor
+    ranges: list[tuple[bytes, int, int]] = []  # (key, start, end), contiguous
+    complete = True  # every full chunk below the limit is stored or in this plan
+    while (chunk + 1) * c <= limit:
+        if chunk >= len(state.keys):
+            complete = False
+            break
         key = state.keys[chunk]
         if key in index:
-            if new_keys:
+            if ranges:
+                complete = False
                 break  # keep the plan one contiguous range; the next step continues
             skip_to = (chunk + 1) * c
         elif index.is_writing(key):
+            complete = False
             break  # another request is writing it: wait for its result
         else:
-            new_keys.append(key)
+            ranges.append((key, chunk * c, (chunk + 1) * c))
         chunk += 1
+    if complete and not config.discard_partial_chunks:
+        at = ranges[-1][2] if ranges else skip_to
+        tail = _partial_tail(state, config, limit, at)
+        if tail is not None:
+            key, start, end = tail
+            if key in index:
+                if not ranges:
+                    skip_to = end  # the pool already holds this exact tail
+            elif not index.is_writing(key):
+                ranges.append(tail)
     slots: list[int] = []
     evicted: list[bytes] = []
-    if new_keys:
-        slots, evicted = index.choose_slots(len(new_keys))
-        new_keys = new_keys[: len(slots)]
-    if not new_keys and skip_to == cursor:
+    if ranges:
+        slots, evicted = index.choose_slots(len(ranges))
+        ranges = ranges[: len(slots)]
+    if not ranges and skip_to == cursor:
         return None
-    start = skip_to
-    end = start + len(new_keys) * c
+    start = ranges[0][1] if ranges else skip_to
+    end = ranges[-1][2] if ranges else skip_to
     return ev.SavePlanned(
-        step, state.req_id, start, end, tuple(new_keys), tuple(slots), tuple(evicted), skip_to
+        step,
+        state.req_id,
+        start,
+        end,
+        tuple(r[0] for r in ranges),
+        tuple(slots),
+        tuple(evicted),
+        skip_to,
     )
 
 
-def _plan_partial(
-    state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
-) -> ev.SavePlanned | None:
-    """The partial chunk at the end of a prefill, when the configuration keeps them."""
-    if config.discard_partial_chunks:
-        return None
+def _partial_tail(
+    state: RequestState, config: TrackerConfig, limit: int, at: int
+) -> tuple[bytes, int, int] | None:
+    """(key, start, end) of the prefill's partial chunk when a save range reaching ``at`` can
+    include it: its tokens are all computed and known, and it starts exactly at ``at``."""
     c = config.chunk_size
     end = state.prefill_end
     start = end // c * c
-    if (
-        end % c == 0
-        or state.save.cursor != start
-        or state.num_tokens < end
-        or len(state.token_ids) < end
-        or len(state.keys) < start // c
-    ):
+    if end % c == 0 or at != start or limit < end or len(state.keys) < start // c:
         return None
-    key = _tail_key(state, config, end)
-    if index.is_busy(key):
-        return None
-    slots, evicted = index.choose_slots(1)
-    if not slots:
-        return None
-    return ev.SavePlanned(
-        step, state.req_id, start, end, (key,), tuple(slots), tuple(evicted), start
-    )
+    return _tail_key(state, config, end), start, end
 
 
 @attrs.frozen(slots=True)

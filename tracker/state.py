@@ -427,13 +427,24 @@ def _on_load_planned(state: RequestState, e: ev.LoadPlanned, config: TrackerConf
     return state._replace(load=LoadProgress(e.start, e.end, e.keys, False), life=life), _NONE
 
 
+def _late_load_result(state: RequestState) -> bool:
+    """A load result for a request with no load in flight whose earlier admission planned
+    one: the result of a load revoked by a preemption. Under async scheduling it arrives one
+    step late, after the preemption that revoked it; there is nothing left to apply."""
+    return state.load is None and state.life.tokens_loaded > 0
+
+
 def _on_load_done(state: RequestState, e: ev.LoadDone, config: TrackerConfig) -> Result:
+    if _late_load_result(state):
+        return state, _NONE
     if state.load is None:
         return state, (_violation("load_result_without_load", e),)
     return state._replace(load=state.load._replace(done=True)), _NONE
 
 
 def _on_load_failed(state: RequestState, e: ev.LoadFailed, config: TrackerConfig) -> Result:
+    if _late_load_result(state):
+        return state, _NONE
     if state.load is None:
         return state, (_violation("load_result_without_load", e, blocks=len(e.block_ids)),)
     # vLLM rolls back to the first failed block; saves planned from there on would store KV

@@ -70,6 +70,10 @@ class Tracker:
         self._log = log
         self._logger = logger if logger is not None else structlog.get_logger("kvledger")
         self._retired: OrderedDict[str, None] = OrderedDict()
+        # Chunks a request's load will read, pinned from its Allocated (vLLM committed to the
+        # external tokens) until its admission's LoadPlanned pins them itself: in between,
+        # another request's save in the same step must not evict them.
+        self._reserved: dict[str, tuple[bytes, ...]] = {}
 
     # --- the core verb ------------------------------------------------------------------
 
@@ -91,10 +95,15 @@ class Tracker:
             self._record(event, ())
             self._report(violations, None)
             return []
+        reserved = self._reserved.pop(req_id, ())  # released once this event is decided
         folded, violations = fold(before, event, config)
         state = folded
         if state is not None:
             self._apply_index_effects(before, state, event)
+            # Check the input's invariants before deciding: a request whose state is already
+            # wrong (tokens beyond its blocks, say) must get no load and no save this step,
+            # only a refusal. Checked after planning, the plans went out regardless.
+            violations = violations + tuple(invariants.check(state, event, config))
         if violations and state is not None:
             state = state._replace(recompute_only=True)
 
@@ -102,15 +111,19 @@ class Tracker:
         if state is not None:
             state, decisions, more = self._decide(state, event)
             violations = violations + more
-            checked = invariants.check(state, event, config)
+            checked: list[Violation] = []
             for d in decisions:
                 checked.extend(invariants.check(state, d, config))
             if checked:
                 violations = violations + tuple(checked)
                 state = state._replace(recompute_only=True)
+            if isinstance(event, ev.Allocated) and not state.recompute_only:
+                self._reserve(state, event.step)
             self.states[req_id] = state
             if state.phase is Phase.FINISHED and self._idle(state):
                 self._retire(req_id)
+        if reserved:
+            self.index.unpin(reserved)
         self._record(event, decisions)
         if violations:
             decisions.extend(self._report(violations, state))
@@ -139,28 +152,40 @@ class Tracker:
         config, index = self.config, self.index
         decisions: list[ev.DecisionEvent] = []
         violations: tuple[Violation, ...] = ()
+
+        def take(state: RequestState, d: ev.DecisionEvent) -> RequestState:
+            # Fold and apply each decision before deriving the next: the save plan must see
+            # the pins of this step's load, or it may evict the very chunks being loaded.
+            nonlocal violations
+            decisions.append(d)
+            after, more = fold(state, d, config)
+            violations = violations + more
+            self._apply_decision_to_index(d)
+            return state if after is None else after  # never None: a known request
+
         if isinstance(event, ev.LookupAsked):
             hit, external = answer_lookup(state, index, config, event.local_hit, event.num_tokens)
-            decisions.append(ev.LookupAnswered(event.step, state.req_id, hit, external))
+            state = take(state, ev.LookupAnswered(event.step, state.req_id, hit, external))
         elif isinstance(event, ev.Scheduled) and state.phase is Phase.RUNNING:
             if event.admission is not ev.Admission.RUNNING:
-                load, violations = plan_load(state, index, config, event.step)
+                load, refused = plan_load(state, index, config, event.step)
                 if load is not None:
-                    decisions.append(load)
-                    if violations:
+                    state = take(state, load)
+                    if refused:
+                        violations = violations + refused
                         state = state._replace(recompute_only=True)
             if not state.recompute_only:
                 save = plan_save(state, index, config, event.step)
                 if save is not None:
-                    decisions.append(save)
-        for d in decisions:
-            after, more = fold(state, d, config)
-            if after is not None:  # always: decisions are folded into a known request
-                state = after
-            violations = violations + more
-            self._apply_decision_to_index(d)
+                    state = take(state, save)
         self.counts["decisions"] += len(decisions)
         return state, decisions, violations
+
+    def _reserve(self, state: RequestState, step: int) -> None:
+        load, _ = plan_load(state, self.index, self.config, step)
+        if load is not None and load.keys:
+            self.index.pin(load.keys)
+            self._reserved[state.req_id] = load.keys
 
     def _apply_decision_to_index(self, d: ev.DecisionEvent) -> None:
         if isinstance(d, ev.LoadPlanned):
@@ -184,6 +209,10 @@ class Tracker:
         elif isinstance(event, (ev.LoadDone, ev.LoadFailed)):
             if before is not None and before.load is not None and not before.load.done:
                 index.unpin(before.load.keys)
+                if isinstance(event, ev.LoadFailed):
+                    # The pool could not serve these chunks: never offer them again (a later
+                    # lookup would fail the same way); the recomputed KV is saved anew.
+                    index.drop_unread(self._failed_keys(before, event.block_ids))
             if isinstance(event, ev.LoadFailed):
                 # KV computed over the failed range is wrong: never store chunks from there on.
                 for key, start in after.save.pending:
@@ -193,13 +222,32 @@ class Tracker:
             before is not None
             and before.load is not None
             and not before.load.done
-            and (after.load is None or after.phase is not Phase.RUNNING)
+            and after.load is None
         ):
-            index.unpin(before.load.keys)  # revoked before the worker reported back
+            # Revoked (preemption) before the worker reported back. A finished request keeps
+            # its pins until the result: the worker may still be reading the slots, and the
+            # result's own unpin must not be a second one.
+            index.unpin(before.load.keys)
         if isinstance(event, ev.Preempted) or (
             before is not None and after.life.num_preemptions > before.life.num_preemptions
         ):
             self.counts["preemptions"] += 1
+
+    def _failed_keys(self, state: RequestState, failed_blocks: Iterable[int]) -> list[bytes]:
+        """The keys of ``state.load`` whose token range touches one of ``failed_blocks``."""
+        load = state.load
+        if load is None:
+            return []
+        b, c = self.config.block_size, self.config.chunk_size
+        failed = set(failed_blocks)
+        positions = [i * b for i, block in enumerate(state.block_ids) if block in failed]
+        keys: list[bytes] = []
+        for i, key in enumerate(load.keys):
+            lo = max(load.start, (load.start // c + i) * c)
+            hi = min(load.end, (load.start // c + i + 1) * c)
+            if any(p < hi and p + b > lo for p in positions):
+                keys.append(key)
+        return keys
 
     def _apply_pool_event(self, event: ev.ChunkStored | ev.ChunkEvicted) -> None:
         if isinstance(event, ev.ChunkStored):
@@ -309,7 +357,7 @@ class Tracker:
         num_computed: int,
         num_scheduled: int,
         all_token_ids: Sequence[int],
-        block_ids: Sequence[int] = (),
+        block_ids: Sequence[int] | None = (),
         admission: ev.Admission = ev.Admission.RUNNING,
     ) -> list[ev.DecisionEvent]:
         """One request's share of ``build_connector_meta``. ``all_token_ids`` is the request's
@@ -330,7 +378,7 @@ class Tracker:
                 num_scheduled,
                 start,
                 tokens,
-                tuple(block_ids),
+                tuple(block_ids or ()),  # vLLM sends None for "no new blocks"
                 admission,
             )
         )
