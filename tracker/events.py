@@ -156,6 +156,7 @@ class Finished(InputEvent):
     """``request_finished``: exactly once, before vLLM frees the blocks."""
 
     TAG: ClassVar[int] = 6
+    VERSION: ClassVar[int] = 2  # v1 carried `aborted: bool` instead of `reason: str`
     reason: str = "stopped"
 
 

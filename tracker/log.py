@@ -1,0 +1,812 @@
+"""LogWriter / LogReader: the kvledger log file. The only module of ``tracker`` that does I/O.
+
+File layout (all integers little-endian; see ``docs/log-format.md``)::
+
+    b"KVLEDGER"  u16 major (1)  u16 minor (0)      12-byte preamble, not checksummed
+    frame: header (a msgpack map)
+    frame: [seq, step, wall_ns, [record, ...]]     one per scheduler step
+    ...
+
+    frame = u32 len | u32 masked_crc(the 4 length bytes) | payload (len bytes)
+            | u32 masked_crc(payload)
+
+``masked_crc(b)`` is LevelDB/TFRecord's mask over CRC-32 (``zlib.crc32``, the IEEE polynomial):
+``((c >> 15) | (c << 17)) + 0xA282EAD8`` modulo 2**32. The mask makes the checksum of bytes that
+embed checksums well behaved; the separate length checksum tells a damaged length from a torn
+tail. Records inside a frame are described in :mod:`tracker.codec`.
+
+Segments: with ``rotate_bytes`` set, the writer starts a new file once the current one reached
+that size: ``<stem>.kvlog``, ``<stem>.000001.kvlog``, ``<stem>.000002.kvlog``, ... Each segment is
+self-contained (its own header, its own ``req_id`` interning) and names the BLAKE2b-128 digest of
+every byte of the previous segment in ``prev_segment_digest``; frame ``seq`` numbers run on across
+segments, so a reader notices a missing, reordered or foreign segment.
+
+Durability: every ``end_step`` writes its frame and flushes it to the OS (a process crash loses
+at most the step being written, seen as a torn tail); ``fsync`` runs on rotation and on close
+(``fsync="step"`` also after every step, ``"never"`` never). An ``fsync`` error is logged and
+never retried (after a failed fsync the kernel may have dropped the dirty pages and a retry can
+falsely succeed, "fsyncgate"): the writer marks itself failed and the next write, or ``close``,
+raises :class:`LogWriteError`. Open a new log to continue. A failed ``write`` does the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import re
+import struct
+import time
+import uuid
+import zlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Final, Literal
+
+import attrs
+import msgpack
+
+from tracker import codec
+from tracker.events import Event
+
+__all__ = [
+    "FORMAT",
+    "MAGIC",
+    "MAJOR",
+    "MINOR",
+    "Frame",
+    "LogCorruptError",
+    "LogError",
+    "LogFormatError",
+    "LogReader",
+    "LogWriteError",
+    "LogWriter",
+    "RawFrame",
+    "StopInfo",
+    "masked_crc",
+    "segment_paths",
+]
+
+MAGIC: Final = b"KVLEDGER"
+MAJOR: Final = 1
+MINOR: Final = 0
+FORMAT: Final = "kvledger-log"
+PREAMBLE_SIZE: Final = 12
+DEFAULT_MAX_FRAME_BYTES: Final = 64 << 20
+DEFAULT_ROTATE_BYTES: Final = 256 << 20
+# The header frame is small (schemas, config): readers refuse a bigger one.
+MAX_HEADER_BYTES: Final = 1 << 20
+
+_U32 = struct.Struct("<I")
+_U32x2 = struct.Struct("<II")
+_PREAMBLE = struct.Struct("<8sHH")
+_MASK_DELTA: Final = 0xA282EAD8
+_SEGMENT_RE = re.compile(r"^(?P<stem>.*?)(?:\.(?P<n>\d{6}))?\.kvlog$")
+
+_logger = logging.getLogger("kvledger.log")
+
+
+def masked_crc(data: bytes | bytearray | memoryview) -> int:
+    """CRC-32 (``zlib.crc32``) of ``data``, masked the LevelDB way (rotate right 15, add a
+    constant): ``((c >> 15) | (c << 17)) + 0xA282EAD8`` modulo 2**32."""
+    c = zlib.crc32(data)
+    return (((c >> 15) | (c << 17)) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def frame_bytes(payload: bytes) -> bytes:
+    """One frame around ``payload``: ``len | masked_crc(len) | payload | masked_crc(payload)``."""
+    head = _U32.pack(len(payload))
+    return b"".join((head, _U32.pack(masked_crc(head)), payload, _U32.pack(masked_crc(payload))))
+
+
+def _library_version() -> str:
+    try:
+        return importlib.metadata.version("kvledger")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class LogError(Exception):
+    """Base of the log's errors."""
+
+
+class LogFormatError(LogError, ValueError):
+    """Not a kvledger log, or a major format version this library cannot read."""
+
+
+class LogWriteError(LogError, RuntimeError):
+    """The writer is closed, or failed (a write or fsync error) and cannot go on."""
+
+
+@attrs.frozen(slots=True)
+class StopInfo:
+    """Where and why a reader stopped before the end of the data.
+
+    ``kind``: ``"torn_tail"`` (the data ends inside a frame: a writer died mid-write; normal
+    after a crash), ``"corrupt"`` (a checksum, length, payload, record or sequence number is
+    wrong), ``"bad_header"`` (a segment header is damaged or does not chain to the previous
+    segment). ``offset`` is the byte offset in ``path`` of the frame that could not be read.
+    """
+
+    path: str
+    offset: int
+    reason: str
+    kind: Literal["torn_tail", "corrupt", "bad_header"]
+
+    def describe(self) -> str:
+        return f"{self.path}: offset {self.offset}: {self.kind}: {self.reason}"
+
+
+class LogCorruptError(LogError):
+    """Raised by a ``strict`` reader where a lenient one would stop; carries the StopInfo."""
+
+    def __init__(self, stop: StopInfo) -> None:
+        super().__init__(stop.describe())
+        self.stop = stop
+
+
+@attrs.frozen(slots=True)
+class Frame:
+    """One scheduler step's events, with where they were read from."""
+
+    seq: int
+    step: int
+    wall_ns: int
+    events: tuple[Event, ...]
+    offset: int
+    path: str
+
+
+@attrs.frozen(slots=True)
+class RawFrame:
+    """A frame's records as written: ``[tag, req_id, *fields]`` lists with ``req_id`` resolved
+    from its intern ref, fields at the writer's schema version, trailing defaults absent."""
+
+    seq: int
+    step: int
+    wall_ns: int
+    records: list[list[Any]]
+    offset: int
+    path: str
+
+
+# --- writer -------------------------------------------------------------------------------
+
+
+def _segment_path(first: Path, number: int) -> Path:
+    if number == 0:
+        return first
+    stem = first.name[: -len(".kvlog")] if first.name.endswith(".kvlog") else first.stem
+    return first.with_name(f"{stem}.{number:06d}.kvlog")
+
+
+class LogWriter:
+    """Append-only writer: ``append(event)`` per event, ``end_step(step)`` per scheduler step.
+
+    ``path`` is the first segment; it must not exist (a log is never overwritten). ``config``
+    (msgpack-serialisable, string keys) goes into every segment header. ``rotate_bytes``: start
+    a new segment once a segment reached this size (``None``: never). ``fsync``: ``"close"``
+    (on rotation and close), ``"step"`` (also after every step) or ``"never"``.
+
+    A step's events form one frame, written at ``end_step``; an event of another step than the
+    pending ones first writes the pending frame (nothing is lost, steps stay exact). A step
+    whose frame would exceed ``max_frame_bytes`` is written as several frames of that step.
+
+    Not thread-safe: one writer belongs to one thread (the scheduler's).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        config: dict[str, Any] | None = None,
+        *,
+        rotate_bytes: int | None = DEFAULT_ROTATE_BYTES,
+        fsync: Literal["close", "step", "never"] = "close",
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if fsync not in ("close", "step", "never"):
+            raise ValueError(f"fsync must be 'close', 'step' or 'never', got {fsync!r}")
+        if rotate_bytes is not None and rotate_bytes <= 0:
+            raise ValueError(f"rotate_bytes must be positive or None, got {rotate_bytes!r}")
+        self.config: dict[str, Any] = dict(config or {})
+        self.rotate_bytes = rotate_bytes
+        self.fsync = fsync
+        self.max_frame_bytes = max_frame_bytes
+        self.run_id = uuid.uuid4().hex
+        self.paths: list[Path] = []
+        self.seq = 0  # the next frame's seq
+        self.closed = False
+        self._first = Path(path)
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._encoders = codec.encoder_table()
+        self._encoder = codec.Encoder()
+        self._refs = self._encoder.refs
+        self._pending: list[list[Any]] = []
+        self._frame_step = 0
+        self._mark = 0
+        self._failure: str | None = None
+        self._failure_raised = False
+        self._file: IO[bytes] | None = None
+        self._digest = hashlib.blake2b(digest_size=16)
+        self._size = 0
+        self._rotate_due = False
+        self._open_segment(0, "")
+
+    # --- public API -------------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The segment being written."""
+        return self.paths[-1]
+
+    @property
+    def failed(self) -> str | None:
+        """Why the writer failed (a write or fsync error), or None."""
+        return self._failure
+
+    def append(self, event: Event) -> None:
+        """Buffer ``event`` for its step's frame (encoded now: a later change of anything the
+        event refers to cannot alter the log). Raises :class:`tracker.codec.EncodeError` for
+        an object that is not an event the codec knows."""
+        if not self._pending:
+            self._begin_frame(event.step)
+        elif event.step != self._frame_step:
+            self._write_pending()
+            self._begin_frame(event.step)
+        fn = self._encoders.get(event.__class__)
+        if fn is None:
+            raise codec.EncodeError(f"not an event type the codec knows: {type(event)!r}")
+        try:
+            self._pending.append(fn(event, self._refs))
+        except TypeError as e:
+            raise codec.EncodeError(f"cannot encode {event!r}: {e}") from None
+
+    def end_step(self, step: int) -> None:
+        """Write the frame of ``step`` (nothing if it has no events) and flush it to the OS."""
+        self._check_usable()
+        if not self._pending:
+            return
+        if step != self._frame_step:
+            raise ValueError(
+                f"end_step({step}) but the pending events belong to step {self._frame_step}"
+            )
+        self._write_pending()
+        if self.fsync == "step":
+            self._fsync("step")
+
+    def close(self) -> None:
+        """Write pending events, fsync (unless ``fsync="never"``) and close. Idempotent.
+        Raises :class:`LogWriteError` if the writer failed and that was not reported yet."""
+        if self.closed:
+            return
+        unencodable: codec.EncodeError | None = None
+        try:
+            if self._failure is None and self._pending:
+                try:
+                    self._write_pending()
+                except codec.EncodeError as e:  # the earlier steps still get their fsync
+                    unencodable = e
+            if self._failure is None and self.fsync != "never":
+                self._fsync("close")
+        finally:
+            self.closed = True
+            if self._file is not None:
+                try:
+                    self._file.close()
+                except OSError as e:  # the data was flushed; report, do not retry
+                    _logger.error("kvledger log close failed: %s: %s", self.path, e)
+                self._file = None
+        if self._failure is not None and not self._failure_raised:
+            self._failure_raised = True
+            raise LogWriteError(self._failure)
+        if unencodable is not None:
+            raise unencodable
+
+    def __enter__(self) -> LogWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- internals --------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self.closed:
+            raise LogWriteError(f"LogWriter for {self._first} is closed")
+        if self._failure is not None:
+            self._failure_raised = True
+            raise LogWriteError(f"LogWriter for {self._first} failed earlier: {self._failure}")
+
+    def _begin_frame(self, step: int) -> None:
+        self._check_usable()
+        if self._rotate_due:
+            self._rotate()
+        self._frame_step = step
+        self._mark = self._encoder.mark()
+
+    def _open_segment(self, number: int, prev_digest: str) -> None:
+        path = _segment_path(self._first, number)
+        header = {
+            "format": FORMAT,
+            "library_version": _library_version(),
+            "created_wall_ns": time.time_ns(),
+            "run_id": self.run_id,
+            "segment": number,
+            "prev_segment_digest": prev_digest,
+            "config": self.config,
+            "schemas": codec.schemas(),
+            "transforms": codec.transforms(),
+            "defaults": codec.defaults(),
+        }
+        try:
+            payload = msgpack.packb(header, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TypeError(f"log config must be msgpack-serialisable: {e}") from e
+        if len(payload) > MAX_HEADER_BYTES:
+            raise ValueError(f"log header is {len(payload)} bytes, over {MAX_HEADER_BYTES}")
+        try:
+            f = open(path, "xb")  # noqa: SIM115 (owned by the writer until close)
+        except FileExistsError:
+            raise FileExistsError(f"{path} exists: a kvledger log is never overwritten") from None
+        self._file = f
+        self._digest = hashlib.blake2b(digest_size=16)
+        self._size = 0
+        self._rotate_due = False
+        self.paths.append(path)
+        self._encoder = codec.Encoder()
+        self._refs = self._encoder.refs
+        self._write(_PREAMBLE.pack(MAGIC, MAJOR, MINOR) + frame_bytes(payload))
+        if self.fsync != "never":
+            _fsync_dir(path.parent)
+
+    def _rotate(self) -> None:
+        number = len(self.paths)
+        if self.fsync != "never":
+            self._fsync("rotation")
+            self._check_usable()
+        assert self._file is not None
+        try:
+            self._file.close()
+            self._file = None
+            self._open_segment(number, self._digest.hexdigest())
+        except OSError as e:
+            self._fail(f"rotation to segment {number} failed: {e}")
+            self._failure_raised = True
+            raise LogWriteError(self._failure) from e
+
+    def _write_pending(self) -> None:
+        records = self._pending
+        self._pending = []
+        seq = self.seq
+        try:
+            payloads = self._pack(records)
+        except codec.EncodeError:
+            # Nothing of this step is written: forget its ids and seq numbers, so the log
+            # stays consistent (the caller hears about the bad event).
+            self._encoder.rollback(self._mark)
+            self.seq = seq
+            raise
+        self._write(b"".join(frame_bytes(p) for p in payloads))
+        self._mark = self._encoder.mark()
+        if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
+            self._rotate_due = True
+
+    def _pack(self, records: list[list[Any]]) -> list[bytes]:
+        """Payloads for the pending records: one frame, or several of the same step when one
+        would exceed ``max_frame_bytes``."""
+        wall_ns = time.time_ns()
+        pack = self._packer.pack
+        try:
+            payload = pack([self.seq, self._frame_step, wall_ns, records])
+        except (TypeError, ValueError, OverflowError):
+            self._packer.reset()
+            raise codec.EncodeError(self._unpackable(records)) from None
+        if len(payload) <= self.max_frame_bytes:
+            self.seq += 1
+            return [payload]
+        if len(records) == 1:
+            raise codec.EncodeError(
+                f"one record of step {self._frame_step} takes {len(payload)} bytes, over "
+                f"max_frame_bytes={self.max_frame_bytes}: tag {records[0][0]}"
+            )
+        half = len(records) // 2
+        return self._pack(records[:half]) + self._pack(records[half:])
+
+    def _unpackable(self, records: list[list[Any]]) -> str:
+        for rec in records:
+            try:
+                msgpack.packb(rec, use_bin_type=True)
+            except (TypeError, ValueError, OverflowError) as e:
+                return f"cannot encode a record of step {self._frame_step} ({rec[:2]}): {e}"
+        return f"cannot encode the frame of step {self._frame_step}"
+
+    def _write(self, data: bytes) -> None:
+        assert self._file is not None
+        try:
+            self._file.write(data)
+            self._file.flush()
+        except OSError as e:
+            self._fail(f"write to {self.path} failed: {e}")
+            self._failure_raised = True
+            raise LogWriteError(self._failure) from e
+        self._digest.update(data)
+        self._size += len(data)
+
+    def _fsync(self, when: str) -> None:
+        assert self._file is not None
+        try:
+            os.fsync(self._file.fileno())
+        except OSError as e:
+            self._fail(f"fsync of {self.path} failed ({when}): {e}; not retried")
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+        _logger.error("kvledger log writer failed: %s", reason)
+
+
+def _fsync_dir(path: Path) -> None:
+    # Make the new file's directory entry durable; best effort (not all systems allow it).
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --- reader -------------------------------------------------------------------------------
+
+
+def segment_paths(directory: str | os.PathLike[str]) -> list[Path]:
+    """The ``*.kvlog`` segments of one log in ``directory``, in order. A directory holding the
+    segments of several logs (several stems) is an error: pass the files instead."""
+    found: dict[str, list[tuple[int, Path]]] = {}
+    for p in Path(directory).iterdir():
+        m = _SEGMENT_RE.match(p.name)
+        if m is None or not p.is_file():
+            continue
+        found.setdefault(m["stem"], []).append((int(m["n"] or 0), p))
+    if len(found) > 1:
+        raise ValueError(
+            f"{directory} holds segments of several logs {sorted(found)}; pass one log's files"
+        )
+    return [p for _, p in sorted(next(iter(found.values()), []))]
+
+
+class _Stop(Exception):
+    """Internal: the reader met damage (carries the StopInfo)."""
+
+    def __init__(self, info: StopInfo) -> None:
+        super().__init__(info.reason)
+        self.info = info
+
+
+_HEADER_TYPES: Final[dict[str, type | tuple[type, ...]]] = {
+    "format": str,
+    "library_version": str,
+    "created_wall_ns": int,
+    "run_id": str,
+    "segment": int,
+    "prev_segment_digest": str,
+    "config": dict,
+    "schemas": dict,
+}
+
+
+class LogReader:
+    """Reads a log: a file, a list of segment files, or a directory of one log's segments.
+
+    Iterating yields :class:`Frame` objects; :meth:`iter_raw` yields :class:`RawFrame` objects
+    (faster: no event objects, no field validation beyond record shape). Both stop at the
+    first damage (torn tail, checksum mismatch, oversized length, undecodable payload, unknown
+    tag, broken segment chain), after yielding every complete valid frame before it, and
+    record why in :attr:`stop` (None after a clean end). With ``strict=True`` they raise
+    :class:`LogCorruptError` instead. A file that is not a kvledger log, or has a major
+    version this library cannot read, raises :class:`LogFormatError` in either mode.
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        strict: bool = False,
+    ) -> None:
+        if isinstance(source, (str, os.PathLike)):
+            p = Path(source)
+            self.paths = segment_paths(p) if p.is_dir() else [p]
+        else:
+            self.paths = [Path(s) for s in source]
+        self.max_frame_bytes = max_frame_bytes
+        self.strict = strict
+        self.stop: StopInfo | None = None
+        self._header: dict[str, Any] | None = None
+        self._header_read = False
+
+    @property
+    def header(self) -> dict[str, Any] | None:
+        """The first segment's header (None when it cannot be read; :attr:`stop` says why)."""
+        if not self._header_read:
+            self._header_read = True
+            if self.paths:
+                try:
+                    with open(self.paths[0], "rb") as f:
+                        self._header = self._read_header(f, str(self.paths[0]), _Hasher())
+                except _Stop as s:
+                    if self.strict:
+                        raise LogCorruptError(s.info) from None
+                    self.stop = s.info
+        return self._header
+
+    def __iter__(self) -> Iterator[Frame]:
+        for seq, step, wall_ns, records, offset, path, decoder in self._frames():
+            try:
+                events = decoder.decode(step, records)
+            except codec.DecodeError as e:
+                self._damage(path, offset, f"frame seq {seq}: {e}", "corrupt")
+                return
+            yield Frame(seq, step, wall_ns, events, offset, path)
+
+    def iter_raw(self) -> Iterator[RawFrame]:
+        """Frames with their raw records (see :class:`RawFrame`), verified: checksums, frame
+        shape, sequence, record shape, tags and interning."""
+        for seq, step, wall_ns, records, offset, path, decoder in self._frames():
+            try:
+                decoder.resolve(records)
+            except codec.DecodeError as e:
+                self._damage(path, offset, f"frame seq {seq}: {e}", "corrupt")
+                return
+            yield RawFrame(seq, step, wall_ns, records, offset, path)
+
+    # --- internals --------------------------------------------------------------------
+
+    def _damage(self, path: str, offset: int, reason: str, kind: Any) -> None:
+        info = StopInfo(path, offset, reason, kind)
+        self.stop = info
+        if self.strict:
+            raise LogCorruptError(info)
+
+    def _frames(
+        self,
+    ) -> Iterator[tuple[int, int, int, list[Any], int, str, codec.Decoder]]:
+        """``(seq, step, wall_ns, records, offset, path, decoder)`` per verified frame, over
+        all segments; stops (or raises when strict) at the first damage."""
+        self.stop = None
+        prev: tuple[dict[str, Any], str, str] | None = None  # header, digest, path
+        expect_seq: int | None = None
+        try:
+            for index, p in enumerate(self.paths):
+                path = str(p)
+                hasher = _Hasher()
+                with open(p, "rb", buffering=1 << 20) as f:
+                    header = self._read_header(f, path, hasher)
+                    if prev is not None:
+                        _check_chain(prev, header, path)
+                    decoder = _decoder_for(header, path)
+                    last = index == len(self.paths) - 1
+                    for offset, payload in _scan(f, path, self.max_frame_bytes, hasher, last):
+                        seq, step, wall_ns, records = _unpack_frame(payload, path, offset)
+                        if expect_seq is not None and seq != expect_seq:
+                            raise _Stop(
+                                StopInfo(
+                                    path,
+                                    offset,
+                                    f"frame seq {seq} where {expect_seq} was due",
+                                    "corrupt",
+                                )
+                            )
+                        expect_seq = seq + 1
+                        yield seq, step, wall_ns, records, offset, path, decoder
+                prev = (header, hasher.hexdigest(), path)
+        except _Stop as s:
+            self.stop = s.info
+            if self.strict:
+                raise LogCorruptError(s.info) from None
+
+    def _read_header(self, f: IO[bytes], path: str, hasher: _Hasher) -> dict[str, Any]:
+        pre = f.read(PREAMBLE_SIZE)
+        if pre[:8] != MAGIC[: len(pre[:8])]:
+            raise LogFormatError(
+                f"{path}: offset 0: not a kvledger log: expected magic {MAGIC!r}, "
+                f"found {bytes(pre[:8])!r}"
+            )
+        if len(pre) < PREAMBLE_SIZE:
+            raise _Stop(
+                StopInfo(
+                    path, 0, f"the data ends inside the preamble ({len(pre)} bytes)", "torn_tail"
+                )
+            )
+        _, major, minor = _PREAMBLE.unpack(pre)
+        if major != MAJOR:
+            newer = "written by a newer kvledger" if major > MAJOR else "an unknown format"
+            raise LogFormatError(
+                f"{path}: offset 8: {newer} (format {major}.x); this version reads {MAJOR}.x"
+            )
+        hasher.update(pre)
+        try:
+            offset, body = next(_scan(f, path, MAX_HEADER_BYTES, hasher, True))
+        except StopIteration:
+            raise _Stop(StopInfo(path, PREAMBLE_SIZE, "no header frame", "torn_tail")) from None
+        except _Stop as s:  # a damaged header frame is a bad header, a torn one a torn tail
+            kind = s.info.kind if s.info.kind == "torn_tail" else "bad_header"
+            raise _Stop(
+                attrs.evolve(s.info, reason=f"header: {s.info.reason}", kind=kind)
+            ) from None
+        try:
+            header = msgpack.unpackb(
+                body,
+                raw=False,
+                strict_map_key=False,  # the schema table is keyed by int tags
+                max_str_len=len(body),
+                max_bin_len=len(body),
+                max_array_len=len(body),
+                max_map_len=len(body),
+                max_ext_len=0,
+            )
+        except Exception as e:
+            raise _Stop(
+                StopInfo(path, offset, f"undecodable header: {_exc(e)}", "bad_header")
+            ) from None
+        problem = _header_problem(header)
+        if problem is not None:
+            raise _Stop(StopInfo(path, offset, problem, "bad_header"))
+        assert isinstance(header, dict)
+        header["major"], header["minor"] = major, minor
+        return header
+
+
+def _scan(
+    f: IO[bytes], path: str, max_frame: int, hasher: _Hasher, last: bool
+) -> Iterator[tuple[int, memoryview]]:
+    """``(offset, payload)`` for each frame from the current position to a clean end of file;
+    raises ``_Stop`` at a torn tail or a damaged frame. The length is checked (its own
+    checksum, ``max_frame``, the file's size) before anything is read for the payload."""
+    offset = f.tell()
+    size = os.fstat(f.fileno()).st_size
+    read = f.read
+    update = hasher.update
+    unpack_u32 = _U32.unpack_from
+    tail = "" if last else " of a segment that is not the last"
+    torn: Literal["torn_tail", "corrupt"] = "torn_tail" if last else "corrupt"
+    while True:
+        head = read(8)
+        if len(head) < 8:
+            if not head:
+                return
+            raise _Stop(StopInfo(path, offset, f"the data ends inside a frame header{tail}", torn))
+        n, lcrc = _U32x2.unpack(head)
+        if masked_crc(head[:4]) != lcrc:
+            raise _Stop(StopInfo(path, offset, "frame length checksum mismatch", "corrupt"))
+        if n > max_frame:
+            raise _Stop(
+                StopInfo(
+                    path,
+                    offset,
+                    f"frame length {n} exceeds max_frame_bytes={max_frame}",
+                    "corrupt",
+                )
+            )
+        body = read(n + 4) if offset + 12 + n <= size else b""
+        if len(body) < n + 4:
+            raise _Stop(
+                StopInfo(
+                    path,
+                    offset,
+                    f"the data ends inside a frame ({n + 4} bytes announced after its header, "
+                    f"{max(0, size - offset - 8)} present){tail}",
+                    torn,
+                )
+            )
+        payload = memoryview(body)[:n]
+        if masked_crc(payload) != unpack_u32(body, n)[0]:
+            raise _Stop(StopInfo(path, offset, "frame payload checksum mismatch", "corrupt"))
+        update(head)
+        update(body)
+        yield offset, payload
+        offset += 12 + n
+
+
+def _unpack_frame(payload: memoryview, path: str, offset: int) -> tuple[int, int, int, list[Any]]:
+    """``[seq, step, wall_ns, records]`` from a verified payload. The limits bound what a
+    hostile payload can make the decoder allocate: no string, binary or array longer than the
+    payload, no maps at all (frames have none), no extension types. Deep nesting is bounded by
+    msgpack itself (1024 levels, each preallocating at most about 80 KB): a few times the
+    payload plus about 80 MB, whatever the claimed lengths."""
+    n = len(payload)
+    try:
+        obj = msgpack.unpackb(
+            payload,
+            use_list=True,
+            raw=False,
+            strict_map_key=True,
+            max_str_len=n,
+            max_bin_len=n,
+            max_array_len=n,
+            max_map_len=0,
+            max_ext_len=0,
+        )
+    except Exception as e:  # hostile bytes raise many kinds; all mean "undecodable"
+        raise _Stop(
+            StopInfo(path, offset, f"undecodable frame payload: {_exc(e)}", "corrupt")
+        ) from None
+    if (
+        type(obj) is not list
+        or len(obj) != 4
+        or type(obj[0]) is not int
+        or type(obj[1]) is not int
+        or type(obj[2]) is not int
+        or type(obj[3]) is not list
+    ):
+        raise _Stop(
+            StopInfo(
+                path, offset, "frame payload is not [seq, step, wall_ns, [records]]", "corrupt"
+            )
+        )
+    return obj[0], obj[1], obj[2], obj[3]
+
+
+class _Hasher:
+    """BLAKE2b-128 over a segment's bytes, for the ``prev_segment_digest`` chain."""
+
+    __slots__ = ("_h", "update")
+
+    def __init__(self) -> None:
+        self._h = hashlib.blake2b(digest_size=16)
+        self.update = self._h.update
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def _exc(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"[:200]
+
+
+def _header_problem(header: Any) -> str | None:
+    if not isinstance(header, dict):
+        return "header is not a map"
+    for key, t in _HEADER_TYPES.items():
+        if key not in header:
+            return f"header lacks {key!r}"
+        if not isinstance(header[key], t) or isinstance(header[key], bool):
+            return f"header {key!r} has type {type(header[key]).__name__}"
+    if header["format"] != FORMAT:
+        return f"header format is {header['format']!r}, expected {FORMAT!r}"
+    if not isinstance(header.get("transforms", {}), dict):
+        return "header 'transforms' is not a map"
+    return None
+
+
+def _decoder_for(header: dict[str, Any], path: str) -> codec.Decoder:
+    try:
+        return codec.Decoder(header["schemas"], header.get("transforms"))
+    except codec.DecodeError as e:
+        raise _Stop(StopInfo(path, PREAMBLE_SIZE, f"bad schema table: {e}", "bad_header")) from None
+
+
+def _check_chain(prev: tuple[dict[str, Any], str, str], header: dict[str, Any], path: str) -> None:
+    prev_header, digest, prev_path = prev
+    problem = None
+    if header["run_id"] != prev_header["run_id"]:
+        problem = f"run_id {header['run_id']} differs from {prev_path}'s {prev_header['run_id']}"
+    elif header["segment"] != prev_header["segment"] + 1:
+        problem = f"segment {header['segment']} follows segment {prev_header['segment']}"
+    elif header["prev_segment_digest"] != digest:
+        problem = (
+            f"prev_segment_digest {header['prev_segment_digest']!r} does not match "
+            f"{prev_path} (digest {digest})"
+        )
+    if problem is not None:
+        raise _Stop(StopInfo(path, PREAMBLE_SIZE, f"segment chain broken: {problem}", "bad_header"))
