@@ -65,6 +65,7 @@ __all__ = [
     "LogWriter",
     "RawFrame",
     "StopInfo",
+    "frame_bytes",
     "masked_crc",
     "segment_paths",
 ]
