@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import attrs
@@ -24,7 +24,7 @@ import structlog
 from connector.config import ConnectorConfig
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.plans import TransferPlan, transfer_plan
+from tracker.plans import TransferPlan, blocks_covering, transfer_plan
 from tracker.tracker import Tracker
 
 __all__ = ["SchedulerSide", "StepPlan", "WorkerReport", "first_group"]
@@ -51,23 +51,42 @@ class StepPlan:
 
 @attrs.frozen
 class WorkerReport:
-    """What the worker tells the scheduler (travels in ``kv_connector_worker_meta``)."""
+    """What one worker (one ``rank``) tells the scheduler; travels in
+    ``kv_connector_worker_meta``. Under tensor or pipeline parallelism every rank holds a
+    share of each chunk, so the scheduler confirms a chunk only when every rank reported it."""
 
     saves_done: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
     saves_failed: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
     loads_done: tuple[str, ...] = ()
     loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    rank: int = 0
 
     def merged(self, other: WorkerReport) -> WorkerReport:
+        """This rank's results of two moments, in order."""
         return WorkerReport(
             self.saves_done + other.saves_done,
             self.saves_failed + other.saves_failed,
             self.loads_done + other.loads_done,
             self.loads_failed + other.loads_failed,
+            self.rank,
         )
 
     def __bool__(self) -> bool:
         return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
+
+
+class _Ack:
+    """Which ranks reported a transfer done or failed; forgotten once all ranks reported."""
+
+    __slots__ = ("done", "failed")
+
+    def __init__(self) -> None:
+        self.done: set[int] = set()
+        self.failed: set[int] = set()
+
+    def settle(self, table: dict[Any, _Ack], key: Any, world: int) -> None:
+        if len(self.done | self.failed) >= world:
+            del table[key]
 
 
 def first_group(block_ids: Any) -> tuple[int, ...]:
@@ -127,6 +146,7 @@ class SchedulerSide:
         block_size: int,
         num_slots: int,
         salt: str = "",
+        world_size: int = 1,
         log_header: dict[str, Any] | None = None,
         logger: Any = None,
     ) -> None:
@@ -151,6 +171,11 @@ class SchedulerSide:
         self.load_stats = {"tokens_loaded_on_resume": 0, "full_hits": 0}
         self._requests: dict[str, Any] = {}
         self._delayed_free: list[str] = []
+        self._allocated_this_step: set[str] = set()
+        # Worker ranks that must confirm every transfer (tensor x pipeline parallel size).
+        self.world_size = max(1, int(world_size))
+        self._save_acks: dict[tuple[str, bytes], _Ack] = {}
+        self._load_acks: dict[str, _Ack] = {}
 
     def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
         from tracker.log import LogWriter  # the only file I/O, and only when asked for
@@ -196,29 +221,49 @@ class SchedulerSide:
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = self._see(request)
+        self._allocated_this_step.add(req_id)
         self.tracker.allocated(req_id, first_group(blocks), int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
+        """Fold the step into the tracker and return the worker's plan. Whatever fails, the
+        decisions already made are still planned (a load vLLM already counts must run or be
+        refused), and admissions that could not be processed are refused."""
+        tracker = self.tracker
+        step = tracker.step
+        decisions: list[ev.DecisionEvent] = []
+        preempted: tuple[str, ...] = ()
         try:
-            return self._build(scheduler_output)
+            preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            for req_id in preempted:
+                tracker.preempted(req_id)
+            for req_id, read in self._scheduled_requests(scheduler_output):
+                decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             if self.config.strict:
                 raise
             self.adapter_errors += 1
             _log.error("kvledger.adapter_error", callback="build_connector_meta", error=repr(exc))
-            self.tracker.end_step()
-            return StepPlan(step=self.tracker.step - 1)
+        plan = self._plan(step, decisions, preempted)
+        tracker.end_step()
+        return plan
 
-    def _build(self, out: Any) -> StepPlan:
-        tracker = self.tracker
-        step = tracker.step
-        preempted = tuple(sorted(getattr(out, "preempted_req_ids", None) or ()))
-        for req_id in preempted:
-            tracker.preempted(req_id)
+    def _scheduled_requests(self, out: Any) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+        """(req id, a reader of its facts) per scheduled request. Reading happens inside the
+        per-request guard, so one malformed entry costs one request, not the step."""
         num_scheduled: dict[str, int] = out.num_scheduled_tokens
-        decisions: list[ev.DecisionEvent] = []
         for new in out.scheduled_new_reqs:
-            decisions += self._scheduled_new(new, num_scheduled.get(new.req_id, 0))
+
+            def read_new(new: Any = new) -> dict[str, Any]:
+                tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
+                return {
+                    "admission": ev.Admission.NEW,
+                    "num_computed": int(new.num_computed_tokens),
+                    "num_scheduled": int(num_scheduled.get(new.req_id, 0)),
+                    "block_ids": first_group(new.block_ids),
+                    "fallback_tokens": tokens,
+                }
+
+            yield str(new.req_id), read_new
         cached = out.scheduled_cached_reqs
         resumed_ids = getattr(cached, "resumed_req_ids", None)
         resumed_flags = (
@@ -226,55 +271,33 @@ class SchedulerSide:
         )
         cached_all = getattr(cached, "all_token_ids", None) or {}
         for i, req_id in enumerate(cached.req_ids):
-            resumed = (
-                (req_id in resumed_ids)
-                if resumed_ids is not None
-                else bool(resumed_flags[i] if resumed_flags is not None else False)
-            )
-            decisions += self._scheduled_one(
-                req_id,
-                admission=ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
-                num_computed=int(cached.num_computed_tokens[i]),
-                num_scheduled=num_scheduled.get(req_id, 0),
-                block_ids=first_group(cached.new_block_ids[i]),
-                fallback_tokens=cached_all.get(req_id),
-            )
-        plan = self._plan(step, decisions, preempted)
-        tracker.end_step()
-        return plan
 
-    def _scheduled_new(self, new: Any, num_scheduled: int) -> list[ev.DecisionEvent]:
-        tokens = getattr(new, "prefill_token_ids", None) or new.prompt_token_ids or ()
-        return self._scheduled_one(
-            new.req_id,
-            admission=ev.Admission.NEW,
-            num_computed=int(new.num_computed_tokens),
-            num_scheduled=num_scheduled,
-            block_ids=first_group(new.block_ids),
-            fallback_tokens=tokens,
-        )
+            def read_cached(i: int = i, req_id: str = req_id) -> dict[str, Any]:
+                if resumed_ids is not None:
+                    resumed = req_id in resumed_ids
+                else:
+                    resumed = bool(resumed_flags[i]) if resumed_flags is not None else False
+                return {
+                    "admission": ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
+                    "num_computed": int(cached.num_computed_tokens[i]),
+                    "num_scheduled": int(num_scheduled.get(req_id, 0)),
+                    "block_ids": first_group(cached.new_block_ids[i]),
+                    "fallback_tokens": cached_all.get(req_id),
+                }
+
+            yield str(req_id), read_cached
 
     def _scheduled_one(
-        self,
-        req_id: str,
-        *,
-        admission: ev.Admission,
-        num_computed: int,
-        num_scheduled: int,
-        block_ids: tuple[int, ...],
-        fallback_tokens: Sequence[int] | None,
+        self, req_id: str, read: Callable[[], dict[str, Any]]
     ) -> list[ev.DecisionEvent]:
         try:
+            facts = read()
             request = self._requests.get(req_id)
-            tokens = request.all_token_ids if request is not None else (fallback_tokens or ())
-            return self.tracker.scheduled(
-                req_id,
-                num_computed=num_computed,
-                num_scheduled=num_scheduled,
-                all_token_ids=tokens,
-                block_ids=block_ids,
-                admission=admission,
-            )
+            fallback = facts.pop("fallback_tokens")
+            tokens = request.all_token_ids if request is not None else (fallback or ())
+            decisions = self.tracker.scheduled(req_id, all_token_ids=tokens, **facts)
+            self._allocated_this_step.discard(req_id)
+            return decisions
         except Exception as exc:
             if self.config.strict:
                 raise
@@ -303,26 +326,72 @@ class SchedulerSide:
                 plan = transfer_plan(d, state, self.tracker_config)
                 if plan is not None:
                     (loads if plan.kind == "load" else saves).append(plan)
+        refused.extend(self._refuse_unprocessed_admissions())
         delayed, self._delayed_free = tuple(self._delayed_free), []
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
+
+    def _refuse_unprocessed_admissions(self) -> list[int]:
+        """vLLM counts the external tokens of every allocated admission as computed. One whose
+        Scheduled we could not process gets no load: refuse its blocks so vLLM recomputes."""
+        refused: list[int] = []
+        for req_id in sorted(self._allocated_this_step):
+            state = self.tracker.state(req_id)
+            if state is None or state.accepted <= 0 or state.lookup is None:
+                continue
+            start = state.lookup.local_hit
+            refused += blocks_covering(
+                state.block_ids, self.tracker_config.block_size, start, start + state.accepted
+            )
+            self.tracker.mark_violation(req_id, "admission_not_processed", "Scheduled")
+        self._allocated_this_step.clear()
+        return refused
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        report = getattr(meta, "report", meta)
-        if isinstance(report, WorkerReport):
-            self.apply_report(report)
+        reports = getattr(meta, "reports", None)
+        if reports is None:  # a single report, bare or wrapped
+            reports = (getattr(meta, "report", meta),)
+        for report in reports or ():
+            if isinstance(report, WorkerReport):
+                self.apply_report(report)
 
     def apply_report(self, report: WorkerReport) -> None:
-        tracker = self.tracker
-        for req_id in report.loads_done:
-            tracker.load_done(req_id)
+        """One rank's results. A failure on any rank wins at once; a success counts only once
+        every rank reported it (each rank holds its share of every chunk's bytes)."""
+        tracker, world = self.tracker, self.world_size
         for req_id, blocks in report.loads_failed:
-            tracker.load_failed(req_id, blocks)
-        for req_id, keys in report.saves_done:
-            tracker.save_done(req_id, keys)
+            ack = self._load_acks.setdefault(req_id, _Ack())
+            if not ack.failed:
+                tracker.load_failed(req_id, blocks)
+            ack.failed.add(report.rank)
+            ack.settle(self._load_acks, req_id, world)
+        for req_id in report.loads_done:
+            ack = self._load_acks.setdefault(req_id, _Ack())
+            ack.done.add(report.rank)
+            if len(ack.done) == world and not ack.failed:
+                tracker.load_done(req_id)
+            ack.settle(self._load_acks, req_id, world)
         for req_id, keys in report.saves_failed:
-            tracker.save_failed(req_id, keys)
+            first: list[bytes] = []
+            for key in keys:
+                sack = self._save_acks.setdefault((req_id, key), _Ack())
+                if not sack.failed:
+                    first.append(key)
+                sack.failed.add(report.rank)
+                sack.settle(self._save_acks, (req_id, key), world)
+            if first:
+                tracker.save_failed(req_id, first)
+        for req_id, keys in report.saves_done:
+            confirmed: list[bytes] = []
+            for key in keys:
+                sack = self._save_acks.setdefault((req_id, key), _Ack())
+                sack.done.add(report.rank)
+                if len(sack.done) == world and not sack.failed:
+                    confirmed.append(key)
+                sack.settle(self._save_acks, (req_id, key), world)
+            if confirmed:
+                tracker.save_done(req_id, confirmed)
 
     def request_finished(
         self, request: Any, block_ids: Any = None

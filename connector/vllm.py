@@ -48,13 +48,20 @@ class KVLedgerMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
-    """Worker -> scheduler, once per step; ``aggregate`` merges tensor-parallel workers."""
+    """Worker -> scheduler, once per step. ``aggregate`` (vLLM merging the workers of a
+    tensor/pipeline-parallel group) keeps each rank's report apart: the scheduler confirms a
+    transfer only once every rank reported it."""
 
-    def __init__(self, report: WorkerReport) -> None:
-        self.report = report
+    def __init__(self, *reports: WorkerReport) -> None:
+        self.reports = reports
 
     def aggregate(self, other: KVLedgerWorkerMetadata) -> KVLedgerWorkerMetadata:
-        return KVLedgerWorkerMetadata(self.report.merged(other.report))
+        return KVLedgerWorkerMetadata(*self.reports, *other.reports)
+
+    @property
+    def report(self) -> WorkerReport:
+        """This worker's report (the first, when several ranks were aggregated)."""
+        return self.reports[0]
 
 
 def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str]:
@@ -100,6 +107,10 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.kv_config = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
+        self.kv_config.check_block_size(block_size)
+        parallel = vllm_config.parallel_config
+        world_size = int(getattr(parallel, "world_size", 0) or 1)
+        rank = int(getattr(parallel, "rank", 0) or 0)
         token_bytes, _, salt = _slot_geometry(vllm_config, kv_cache_config)
         slot_bytes = token_bytes * self.kv_config.chunk_size
         num_slots = self.kv_config.host_pool_bytes // slot_bytes
@@ -118,6 +129,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 block_size=block_size,
                 num_slots=num_slots,
                 salt=salt,
+                world_size=world_size,
                 log_header={
                     "vllm_version": getattr(vllm, "__version__", "?"),
                     "slot_bytes": slot_bytes,
@@ -126,7 +138,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             from connector.worker import WorkerSide  # torch only where bytes move
 
-            self._worker = WorkerSide(self.kv_config, num_slots=num_slots)
+            self._worker = WorkerSide(self.kv_config, num_slots=num_slots, rank=rank)
 
     # --- role guards ----------------------------------------------------------------------
 

@@ -41,8 +41,10 @@ class WorkerSide:
         num_slots: int | None = None,
         layout: str | None = None,
         load_fault: LoadFault | None = None,
+        rank: int = 0,
     ) -> None:
         self.config = config
+        self.rank = rank
         self._num_slots = num_slots
         self._layout = layout
         self._load_fault = load_fault
@@ -53,7 +55,7 @@ class WorkerSide:
         self._saves_in_flight: list[tuple[str, bytes, TransferHandle]] = []
         self._awaiting_free: set[str] = set()
         self._load_errors: set[int] = set()
-        self._report = WorkerReport()
+        self._report = WorkerReport(rank=rank)
         self.stats = {"tokens_loaded": 0, "tokens_saved": 0, "chunks_loaded": 0, "chunks_saved": 0}
 
     # --- setup ----------------------------------------------------------------------------
@@ -105,7 +107,7 @@ class WorkerSide:
             else:
                 done.append(load.req_id)
         self._report = self._report.merged(
-            WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed))
+            WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
         )
 
     def _load_one(
@@ -169,7 +171,9 @@ class WorkerSide:
                     _log.warning("kvledger.save_failed", req_id=save.req_id, error=repr(exc))
                     refused.append((save.req_id, (chunk.key,)))
         if refused:
-            self._report = self._report.merged(WorkerReport(saves_failed=tuple(refused)))
+            self._report = self._report.merged(
+                WorkerReport(saves_failed=tuple(refused), rank=self.rank)
+            )
 
     def _drain_saves(self, *, block: bool) -> None:
         """Move finished saves into the report; with ``block``, wait for all of them."""
@@ -185,7 +189,9 @@ class WorkerSide:
         self._saves_in_flight = still
         if done:
             self._report = self._report.merged(
-                WorkerReport(saves_done=tuple((r, tuple(k)) for r, k in done.items()))
+                WorkerReport(
+                    saves_done=tuple((r, tuple(k)) for r, k in done.items()), rank=self.rank
+                )
             )
 
     def get_finished(
@@ -209,7 +215,7 @@ class WorkerSide:
 
     def build_report(self) -> WorkerReport:
         self._drain_saves(block=False)
-        report, self._report = self._report, WorkerReport()
+        report, self._report = self._report, WorkerReport(rank=self.rank)
         return report
 
     def clear(self) -> None:

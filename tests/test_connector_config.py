@@ -385,11 +385,6 @@ def test_chunk_size_not_a_multiple_of_vllm_block_size_scheduler(
 
 
 @pytest.mark.vllm
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (minor): KVLedgerConnector.__init__ calls check_block_size only through "
-    "SchedulerSide; the worker role accepts chunk_size=24 with block_size=16",
-)
 def test_chunk_size_not_a_multiple_of_vllm_block_size_worker(
     vllm_build: Callable[..., Any],
 ) -> None:

@@ -1031,12 +1031,6 @@ def test_failed_update_state_after_alloc_never_leaves_unloaded_kv() -> None:
     ok_kv(eng, "B")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: build_connector_meta's fallback returns an empty StepPlan after an exception "
-    "midway: loads decided for earlier requests of the step are dropped, not refused, so vLLM "
-    "runs over never-loaded blocks",
-)
 def test_build_connector_meta_failure_midway_never_leaves_unloaded_kv() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
@@ -1055,12 +1049,6 @@ def test_build_connector_meta_failure_midway_never_leaves_unloaded_kv() -> None:
     ok_kv(eng, "B")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a load dropped by build_connector_meta's fallback keeps its chunks pinned "
-    "forever (no LoadDone/LoadFailed ever arrives, and a finished request keeps its pins "
-    "until the result): the pool can never evict them",
-)
 def test_build_connector_meta_failure_midway_leaks_no_pins() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
@@ -1120,12 +1108,6 @@ def test_tp2_saves_confirmed_by_every_rank_are_no_violation() -> None:
     assert not side.tracker.state("R").recompute_only
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with tensor parallelism a chunk stored by rank 0 but failed on rank 1 "
-    "(aggregated saves_done + saves_failed) is applied done-then-failed: it stays in the "
-    "index, although rank 1's slot never received it; later loads read stale bytes there",
-)
 def test_tp2_a_chunk_failed_on_one_rank_is_not_offered() -> None:
     side = make_side()
     keys = _saved_by_r(side)
@@ -1139,12 +1121,6 @@ def test_tp2_a_chunk_failed_on_one_rank_is_not_offered() -> None:
     assert side.get_num_new_matched_tokens(q, 0) == (16, False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with tensor parallelism a load done on rank 0 and failed on rank 1 arrives "
-    "as LoadDone then LoadFailed; the failed chunks are only dropped from the index when the "
-    "load was not yet done, so every later lookup offers them again and fails again",
-)
 def test_tp2_a_chunk_that_failed_to_load_on_one_rank_is_not_offered_again() -> None:
     side = make_side()
     keys = _saved_by_r(side)
