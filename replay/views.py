@@ -273,9 +273,9 @@ class _Lives:
             self.finished.discard(rid)
             return label, True
         if current is None:
-            n = self.count.get(rid)
-            if n is not None:  # a late event of a retired life
-                return (rid if n == 1 else f"{rid}#{n}"), False
+            lives = self.count.get(rid)
+            if lives is not None:  # a late event of a retired life
+                return (rid if lives == 1 else f"{rid}#{lives}"), False
             self.live[rid] = (rid, 1)  # an event before any RequestAdded: unknown request
             return rid, True
         if isinstance(e, ev.Finished):
@@ -294,7 +294,7 @@ class _Lives:
 
 
 class _Step(typing.NamedTuple):
-    index: int  # the event's position in the log (0-based, all events)
+    pos: int  # the event's position in the log (0-based, all events)
     frame: Frame
     event: ev.Event
     label: str
@@ -412,13 +412,11 @@ class RequestLife(list[Row]):
 def _row(step: _Step) -> Row:
     e, s = step.event, step.after
     violation = e.rule if isinstance(e, ev.ViolationRecorded) else ""
-    if s is None:
-        return Row(
-            step.index, e.step, type(e).__name__, describe_event(e), step.label, "unknown",
-            0, 0, 0, (), 0, 0, None, False, False, 0, False, violation,
-        )  # fmt: skip
+    if s is None:  # an event about a request the log never added
+        return Row(step.pos, e.step, type(e).__name__, describe_event(e), step.label,
+                   "unknown", 0, 0, 0, (), 0, 0, None, False, False, 0, False, violation)  # fmt: skip
     return Row(
-        index=step.index,
+        index=step.pos,
         step=e.step,
         event=type(e).__name__,
         detail=describe_event(e),

@@ -241,9 +241,14 @@ def _print_diff(r: DiffResult, out: _Out) -> None:
     if first is None:
         return
     out.line()
+    what = {
+        "differ": f"{', '.join(first.fields)} differ",
+        "missing": "B lacks A's events from here",
+        "extra": "B has events A lacks from here",
+    }[first.kind]
     out.line(
         f"first divergence: step {first.step}, request {first.request}, "
-        f"event {first.position} of the request",
+        f"event {first.position} of the request: {what}",
         style="bold red",
     )
     for text in first.describe().splitlines()[1:]:

@@ -1,0 +1,443 @@
+"""``replay.views`` (show, stats, timeline, export) and their commands, on synthetic logs written
+by a real Tracker and LogWriter, on damaged and split logs, and on logs of vLLM's real
+scheduler."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import attrs
+import pytest
+from _replay_logs import copy_log, real_logs, write_log
+
+from replay import views, views_cli
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.log import LogReader, segment_paths
+from tracker.state import fold
+
+
+@pytest.fixture
+def log(tmp_path: Path) -> Path:
+    path = tmp_path / "run.kvlog"
+    write_log(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return real_logs(tmp_path_factory)
+
+
+def all_events(path: Path) -> list[tuple[int, ev.Event]]:
+    reader = LogReader(path)
+    out = [(f.step, e) for f in reader for e in f.events]
+    assert reader.stop is None
+    return out
+
+
+def truncated_copy(src: Path, dst: Path, cut: int) -> Path:
+    data = src.read_bytes()
+    dst.write_bytes(data[: len(data) - cut])
+    return dst
+
+
+# --- show ---------------------------------------------------------------------------------
+
+
+def test_show_rows_follow_the_fold(log: Path) -> None:
+    life = views.show(log, "req-b")
+    mine = [(s, e) for s, e in all_events(log) if e.req_id == "req-b"]
+    assert [r.event for r in life] == [type(e).__name__ for _, e in mine]
+    assert [r.step for r in life] == [s for s, _ in mine]
+    state = None
+    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=64)
+    for row, (_, e) in zip(life, mine, strict=True):
+        state, _ = fold(state, e, config)
+        assert state is not None
+        assert row.tokens_known == len(state.token_ids)
+        assert row.num_tokens == state.num_tokens
+        assert row.block_ids == tuple(state.block_ids)
+        assert row.saved == state.saved
+        assert row.preempted == state.preempted
+        assert row.recompute_only == state.recompute_only
+    assert life.damage is None
+
+
+def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) -> None:
+    life = views.show(log, "req-b")
+    preempted = [r for r in life if r.event == "Preempted"]
+    assert len(preempted) == 1 and preempted[0].step == 3
+    assert preempted[0].preempted and preempted[0].blocks == 0 and preempted[0].num_tokens == 0
+    resumed = next(r for r in life if r.event == "Scheduled" and "RESUMED" in r.detail)
+    # From the preemption to the re-admission the request stays preempted, holding no tokens.
+    waiting = life[life.index(preempted[0]) : life.index(resumed)]
+    assert [r.event for r in waiting] == ["Preempted"] + ["LookupAsked", "LookupAnswered"] * 2 + [
+        "Allocated"
+    ]
+    assert all(r.preempted and r.num_tokens == 0 for r in waiting)
+    assert resumed.step == 5
+    assert resumed.block_ids == (9, 10, 11, 12, 13)  # replaced, not appended to 4..8
+    assert not resumed.preempted and resumed.phase == "running"
+    assert resumed.preemptions == 1
+    load = next(r for r in life if r.event == "LoadPlanned")
+    assert load.load == (0, 64) and not load.load_done
+    done = next(r for r in life if r.event == "LoadDone")
+    assert done.load == (0, 64) and done.load_done
+
+
+def test_show_marks_violations_and_recompute_only(log: Path) -> None:
+    life = views.show(log, "req-d")
+    v = [r for r in life if r.violation]
+    assert [(r.step, r.violation) for r in v] == [(7, "accepted_equals_answer")]
+    after = life[life.index(v[0]) :]
+    assert all(r.recompute_only for r in after)
+
+
+def test_show_finds_a_request_by_part_of_its_id(tmp_path: Path) -> None:
+    path = tmp_path / "x.kvlog"
+    write_log(path, rename=lambda rid: f"cmpl-{rid}-0a1b2c3d" if rid else rid)
+    life = views.show(path, "req-b")
+    assert life.request == "cmpl-req-b-0a1b2c3d"
+    with pytest.raises(views.RequestNotFound) as info:
+        views.show(path, "req-")
+    assert len(info.value.candidates) == 4
+    with pytest.raises(views.RequestNotFound, match="no request 'nope'"):
+        views.show(path, "nope")
+
+
+def test_show_numbers_the_lives_of_a_reused_id(tmp_path: Path) -> None:
+    """vLLM may reuse an id once the request finished: rows say which life they belong to."""
+    src, dst = tmp_path / "a.kvlog", tmp_path / "b.kvlog"
+    write_log(src)
+    copy_log(src, dst, lambda e: attrs.evolve(e, req_id="req-a") if e.req_id == "req-c" else e)
+    life = views.show(dst, "req-a")
+    assert {r.life for r in life} == {"req-a", "req-a#2"}
+    second = [r for r in life if r.life == "req-a#2"]
+    assert second[0].event == "RequestAdded" and second[0].step == 7
+    assert second[0].phase == "waiting" and second[0].num_tokens == 0
+
+
+# --- stats --------------------------------------------------------------------------------
+
+
+def test_stats_counts_match_the_events(log: Path) -> None:
+    events = all_events(log)
+    st = views.stats(log)
+    assert st.events == len(events)
+    assert st.events_by_type == dict(Counter(type(e).__name__ for _, e in events))
+    assert st.decision_events == sum(isinstance(e, ev.DecisionEvent) for _, e in events)
+    assert st.steps == len({s for s, _ in events}) == 11
+    assert (st.first_step, st.last_step) == (0, 10)
+    assert st.requests == 4 and st.finished == 4
+    assert st.finish_reasons == {"length": 4}
+    assert st.preemptions == 1 and st.readmissions == 1
+    assert st.violations == {"accepted_equals_answer": 1}
+    assert st.tokens_loaded == 64 + 32 and st.loads == 2 and st.loads_refused == 1
+    assert st.tokens_saved == 64 and st.chunks_saved == 2 and st.chunks_confirmed == 2
+    # First admissions: a 40 (no hit), b 70 (no hit), c 40 (32 hit), d 20 (no hit).
+    fl = st.first_lookup
+    assert (fl.admissions, fl.tokens, fl.hit, fl.external) == (4, 170, 32, 32 + 16)
+    assert fl.hit_rate == pytest.approx(32 / 170)
+    # Every admission adds b's resumption: 72 tokens asked, 64 hit and loaded.
+    al = st.all_lookups
+    assert (al.admissions, al.tokens, al.hit) == (5, 242, 96)
+    assert st.file_bytes == log.stat().st_size
+    assert st.bytes_per_event == pytest.approx(log.stat().st_size / len(events))
+    assert st.config["chunk_size"] == 32 and st.config["block_size"] == 16
+    assert st.format_version == "1.0" and st.damage is None
+
+
+def test_stats_over_a_split_log_equal_the_single_file(tmp_path: Path) -> None:
+    single, split = tmp_path / "one" / "run.kvlog", tmp_path / "split" / "run.kvlog"
+    single.parent.mkdir()
+    split.parent.mkdir()
+    write_log(single)
+    write_log(split, rotate_bytes=400)
+    segments = segment_paths(split.parent)
+    assert len(segments) > 2
+    a, b = views.stats(single), views.stats(split.parent)
+    assert b.files == [str(p) for p in segments]
+    for field in ("events", "events_by_type", "requests", "preemptions", "tokens_loaded"):
+        assert getattr(a, field) == getattr(b, field)
+    assert views.stats([str(p) for p in segments]).events == a.events
+    assert [r.event for r in views.show(split.parent, "req-b")] == [
+        r.event for r in views.show(single, "req-b")
+    ]
+
+
+# --- damage and unreadable logs ------------------------------------------------------------
+
+
+def test_views_read_up_to_a_torn_tail_and_report_it(log: Path, tmp_path: Path) -> None:
+    torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
+    full = views.stats(log)
+    st = views.stats(torn)
+    assert st.damage is not None and st.damage.kind == "torn_tail"
+    assert st.damage.path == str(torn) and 0 < st.damage.offset < torn.stat().st_size
+    assert 0 < st.events < full.events
+    assert st.events_by_type["Finished"] < full.events_by_type["Finished"]
+    life = views.show(torn, "req-b")
+    assert life.damage == st.damage and 0 < len(life) < len(views.show(log, "req-b"))
+    out = views.export(torn, tmp_path / "torn.jsonl")
+    assert out.rows == st.events and out.damage == st.damage
+    res = views.timeline(torn, tmp_path / "torn.html")
+    assert res.damage == st.damage
+    assert "Read stopped early" in (tmp_path / "torn.html").read_text()
+
+
+def test_views_report_a_corrupt_frame(log: Path, tmp_path: Path) -> None:
+    data = bytearray(log.read_bytes())
+    data[len(data) - 60] ^= 0xFF  # inside one of the last frames
+    bad = tmp_path / "bad.kvlog"
+    bad.write_bytes(bytes(data))
+    st = views.stats(bad)
+    assert st.damage is not None and st.damage.kind == "corrupt"
+    assert "checksum" in st.damage.reason
+
+
+def test_a_later_segment_that_is_not_a_log_is_damage_not_a_crash(tmp_path: Path) -> None:
+    path = tmp_path / "split" / "run.kvlog"
+    path.parent.mkdir()
+    write_log(path, rotate_bytes=400)
+    last = segment_paths(path.parent)[-1]
+    last.write_bytes(b"\0" * 64)  # zero-filled after a crash
+    st = views.stats(path.parent)
+    assert st.damage is not None and st.damage.kind == "bad_header"
+    assert str(last) in st.damage.path and st.events > 0
+
+
+@pytest.mark.parametrize("what", ["not-a-log", "empty-dir", "missing"])
+def test_unreadable_logs_raise_and_exit_2(tmp_path: Path, what: str, capsys) -> None:
+    if what == "not-a-log":
+        path = tmp_path / "x.kvlog"
+        path.write_bytes(b"hello, world\n")
+    elif what == "empty-dir":
+        path = tmp_path / "empty"
+        path.mkdir()
+    else:
+        path = tmp_path / "nothing.kvlog"
+    with pytest.raises(views.LogUnreadable):
+        views.stats(path)
+    for cmd in (["stats", str(path)], ["show", str(path), "-r", "x"]):
+        assert views_cli.main(cmd) == 2
+    assert views_cli.main(["export", str(path), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert "cannot read the log" in capsys.readouterr().err
+
+
+# --- export --------------------------------------------------------------------------------
+
+
+def _event_from_row(row: dict) -> ev.Event:
+    """Rebuild an event from an export row (the round trip an auditor relies on)."""
+    cls = {c.__name__: c for c in ev.EVENT_TYPES}[row["type"]]
+    kwargs = {}
+    for f in attrs.fields(cls)[2:]:
+        value = row[f.name]
+        if f.name in ("keys", "evicted"):
+            value = tuple(bytes.fromhex(v) for v in value)
+        elif f.name == "key":
+            value = bytes.fromhex(value)
+        elif f.name == "admission":
+            value = ev.Admission[value]
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(row["step"], row["request"], **kwargs)
+
+
+def test_export_jsonl_round_trips_every_event(log: Path, tmp_path: Path) -> None:
+    out = tmp_path / "events.jsonl"
+    result = views.export(log, out)
+    events = all_events(log)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert result.rows == len(rows) == len(events)
+    assert result.rows_by_type == dict(Counter(type(e).__name__ for _, e in events))
+    assert [r["index"] for r in rows] == list(range(len(rows)))
+    assert [_event_from_row(r) for r in rows] == [e for _, e in events]
+    save = next(r for r in rows if r["type"] == "SavePlanned" and r["keys"])
+    assert re.fullmatch(r"[0-9a-f]{32}", save["keys"][0])
+    assert {r["kind"] for r in rows} == {"input", "decision"}
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_export_to_stdout(log: Path, capsys) -> None:
+    assert views_cli.main(["export", str(log), "--format", "jsonl", "-o", "-"]) == 0
+    captured = capsys.readouterr()
+    lines = captured.out.splitlines()
+    assert len(lines) == views.stats(log).events
+    assert "wrote" in captured.err
+
+
+def test_export_parquet(log: Path, tmp_path: Path) -> None:
+    pq = pytest.importorskip("pyarrow.parquet")
+    out = tmp_path / "events.parquet"
+    result = views.export(log, out, "parquet", batch_rows=10)
+    table = pq.read_table(out)
+    assert table.num_rows == result.rows == views.stats(log).events
+    assert table.column_names == [name for name, _ in views.EXPORT_COLUMNS]
+    types = Counter(table.column("type").to_pylist())
+    assert types == Counter(views.stats(log).events_by_type)
+    rows = table.to_pylist()
+    blocks = [r["block_ids"] for r in rows if r["type"] == "Allocated"]
+    assert blocks[0] == [1, 2, 3]
+    assert rows[0]["prompt_token_ids"] and rows[0]["keys"] is None  # other types' fields: null
+
+
+def test_missing_extras_say_what_to_install(
+    log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(views.MissingExtra, match=re.escape("pip install kvledger[parquet]")):
+        views.export(log, tmp_path / "x.parquet", "parquet")
+    with pytest.raises(views.MissingExtra, match=re.escape("pip install kvledger[timeline]")):
+        views.timeline(log, tmp_path / "x.png")
+    assert views_cli.main(["timeline", str(log), "-o", str(tmp_path / "x.png")]) == 2
+    assert "pip install kvledger[timeline]" in capsys.readouterr().err
+    # The html timeline needs nothing extra.
+    views.timeline(log, tmp_path / "x.html")
+
+
+# --- timeline -------------------------------------------------------------------------------
+
+
+def test_timeline_html_has_one_series_per_top_request(log: Path, tmp_path: Path) -> None:
+    out = tmp_path / "t.html"
+    result = views.timeline(log, out, top=3)
+    text = out.read_text()
+    assert (
+        text.count("<svg") == 1
+        and "<script" not in text
+        and "http" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    )
+    groups = re.findall(r'<g class="request" data-request="([^"]+)"', text)
+    # Ranked: the violation first (d), then the preempted request (b), then by tokens.
+    assert groups == [s.label for s in result.series] == ["req-d", "req-b", "req-a"]
+    for label in groups:
+        block = text.split(f'data-request="{label}"', 1)[1].split("</g>", 1)[0]
+        assert 'class="computed"' in block and 'class="saved"' in block
+    b = text.split('data-request="req-b"', 1)[1].split("</g>", 1)[0]
+    assert 'class="preempted"' in b and 'class="loaded"' in b
+    d = text.split('data-request="req-d"', 1)[1].split("</g>", 1)[0]
+    assert 'class="violation"' in d and "accepted_equals_answer" in d
+    assert result.requests == 4
+
+
+def test_timeline_series_follow_the_fold(log: Path, tmp_path: Path) -> None:
+    result = views.timeline(log, tmp_path / "t.html", top=8)
+    b = next(s for s in result.series if s.label == "req-b")
+    assert b.steps == list(range(11))
+    assert b.computed[:3] == [70, 71, 72] and b.computed[3:5] == [0, 0]
+    assert b.computed[5] == 72  # resumed: 64 loaded + 8 computed
+    assert b.preemptions == [3] and b.loads == [(5, 0, 64)]
+    assert b.saved[2] == 64  # confirmed at step 2
+    assert b.finished == 10
+
+
+def test_timeline_png(log: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "t.png"
+    views.timeline(log, out, top=4)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_timeline_rejects_an_unknown_suffix(log: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"\.html or \.png"):
+        views.timeline(log, tmp_path / "t.txt")
+    assert views_cli.main(["timeline", str(log), "-o", str(tmp_path / "t.txt")]) == 2
+
+
+# --- the commands ---------------------------------------------------------------------------
+
+
+def test_show_command_plain_and_json(log: Path, capsys) -> None:
+    assert views_cli.main(["show", str(log), "--request", "req-b"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("req-b: ")
+    assert "\x1b[" not in out  # piped: no terminal codes
+    header = out.splitlines()[1].split()
+    assert header[:4] == ["step", "#", "event", "detail"]
+    assert any(
+        line.split()[:3] == ["3", line.split()[1], "Preempted"] for line in out.splitlines()[2:]
+    )
+    assert views_cli.main(["show", str(log), "-r", "req-b", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["request"] == "req-b" and doc["damage"] is None
+    assert [r["event"] for r in doc["rows"]] == [r.event for r in views.show(log, "req-b")]
+    assert views_cli.main(["show", str(log), "-r", "nope"]) == 2
+    assert "no request 'nope'" in capsys.readouterr().err
+
+
+def test_stats_command(log: Path, capsys) -> None:
+    assert views_cli.main(["stats", str(log)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^events\s+\d+ \(", out, re.M)
+    assert "accepted_equals_answer" in out
+    assert views_cli.main(["stats", str(log), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["events"] == views.stats(log).events
+    assert doc["violations"] == {"accepted_equals_answer": 1}
+    assert doc["first_lookup"]["hit_rate"] == pytest.approx(32 / 170)
+
+
+def test_commands_warn_about_damage_on_stderr(log: Path, tmp_path: Path, capsys) -> None:
+    torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
+    assert views_cli.main(["stats", str(torn)]) == 0
+    err = capsys.readouterr().err
+    assert "read stopped early" in err and "torn_tail" in err and str(torn) in err
+
+
+def test_rich_tables_on_a_terminal(log: Path) -> None:
+    pytest.importorskip("rich")
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Tty()
+    out = views_cli._Out(stream)
+    assert out.console is not None
+    out.table(["a", "b"], [[1, 2]], title="t")
+    assert "┃" in stream.getvalue() or "│" in stream.getvalue()
+
+
+# --- vLLM's real scheduler -------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_real_log_stats_and_show(real: dict[str, Path]) -> None:
+    st = views.stats(real["base"])
+    events = [e for f in LogReader(real["base"]) for e in f.events]
+    assert st.events == len(events) and st.damage is None
+    assert st.requests == 6 and st.finished == 6  # 4 requests + 2 repeated prompts
+    assert st.preemptions >= 1
+    assert st.config["chunk_size"] == 32
+    preempted = next(e.req_id for e in events if isinstance(e, ev.Preempted))
+    life = views.show(real["base"], preempted)
+    assert any(r.preempted for r in life)
+    readmit = [
+        r for r in life if r.event == "Scheduled" and r.detail.split()[0] in ("NEW", "RESUMED")
+    ]
+    assert len(readmit) == 2
+    allocated = [r for r in life if r.event == "Allocated"][-1]
+    assert readmit[1].block_ids == allocated.block_ids  # replaced on re-admission
+
+
+@pytest.mark.vllm
+def test_real_log_with_loads_exports_and_draws(real: dict[str, Path], tmp_path: Path) -> None:
+    st = views.stats(real["loads"])
+    assert st.tokens_loaded > 0
+    out = views.export(real["loads"], tmp_path / "e.jsonl")
+    assert out.rows == st.events
+    types = Counter(json.loads(line)["type"] for line in (tmp_path / "e.jsonl").open())
+    assert types == Counter(st.events_by_type)
+    result = views.timeline(real["loads"], tmp_path / "t.html", top=8)
+    text = (tmp_path / "t.html").read_text()
+    assert text.count('<g class="request"') == len(result.series) == min(8, st.requests)
+    assert 'class="loaded"' in text
