@@ -3,9 +3,12 @@
 
 Tables are drawn with rich on a terminal and as plain text when the output is piped (or rich
 is not installed); ``--json`` gives the same result as one JSON document. Read damage (a torn
-tail, a corrupt frame) is reported on standard error; the command still shows everything
-before it. Exit status: ``diff`` 0 identical, 1 different, 2 unreadable; the others 0, or 2
-when the log cannot be read (or the request is not in it, or an optional extra is missing).
+tail, a corrupt frame) is reported on standard error, and the command still shows everything
+before it.
+
+Exit status, as for ``kvledger check``: 2 when a log could not be read, wholly or to its end
+(its readable part is still shown), when the request is not in the log, or when an optional
+extra is missing; otherwise ``diff`` 0 identical, 1 different, and the others 0.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def register(sub: Any) -> None:
         help="first divergence between two logs, overall and per request",
         description="Compare two logs request by request (aligned by id, else by prompt and "
         "arrival order) and show the first event where each request's history differs. "
-        "Exit status: 0 identical, 1 different, 2 unreadable.",
+        "Exit status: 0 identical, 1 different, 2 a log could not be read (to its end).",
     )
     p.add_argument("a", metavar="A", help="a log file, or a directory of one log's segments")
     p.add_argument("b", metavar="B", help="the log to compare it with")
@@ -167,13 +170,19 @@ class _Out:
             self.stream.write(fmt(row) + "\n")
 
 
-def _warn_damage(name: str, damage: StopInfo | None) -> None:
-    if damage is not None:
-        print(
-            f"kvledger: {name}: read stopped early: {damage.describe()}; "
-            "everything before it was used",
-            file=sys.stderr,
-        )
+def _warn_damage(name: str, *damages: StopInfo | None) -> int:
+    """Report read damage on stderr; the exit status: 2 when a log could not be read to its
+    end (what was read is still shown), else 0."""
+    status = EXIT_OK
+    for damage in damages:
+        if damage is not None:
+            print(
+                f"kvledger: {name}: read stopped early: {damage.describe()}; "
+                "everything before it was used",
+                file=sys.stderr,
+            )
+            status = EXIT_UNREADABLE
+    return status
 
 
 def _fail(message: str) -> int:
@@ -209,12 +218,13 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
 @_guard
 def _diff(args: argparse.Namespace) -> int:
     result = diff(args.a, args.b)
-    _warn_damage("A", result.damage_a)
-    _warn_damage("B", result.damage_b)
+    damaged = _warn_damage("A", result.damage_a) | _warn_damage("B", result.damage_b)
     if args.json:
         _json(result.to_dict())
     else:
         _print_diff(result, _Out())
+    if damaged:
+        return EXIT_UNREADABLE
     return EXIT_OK if result.identical else EXIT_DIFFER
 
 
@@ -296,10 +306,10 @@ def _brief(at: Any, fields: Sequence[str]) -> str:
 @_guard
 def _show(args: argparse.Namespace) -> int:
     life = views.show(args.log, args.request)
-    _warn_damage(args.log, life.damage)
+    status = _warn_damage(args.log, life.damage)
     if args.json:
         _json(life.to_dict())
-        return EXIT_OK
+        return status
     out = _Out()
     c = life.config
     out.line(
@@ -348,7 +358,7 @@ def _show(args: argparse.Namespace) -> int:
     out.line(
         "known/num: token ids known / tokens whose KV exists or is computing; load *: not done"
     )
-    return EXIT_OK
+    return status
 
 
 def _blocks(ids: Sequence[int]) -> str:
@@ -369,10 +379,10 @@ def _pct(x: float | None) -> str:
 @_guard
 def _stats(args: argparse.Namespace) -> int:
     st = views.stats(args.log)
-    _warn_damage(args.log, st.damage)
+    status = _warn_damage(args.log, st.damage)
     if args.json:
         _json(st.to_dict())
-        return EXIT_OK
+        return status
     out = _Out()
     files = len(st.files)
     bpe = "-" if st.bytes_per_event is None else f"{st.bytes_per_event:.1f}"
@@ -432,7 +442,7 @@ def _stats(args: argparse.Namespace) -> int:
         )
     out.line()
     out.table(["config", "value"], [[k, _short(v)] for k, v in st.config.items()])
-    return EXIT_OK
+    return status
 
 
 def _short(value: Any) -> str:
@@ -446,10 +456,10 @@ def _short(value: Any) -> str:
 @_guard
 def _timeline(args: argparse.Namespace) -> int:
     result = views.timeline(args.log, args.out, top=args.top)
-    _warn_damage(args.log, result.damage)
+    status = _warn_damage(args.log, result.damage)
     names = ", ".join(s.label for s in result.series)
     print(f"wrote {result.out}: {len(result.series)} of {result.requests} requests ({names})")
-    return EXIT_OK
+    return status
 
 
 @_guard
@@ -457,10 +467,10 @@ def _export(args: argparse.Namespace) -> int:
     if args.out == "-" and args.format != "jsonl":
         return _fail("--out - (standard output) is for --format jsonl only")
     result = views.export(args.log, args.out, args.format)
-    _warn_damage(args.log, result.damage)
+    status = _warn_damage(args.log, result.damage)
     where = "standard output" if args.out == "-" else result.out
     print(f"wrote {result.rows} rows to {where} ({result.format})", file=sys.stderr)
-    return EXIT_OK
+    return status
 
 
 if __name__ == "__main__":

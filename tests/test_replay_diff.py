@@ -195,6 +195,8 @@ def test_diff_reports_read_damage(base: Path, tmp_path: Path) -> None:
     r = diff(base, torn)
     assert r.damage_a is None and r.damage_b is not None and r.damage_b.kind == "torn_tail"
     assert r.first is not None and r.first.kind == "missing" and r.first.step_a == 10
+    assert views_cli.main(["diff", str(base), str(torn)]) == 2  # compared, but incomplete
+    assert views_cli.main(["diff", str(base), str(base)]) == 0
 
 
 def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) -> None:

@@ -387,9 +387,13 @@ def test_stats_command(log: Path, capsys) -> None:
 
 def test_commands_warn_about_damage_on_stderr(log: Path, tmp_path: Path, capsys) -> None:
     torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
-    assert views_cli.main(["stats", str(torn)]) == 0
-    err = capsys.readouterr().err
-    assert "read stopped early" in err and "torn_tail" in err and str(torn) in err
+    assert views_cli.main(["stats", str(torn)]) == 2  # shown, but not read to its end
+    captured = capsys.readouterr()
+    assert "read stopped early" in captured.err and "torn_tail" in captured.err
+    assert str(torn) in captured.err
+    assert re.search(r"^damage\s+.*torn_tail", captured.out, re.M)
+    assert views_cli.main(["show", str(torn), "-r", "req-b", "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["damage"]["kind"] == "torn_tail"
 
 
 def test_rich_tables_on_a_terminal(log: Path) -> None:
