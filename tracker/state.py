@@ -25,6 +25,7 @@ The rules, each one a bug that shipped elsewhere (see docs/design.md):
 from __future__ import annotations
 
 import enum
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -212,6 +213,16 @@ def _violation(rule: str, event: ev.Event, **detail: Any) -> Violation:
     return Violation(rule, event.step, event.req_id, type(event).__name__, detail)
 
 
+def _valid_tokens(tokens: Sequence[int]) -> bool:
+    """Token ids are uint32 (the chunk keys encode them so). Anything else would make a
+    plan raise when it hashes a partial chunk, long after the fold accepted it."""
+    try:
+        struct.pack(f"<{len(tokens)}I", *tokens)
+    except (struct.error, TypeError):
+        return False
+    return True
+
+
 def _learn_tokens(
     state: RequestState, start: int, tokens: Sequence[int], event: ev.Event, config: TrackerConfig
 ) -> tuple[RequestState, tuple[Violation, ...]]:
@@ -241,6 +252,8 @@ def _learn_tokens(
     new = tokens[overlap:]
     if not new:
         return state, _NONE
+    if not _valid_tokens(new):
+        return state, (_violation("token_ids_valid", event, token_start=start + overlap),)
     token_ids = known.extended(new)
     keys = state.keys
     c = config.chunk_size
@@ -276,6 +289,8 @@ def _preempt(state: RequestState) -> RequestState:
 def _on_request_added(
     state: RequestState | None, e: ev.RequestAdded, config: TrackerConfig
 ) -> Result:
+    if not _valid_tokens(e.prompt_token_ids):
+        return state, (_violation("token_ids_valid", e, prompt_len=len(e.prompt_token_ids)),)
     if state is not None:
         if state.phase is Phase.FINISHED:
             # vLLM may reuse an id after the old request finished: a fresh life.
