@@ -1,0 +1,829 @@
+"""``check``: replay a captured log through this code and report every disagreement.
+
+For each recorded **input** event (what a vLLM callback told the connector), in log order, the
+replay sets the tracker's step, applies the event to a fresh :class:`~tracker.tracker.Tracker`
+built from the configuration in the log header, and compares the decisions it derives now
+(``LookupAnswered``, ``LoadPlanned``, ``SavePlanned``, ``ViolationRecorded``) with the decisions
+the recorded run logged right after that input. Each disagreement is a :class:`Problem` that
+names the step, the request, the input event, what was recorded, what this code derives, and
+the request's state before and after. Every rule this code finds broken is a problem too,
+whether the run recorded it or not (the run may have been an older version).
+
+A ``ViolationRecorded`` that nothing in the fold can derive (the connector's
+``Tracker.mark_violation``, rule ``adapter_error``: it could not read one of vLLM's objects) is
+a fact of the run: it is applied as the fold applies it (the request falls back to recompute)
+and listed in :attr:`CheckResult.recorded_violations`, not as a problem.
+
+The replay streams: it holds one frame and the live requests' states (the tracker retires
+finished requests), never the whole log. A damaged log (torn tail, checksum mismatch, ...)
+ends the check after every complete frame before the damage was checked;
+:attr:`CheckResult.stop` says where and why, and the exit code is 2.
+
+**What-if.** ``check(path, chunk_size=512)`` replays the recorded inputs under a changed
+configuration and compares the plans: tokens loaded and saved, per request and in total,
+recorded vs what-if. It is an estimate of the plans, not a re-simulation of vLLM: vLLM's own
+later decisions (its schedule, its token counts) stay as recorded. To keep the estimate
+meaningful the what-if replay assumes that vLLM accepts what this configuration offers (as far
+as the recorded step had room for), and that every planned transfer succeeds: recorded worker
+results, which name the recorded run's chunks, are replaced by results for the what-if plans.
+Admissions where the offer differs from what vLLM accepted in the run are counted as
+*divergent admissions*, not reported as problems.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from replay.source import LogSource, open_log
+from tracker import events as ev
+from tracker.config import ConfigError, TrackerConfig
+from tracker.log import LogFormatError, StopInfo
+from tracker.state import RequestState
+from tracker.tracker import Tracker
+
+__all__ = [
+    "DIVERGENT_ADMISSION_RULES",
+    "EXTERNAL_RULES",
+    "CheckResult",
+    "Problem",
+    "RecordedViolation",
+    "WhatIf",
+    "check",
+    "event_dict",
+    "parse_overrides",
+]
+
+# Rules recorded by the connector outside the fold (``Tracker.mark_violation``): facts of the
+# run that no replay can derive.
+EXTERNAL_RULES = frozenset({"adapter_error"})
+
+# Rules that compare vLLM's counts with what the lookup offered. Under a what-if
+# configuration the offers differ from the run's, so these are expected, and counted as
+# divergent admissions rather than reported.
+DIVERGENT_ADMISSION_RULES = frozenset({"accepted_equals_answer", "admission_matches_lookup"})
+
+# Decision types compared one by one (violations are compared separately).
+_COMPARED: tuple[type[ev.DecisionEvent], ...] = (ev.LookupAnswered, ev.LoadPlanned, ev.SavePlanned)
+_WORKER_RESULTS = (ev.SaveDone, ev.SaveFailed, ev.LoadDone, ev.LoadFailed)
+_PathArg = str | os.PathLike[str]
+Progress = Callable[[int, int], None]
+
+
+# --- results ------------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, (tuple, list)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return value
+
+
+def event_dict(event: ev.Event | None) -> dict[str, Any] | None:
+    """An event as plain JSON-able values: ``{"type": name, field: value, ...}`` (bytes as
+    hex, enums by name)."""
+    if event is None:
+        return None
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for f in attrs.fields(type(event)):
+        out[f.name] = _jsonable(getattr(event, f.name))
+    return out
+
+
+@attrs.frozen
+class Problem:
+    """One disagreement between the recorded run and this code.
+
+    ``kind``:
+
+    - ``"decision"``: a decision of type ``name`` (``LookupAnswered``, ``LoadPlanned``,
+      ``SavePlanned``) differs: ``recorded`` and ``derived`` hold that type's decisions.
+    - ``"violation"``: this code finds rule ``name`` broken after ``event``;
+      ``recorded_too`` says whether the run recorded it as well.
+    - ``"unexplained"``: the run recorded a decision (or a violation of rule ``name``) that
+      this code does not derive here, or one that follows no input event at all.
+    - ``"error"``: the tracker raised on this event (a bug in ``tracker/``: the fold must be
+      total); ``detail`` holds the exception.
+
+    ``before`` / ``after``: the request's ``RequestState.summary()`` before the event and
+    after this code applied it (``None``: unknown yet, or retired: finished with nothing in
+    flight). ``path``, ``offset``, ``seq``: the frame the event was read from; ``index``: the
+    event's number in the log (0-based, all events counted).
+    """
+
+    kind: str
+    name: str
+    step: int
+    req_id: str
+    event: ev.Event | None
+    recorded: tuple[ev.DecisionEvent, ...] = ()
+    derived: tuple[ev.DecisionEvent, ...] = ()
+    before: dict[str, Any] | None = None
+    after: dict[str, Any] | None = None
+    path: str = ""
+    offset: int = -1
+    seq: int = -1
+    index: int = -1
+    recorded_too: bool = False
+    detail: str = ""
+
+    @property
+    def rule(self) -> str | None:
+        """The rule name for a violation (else None)."""
+        return self.name if self.kind == "violation" else None
+
+    def headline(self) -> str:
+        if self.kind == "decision":
+            what = f"{self.name} differs from the recorded one"
+        elif self.kind == "violation":
+            event = type(self.event).__name__ if self.event is not None else "?"
+            seen = "recorded by the run too" if self.recorded_too else "not recorded by the run"
+            what = f"rule {self.name} broken at {event} ({seen})"
+        elif self.kind == "unexplained":
+            what = f"the run recorded {self.name} here; this code does not derive it"
+        else:
+            what = f"the tracker raised: {self.detail}"
+        return what
+
+    def describe(self) -> str:
+        return f"step {self.step} {self.req_id or '-'}: {self.headline()}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "rule": self.rule,
+            "step": self.step,
+            "req_id": self.req_id,
+            "headline": self.headline(),
+            "event": event_dict(self.event),
+            "recorded": [event_dict(d) for d in self.recorded],
+            "derived": [event_dict(d) for d in self.derived],
+            "recorded_too": self.recorded_too,
+            "before": _jsonable(self.before),
+            "after": _jsonable(self.after),
+            "path": self.path,
+            "offset": self.offset,
+            "seq": self.seq,
+            "index": self.index,
+            "detail": self.detail,
+        }
+
+
+@attrs.frozen
+class RecordedViolation:
+    """A ``ViolationRecorded`` of the run that the replay applied as a fact (its rule is
+    outside the fold: ``adapter_error``)."""
+
+    step: int
+    req_id: str
+    rule: str
+    event: str
+    detail: str
+    path: str
+    offset: int
+    index: int
+
+    def describe(self) -> str:
+        tail = f" ({self.detail})" if self.detail else ""
+        return f"step {self.step} {self.req_id or '-'}: {self.rule} at {self.event}{tail}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+@attrs.define
+class WhatIf:
+    """How the plans differ under the what-if configuration (see the module docstring)."""
+
+    overrides: dict[str, Any]
+    recorded_config: dict[str, Any]
+    config: dict[str, Any]
+    # {"loaded": [recorded, what_if], "saved": [recorded, what_if]} per request id
+    per_request: dict[str, dict[str, list[int]]] = attrs.field(factory=dict)
+    divergent_admissions: int = 0
+    worker_results_replaced: int = 0
+    recorded_failures_ignored: int = 0
+
+    def totals(self) -> dict[str, list[int]]:
+        loaded = [0, 0]
+        saved = [0, 0]
+        for r in self.per_request.values():
+            loaded[0] += r["loaded"][0]
+            loaded[1] += r["loaded"][1]
+            saved[0] += r["saved"][0]
+            saved[1] += r["saved"][1]
+        return {"loaded": loaded, "saved": saved}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "overrides": self.overrides,
+            "recorded_config": self.recorded_config,
+            "config": self.config,
+            "totals": self.totals(),
+            "per_request": self.per_request,
+            "divergent_admissions": self.divergent_admissions,
+            "worker_results_replaced": self.worker_results_replaced,
+            "recorded_failures_ignored": self.recorded_failures_ignored,
+        }
+
+
+def _zero_totals() -> dict[str, int]:
+    return {"tokens_loaded": 0, "loads": 0, "tokens_saved": 0, "saves": 0}
+
+
+@attrs.define
+class CheckResult:
+    """What :func:`check` found.
+
+    - :attr:`problems`: the disagreements, in log order (at most ``max_problems`` are kept;
+      :attr:`problems_total` counts them all). With ``request`` set, only that request's.
+    - :attr:`recorded_violations`: violations of the run applied as facts (``adapter_error``).
+    - :attr:`stop`: where and why reading stopped before the end (``None``: read to the end).
+    - :attr:`error`: why the log could not be checked at all (not a log, unknown major
+      version, unreadable header, bad configuration), else ``None``.
+    - :attr:`counts`: events, input events, decisions, frames, steps, requests, peak live
+      requests, and ``by_type`` (events per type).
+    - :attr:`totals`: tokens loaded and saved (and the number of plans), ``recorded`` in the
+      log and ``derived`` by this code.
+    - :attr:`what_if`: the plan comparison under a changed configuration, else ``None``.
+
+    :attr:`exit_code`: 0 clean, 1 problems, 2 the log could not be read to its end (damage or
+    an error; whatever was readable was still checked and reported).
+    """
+
+    paths: list[str]
+    request: str | None = None
+    first: bool = False
+    config: dict[str, Any] = attrs.field(factory=dict)
+    run_info: dict[str, Any] = attrs.field(factory=dict)
+    problems: list[Problem] = attrs.field(factory=list)
+    problems_total: int = 0
+    problems_elsewhere: int = 0
+    recorded_violations: list[RecordedViolation] = attrs.field(factory=list)
+    stop: StopInfo | None = None
+    error: str | None = None
+    stopped_early: bool = False
+    counts: dict[str, Any] = attrs.field(factory=dict)
+    totals: dict[str, dict[str, int]] = attrs.field(
+        factory=lambda: {"recorded": _zero_totals(), "derived": _zero_totals()}
+    )
+    what_if: WhatIf | None = None
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        """No problem, and the whole log was read."""
+        return self.problems_total == 0 and self.stop is None and self.error is None
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None or self.stop is not None:
+            return 2
+        return 1 if self.problems_total else 0
+
+    @property
+    def first_problem(self) -> Problem | None:
+        return self.problems[0] if self.problems else None
+
+    def problems_by_name(self) -> dict[str, int]:
+        return dict(Counter(f"{p.kind}:{p.name}" for p in self.problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "paths": self.paths,
+            "exit_code": self.exit_code,
+            "clean": self.clean,
+            "error": self.error,
+            "stop": None if self.stop is None else attrs.asdict(self.stop),
+            "request": self.request,
+            "first": self.first,
+            "stopped_early": self.stopped_early,
+            "config": self.config,
+            "run_info": _jsonable(self.run_info),
+            "counts": self.counts,
+            "totals": self.totals,
+            "problems_total": self.problems_total,
+            "problems_elsewhere": self.problems_elsewhere,
+            "problems": [p.to_dict() for p in self.problems],
+            "recorded_violations": [v.to_dict() for v in self.recorded_violations],
+            "what_if": None if self.what_if is None else self.what_if.to_dict(),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+# --- configuration ------------------------------------------------------------------------
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """``["chunk_size=512", "save_decode_cache=true"]`` -> typed values, by the types of
+    ``TrackerConfig``'s fields. Raises :class:`tracker.config.ConfigError` naming the key."""
+    fields = {f.name: f for f in attrs.fields(TrackerConfig)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--with expects key=value, got {item!r}")
+        if key not in fields:
+            raise ConfigError(f"unknown tracker config key {key!r}; accepted: {sorted(fields)}")
+        default = fields[key].default
+        text = text.strip()
+        if isinstance(default, bool):
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                out[key] = True
+            elif low in ("0", "false", "no", "off"):
+                out[key] = False
+            else:
+                raise ConfigError(f"{key} expects true or false, got {text!r}")
+        elif isinstance(default, int):
+            try:
+                out[key] = int(text)
+            except ValueError:
+                raise ConfigError(f"{key} expects an integer, got {text!r}") from None
+        else:
+            out[key] = text
+    return out
+
+
+class _NullLogger:
+    """The replay reports violations itself; the tracker's structlog warnings are silenced."""
+
+    def warning(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    error = info = debug = warning
+
+
+# --- the checker --------------------------------------------------------------------------
+
+
+def _plan_tokens(d: ev.DecisionEvent) -> tuple[int, int]:
+    """(tokens loaded, tokens saved) by a decision: only plans that move chunks count."""
+    cls = d.__class__
+    if cls is ev.LoadPlanned and d.keys:
+        return d.end - d.start, 0
+    if cls is ev.SavePlanned and d.keys:
+        return 0, d.end - d.start
+    return 0, 0
+
+
+class _Checker:
+    def __init__(
+        self,
+        result: CheckResult,
+        config: TrackerConfig,
+        *,
+        request: str | None,
+        first: bool,
+        progress: Progress | None,
+        max_problems: int,
+        what_if: WhatIf | None,
+    ) -> None:
+        self.result = result
+        self.tracker = Tracker(config, logger=_NullLogger())
+        self.request = request
+        self.first = first
+        self.progress = progress
+        self.max_problems = max_problems
+        self.what_if = what_if
+        self.done = False
+        self.requests = 0
+        self.peak_live = 0
+
+    # --- problems -----------------------------------------------------------------------
+
+    def _add(self, problem: Problem) -> None:
+        r = self.result
+        if self.request is not None and problem.req_id != self.request:
+            r.problems_elsewhere += 1
+            return
+        r.problems_total += 1
+        if len(r.problems) < self.max_problems:
+            r.problems.append(problem)
+        if self.first:
+            self.done = True
+
+    def _summary(self, state: RequestState | None) -> dict[str, Any] | None:
+        return None if state is None else state.summary()
+
+    # --- comparing one input's decisions ------------------------------------------------
+
+    def _finish(self, pending: tuple[Any, ...], recorded: list[ev.DecisionEvent]) -> None:
+        event, before, derived, frame, index = pending
+        totals = self.result.totals
+        rec_t, der_t = totals["recorded"], totals["derived"]
+        for d in recorded:
+            lo, sa = _plan_tokens(d)
+            if lo or sa:
+                rec_t["tokens_loaded"] += lo
+                rec_t["tokens_saved"] += sa
+                rec_t["loads" if lo else "saves"] += 1
+                if self.what_if is not None:
+                    self._per_request(d.req_id, lo, sa, 0)
+        for d in derived:
+            lo, sa = _plan_tokens(d)
+            if lo or sa:
+                der_t["tokens_loaded"] += lo
+                der_t["tokens_saved"] += sa
+                der_t["loads" if lo else "saves"] += 1
+                if self.what_if is not None:
+                    self._per_request(d.req_id, lo, sa, 1)
+        derived_v = [d for d in derived if d.__class__ is ev.ViolationRecorded]
+        if self.what_if is None and recorded == derived and not derived_v:
+            return
+        tracker = self.tracker
+        tracker.violations.clear()  # the replay keeps its own (bounded) list
+        after = self._summary(tracker.states.get(event.req_id))
+        common = {
+            "step": event.step,
+            "req_id": event.req_id,
+            "event": event,
+            "before": self._summary(before),
+            "after": after,
+            "path": frame.path,
+            "offset": frame.offset,
+            "seq": frame.seq,
+            "index": index,
+        }
+        if self.what_if is not None:
+            for v in derived_v:
+                if v.rule in DIVERGENT_ADMISSION_RULES:
+                    self.what_if.divergent_admissions += 1
+                else:
+                    self._add(Problem("violation", v.rule, derived=(v,), **common))
+            return
+        for cls in _COMPARED:
+            r = tuple(d for d in recorded if d.__class__ is cls)
+            d = tuple(d for d in derived if d.__class__ is cls)
+            if r != d:
+                self._add(Problem("decision", cls.__name__, recorded=r, derived=d, **common))
+        recorded_v = [d for d in recorded if d.__class__ is ev.ViolationRecorded]
+        for v in derived_v:
+            self._add(
+                Problem(
+                    "violation",
+                    v.rule,
+                    recorded=tuple(x for x in recorded_v if x == v),
+                    derived=(v,),
+                    recorded_too=v in recorded_v,
+                    detail=v.detail,
+                    **common,
+                )
+            )
+        for v in recorded_v:
+            if v not in derived_v:
+                self._add(
+                    Problem(
+                        "unexplained",
+                        f"ViolationRecorded {v.rule}",
+                        recorded=(v,),
+                        detail=v.detail,
+                        **common,
+                    )
+                )
+        others = [d for d in recorded if d.__class__ not in _COMPARED and d not in recorded_v]
+        for d in others:  # a decision type this code does not know how to compare
+            self._add(Problem("unexplained", type(d).__name__, recorded=(d,), **common))
+
+    def _per_request(self, req_id: str, loaded: int, saved: int, column: int) -> None:
+        assert self.what_if is not None
+        row = self.what_if.per_request.get(req_id)
+        if row is None:
+            row = self.what_if.per_request[req_id] = {"loaded": [0, 0], "saved": [0, 0]}
+        row["loaded"][column] += loaded
+        row["saved"][column] += saved
+
+    # --- recorded facts -----------------------------------------------------------------
+
+    def _fact(self, v: ev.ViolationRecorded, frame: Any, index: int) -> None:
+        """A violation recorded outside the fold: apply it the way the fold does."""
+        tracker = self.tracker
+        state = tracker.states.get(v.req_id)
+        if state is not None:
+            tracker.states[v.req_id] = state._replace(recompute_only=True)
+        if self.request is None or v.req_id == self.request:
+            if len(self.result.recorded_violations) < self.max_problems:
+                self.result.recorded_violations.append(
+                    RecordedViolation(
+                        v.step, v.req_id, v.rule, v.event, v.detail, frame.path, frame.offset, index
+                    )
+                )
+
+    def _unexplained(self, d: ev.DecisionEvent, frame: Any, index: int) -> None:
+        self._add(
+            Problem(
+                "unexplained",
+                type(d).__name__,
+                d.step,
+                d.req_id,
+                None,
+                recorded=(d,),
+                path=frame.path,
+                offset=frame.offset,
+                seq=frame.seq,
+                index=index,
+                detail="a decision that follows no input event",
+            )
+        )
+
+    # --- what-if ------------------------------------------------------------------------
+
+    def _rewrite(
+        self, e: ev.Event, before: RequestState | None, admissions: dict[str, int]
+    ) -> ev.Event | None:
+        """The input as vLLM would have sent it had it accepted this configuration's offer
+        (see the module docstring), or None for a recorded worker result (replaced)."""
+        w = self.what_if
+        assert w is not None
+        if isinstance(e, _WORKER_RESULTS):
+            w.worker_results_replaced += 1
+            if isinstance(e, (ev.LoadFailed, ev.SaveFailed)):
+                w.recorded_failures_ignored += 1
+            return None
+        if before is None:
+            return e
+        lookup = before.lookup
+        if isinstance(e, ev.Allocated):
+            if before.allocated and e.num_external == 0:
+                return e  # the second call after an async load
+            offered = lookup.external if lookup is not None else 0
+            local = lookup.local_hit if lookup is not None else 0
+            total = admissions.get(e.req_id)
+            if total is not None:
+                offered = max(0, min(offered, total - 1 - local))
+            if offered != e.num_external:
+                w.divergent_admissions += 1
+                return attrs.evolve(e, num_external=offered)
+            return e
+        if isinstance(e, ev.Scheduled) and e.admission is not ev.Admission.RUNNING:
+            computed = (
+                lookup.local_hit if lookup is not None else e.num_computed
+            ) + before.accepted
+            total = e.num_computed + e.num_scheduled
+            if computed != e.num_computed and 0 <= computed < total:
+                return attrs.evolve(e, num_computed=computed, num_scheduled=total - computed)
+        return e
+
+    def _complete_transfers(self, step: int) -> None:
+        """What-if: every transfer planned before ``step`` succeeded."""
+        tracker = self.tracker
+        for req_id, state in list(tracker.states.items()):
+            events: list[ev.Event] = []
+            if state.load is not None and not state.load.done:
+                events.append(ev.LoadDone(step, req_id))
+            if state.save.pending:
+                events.append(ev.SaveDone(step, req_id, tuple(k for k, _ in state.save.pending)))
+            for e in events:
+                before = tracker.states.get(req_id)
+                tracker.step = step
+                derived = tracker.apply(e)
+                if derived:
+                    pending = (e, before, derived, _NO_FRAME, -1)
+                    self._finish(pending, [])
+
+    # --- the loop -----------------------------------------------------------------------
+
+    def run(self, source: LogSource) -> None:
+        result = self.result
+        tracker = self.tracker
+        states = tracker.states
+        apply = tracker.apply
+        what_if = self.what_if
+        progress = self.progress
+        by_type: Counter[type] = Counter()
+        count_types = by_type.update
+        recorded: list[ev.DecisionEvent] = []
+        pending: tuple[Any, ...] | None = None
+        pending_derived: list[ev.DecisionEvent] = []
+        index = 0
+        frames = steps = inputs = 0
+        last_step: int | None = None
+        requests = 0
+        peak_live = 0
+        admissions: dict[str, int] = {}
+        # Progress: bytes of the segments before the current one, plus the frame offset.
+        sizes = {str(p): p.stat().st_size for p in source.paths if p.is_file()}
+        done_before: dict[str, int] = {}
+        acc = 0
+        for p in source.paths:
+            done_before[str(p)] = acc
+            acc += sizes.get(str(p), 0)
+        total_bytes = acc
+        next_report = time.monotonic() + 0.1
+        RequestAdded = ev.RequestAdded
+        ViolationRecorded = ev.ViolationRecorded
+        for frame in source.frames():
+            frames += 1
+            events = frame.events
+            count_types(map(type, events))
+            if frame.step != last_step:
+                steps += 1
+                last_step = frame.step
+                if what_if is not None:
+                    if pending is not None:
+                        self._finish(pending, recorded)
+                        pending, recorded, pending_derived = None, [], []
+                    self._complete_transfers(frame.step)
+            if what_if is not None:
+                admissions = {
+                    e.req_id: e.num_computed + e.num_scheduled
+                    for e in events
+                    if e.__class__ is ev.Scheduled and e.admission is not ev.Admission.RUNNING
+                }
+            for e in events:
+                if e.KIND == "input":
+                    if pending is not None and (recorded or pending_derived):
+                        self._finish(pending, recorded)
+                        if self.done:
+                            break
+                        recorded = []
+                    pending = None
+                    inputs += 1
+                    rid = e.req_id
+                    before = states.get(rid)
+                    if what_if is not None:
+                        e = self._rewrite(e, before, admissions)
+                        if e is None:
+                            index += 1
+                            continue
+                    if e.__class__ is RequestAdded and (before is None or before.finished):
+                        requests += 1
+                    tracker.step = e.step
+                    try:
+                        pending_derived = apply(e)
+                    except Exception as exc:  # a tracker bug: report it, keep going
+                        self._add(
+                            Problem(
+                                "error",
+                                "tracker_error",
+                                e.step,
+                                rid,
+                                e,
+                                before=self._summary(before),
+                                path=frame.path,
+                                offset=frame.offset,
+                                seq=frame.seq,
+                                index=index,
+                                detail=f"{type(exc).__name__}: {exc}"[:300],
+                            )
+                        )
+                        pending_derived = []
+                        if self.done:
+                            break
+                    pending = (e, before, pending_derived, frame, index)
+                elif e.__class__ is ViolationRecorded and e.rule in EXTERNAL_RULES:
+                    self._fact(e, frame, index)
+                elif pending is None:
+                    if what_if is None:  # (what-if: after a replaced worker result)
+                        self._unexplained(e, frame, index)
+                        if self.done:
+                            break
+                else:
+                    recorded.append(e)
+                index += 1
+            if self.done:
+                break
+            live = len(states)
+            if live > peak_live:
+                peak_live = live
+            if progress is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + 0.1
+                progress(done_before.get(frame.path, 0) + frame.offset, total_bytes)
+        if pending is not None and not self.done:
+            self._finish(pending, recorded)
+        if self.done:
+            result.stopped_early = True
+        if progress is not None and not self.done:
+            progress(total_bytes, total_bytes)
+        result.stop = source.stop
+        result.counts = {
+            "events": index,
+            "inputs": inputs,
+            "decisions": index - inputs,
+            "frames": frames,
+            "steps": steps,
+            "requests": requests,
+            "peak_live_requests": peak_live,
+            "by_type": {cls.__name__: n for cls, n in sorted(by_type.items(), key=_type_order)},
+        }
+
+
+class _NoFrame:
+    path = ""
+    offset = -1
+    seq = -1
+
+
+_NO_FRAME = _NoFrame()
+
+
+def _type_order(item: tuple[type, int]) -> int:
+    return getattr(item[0], "TAG", 999)
+
+
+# --- the entry point ----------------------------------------------------------------------
+
+
+def check(
+    path: _PathArg | Sequence[_PathArg],
+    *,
+    request: str | None = None,
+    first: bool = False,
+    progress: Progress | None = None,
+    max_problems: int = 10_000,
+    **config_overrides: Any,
+) -> CheckResult:
+    """Replay the log at ``path`` (a file, a list of segment files, or a directory holding one
+    log's segments) and report every disagreement; see the module docstring.
+
+    ``request``: report only this request's problems (the whole log is still folded: the
+    chunk index is shared by all requests). ``first``: stop at the first problem.
+    ``progress(bytes_done, bytes_total)``: called a few times a second. ``config_overrides``
+    (``chunk_size=512``, ...): a what-if replay under a changed configuration. Never raises
+    for a bad log: an unreadable one gives a result with :attr:`CheckResult.error` set.
+    """
+    started = time.perf_counter()
+    if isinstance(path, (str, os.PathLike)):
+        names = [os.fspath(path)]
+    else:
+        names = [os.fspath(p) for p in path]
+    result = CheckResult(paths=names, request=request, first=first)
+    try:
+        _check_into(result, path, request, first, progress, max_problems, config_overrides)
+    except (LogFormatError, OSError, ValueError) as e:
+        # Not a log, an unknown major version (also in a later segment), a missing file.
+        result.error = str(e)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _check_into(
+    result: CheckResult,
+    path: Any,
+    request: str | None,
+    first: bool,
+    progress: Progress | None,
+    max_problems: int,
+    overrides: dict[str, Any],
+) -> None:
+    source = open_log(path)
+    result.paths = [str(p) for p in source.paths]
+    if source.header is None:
+        result.stop = source.stop
+        why = source.stop.describe() if source.stop is not None else "no header"
+        result.error = f"unreadable header: {why}"
+        return
+    header = source.header
+    result.run_info = {
+        **source.run_info,
+        **{
+            k: header[k]
+            for k in ("library_version", "run_id", "created_wall_ns", "major", "minor")
+            if k in header
+        },
+    }
+    try:
+        recorded = TrackerConfig.from_dict({**source.tracker_config, "strict": False})
+    except (ConfigError, TypeError) as e:
+        result.error = f"the log header's tracker config cannot be used: {e}"
+        return
+    overrides = {k: v for k, v in overrides.items() if k != "strict"}
+    try:
+        config = recorded.with_changes(**overrides)
+    except (ConfigError, TypeError) as e:
+        result.error = f"what-if configuration: {e}"
+        return
+    result.config = config.to_dict()
+    what_if = None
+    if overrides:
+        what_if = WhatIf(dict(overrides), recorded.to_dict(), config.to_dict())
+    result.what_if = what_if
+    checker = _Checker(
+        result,
+        config,
+        request=request,
+        first=first,
+        progress=progress,
+        max_problems=max_problems,
+        what_if=what_if,
+    )
+    try:
+        checker.run(source)
+    except (LogFormatError, OSError) as e:
+        # A later segment that cannot be read at all: what came before was checked.
+        result.error = str(e)
+        result.stop = source.stop

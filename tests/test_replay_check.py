@@ -1,0 +1,679 @@
+"""``replay.check`` and ``kvledger check``: re-fold a log, re-derive every decision, compare.
+
+Two kinds of logs:
+
+- real ones in ``tests/data`` written by vLLM's real scheduler through the connector
+  (``tests/data/make_replay_logs.py``): ``replay-clean.kvlog`` from this code, and
+  ``replay-short-load.kvlog`` from this code with a wrong planning rule injected (every load
+  one block short). The sidecar ``replay-short-load.json`` names the first load the injected
+  rule changed. If a change to ``tracker/`` makes the clean log fail, the change alters a
+  decision this code makes from the same facts: either it is a regression, or it is meant,
+  and then the logs are regenerated with that script;
+- synthetic ones written here with ``Tracker`` + ``LogWriter`` for unit-level cases.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import replay
+from replay.cli import main
+from replay.replayer import CheckResult, check, parse_overrides
+from replay.source import open_log
+from tracker import events as ev
+from tracker.config import ConfigError, TrackerConfig
+from tracker.log import LogReader, LogWriter
+from tracker.tracker import Tracker
+
+DATA = Path(__file__).resolve().parent / "data"
+CLEAN = DATA / "replay-clean.kvlog"
+FAULTY = DATA / "replay-short-load.kvlog"
+SIDECAR = json.loads((DATA / "replay-short-load.json").read_text())
+FIRST_BAD = SIDECAR["first_bad"]
+
+NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
+B, C = 16, 32
+CONFIG = TrackerConfig(block_size=B, chunk_size=C, num_slots=64, discard_partial_chunks=False)
+
+
+# --- synthetic logs ---------------------------------------------------------------------------
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def saved_keys(decisions: list[ev.DecisionEvent]) -> tuple[bytes, ...]:
+    return tuple(k for d in decisions if isinstance(d, ev.SavePlanned) for k in d.keys)
+
+
+def drive(
+    t: Tracker, n: int, *, start: int = 0, prompt: int = 40, decode: int = 4, shared: int = 64
+) -> None:
+    """``n`` requests one after another, each: added, looked up (the shared prefix hits from
+    the second on), allocated, prefilled, its saves confirmed, ``decode`` decode steps,
+    finished. Every step is one log frame."""
+    prefix = list(range(7, 7 + shared))
+    for i in range(start, start + n):
+        rid = f"r{i}"
+        ids = prefix + [10_000 + 31 * i + j for j in range(prompt)]
+        t.add_request(rid, ids)
+        ext = t.lookup(rid, 0, ids)
+        table = list(range(1, cdiv(len(ids) + decode, B) + 1))
+        t.allocated(rid, table, ext)
+        ds = t.scheduled(
+            rid,
+            num_computed=ext,
+            num_scheduled=len(ids) - ext,
+            all_token_ids=ids,
+            block_ids=table,
+            admission=NEW,
+        )
+        t.end_step()
+        if keys := saved_keys(ds):
+            t.save_done(rid, keys)
+        if any(isinstance(d, ev.LoadPlanned) and d.keys for d in ds):
+            t.load_done(rid)
+        toks = list(ids)
+        for k in range(decode):
+            toks.append(50_000 + k)
+            t.scheduled(rid, num_computed=len(toks) - 1, num_scheduled=1, all_token_ids=toks)
+            t.end_step()
+        t.finished(rid)
+        t.end_step()
+
+
+def write_log(path: Path, n: int = 6, config: TrackerConfig = CONFIG, **kw: Any) -> Tracker:
+    writer = LogWriter(path, {**config.to_dict(), "vllm_version": "test"}, fsync="never")
+    t = Tracker(config, log=writer)
+    drive(t, n, **kw)
+    t.close()
+    return t
+
+
+def frame_offsets(path: Path) -> list[tuple[int, int]]:
+    """(offset, number of events) of every frame."""
+    return [(f.offset, len(f.records)) for f in LogReader(path).iter_raw()]
+
+
+@pytest.fixture
+def synthetic(tmp_path: Path) -> Path:
+    path = tmp_path / "synthetic.kvlog"
+    write_log(path)
+    return path
+
+
+# --- the real logs ------------------------------------------------------------------------------
+
+
+def test_clean_real_log_replays_clean() -> None:
+    result = check(CLEAN)
+    assert result.error is None and result.stop is None
+    assert [p.describe() for p in result.problems] == []
+    assert result.clean and result.exit_code == 0
+    run = json.loads((DATA / "replay-clean.json").read_text())["run"]
+    assert result.counts["requests"] == run["requests"]
+    assert result.counts["by_type"]["Preempted"] > 0  # the run preempted: resumes are checked
+    assert result.totals["recorded"] == result.totals["derived"]
+    assert result.totals["recorded"]["tokens_loaded"] > 0
+    assert result.totals["recorded"]["tokens_saved"] > 0
+    assert result.run_info["vllm_version"]
+    assert "vllm_version" not in result.config  # run info is not tracker config
+
+
+def test_faulty_real_log_names_the_first_wrong_step_and_decision() -> None:
+    result = check(FAULTY)
+    assert result.exit_code == 1 and not result.clean
+    first = result.problems[0]
+    assert (first.step, first.req_id) == (FIRST_BAD["step"], FIRST_BAD["req_id"])
+    assert (first.kind, first.name) == ("decision", FIRST_BAD["decision"])
+    assert isinstance(first.event, ev.Scheduled) and first.event.admission is not RUNNING
+    [recorded], [derived] = first.recorded, first.derived
+    assert [recorded.start, recorded.end] == FIRST_BAD["recorded"]
+    assert [derived.start, derived.end] == FIRST_BAD["correct"]
+    # The state before and after, as the replay folds it.
+    assert first.before is not None and first.after is not None
+    assert first.after["load"] == FIRST_BAD["correct"]
+    assert first.before["accepted"] == FIRST_BAD["correct"][1] - FIRST_BAD["correct"][0]
+    # Every problem is that rule, on a request the injected code changed.
+    assert {p.name for p in result.problems} == {"LoadPlanned"}
+    assert {p.req_id for p in result.problems} <= set(SIDECAR["requests_changed"])
+    assert result.totals["recorded"]["tokens_loaded"] < result.totals["derived"]["tokens_loaded"]
+
+
+def test_problem_location_points_at_the_frame_holding_the_event() -> None:
+    first = check(FAULTY).problems[0]
+    assert first.path == str(FAULTY)
+    frame = next(f for f in LogReader(FAULTY) if f.offset == first.offset)
+    assert frame.seq == first.seq and frame.step == first.step
+    assert first.event in frame.events
+    # The event index counts every event before it.
+    before = sum(len(f.events) for f in LogReader(FAULTY) if f.offset < first.offset)
+    assert before <= first.index < before + len(frame.events)
+
+
+def test_first_stops_at_the_first_problem() -> None:
+    full = check(FAULTY)
+    result = check(FAULTY, first=True)
+    assert result.problems_total == 1 and result.stopped_early
+    assert result.problems[0] == full.problems[0]
+    assert result.counts["events"] < full.counts["events"]
+    assert result.exit_code == 1
+
+
+def test_request_narrows_the_report_but_the_whole_log_is_folded() -> None:
+    full = check(FAULTY)
+    other = next(p for p in full.problems if p.req_id != FIRST_BAD["req_id"])
+    result = check(FAULTY, request=other.req_id)
+    assert result.problems and {p.req_id for p in result.problems} == {other.req_id}
+    assert result.problems[0] == other  # same decisions: the shared index was folded
+    assert result.problems_elsewhere == full.problems_total - result.problems_total
+    assert result.counts["events"] == full.counts["events"]
+    first_only = check(FAULTY, request=other.req_id, first=True)
+    assert first_only.problems == [other] and first_only.stopped_early
+    clean_one = check(FAULTY, request="again-req-0")
+    assert clean_one.problems == [] and clean_one.exit_code == 0
+
+
+def test_what_if_doubled_chunk_size_reports_different_plans() -> None:
+    base = check(CLEAN)
+    result = check(CLEAN, chunk_size=2 * C)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.what_if is not None
+    assert result.config["chunk_size"] == 2 * C
+    assert result.what_if.recorded_config["chunk_size"] == C
+    totals = result.what_if.totals()
+    recorded = [base.totals["recorded"]["tokens_loaded"], base.totals["recorded"]["tokens_saved"]]
+    assert [totals["loaded"][0], totals["saved"][0]] == recorded
+    assert [totals["loaded"][1], totals["saved"][1]] != recorded
+    assert totals["saved"][1] == result.totals["derived"]["tokens_saved"]
+    assert result.what_if.divergent_admissions > 0
+    rows = result.what_if.per_request
+    assert any(
+        r["loaded"][0] != r["loaded"][1] or r["saved"][0] != r["saved"][1] for r in rows.values()
+    )
+
+
+def test_what_if_with_the_recorded_config_reproduces_the_recorded_plans() -> None:
+    """The what-if machinery itself (accepting this config's offers, synthesised worker
+    results) changes nothing when the configuration does not change."""
+    result = check(CLEAN, chunk_size=C)
+    assert result.exit_code == 0
+    assert result.what_if is not None and result.what_if.divergent_admissions == 0
+    totals = result.what_if.totals()
+    assert totals["loaded"][0] == totals["loaded"][1] > 0
+    assert totals["saved"][0] == totals["saved"][1] > 0
+
+
+def test_what_if_assumes_vllm_accepts_this_configs_offer(tmp_path: Path) -> None:
+    """A 48-token shared prefix: with 32-token chunks the run loads 32 tokens per request.
+    With 64-token chunks nothing hits (a divergent admission), yet every request still
+    saves its chunks (it is not turned into a recompute-only request by the mismatch); with
+    16-token chunks 48 tokens hit and are loaded, more than vLLM accepted in the run."""
+    path = tmp_path / "shared48.kvlog"
+    write_log(path, 5, shared=48, prompt=40)
+    base = check(path)
+    assert base.exit_code == 0 and base.totals["recorded"]["tokens_loaded"] == 4 * 32
+
+    wider = check(path, chunk_size=64)
+    assert wider.exit_code == 0, [p.describe() for p in wider.problems]
+    assert wider.what_if.divergent_admissions == 4
+    rows = wider.what_if.per_request
+    assert all(rows[f"r{i}"]["loaded"][1] == 0 for i in range(5))
+    assert all(rows[f"r{i}"]["saved"][1] == 88 for i in range(5))
+
+    narrower = check(path, chunk_size=16)
+    assert narrower.exit_code == 0, [p.describe() for p in narrower.problems]
+    rows = narrower.what_if.per_request
+    assert [rows[f"r{i}"]["loaded"] for i in range(1, 5)] == [[32, 48]] * 4
+
+
+def test_what_if_saving_decode_chunks_saves_more() -> None:
+    result = check(CLEAN, save_decode_cache=True)
+    totals = result.what_if.totals()
+    assert totals["saved"][1] > totals["saved"][0]
+
+
+def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
+    """The clean log rewritten in small segments: a directory, or the list of its files."""
+    header = LogReader(CLEAN).header
+    out = tmp_path / "segments"
+    out.mkdir()
+    writer = LogWriter(out / "run.kvlog", header["config"], rotate_bytes=2048, fsync="never")
+    for frame in LogReader(CLEAN):
+        for e in frame.events:
+            writer.append(e)
+        writer.end_step(frame.step)
+    writer.close()
+    assert len(writer.paths) > 3
+    whole = check(CLEAN)
+    for source in (out, [str(p) for p in writer.paths]):
+        result = check(source)
+        assert result.exit_code == 0, [p.describe() for p in result.problems]
+        assert result.counts["events"] == whole.counts["events"]
+        assert result.totals == whole.totals
+        assert result.paths == [str(p) for p in writer.paths]
+    # A missing middle segment breaks the chain: damage, reported where it was found.
+    broken = check([str(writer.paths[0]), str(writer.paths[2])])
+    assert broken.exit_code == 2 and broken.stop is not None
+    assert broken.stop.path == str(writer.paths[2])
+
+
+# --- synthetic logs: one behaviour each ---------------------------------------------------------
+
+
+def test_synthetic_log_is_clean_and_loads_shared_prefixes(synthetic: Path) -> None:
+    result = check(synthetic)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.totals["recorded"]["loads"] == 5  # every request after the first
+    assert result.counts["requests"] == 6
+    assert result.counts["peak_live_requests"] == 1
+
+
+def _rewrite(src: Path, dst: Path, edit: Any) -> None:
+    """Copy a log event by event; ``edit(event) -> list of events`` may change, drop or add."""
+    reader = LogReader(src)
+    writer = LogWriter(dst, reader.header["config"], fsync="never")
+    for frame in reader:
+        for e in frame.events:
+            for out in edit(e):
+                writer.append(out)
+        writer.end_step(frame.step)
+    writer.close()
+
+
+def test_a_tampered_decision_is_a_decision_problem(synthetic: Path, tmp_path: Path) -> None:
+    target = tmp_path / "tampered.kvlog"
+    done = []
+
+    def edit(e: ev.Event) -> list[ev.Event]:
+        if isinstance(e, ev.LookupAnswered) and e.req_id == "r3" and not done:
+            done.append(e)
+            return [ev.LookupAnswered(e.step, e.req_id, e.hit, e.external - 1)]
+        return [e]
+
+    _rewrite(synthetic, target, edit)
+    result = check(target)
+    assert result.exit_code == 1
+    p = result.problems[0]
+    assert (p.kind, p.name, p.req_id, p.step) == ("decision", "LookupAnswered", "r3", done[0].step)
+    assert p.recorded[0].external == done[0].external - 1
+    assert p.derived == (done[0],)
+    assert isinstance(p.event, ev.LookupAsked)
+
+
+def test_a_missing_decision_and_an_unexplained_one(synthetic: Path, tmp_path: Path) -> None:
+    target = tmp_path / "moved.kvlog"
+    moved: list[ev.Event] = []
+
+    def edit(e: ev.Event) -> list[ev.Event]:
+        # Drop r2's save plan, and put a copy of it at the start of the log.
+        if isinstance(e, ev.SavePlanned) and e.req_id == "r2" and not moved:
+            moved.append(e)
+            return []
+        return [e]
+
+    _rewrite(synthetic, target, edit)
+    result = check(target)
+    p = result.problems[0]
+    assert (p.kind, p.name, p.req_id) == ("decision", "SavePlanned", "r2")
+    assert p.recorded == () and p.derived == (moved[0],)
+
+    orphan = tmp_path / "orphan.kvlog"
+    writer = LogWriter(orphan, CONFIG.to_dict(), fsync="never")
+    writer.append(moved[0])
+    writer.end_step(moved[0].step)
+    writer.close()
+    result = check(orphan)
+    p = result.problems[0]
+    assert (p.kind, p.name, p.event) == ("unexplained", "SavePlanned", None)
+
+
+def test_a_violation_is_a_problem_recorded_or_not(tmp_path: Path) -> None:
+    path = tmp_path / "violation.kvlog"
+    t = Tracker(CONFIG, log=LogWriter(path, CONFIG.to_dict(), fsync="never"))
+    ids = list(range(100, 140))
+    t.add_request("a", ids)
+    t.lookup("a", 0, ids)
+    t.allocated("a", [1, 2, 3], 16)  # vLLM accepted 16 external tokens; we offered 0
+    t.end_step()
+    t.close()
+    [v] = t.violations
+    result = check(path)
+    assert result.exit_code == 1
+    [p] = result.problems
+    assert (p.kind, p.rule, p.req_id, p.step) == ("violation", v.rule, "a", 0)
+    assert p.recorded_too and isinstance(p.event, ev.Allocated)
+    assert p.after is not None and p.after["recompute_only"] is True
+
+    # The same inputs in a log without the recorded violation: still a problem, not recorded.
+    bare = tmp_path / "bare.kvlog"
+    _rewrite(path, bare, lambda e: [] if isinstance(e, ev.ViolationRecorded) else [e])
+    [q] = check(bare).problems
+    assert (q.kind, q.rule, q.recorded_too) == ("violation", v.rule, False)
+
+    # A violation recorded where this code derives none: unexplained.
+    extra = tmp_path / "extra.kvlog"
+
+    def add_one(e: ev.Event) -> list[ev.Event]:
+        if isinstance(e, ev.LookupAnswered):
+            return [e, ev.ViolationRecorded(e.step, e.req_id, "tokens_within_blocks", "X", "")]
+        return [e]
+
+    _rewrite(bare, extra, add_one)
+    problems = check(extra).problems
+    assert (problems[0].kind, problems[0].name) == (
+        "unexplained",
+        "ViolationRecorded tokens_within_blocks",
+    )
+
+
+def test_an_adapter_error_is_applied_as_a_fact(tmp_path: Path) -> None:
+    """``mark_violation`` (the connector could not read vLLM's object): nothing derives it, the
+    request falls back to recompute. The replay applies it, so it plans no save either."""
+    path = tmp_path / "adapter.kvlog"
+    t = Tracker(CONFIG, log=LogWriter(path, CONFIG.to_dict(), fsync="never"))
+    ids = list(range(100, 180))
+    t.add_request("a", ids)
+    t.lookup("a", 0, ids)
+    t.allocated("a", [1, 2, 3, 4, 5, 6], 0)
+    t.mark_violation("a", "adapter_error", "Scheduled", error="AttributeError('x')")
+    ds = t.scheduled(
+        "a",
+        num_computed=0,
+        num_scheduled=80,
+        all_token_ids=ids,
+        block_ids=[1, 2, 3, 4, 5, 6],
+        admission=NEW,
+    )
+    assert saved_keys(ds) == ()  # recompute only: no save
+    t.end_step()
+    t.close()
+    result = check(path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    [rv] = result.recorded_violations
+    assert (rv.rule, rv.req_id, rv.step, rv.event) == ("adapter_error", "a", 0, "Scheduled")
+    assert "AttributeError" in rv.detail
+
+
+def test_strict_in_the_header_does_not_make_the_replay_raise(tmp_path: Path) -> None:
+    path = tmp_path / "strict.kvlog"
+    writer = LogWriter(path, {**CONFIG.to_dict(), "strict": True}, fsync="never")
+    writer.append(ev.Scheduled(0, "ghost", 0, 16))  # unknown request
+    writer.end_step(0)
+    writer.close()
+    result = check(path)
+    assert [p.rule for p in result.problems] == ["unknown_request"]
+    assert result.config["strict"] is False
+
+
+def test_progress_reports_bytes(synthetic: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    check(synthetic, progress=lambda done, total: seen.append((done, total)))
+    size = synthetic.stat().st_size
+    assert seen and seen[-1] == (size, size)
+    assert all(done <= total == size for done, total in seen)
+
+
+def test_memory_is_bounded_by_live_requests_not_log_length(tmp_path: Path) -> None:
+    """A log 4x longer (more requests, one after another) replays in about the same memory:
+    the replay holds one frame and the live requests, and the tracker retires finished ones."""
+    peaks = []
+    for n in (150, 600):
+        path = tmp_path / f"long-{n}.kvlog"
+        write_log(path, n, TrackerConfig(block_size=B, chunk_size=C, num_slots=64), decode=8)
+        tracemalloc.start()
+        result = check(path)
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+        assert result.exit_code == 0 and result.counts["peak_live_requests"] == 1
+    assert peaks[1] < 1.3 * peaks[0] + 200_000, peaks
+
+
+# --- damage -------------------------------------------------------------------------------------
+
+
+def test_a_torn_tail_is_reported_after_checking_every_complete_frame(tmp_path: Path) -> None:
+    frames = frame_offsets(CLEAN)
+    cut_frame = len(frames) - 5
+    offset, _ = frames[cut_frame]
+    torn = tmp_path / "torn.kvlog"
+    torn.write_bytes(CLEAN.read_bytes()[: offset + 11])
+    result = check(torn)
+    assert result.exit_code == 2 and not result.clean
+    assert result.stop is not None and result.stop.kind == "torn_tail"
+    assert result.stop.offset == offset and result.stop.path == str(torn)
+    assert result.counts["events"] == sum(n for _, n in frames[:cut_frame])
+    assert result.problems == []
+
+
+def test_a_corrupt_frame_stops_the_check_there(tmp_path: Path) -> None:
+    frames = frame_offsets(FAULTY)
+    first = check(FAULTY).problems[0]
+    # Corrupt the frame right after the first problem: the problem is still reported.
+    index = next(i for i, (off, _) in enumerate(frames) if off > first.offset)
+    offset, _ = frames[index]
+    data = bytearray(FAULTY.read_bytes())
+    data[offset + 9] ^= 0x40  # inside the payload: the payload checksum fails
+    bad = tmp_path / "corrupt.kvlog"
+    bad.write_bytes(bytes(data))
+    result = check(bad)
+    assert result.exit_code == 2
+    assert result.stop is not None and result.stop.kind == "corrupt"
+    assert result.stop.offset == offset
+    assert result.problems[0].step == first.step
+    assert result.counts["events"] == sum(n for _, n in frames[:index])
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (b"definitely not a log", "not a kvledger log"),
+        (b"KVLEDGER" + struct.pack("<HH", 9, 0) + b"\0" * 40, "9.x"),
+        (b"KVLEDGER\x01\x00", "preamble"),
+        (b"", "preamble"),
+    ],
+    ids=["not-a-log", "unknown-major", "short-preamble", "empty"],
+)
+def test_unreadable_logs_give_an_error_result(tmp_path: Path, content: bytes, needle: str) -> None:
+    path = tmp_path / "x.kvlog"
+    path.write_bytes(content)
+    result = check(path)
+    assert result.exit_code == 2 and result.error is not None
+    assert needle in result.error
+    assert result.problems == []
+
+
+def test_a_missing_file_and_a_damaged_header(tmp_path: Path) -> None:
+    assert check(tmp_path / "nope.kvlog").exit_code == 2
+    data = bytearray(CLEAN.read_bytes())
+    data[12 + 8 + 3] ^= 1  # a byte of the header payload
+    path = tmp_path / "header.kvlog"
+    path.write_bytes(bytes(data))
+    result = check(path)
+    assert result.exit_code == 2 and result.stop is not None and result.stop.kind == "bad_header"
+    assert "unreadable header" in (result.error or "")
+
+
+# --- the Python API around check ----------------------------------------------------------------
+
+
+def test_open_reads_files_lists_and_directories(synthetic: Path, tmp_path: Path) -> None:
+    source = replay.open(synthetic)
+    pairs = list(source)
+    assert pairs and all(frame.step == e.step for e, frame in pairs)
+    assert source.header is not None and source.stop is None
+    assert source.tracker_config == CONFIG.to_dict()
+    assert source.run_info == {"vllm_version": "test"}
+    assert [e for e, _ in replay.open(synthetic.parent)] == [e for e, _ in pairs]
+    assert [e for e, _ in replay.open([synthetic])] == [e for e, _ in pairs]
+    with pytest.raises(FileNotFoundError):
+        open_log(tmp_path / "missing.kvlog")
+    empty = tmp_path / "empty-dir"
+    empty.mkdir()
+    with pytest.raises(ValueError, match="no"):
+        open_log(empty)
+
+
+def test_package_exports_are_lazy_and_complete() -> None:
+    assert set(replay.__all__) >= {"open", "check"}
+    assert replay.check is check
+    try:
+        from replay import diff as diff_fn
+    except ImportError:
+        pytest.skip("replay.diff is not written yet")
+    assert callable(diff_fn)
+
+
+def test_result_json_roundtrips() -> None:
+    result = check(FAULTY, first=True)
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["exit_code"] == 1
+    p = data["problems"][0]
+    assert (p["step"], p["req_id"], p["name"]) == (
+        FIRST_BAD["step"],
+        FIRST_BAD["req_id"],
+        "LoadPlanned",
+    )
+    assert p["recorded"][0]["end"] == FIRST_BAD["recorded"][1]
+    assert p["event"]["type"] == "Scheduled"
+    assert all(isinstance(k, str) for k in p["recorded"][0]["keys"])  # bytes as hex
+
+
+def test_parse_overrides() -> None:
+    assert parse_overrides(["chunk_size=512", "save_decode_cache=true", "salt=m"]) == {
+        "chunk_size": 512,
+        "save_decode_cache": True,
+        "salt": "m",
+    }
+    for bad in (["chunk_size=big"], ["nope=1"], ["chunk_size"], ["save_decode_cache=maybe"]):
+        with pytest.raises(ConfigError):
+            parse_overrides(bad)
+    result = check(CLEAN, chunk_size=33)  # not a multiple of the block size
+    assert result.exit_code == 2 and "chunk_size" in (result.error or "")
+
+
+def test_check_result_exit_codes() -> None:
+    assert CheckResult(paths=[]).exit_code == 0
+    assert CheckResult(paths=[], problems_total=3).exit_code == 1
+    assert CheckResult(paths=[], problems_total=3, error="x").exit_code == 2
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_clean_log(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(CLEAN)]) == 0
+    out = capsys.readouterr().out
+    assert "result: clean" in out and "(exit 0)" in out
+
+
+def test_cli_faulty_log_prints_the_first_problem_readably(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["check", str(FAULTY)]) == 1
+    out = capsys.readouterr().out
+    step, req = FIRST_BAD["step"], FIRST_BAD["req_id"]
+    lines = out.splitlines()
+    assert (
+        lines[0]
+        == f"problem 1: step {step}, request {req}: LoadPlanned differs from the recorded one"
+    )
+    start, end = FIRST_BAD["recorded"]
+    assert lines[3].split()[:3] == ["recorded", "LoadPlanned", f"start={start}"]
+    assert f"end={end} " in lines[3]
+    assert f"end={FIRST_BAD['correct'][1]} " in lines[4] and lines[4].split()[0] == "derived"
+    assert lines[5].split()[0] == "before" and lines[6].split()[0] == "after"
+    assert f"first     step {step}, request {req}" in out
+    assert out.rstrip().endswith("(exit 1)")
+
+
+def test_cli_json_first_and_request(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(FAULTY), "--json", "--first"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["problems_total"] == 1 and data["stopped_early"]
+    assert data["problems"][0]["step"] == FIRST_BAD["step"]
+    other = next(r for r in SIDECAR["requests_changed"] if r != FIRST_BAD["req_id"])
+    assert main(["check", str(FAULTY), "--json", "--request", other]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["problems"] and {p["req_id"] for p in data["problems"]} == {other}
+
+
+def test_cli_what_if(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(CLEAN), "--with", f"chunk_size={2 * C}"]) == 0
+    out = capsys.readouterr().out
+    assert f"what-if: chunk_size {C} -> {2 * C}" in out
+    assert "divergent admissions" in out
+    assert main(["check", str(CLEAN), "--with", "chunk_size=x"]) == 2
+    assert "chunk_size" in capsys.readouterr().err
+
+
+def test_cli_damage_names_file_offset_and_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    offset, _ = frame_offsets(CLEAN)[-3]
+    torn = tmp_path / "torn.kvlog"
+    torn.write_bytes(CLEAN.read_bytes()[: offset + 20])
+    assert main(["check", str(torn)]) == 2
+    out = capsys.readouterr().out
+    assert f"DAMAGED   {torn}: byte offset {offset}: torn_tail" in out
+    assert "(exit 2)" in out
+    assert main(["check", str(torn), "--json"]) == 2
+    data = json.loads(capsys.readouterr().out)
+    assert data["stop"]["offset"] == offset and data["stop"]["kind"] == "torn_tail"
+
+
+def test_cli_not_a_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "x.kvlog"
+    path.write_bytes(b"hello world, not a log")
+    assert main(["check", str(path)]) == 2
+    out = capsys.readouterr().out
+    assert "offset 0" in out and "not a kvledger log" in out
+
+
+def test_cli_segments_as_several_arguments(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "d"
+    out_dir.mkdir()
+    writer = LogWriter(out_dir / "s.kvlog", CONFIG.to_dict(), rotate_bytes=1024, fsync="never")
+    t = Tracker(CONFIG, log=writer)
+    drive(t, 5)
+    t.close()
+    assert len(writer.paths) > 1
+    assert main(["check", *map(str, writer.paths), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["paths"] == [str(p) for p in writer.paths]
+    assert main(["check", str(out_dir)]) == 0
+    capsys.readouterr()
+
+
+def test_data_generator_is_where_the_logs_say() -> None:
+    """The logs are regenerated by the script next to them, from the same workload."""
+    script = DATA / "make_replay_logs.py"
+    assert script.exists()
+    text = script.read_text()
+    for name in ("replay-clean.kvlog", "replay-short-load.kvlog", "replay-short-load.json"):
+        assert name in text and (DATA / name).exists()
+    for name in ("replay-clean.kvlog", "replay-short-load.kvlog"):
+        assert (DATA / name).stat().st_size < 300_000
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git not available")
+def test_logs_are_not_ignored_by_git() -> None:
+    import subprocess
+
+    root = DATA.parent.parent
+    res = subprocess.run(
+        ["git", "check-ignore", "-q", str(CLEAN)], cwd=root, capture_output=True, check=False
+    )
+    if res.returncode == 128:
+        pytest.skip("not a git checkout")
+    assert res.returncode == 1, "tests/data/*.kvlog must not be ignored"
