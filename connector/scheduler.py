@@ -232,24 +232,33 @@ class SchedulerSide:
         step = tracker.step
         decisions: list[ev.DecisionEvent] = []
         preempted: tuple[str, ...] = ()
+        steady: list[int] = []
         try:
             preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             for req_id in preempted:
                 tracker.preempted(req_id)
-            for req_id, read in self._scheduled_requests(scheduler_output):
+            for req_id, read in self._scheduled_requests(scheduler_output, steady):
                 decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             if self.config.strict:
                 raise
             self.adapter_errors += 1
             _log.error("kvledger.adapter_error", callback="build_connector_meta", error=repr(exc))
+        tracker.decoded(steady)
         plan = self._plan(step, decisions, preempted)
         tracker.end_step()
         return plan
 
-    def _scheduled_requests(self, out: Any) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+    def _scheduled_requests(
+        self, out: Any, steady: list[int]
+    ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
         """(req id, a reader of its facts) per scheduled request. Reading happens inside the
-        per-request guard, so one malformed entry costs one request, not the step."""
+        per-request guard, so one malformed entry costs one request, not the step.
+
+        The hot path: a running request decoding one token with no new block, at the count
+        the tracker expects, is only numbered into ``steady`` (one ``StepDecoded`` record for
+        the whole step); its token ids are learned later, in bulk, when a decision needs
+        them. Anything unusual about it takes the full path."""
         num_scheduled: dict[str, int] = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
 
@@ -270,7 +279,24 @@ class SchedulerSide:
             None if resumed_ids is not None else getattr(cached, "resumed_from_preemption", None)
         )
         cached_all = getattr(cached, "all_token_ids", None) or {}
+        decode_step_ok = self.tracker.decode_step_ok
+        num_computed = cached.num_computed_tokens
+        new_block_ids = cached.new_block_ids
         for i, req_id in enumerate(cached.req_ids):
+            try:
+                blocks = new_block_ids[i]
+                if (
+                    num_scheduled.get(req_id) == 1
+                    and (not blocks or not any(blocks))
+                    and (req_id not in resumed_ids if resumed_ids is not None else True)
+                    and (resumed_flags is None or not resumed_flags[i])
+                ):
+                    num = decode_step_ok(req_id, num_computed[i])
+                    if num is not None:
+                        steady.append(num)
+                        continue
+            except Exception:  # malformed: the full path below reports it
+                pass
 
             def read_cached(i: int = i, req_id: str = req_id) -> dict[str, Any]:
                 if resumed_ids is not None:

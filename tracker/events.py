@@ -40,6 +40,7 @@ __all__ = [
     "SaveFailed",
     "SavePlanned",
     "Scheduled",
+    "StepDecoded",
     "ViolationRecorded",
 ]
 
@@ -210,6 +211,20 @@ class ChunkEvicted(InputEvent):
     key: bytes = b""
 
 
+@attrs.frozen(slots=True)
+class StepDecoded(InputEvent):
+    """Running requests that each computed exactly one more token this step, steadily: vLLM's
+    ``num_computed_tokens`` was what the tracker expected, no block was added, no load is
+    pending and no save can be due. The one event about several requests (``req_id`` is
+    empty): ``nums`` are the tracker's request numbers (the lowest free number, taken at
+    ``RequestAdded`` and freed when the request is retired, so a replay assigns the same
+    ones). It exists for the hot path: a decode step costs one record for all requests.
+    Anything unsteady about a request goes through ``Scheduled`` instead."""
+
+    TAG: ClassVar[int] = 13
+    nums: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+
 # --- decision events ----------------------------------------------------------------------
 
 
@@ -276,6 +291,7 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     LoadFailed,
     ChunkStored,
     ChunkEvicted,
+    StepDecoded,
     LookupAnswered,
     LoadPlanned,
     SavePlanned,

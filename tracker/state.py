@@ -44,8 +44,10 @@ __all__ = [
     "RequestState",
     "SaveProgress",
     "Violation",
+    "advance_decoded",
     "fold",
     "new_state",
+    "steady_decode",
 ]
 
 
@@ -420,6 +422,41 @@ def _rollback(state: RequestState, to: int, config: TrackerConfig) -> RequestSta
     if save.cursor > floor:
         save = SaveProgress(floor, save.pending)
     return state._replace(num_tokens=to, save=save)
+
+
+def advance_decoded(state: RequestState, steps: int) -> RequestState:
+    """The state after ``steps`` steady single-token decode steps (``StepDecoded``): the same
+    as folding that many ``Scheduled(num_computed=num_tokens, num_scheduled=1)`` events whose
+    token ids are learned later, in bulk."""
+    if steps <= 0:
+        return state
+    return state._replace(
+        num_computed=state.num_tokens + steps - 1, num_tokens=state.num_tokens + steps
+    )
+
+
+def steady_decode(state: RequestState, config: TrackerConfig, pending: int) -> bool:
+    """Whether one more single-token step of a running request (with ``pending`` steady steps
+    not folded yet) can be folded as ``StepDecoded``: nothing about it needs a decision or a
+    check beyond counting. The same predicate guards the connector's fast path and validates
+    a recorded ``StepDecoded`` on replay."""
+    if state.phase is not Phase.RUNNING:
+        return False
+    after = state.num_tokens + pending + 1
+    if after > len(state.block_ids) * config.block_size:
+        return False  # tokens_within_blocks would fail: let Scheduled name it
+    if state.load is not None and not state.load.done:
+        return False
+    if state.recompute_only:
+        return True  # no plans for it anyway
+    c = config.chunk_size
+    cursor = state.save.cursor
+    limit = after if config.save_decode_cache else min(after, state.prefill_end)
+    if (cursor // c + 1) * c <= limit:
+        return False  # a full chunk could be saved: plan_save must see this step
+    if not config.discard_partial_chunks and cursor < state.prefill_end <= limit:
+        return False  # the prefill's partial chunk may be due
+    return True
 
 
 def _on_preempted(state: RequestState, e: ev.Preempted, config: TrackerConfig) -> Result:

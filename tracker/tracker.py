@@ -13,6 +13,7 @@ recompute (no load, no save) for the rest of its life.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.plans import answer_lookup, plan_load, plan_save
-from tracker.state import Phase, RequestState, Violation, fold
+from tracker.state import Phase, RequestState, Violation, advance_decoded, fold, steady_decode
 
 __all__ = ["LogSink", "Tracker"]
 
@@ -56,7 +57,15 @@ class Tracker:
     ) -> None:
         self.config = config or TrackerConfig()
         self.index = ChunkIndex(self.config.num_slots)
-        self.states: dict[str, RequestState] = {}
+        self._states: dict[str, RequestState] = {}
+        # Steady decode steps folded lazily (StepDecoded): req id -> steps not applied yet.
+        self._pending: dict[str, int] = {}
+        # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
+        # freed at retirement; a replay of the same events assigns the same numbers.
+        self._num_of: dict[str, int] = {}
+        self._req_of: dict[int, str] = {}
+        self._free_nums: list[int] = []
+        self._next_num = 0
         self.violations: list[Violation] = []
         self.step = 0
         self.counts: dict[str, int] = {
@@ -87,7 +96,11 @@ class Tracker:
             self._apply_pool_event(event)
             self._record(event, ())
             return []
-        before = self.states.get(req_id)
+        if isinstance(event, ev.StepDecoded):
+            return self._apply_step_decoded(event)
+        if req_id in self._pending:
+            self._materialize(req_id)
+        before = self._states.get(req_id)
         if before is None and req_id in self._retired and not isinstance(event, ev.RequestAdded):
             violations: tuple[Violation, ...] = (
                 Violation("event_after_finish", event.step, req_id, type(event).__name__, {}),
@@ -119,7 +132,9 @@ class Tracker:
                 state = state._replace(recompute_only=True)
             if isinstance(event, ev.Allocated) and not state.recompute_only:
                 self._reserve(state, event.step)
-            self.states[req_id] = state
+            if req_id not in self._num_of:
+                self._number(req_id)
+            self._states[req_id] = state
             if state.phase is Phase.FINISHED and self._idle(state):
                 self._retire(req_id)
         if reserved:
@@ -137,7 +152,80 @@ class Tracker:
         return self.step
 
     def state(self, req_id: str) -> RequestState | None:
-        return self.states.get(req_id)
+        if req_id in self._pending:
+            self._materialize(req_id)
+        return self._states.get(req_id)
+
+    @property
+    def states(self) -> dict[str, RequestState]:
+        """The live states (every pending steady decode step folded in first)."""
+        for req_id in list(self._pending):
+            self._materialize(req_id)
+        return self._states
+
+    # --- steady decode: the hot path -----------------------------------------------------
+
+    def decode_step_ok(self, req_id: str, num_computed: int) -> int | None:
+        """The request's number if its single-token step with no new blocks, at vLLM's
+        ``num_computed``, is steady (see ``StepDecoded``); None: use ``scheduled``."""
+        state = self._states.get(req_id)
+        if state is None:
+            return None
+        pending = self._pending.get(req_id, 0)
+        if num_computed != state.num_tokens + pending:
+            return None
+        if not steady_decode(state, self.config, pending):
+            return None
+        return self._num_of.get(req_id)
+
+    def decoded(self, nums: Sequence[int]) -> None:
+        """Record one step of steady decodes for these request numbers."""
+        if nums:
+            self.apply(ev.StepDecoded(self.step, "", tuple(nums)))
+
+    def _apply_step_decoded(self, event: ev.StepDecoded) -> list[ev.DecisionEvent]:
+        # The recorded event is validated with the same predicate that admitted it to the
+        # fast path, so a replay of a wrong log names the request and the step.
+        pending, states, config = self._pending, self._states, self.config
+        bad: list[Violation] = []
+        for num in event.nums:
+            req_id = self._req_of.get(num)
+            state = states.get(req_id) if req_id is not None else None
+            if state is None or req_id is None:
+                bad.append(Violation("decoded_unknown", event.step, str(num), "StepDecoded", {}))
+                continue
+            k = pending.get(req_id, 0)
+            if not steady_decode(state, config, k):
+                self._materialize(req_id)
+                bad.append(
+                    Violation(
+                        "decoded_not_steady",
+                        event.step,
+                        req_id,
+                        "StepDecoded",
+                        {"num_tokens": state.num_tokens + k},
+                    )
+                )
+                states[req_id] = states[req_id]._replace(recompute_only=True)
+                continue
+            pending[req_id] = k + 1
+        self._record(event, ())
+        return self._report(bad, None) if bad else []
+
+    def _materialize(self, req_id: str) -> None:
+        k = self._pending.pop(req_id, 0)
+        state = self._states.get(req_id)
+        if k and state is not None:
+            self._states[req_id] = advance_decoded(state, k)
+
+    def _number(self, req_id: str) -> None:
+        if self._free_nums:
+            num = heapq.heappop(self._free_nums)
+        else:
+            num = self._next_num
+            self._next_num += 1
+        self._num_of[req_id] = num
+        self._req_of[num] = req_id
 
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
@@ -262,7 +350,12 @@ class Tracker:
         return not state.save.pending and (state.load is None or state.load.done)
 
     def _retire(self, req_id: str) -> None:
-        del self.states[req_id]
+        del self._states[req_id]
+        self._pending.pop(req_id, None)
+        num = self._num_of.pop(req_id, None)
+        if num is not None:
+            del self._req_of[num]
+            heapq.heappush(self._free_nums, num)
         self.counts["finished"] += 1
         self._retired[req_id] = None
         if len(self._retired) > _RETIRED_MEMORY:
@@ -306,10 +399,10 @@ class Tracker:
     def mark_violation(self, req_id: str, rule: str, event: str, **detail: Any) -> None:
         """Record a violation found outside the fold (the connector could not read vLLM's
         object, say): the request falls back to recompute like any other violation."""
-        state = self.states.get(req_id)
+        state = self.state(req_id)
         if state is not None:
             state = state._replace(recompute_only=True)
-            self.states[req_id] = state
+            self._states[req_id] = state
         self._report((Violation(rule, self.step, req_id, event, detail),), state)
 
     # --- one helper per callback: build the event for the current step, apply it ---------
@@ -328,7 +421,7 @@ class Tracker:
     ) -> int:
         """Answer ``get_num_new_matched_tokens``: the external tokens to offer vLLM. Sends the
         tracker only the token ids it does not know yet."""
-        state = self.states.get(req_id)
+        state = self.state(req_id)
         start = len(state.token_ids) if state is not None else 0
         start = min(start, len(all_token_ids))
         decisions = self.apply(
@@ -363,7 +456,7 @@ class Tracker:
         """One request's share of ``build_connector_meta``. ``all_token_ids`` is the request's
         full token list as vLLM has it now (it may trail ``num_computed + num_scheduled`` under
         async scheduling); only the unknown tail is recorded."""
-        state = self.states.get(req_id)
+        state = self.state(req_id)
         known = len(state.token_ids) if state is not None else 0
         start = min(known, len(all_token_ids))
         end = min(len(all_token_ids), num_computed + num_scheduled)
@@ -389,7 +482,7 @@ class Tracker:
     def finished(self, req_id: str, reason: str = "stopped") -> bool:
         """Returns True when saves still read the request's blocks (vLLM must delay freeing)."""
         self.apply(ev.Finished(self.step, req_id, reason))
-        state = self.states.get(req_id)
+        state = self.state(req_id)
         return state is not None and bool(state.save.pending)
 
     def save_done(self, req_id: str, keys: Iterable[bytes]) -> None:
