@@ -29,7 +29,7 @@ import hashlib
 import re
 import typing
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -38,6 +38,7 @@ from replay.views import (
     POOL,
     LogPath,
     LogSource,
+    _labelled,
     _Lives,
     damage_dict,
     describe_event,
@@ -204,39 +205,62 @@ class _Life(typing.NamedTuple):
     prompt: bytes | None  # hash of the prompt and salt; None: no RequestAdded seen
 
 
-def _prompt_hash(e: ev.RequestAdded) -> bytes:
+def _prompt_hash(tokens: Sequence[int], salt: Any) -> bytes:
     h = hashlib.blake2b(digest_size=16)
-    h.update(e.cache_salt.encode())
+    h.update(str(salt).encode())
     h.update(b"\0")
-    h.update(b",".join(str(t).encode() for t in e.prompt_token_ids))
+    h.update(b",".join(str(t).encode() for t in tokens))
     return h.digest()
 
 
-def _labelled(src: LogSource) -> Iterator[tuple[int, int, str, bool, ev.Event]]:
-    """(index, step, life label, starts a life, event) for every event; the pool's events
-    (ChunkStored, ChunkEvicted) under the label ``""``."""
-    lives = _Lives()
-    index = -1
-    for frame in src.frames():
-        for e in frame.events:
-            index += 1
-            if e.req_id == POOL and isinstance(e, (ev.ChunkStored, ev.ChunkEvicted)):
-                yield index, frame.step, POOL, False, e
-                continue
-            label, new = lives.label(e)
-            yield index, frame.step, label, new, e
-            if isinstance(e, ev.Finished):
-                # Free the live entry at once: numbering still follows (a later RequestAdded
-                # for the id starts its next life); a late result keeps the finished label.
-                lives.retire(e.req_id)
-
-
 def _lives(src: LogSource) -> list[_Life]:
+    """Every request life of the log, in arrival order, with its prompt's hash."""
+    if _raw_request_added(src.header):
+        return _lives_raw(src)
     out: list[_Life] = []
-    for _, _, label, new, e in _labelled(src):
+    for _, _, e, label, new in _labelled(src):
         if new:
-            prompt = _prompt_hash(e) if isinstance(e, ev.RequestAdded) else None
+            prompt = (
+                _prompt_hash(e.prompt_token_ids, e.cache_salt)
+                if isinstance(e, ev.RequestAdded)
+                else None
+            )
             out.append(_Life(label, e.req_id, prompt))
+    return out
+
+
+def _raw_request_added(header: dict[str, Any]) -> bool:
+    """Whether the log writes RequestAdded as this version does: then its raw records can
+    be read as ``[tag, req_id, prompt_token_ids, cache_salt?]`` (twice as fast)."""
+    schemas = header.get("schemas")
+    entry = schemas.get(ev.RequestAdded.TAG) if isinstance(schemas, dict) else None
+    return entry == [
+        "RequestAdded",
+        ev.RequestAdded.VERSION,
+        ["req_id", *field_names(ev.RequestAdded)],
+    ]
+
+
+def _lives_raw(src: LogSource) -> list[_Life]:
+    lives = _Lives()
+    live = lives.live
+    added, finished = ev.RequestAdded.TAG, ev.Finished.TAG
+    pool = {ev.ChunkStored.TAG, ev.ChunkEvicted.TAG}
+    out: list[_Life] = []
+    for frame in src.raw_frames():
+        for rec in frame.records:
+            tag, rid = rec[0], rec[1]
+            if tag != added and tag != finished:
+                if rid in live or (not rid and tag in pool):
+                    continue
+                label, new = lives.label(rid, ev.Event)
+            else:
+                label, new = lives.label(rid, ev.RequestAdded if tag == added else ev.Finished)
+            if new:
+                prompt = None
+                if tag == added and len(rec) >= 3:
+                    prompt = _prompt_hash(rec[2], rec[3] if len(rec) > 3 else "")
+                out.append(_Life(label, rid, prompt))
     return out
 
 
@@ -286,16 +310,24 @@ def _stem(life: _Life) -> str:
 # --- comparison ---------------------------------------------------------------------------
 
 
+# An event in a queue: (position in its log, step, event).
+_At = tuple[int, int, ev.Event]
+
+
 class _Pair:
     __slots__ = ("a", "b", "context", "diverged", "label_b", "position")
 
     def __init__(self, label_b: str) -> None:
         self.label_b = label_b
-        self.a: deque[EventAt] = deque()  # A's events that B has not reached yet
-        self.b: deque[EventAt] = deque()
+        self.a: deque[_At] = deque()  # A's events that B has not reached yet
+        self.b: deque[_At] = deque()
         self.position = 0  # events compared and equal so far
-        self.context: deque[EventAt] = deque(maxlen=_CONTEXT)
+        self.context: deque[_At] = deque(maxlen=_CONTEXT)
         self.diverged = False
+
+
+def _at(item: _At | None) -> EventAt | None:
+    return None if item is None else EventAt(*item)
 
 
 def _differing_fields(x: ev.Event, y: ev.Event) -> tuple[str, ...]:
@@ -329,9 +361,14 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
         return p
 
     def compare(label_a: str, p: _Pair) -> None:
-        while p.a and p.b and not p.diverged:
-            x, y = p.a.popleft(), p.b.popleft()
-            if event_content(x.event) == event_content(y.event):
+        qa, qb = p.a, p.b
+        while qa and qb:
+            x, y = qa.popleft(), qb.popleft()
+            ex, ey = x[2], y[2]
+            # Equal events of equal ids and steps compare equal at once; otherwise by content.
+            if ex == ey or (
+                ex.__class__ is ey.__class__ and event_content(ex) == event_content(ey)
+            ):
                 p.position += 1
                 p.context.append(x)
                 continue
@@ -341,15 +378,16 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
                     p.label_b,
                     "differ",
                     p.position,
-                    x,
-                    y,
-                    _differing_fields(x.event, y.event),
-                    tuple(p.context),
+                    _at(x),
+                    _at(y),
+                    _differing_fields(ex, ey),
+                    tuple(EventAt(*c) for c in p.context),
                 )
             )
             p.diverged = True
-            p.a.clear()
-            p.b.clear()
+            qa.clear()
+            qb.clear()
+            return
 
     counts = [0, 0]
     streams = (_labelled(src_a), _labelled(src_b))
@@ -363,29 +401,28 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
             done[side] = True
             continue
         counts[side] += 1
-        index, step, label, _, e = item
+        index, frame, e, label, _ = item
         label_a = label if side == 0 else by_b.get(label)
         if label_a is None:
             continue
         p = pair_of(label_a)
         if p is None or p.diverged:
             continue
-        (p.a if side == 0 else p.b).append(EventAt(index, step, e))
+        (p.a if side == 0 else p.b).append((index, frame.step, e))
         compare(label_a, p)
     for label_a, p in pairs.items():
         if p.diverged:
             continue
+        context = tuple(EventAt(*c) for c in p.context)
         if p.a:
             found.append(
                 Divergence(
-                    label_a, p.label_b, "missing", p.position, p.a[0], None, (), tuple(p.context)
+                    label_a, p.label_b, "missing", p.position, _at(p.a[0]), None, (), context
                 )
             )
         elif p.b:
             found.append(
-                Divergence(
-                    label_a, p.label_b, "extra", p.position, None, p.b[0], (), tuple(p.context)
-                )
+                Divergence(label_a, p.label_b, "extra", p.position, None, _at(p.b[0]), (), context)
             )
     found.sort(key=Divergence.sort_key)
     per_request = {d.request_a: d for d in found}

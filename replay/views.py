@@ -35,8 +35,8 @@ import attrs
 
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
-from tracker.log import Frame, LogFormatError, LogReader, StopInfo
-from tracker.state import RequestState, fold
+from tracker.log import Frame, LogFormatError, LogReader, RawFrame, StopInfo
+from tracker.state import Phase, RequestState, fold
 
 __all__ = [
     "EXPORT_COLUMNS",
@@ -146,11 +146,24 @@ class LogSource:
         except LogFormatError as e:
             # A later segment that is not a kvledger log at all (zero-filled after a crash,
             # say): LogReader raises instead of stopping; it is damage like any other.
-            text = str(e)
-            path = text.split(": offset", 1)[0] if ": offset" in text else self.name
-            self.damage = StopInfo(path, 0, text, "bad_header")
+            self.damage = self._format_damage(e)
             return
         self.damage = self.reader.stop
+
+    def raw_frames(self) -> Iterator[RawFrame]:
+        """Like :meth:`frames`, as raw records (``LogReader.iter_raw``: no event objects)."""
+        self.damage = None
+        try:
+            yield from self.reader.iter_raw()
+        except LogFormatError as e:
+            self.damage = self._format_damage(e)
+            return
+        self.damage = self.reader.stop
+
+    def _format_damage(self, e: LogFormatError) -> StopInfo:
+        text = str(e)
+        path = text.split(": offset", 1)[0] if ": offset" in text else self.name
+        return StopInfo(path, 0, text, "bad_header")
 
 
 def open_log(path: LogPath | LogSource) -> LogSource:
@@ -255,89 +268,104 @@ def describe_event(e: ev.Event) -> str:
 
 class _Lives:
     """Names each request's life: its id, then ``id#2``, ``id#3`` when vLLM reuses an id after
-    the request finished (a ``RequestAdded`` for a finished request starts a new life)."""
+    the request finished (a ``RequestAdded`` after the ``Finished`` starts a new life). A late
+    event of a finished life (a save result) keeps that life's name."""
 
     def __init__(self) -> None:
         self.live: dict[str, tuple[str, int]] = {}  # req_id -> (label, life number)
-        self.finished: set[str] = set()  # live ids whose Finished came
-        self.count: OrderedDict[str, int] = OrderedDict()  # retired ids -> lives so far
+        self.count: OrderedDict[str, int] = OrderedDict()  # finished ids -> lives so far
 
-    def label(self, e: ev.Event) -> tuple[str, bool]:
-        """(label, new): the life this event belongs to; ``new`` when it starts one."""
-        rid = e.req_id
+    def label(self, rid: str, cls: type[ev.Event]) -> tuple[str, bool]:
+        """(label, new): the life an event of type ``cls`` about ``rid`` belongs to; ``new``
+        when it starts one."""
         current = self.live.get(rid)
-        if isinstance(e, ev.RequestAdded) and (current is None or rid in self.finished):
-            n = (current[1] if current is not None else self.count.pop(rid, 0)) + 1
-            label = rid if n == 1 else f"{rid}#{n}"
-            self.live[rid] = (label, n)
-            self.finished.discard(rid)
-            return label, True
         if current is None:
             lives = self.count.get(rid)
-            if lives is not None:  # a late event of a retired life
-                return (rid if lives == 1 else f"{rid}#{lives}"), False
-            self.live[rid] = (rid, 1)  # an event before any RequestAdded: unknown request
-            return rid, True
-        if isinstance(e, ev.Finished):
-            self.finished.add(rid)
+            if cls is not ev.RequestAdded and lives is not None:
+                return (rid if lives == 1 else f"{rid}#{lives}"), False  # a late event
+            n = self.count.pop(rid, 0) + 1
+            label = rid if n == 1 else f"{rid}#{n}"
+            if cls is ev.Finished:  # a life of one event (unknown request)
+                self._retire(rid, n)
+            else:
+                self.live[rid] = (label, n)
+            return label, True
+        if cls is ev.Finished:
+            del self.live[rid]
+            self._retire(rid, current[1])
         return current[0], False
 
-    def retire(self, rid: str) -> None:
-        """Forget a finished request's live entry (keep how many lives it had)."""
-        current = self.live.pop(rid, None)
-        self.finished.discard(rid)
-        if current is None:
-            return
-        self.count[rid] = current[1]
+    def _retire(self, rid: str, n: int) -> None:
+        self.count[rid] = n
         if len(self.count) > _RETIRED_MEMORY:
             self.count.popitem(last=False)
 
 
-class _Step(typing.NamedTuple):
-    pos: int  # the event's position in the log (0-based, all events)
-    frame: Frame
-    event: ev.Event
-    label: str
-    new_life: bool
-    before: RequestState | None
-    after: RequestState | None
+# (position in the log, frame, event, life label, starts a life)
+Labelled = tuple[int, Frame, ev.Event, str, bool]
+# ... and the request's state before and after the event (None: no state)
+Folded = tuple[int, Frame, ev.Event, str, bool, "RequestState | None", "RequestState | None"]
+
+_POOL_TYPES = (ev.ChunkStored, ev.ChunkEvicted)
 
 
-def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator[_Step]:
-    """Fold the recorded events (inputs and decisions) request by request. Yields each event
-    with the request's state before and after it. ``want(req_id)`` limits the fold to some
-    requests (the others are skipped, but counted in ``index``). Finished requests are
-    dropped once no save or load of theirs is in flight: memory follows live requests."""
-    config = src.config
-    states: dict[str, RequestState] = {}
+def _labelled(src: LogSource) -> Iterator[Labelled]:
+    """Every event with its position in the log and its request's life label; the pool's own
+    events (ChunkStored, ChunkEvicted, no request) under :data:`POOL`."""
     lives = _Lives()
-    index = -1
+    live_get = lives.live.get
+    label = lives.label
+    added, finished = ev.RequestAdded, ev.Finished
+    pos = -1
     for frame in src.frames():
         for e in frame.events:
-            index += 1
-            rid = e.req_id
-            if want is not None and not want(rid):
-                continue
-            if rid == POOL and isinstance(e, (ev.ChunkStored, ev.ChunkEvicted)):
-                yield _Step(index, frame, e, POOL, False, None, None)
-                continue
-            label, new = lives.label(e)
-            before = states.get(rid)
-            if before is None and not isinstance(e, ev.RequestAdded):
-                after = None
-            else:
-                after, _ = fold(before, e, config)
+            pos += 1
+            cls = e.__class__
+            if cls is not added and cls is not finished:
+                current = live_get(e.req_id)
+                if current is not None:  # the hot path: an event of a live request
+                    yield pos, frame, e, current[0], False
+                    continue
+                if not e.req_id and cls in _POOL_TYPES:
+                    yield pos, frame, e, POOL, False
+                    continue
+            name, new = label(e.req_id, cls)
+            yield pos, frame, e, name, new
+
+
+def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator[Folded]:
+    """Fold the recorded events (inputs and decisions) request by request; yield each event
+    with its request's state before and after it. ``want(req_id)`` limits the fold to some
+    requests (the others are skipped, but still counted in the positions). A finished request
+    is dropped once no save or load of its is in flight: memory follows live requests."""
+    config = src.config
+    states: dict[str, RequestState] = {}
+    get = states.get
+    added = ev.RequestAdded
+    finished = Phase.FINISHED
+    for item in _labelled(src):
+        pos, frame, e, label, new = item
+        rid = e.req_id
+        if want is not None and not want(rid):
+            continue
+        if label is POOL and not rid:
+            yield pos, frame, e, label, new, None, None
+            continue
+        before = get(rid)
+        if before is None and e.__class__ is not added:
+            after = None
+        else:
+            after = fold(before, e, config)[0]
             if after is not None:
-                states[rid] = after
-            yield _Step(index, frame, e, label, new, before, after)
-            if (
-                after is not None
-                and after.finished
-                and not after.save.pending
-                and (after.load is None or after.load.done)
-            ):
-                del states[rid]
-                lives.retire(rid)
+                if (
+                    after.phase is finished
+                    and not after.save.pending
+                    and (after.load is None or after.load.done)
+                ):
+                    states.pop(rid, None)
+                else:
+                    states[rid] = after
+        yield pos, frame, e, label, new, before, after
 
 
 # --- show ---------------------------------------------------------------------------------------
@@ -409,18 +437,18 @@ class RequestLife(list[Row]):
         }
 
 
-def _row(step: _Step) -> Row:
-    e, s = step.event, step.after
+def _row(item: Folded) -> Row:
+    pos, _, e, label, _, _, s = item
     violation = e.rule if isinstance(e, ev.ViolationRecorded) else ""
     if s is None:  # an event about a request the log never added
-        return Row(step.pos, e.step, type(e).__name__, describe_event(e), step.label,
+        return Row(pos, e.step, type(e).__name__, describe_event(e), label,
                    "unknown", 0, 0, 0, (), 0, 0, None, False, False, 0, False, violation)  # fmt: skip
     return Row(
-        index=step.pos,
+        index=pos,
         step=e.step,
         event=type(e).__name__,
         detail=describe_event(e),
-        life=step.label,
+        life=label,
         phase=s.phase.name.lower(),
         tokens_known=len(s.token_ids),
         num_tokens=s.num_tokens,
@@ -572,14 +600,17 @@ def stats(path: LogPath | LogSource) -> Stats:
         run_id=str(h.get("run_id", "")),
         config_problem=src.config_problem,
     )
-    by_type: Counter[str] = Counter()
+    by_type: Counter[type[ev.Event]] = Counter()
     reasons: Counter[str] = Counter()
     rules: Counter[str] = Counter()
     last_frame: Frame | None = None
     first_wall: int | None = None
     prev_step: int | None = None
-    for s in _walk(src):
-        frame, e = s.frame, s.event
+    running = ev.Admission.RUNNING
+    # Preemption happens only in these folds (signalled, inferred from a lookup of a running
+    # request, or from a re-admission); checking only them keeps the decode path cheap.
+    may_preempt = (ev.Preempted, ev.LookupAsked)
+    for _, frame, e, _, new, before, after in _walk(src):
         if frame is not last_frame:
             last_frame = frame
             st.frames += 1
@@ -589,46 +620,48 @@ def stats(path: LogPath | LogSource) -> Stats:
             if frame.step != prev_step:
                 st.steps += 1
                 prev_step = frame.step
-        by_type[type(e).__name__] += 1
-        if isinstance(e, ev.DecisionEvent):
-            st.decision_events += 1
-        else:
-            st.input_events += 1
-        if s.new_life and isinstance(e, ev.RequestAdded):
-            st.requests += 1
-        before, after = s.before, s.after
-        if isinstance(e, ev.Scheduled) and e.admission is not ev.Admission.RUNNING:
+        cls = e.__class__
+        by_type[cls] += 1
+        if cls is ev.Scheduled:
+            if e.admission is running:  # type: ignore[attr-defined]
+                continue  # the hot path: nothing to count beyond the type
             if before is not None:
-                first = before.life.first_local_hit < 0
                 _count_lookup(st.all_lookups, before)
-                if first:
+                if before.life.first_local_hit < 0:
                     _count_lookup(st.first_lookup, before)
                 else:
                     st.readmissions += 1
-        elif isinstance(e, ev.Finished) and before is not None and not before.finished:
-            st.finished += 1
-            reasons[e.reason] += 1
-        elif isinstance(e, ev.LoadPlanned):
+        elif cls is ev.RequestAdded:
+            if new:
+                st.requests += 1
+        elif cls is ev.Finished:
+            if before is not None and not before.finished:
+                st.finished += 1
+                reasons[e.reason] += 1  # type: ignore[attr-defined]
+        elif cls is ev.LoadPlanned:
+            assert isinstance(e, ev.LoadPlanned)
             if e.end > e.start:
                 st.loads += 1
                 st.tokens_loaded += e.end - e.start
             if e.refused_blocks:
                 st.loads_refused += 1
-        elif isinstance(e, ev.LoadFailed):
+        elif cls is ev.LoadFailed:
             st.load_failures += 1
-        elif isinstance(e, ev.SavePlanned):
+        elif cls is ev.SavePlanned:
+            assert isinstance(e, ev.SavePlanned)
             if e.keys:
                 st.saves += 1
                 st.tokens_saved += e.end - e.start
                 st.chunks_saved += len(e.keys)
-        elif isinstance(e, ev.SaveDone):
-            st.chunks_confirmed += len(e.keys)
-        elif isinstance(e, ev.SaveFailed):
-            st.chunks_failed += len(e.keys)
-        elif isinstance(e, ev.ViolationRecorded):
-            rules[e.rule] += 1
+        elif cls is ev.SaveDone:
+            st.chunks_confirmed += len(e.keys)  # type: ignore[attr-defined]
+        elif cls is ev.SaveFailed:
+            st.chunks_failed += len(e.keys)  # type: ignore[attr-defined]
+        elif cls is ev.ViolationRecorded:
+            rules[e.rule] += 1  # type: ignore[attr-defined]
         if (
-            before is not None
+            (cls is ev.Scheduled or cls in may_preempt)
+            and before is not None
             and after is not None
             and after.life.num_preemptions > before.life.num_preemptions
         ):
@@ -638,7 +671,9 @@ def stats(path: LogPath | LogSource) -> Stats:
         if first_wall is not None:
             st.seconds = (last_frame.wall_ns - first_wall) / 1e9
     st.events = sum(by_type.values())
-    st.events_by_type = dict(by_type.most_common())
+    st.decision_events = sum(n for cls, n in by_type.items() if cls.KIND == "decision")
+    st.input_events = st.events - st.decision_events
+    st.events_by_type = {cls.__name__: n for cls, n in by_type.most_common()}
     st.finish_reasons = dict(reasons.most_common())
     st.violations = dict(rules.most_common())
     st.damage = src.damage
@@ -686,28 +721,34 @@ class TimelineResult:
 
 def _rank(src: LogSource) -> tuple[list[tuple[str, str]], int]:
     """The requests worth a picture first: with violations, then preempted ones, then by
-    tokens computed; ties by arrival. Returns ((label, req_id) in that order, request lives)."""
-    score: dict[tuple[str, str], list[int]] = {}  # -> [violations, preemptions, tokens, arrival]
-    for s in _walk(src):
-        if s.label == POOL:
+    tokens computed; ties by arrival. Returns ((label, req_id) in that order, request lives).
+    Reads the events without folding: a preemption is a ``Preempted`` event or a
+    re-admission (vLLM < 0.12 and Model Runner V2 do not always signal it)."""
+    # label -> [violations, Preempted events, admissions, tokens scheduled, arrival, req_id]
+    score: dict[str, list[Any]] = {}
+    scheduled, running = ev.Scheduled, ev.Admission.RUNNING
+    for _, _, e, label, _ in _labelled(src):
+        if label is POOL and not e.req_id:
             continue
-        key = (s.label, s.event.req_id)
-        entry = score.get(key)
+        entry = score.get(label)
         if entry is None:
-            entry = score[key] = [0, 0, 0, len(score)]
-        e = s.event
-        if isinstance(e, ev.ViolationRecorded):
+            entry = score[label] = [0, 0, 0, 0, len(score), e.req_id]
+        cls = e.__class__
+        if cls is scheduled:
+            entry[3] += e.num_scheduled  # type: ignore[attr-defined]
+            if e.admission is not running:  # type: ignore[attr-defined]
+                entry[2] += 1
+        elif cls is ev.ViolationRecorded:
             entry[0] += 1
-        elif isinstance(e, ev.Scheduled):
-            entry[2] += e.num_scheduled
-        if (
-            s.before is not None
-            and s.after is not None
-            and s.after.life.num_preemptions > s.before.life.num_preemptions
-        ):
+        elif cls is ev.Preempted:
             entry[1] += 1
-    ranked = sorted(score, key=lambda k: (-score[k][0], -score[k][1], -score[k][2], score[k][3]))
-    return ranked, len(score)
+
+    def key(label: str) -> tuple[int, int, int, int]:
+        v, p, admissions, tokens, arrival, _ = score[label]
+        return (-v, -max(p, admissions - 1), -tokens, arrival)
+
+    ranked = sorted(score, key=key)
+    return [(label, score[label][5]) for label in ranked], len(score)
 
 
 def _collect(src: LogSource, chosen: Sequence[tuple[str, str]]) -> list[Series]:
@@ -727,16 +768,15 @@ def _collect(src: LogSource, chosen: Sequence[tuple[str, str]]) -> list[Series]:
             series.saved.append(state.saved)
         touched.clear()
 
-    for s in _walk(src, lambda rid: rid in ids):
-        if s.frame is not frame:
+    for _, at, e, label, _, before, after in _walk(src, ids.__contains__):
+        if at is not frame:
             if frame is not None:
                 flush(frame.step)
-            frame = s.frame
-        series = wanted.get(s.label)
-        if series is None or s.after is None:
+            frame = at
+        series = wanted.get(label)
+        if series is None or after is None:
             continue
-        e = s.event
-        touched[s.label] = s.after
+        touched[label] = after
         if isinstance(e, ev.LoadPlanned) and e.end > e.start:
             series.loads.append((e.step, e.start, e.end))
         elif isinstance(e, ev.LoadFailed):
@@ -745,7 +785,7 @@ def _collect(src: LogSource, chosen: Sequence[tuple[str, str]]) -> list[Series]:
             series.violations.append((e.step, e.rule))
         elif isinstance(e, ev.Finished) and series.finished is None:
             series.finished = e.step
-        if s.before is not None and s.after.life.num_preemptions > s.before.life.num_preemptions:
+        if before is not None and after.life.num_preemptions > before.life.num_preemptions:
             series.preemptions.append(e.step)
     if frame is not None:
         flush(frame.step)
@@ -1034,23 +1074,55 @@ class ExportResult:
     damage: StopInfo | None
 
 
+def _row_makers() -> dict[type[ev.Event], tuple[tuple[str, str, Callable[[Any], Any] | None], ...]]:
+    """Per event type: (attribute, column, converter or None) for each field. Tuples of ints
+    need no converter (JSON and pyarrow take them as arrays)."""
+    out: dict[type[ev.Event], tuple[tuple[str, str, Callable[[Any], Any] | None], ...]] = {}
+    convert: dict[str, Callable[[Any], Any] | None] = {
+        "int": None,
+        "bool": None,
+        "str": None,
+        "hex": bytes.hex,
+        "int_list": None,
+        "hex_list": lambda keys: [k.hex() for k in keys],
+    }
+    for cls in ev.EVENT_TYPES:
+        hints = typing.get_type_hints(cls)
+        fields = []
+        for name in field_names(cls):
+            hint = hints[name]
+            fn = convert[_column_kind(hint)]
+            if isinstance(hint, type) and issubclass(hint, enum.Enum):
+                fn = _enum_name
+            fields.append((name, name if name not in _BASE_NAMES else f"field_{name}", fn))
+        out[cls] = tuple(fields)
+    return out
+
+
+def _enum_name(value: enum.Enum) -> str:
+    return value.name
+
+
 def _export_rows(src: LogSource) -> Iterator[dict[str, Any]]:
+    makers = _row_makers()
     index = -1
     for frame in src.frames():
+        seq, step, wall_ns = frame.seq, frame.step, frame.wall_ns
         for e in frame.events:
             index += 1
-            cls = type(e)
+            cls = e.__class__
             row: dict[str, Any] = {
                 "index": index,
-                "seq": frame.seq,
-                "step": frame.step,
-                "wall_ns": frame.wall_ns,
+                "seq": seq,
+                "step": step,
+                "wall_ns": wall_ns,
                 "type": cls.__name__,
                 "kind": cls.KIND,
                 "request": e.req_id,
             }
-            for name in field_names(cls):
-                row[name if name not in _BASE_NAMES else f"field_{name}"] = _plain(getattr(e, name))
+            for name, column, fn in makers[cls]:
+                value = getattr(e, name)
+                row[column] = value if fn is None else fn(value)
             yield row
 
 

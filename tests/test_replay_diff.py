@@ -5,6 +5,7 @@ synthetic logs written by a real Tracker and LogWriter, and on logs of vLLM's re
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import attrs
@@ -184,6 +185,36 @@ def test_requests_without_a_counterpart_are_unmatched(base: Path, tmp_path: Path
     assert not r.identical and r.first is None
     r = diff(fewer, base)
     assert r.unmatched_b == ("req-d",)
+
+
+def test_alignment_reads_raw_records_as_it_reads_events(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The alignment pass reads raw records when the log's RequestAdded schema is this
+    version's; it must name the same lives as the decoded events: a reused id, a request
+    never added, the pool's own events."""
+    diff_module = sys.modules["replay.diff"]
+
+    def rewrite(e: ev.Event) -> ev.Event | None:
+        if e.req_id == "req-c":
+            return attrs.evolve(e, req_id="req-a")  # reused after req-a finished
+        if isinstance(e, ev.RequestAdded) and e.req_id == "req-d":
+            return None  # events of a request the log never added
+        if isinstance(e, ev.Finished) and e.req_id == "req-b":
+            return ev.ChunkStored(e.step, "", b"k" * 16, 3, 32)  # a pool event instead
+        return e
+
+    path = tmp_path / "odd.kvlog"
+    copy_log(base, path, rewrite)
+    src = views.open_log(path)
+    assert diff_module._raw_request_added(src.header)
+    raw = diff_module._lives(src)
+    monkeypatch.setattr(diff_module, "_raw_request_added", lambda header: False)
+    decoded = diff_module._lives(src)
+    assert raw == decoded
+    assert [life.label for life in raw] == ["req-a", "req-b", "req-a#2", "req-d"]
+    assert raw[3].prompt is None and raw[0].prompt == raw[2].prompt
+    assert diff(path, path).identical
 
 
 # --- damage, unreadable, JSON, commands ---------------------------------------------------------
