@@ -106,6 +106,7 @@ class Workload:
                 if nc + n >= known:  # sampled a token
                     tokens[r].append(rng.randrange(32000))
                     decoded[r] += 1
+            t.meta_built()  # the end of build_connector_meta: vLLM finishes requests after it
             running = [r for r in running + admitted]
             finished = [r for r in running if decoded[r] >= self.decode]
             for r in finished:
@@ -134,11 +135,16 @@ class NoopAdapter:
     def finished(self, r): pass
     def save_done(self, r, keys): pass
     def end_step(self): pass
+    def meta_built(self): pass
 
 
 class TrackerAdapter:
+    """Calls the Tracker the way connector/scheduler.py does: steady single-token decode
+    steps are numbered into one StepDecoded per step, everything else is a Scheduled."""
+
     def __init__(self, tracker: Tracker):
         self.t = tracker
+        self.steady: list[int] = []
 
     def add(self, r, p):
         self.t.add_request(r, p)
@@ -150,6 +156,11 @@ class TrackerAdapter:
         self.t.allocated(r, blocks, ext)
 
     def scheduled(self, r, nc, n, toks, blocks, admission):
+        if n == 1 and not admission and not blocks:
+            num = self.t.decode_step_ok(r, nc)
+            if num is not None:
+                self.steady.append(num)
+                return ()
         out = self.t.scheduled(
             r, num_computed=nc, num_scheduled=n, all_token_ids=toks, block_ids=blocks,
             admission=ev.Admission.NEW if admission else ev.Admission.RUNNING,
@@ -168,6 +179,10 @@ class TrackerAdapter:
 
     def save_done(self, r, keys):
         self.t.save_done(r, keys)
+
+    def meta_built(self):
+        self.t.decoded(self.steady)
+        self.steady = []
 
     def end_step(self):
         self.t.end_step()
@@ -243,6 +258,9 @@ class MutableBaseline:
     def end_step(self):
         pass
 
+    def meta_built(self):
+        pass
+
 
 def _timed(fn) -> float:
     gc.collect()
@@ -298,31 +316,38 @@ def main() -> None:
     # Log size: bytes per decode-step event, measured on a decode-only stretch of the file.
     size = os.path.getsize(log_path)
     frames = list(LogReader(log_path).iter_raw())
-    n_events = sum(len(f.records) for f in frames)
+    n_records = sum(len(f.records) for f in frames)
+    # Logical events: a StepDecoded record stands for one single-token step per request in it.
+    n_events = sum(
+        len(rec[2]) if rec[0] == ev.StepDecoded.TAG and len(rec) > 2 else 1
+        for f in frames
+        for rec in f.records
+    )
     decode_bytes = decode_events = 0
     offsets = [f.offset for f in frames] + [size]
     for f, nxt in zip(frames, offsets[1:]):
         tags = {rec[0] for rec in f.records}
-        if tags == {ev.Scheduled.TAG} and len(f.records) >= args.requests // 2:
+        if tags == {ev.StepDecoded.TAG}:
+            # One record for the whole step: count one decode event per request in it.
             decode_bytes += nxt - f.offset
-            decode_events += len(f.records)
+            decode_events += sum(len(rec[2]) for rec in f.records if len(rec) > 2)
     print()
-    print(f"log: {size:,} bytes, {len(frames):,} frames, {n_events:,} events, {size / n_events:.1f} B/event overall")
+    print(f"log: {size:,} bytes, {len(frames):,} frames, {n_records:,} records = {n_events:,} logical events (one per request per step), {size / n_events:.1f} B/logical event overall")
     if decode_events:
-        print(f"decode-step events: {decode_bytes / decode_events:.2f} B/event (frames of decode steps only, framing included)")
+        print(f"decode-step events: {decode_bytes / decode_events:.2f} B per request per decode step (decode-only frames, framing included)")
 
     # Read + verify (checksums, shapes, tags, interning) without building event objects.
     def read_raw() -> int:
         return sum(len(f.records) for f in LogReader(log_path).iter_raw())
 
     read_times = [_timed(read_raw) for _ in range(args.rounds)]
-    print(f"read+verify: {n_events / statistics.median(read_times) / 1e6:.2f} M events/s")
+    print(f"read+verify: {n_events / statistics.median(read_times) / 1e6:.2f} M logical events/s ({n_records / statistics.median(read_times) / 1e6:.2f} M records/s)")
 
     def decode_all() -> int:
         return sum(len(f.events) for f in LogReader(log_path))
 
     dec_times = [_timed(decode_all) for _ in range(args.rounds)]
-    print(f"read+verify+decode to event objects: {n_events / statistics.median(dec_times) / 1e6:.2f} M events/s")
+    print(f"read+verify+decode to event objects: {n_events / statistics.median(dec_times) / 1e6:.2f} M logical events/s")
 
     # Full replay: fold every input event, re-derive every decision, run invariants, compare.
     def replay() -> int:
@@ -346,7 +371,7 @@ def main() -> None:
     for _ in range(args.rounds):
         holder2: dict[str, int] = {}
         rep_times.append(_timed(lambda: holder2.setdefault("m", replay())))
-    print(f"full replay (fold + re-plan + invariants + compare): {n_events / statistics.median(rep_times) / 1e3:.0f} k events/s, {holder2['m']} decision mismatches")
+    print(f"full replay (fold + re-plan + invariants + compare): {n_events / statistics.median(rep_times) / 1e3:.0f} k logical events/s, {holder2['m']} decision mismatches")
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

@@ -48,6 +48,7 @@ __all__ = [
     "fold",
     "new_state",
     "steady_decode",
+    "steady_limit",
 ]
 
 
@@ -435,28 +436,31 @@ def advance_decoded(state: RequestState, steps: int) -> RequestState:
     )
 
 
-def steady_decode(state: RequestState, config: TrackerConfig, pending: int) -> bool:
-    """Whether one more single-token step of a running request (with ``pending`` steady steps
-    not folded yet) can be folded as ``StepDecoded``: nothing about it needs a decision or a
-    check beyond counting. The same predicate guards the connector's fast path and validates
-    a recorded ``StepDecoded`` on replay."""
-    if state.phase is not Phase.RUNNING:
-        return False
-    after = state.num_tokens + pending + 1
-    if after > len(state.block_ids) * config.block_size:
-        return False  # tokens_within_blocks would fail: let Scheduled name it
-    if state.load is not None and not state.load.done:
-        return False
+def steady_limit(state: RequestState, config: TrackerConfig) -> int:
+    """The highest ``num_tokens`` that steady single-token decode steps (``StepDecoded``) may
+    reach from this state: past it, a step needs a decision or a check beyond counting (a
+    new block, a load still running, a save that may be due), so it must be a ``Scheduled``.
+    -1 when no steady step is allowed at all."""
+    if state.phase is not Phase.RUNNING or (state.load is not None and not state.load.done):
+        return -1
+    limit = len(state.block_ids) * config.block_size  # else tokens_within_blocks must judge
     if state.recompute_only:
-        return True  # no plans for it anyway
+        return limit  # no plans for it anyway
     c = config.chunk_size
     cursor = state.save.cursor
-    limit = after if config.save_decode_cache else min(after, state.prefill_end)
-    if (cursor // c + 1) * c <= limit:
-        return False  # a full chunk could be saved: plan_save must see this step
-    if not config.discard_partial_chunks and cursor < state.prefill_end <= limit:
-        return False  # the prefill's partial chunk may be due
-    return True
+    next_chunk_end = (cursor // c + 1) * c
+    if config.save_decode_cache or state.prefill_end >= next_chunk_end:
+        limit = min(limit, next_chunk_end - 1)  # a full chunk could be saved: plan_save decides
+    if not config.discard_partial_chunks and cursor < state.prefill_end:
+        limit = min(limit, state.prefill_end - 1)  # the prefill's partial chunk may be due
+    return limit
+
+
+def steady_decode(state: RequestState, config: TrackerConfig, pending: int) -> bool:
+    """Whether one more single-token step of a running request (with ``pending`` steady steps
+    not folded yet) can be folded as ``StepDecoded``. The same bound guards the connector's
+    fast path and validates a recorded ``StepDecoded`` on replay."""
+    return state.num_tokens + pending + 1 <= steady_limit(state, config)
 
 
 def _on_preempted(state: RequestState, e: ev.Preempted, config: TrackerConfig) -> Result:

@@ -25,7 +25,15 @@ from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.plans import answer_lookup, plan_load, plan_save
-from tracker.state import Phase, RequestState, Violation, advance_decoded, fold, steady_decode
+from tracker.state import (
+    Phase,
+    RequestState,
+    Violation,
+    advance_decoded,
+    fold,
+    steady_decode,
+    steady_limit,
+)
 
 __all__ = ["LogSink", "Tracker"]
 
@@ -60,6 +68,9 @@ class Tracker:
         self._states: dict[str, RequestState] = {}
         # Steady decode steps folded lazily (StepDecoded): req id -> steps not applied yet.
         self._pending: dict[str, int] = {}
+        # The hot path's view of each live request, refreshed whenever its state is stored:
+        # [number, num_tokens, steady_limit]. Derived only; never the source of truth.
+        self._hot: dict[str, list[int]] = {}
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
         # freed at retirement; a replay of the same events assigns the same numbers.
         self._num_of: dict[str, int] = {}
@@ -134,7 +145,7 @@ class Tracker:
                 self._reserve(state, event.step)
             if req_id not in self._num_of:
                 self._number(req_id)
-            self._states[req_id] = state
+            self._store(req_id, state)
             if state.phase is Phase.FINISHED and self._idle(state):
                 self._retire(req_id)
         if reserved:
@@ -167,25 +178,38 @@ class Tracker:
 
     def decode_step_ok(self, req_id: str, num_computed: int) -> int | None:
         """The request's number if its single-token step with no new blocks, at vLLM's
-        ``num_computed``, is steady (see ``StepDecoded``); None: use ``scheduled``."""
-        state = self._states.get(req_id)
-        if state is None:
+        ``num_computed``, is steady (see ``StepDecoded``); None: use ``scheduled``.
+        Two integer comparisons: the bound was derived when the state last changed."""
+        hot = self._hot.get(req_id)
+        if hot is None:
             return None
-        pending = self._pending.get(req_id, 0)
-        if num_computed != state.num_tokens + pending:
+        expected = hot[1] + self._pending.get(req_id, 0)
+        if num_computed != expected or expected + 1 > hot[2]:
             return None
-        if not steady_decode(state, self.config, pending):
-            return None
-        return self._num_of.get(req_id)
+        return hot[0]
 
     def decoded(self, nums: Sequence[int]) -> None:
-        """Record one step of steady decodes for these request numbers."""
-        if nums:
-            self.apply(ev.StepDecoded(self.step, "", tuple(nums)))
+        """Record one step of steady decodes for these request numbers, each admitted by
+        ``decode_step_ok`` in this step (so not checked again; a replay checks them)."""
+        if not nums:
+            return
+        event = ev.StepDecoded(self.step, "", tuple(nums))
+        pending, req_of = self._pending, self._req_of
+        for num in nums:
+            req_id = req_of[num]
+            pending[req_id] = pending.get(req_id, 0) + 1
+        self.counts["events"] += 1
+        self._record(event, ())
+
+    def _store(self, req_id: str, state: RequestState) -> None:
+        self._states[req_id] = state
+        num = self._num_of.get(req_id)
+        if num is not None and req_id not in self._pending:
+            self._hot[req_id] = [num, state.num_tokens, steady_limit(state, self.config)]
 
     def _apply_step_decoded(self, event: ev.StepDecoded) -> list[ev.DecisionEvent]:
-        # The recorded event is validated with the same predicate that admitted it to the
-        # fast path, so a replay of a wrong log names the request and the step.
+        # A recorded event is validated with the same bound that admitted it to the fast
+        # path, so a replay of a wrong log names the request and the step.
         pending, states, config = self._pending, self._states, self.config
         bad: list[Violation] = []
         for num in event.nums:
@@ -206,7 +230,7 @@ class Tracker:
                         {"num_tokens": state.num_tokens + k},
                     )
                 )
-                states[req_id] = states[req_id]._replace(recompute_only=True)
+                self._store(req_id, states[req_id]._replace(recompute_only=True))
                 continue
             pending[req_id] = k + 1
         self._record(event, ())
@@ -216,7 +240,7 @@ class Tracker:
         k = self._pending.pop(req_id, 0)
         state = self._states.get(req_id)
         if k and state is not None:
-            self._states[req_id] = advance_decoded(state, k)
+            self._store(req_id, advance_decoded(state, k))
 
     def _number(self, req_id: str) -> None:
         if self._free_nums:
@@ -226,6 +250,9 @@ class Tracker:
             self._next_num += 1
         self._num_of[req_id] = num
         self._req_of[num] = req_id
+        state = self._states.get(req_id)
+        if state is not None:
+            self._store(req_id, state)
 
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
@@ -352,6 +379,7 @@ class Tracker:
     def _retire(self, req_id: str) -> None:
         del self._states[req_id]
         self._pending.pop(req_id, None)
+        self._hot.pop(req_id, None)
         num = self._num_of.pop(req_id, None)
         if num is not None:
             del self._req_of[num]
@@ -402,7 +430,7 @@ class Tracker:
         state = self.state(req_id)
         if state is not None:
             state = state._replace(recompute_only=True)
-            self._states[req_id] = state
+            self._store(req_id, state)
         self._report((Violation(rule, self.step, req_id, event, detail),), state)
 
     # --- one helper per callback: build the event for the current step, apply it ---------
