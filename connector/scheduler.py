@@ -282,19 +282,22 @@ class SchedulerSide:
         decode_step_ok = self.tracker.decode_step_ok
         num_computed = cached.num_computed_tokens
         new_block_ids = cached.new_block_ids
+        resumed_set = resumed_ids if resumed_ids is not None else ()
+        scheduled_tokens = num_scheduled.get
+        append = steady.append
         for i, req_id in enumerate(cached.req_ids):
             try:
-                blocks = new_block_ids[i]
-                if (
-                    num_scheduled.get(req_id) == 1
-                    and (not blocks or not any(blocks))
-                    and (req_id not in resumed_ids if resumed_ids is not None else True)
-                    and (resumed_flags is None or not resumed_flags[i])
-                ):
-                    num = decode_step_ok(req_id, num_computed[i])
-                    if num is not None:
-                        steady.append(num)
-                        continue
+                if scheduled_tokens(req_id) == 1:
+                    blocks = new_block_ids[i]  # None, or one list per KV-cache group
+                    if (
+                        (not blocks or not blocks[0])
+                        and req_id not in resumed_set
+                        and (resumed_flags is None or not resumed_flags[i])
+                    ):
+                        num = decode_step_ok(req_id, num_computed[i])
+                        if num is not None:
+                            append(num)
+                            continue
             except Exception:  # malformed: the full path below reports it
                 pass
 
