@@ -341,5 +341,12 @@ def _render_what_if(result: Any, out: TextIO, limit: int) -> None:
     )
     w(
         f"  worker results replaced: {wi.worker_results_replaced} (every what-if transfer is "
-        f"assumed to succeed; {wi.recorded_failures_ignored} recorded failures ignored)\n\n"
+        f"assumed to succeed; {wi.recorded_failures_ignored} recorded failures ignored)\n"
     )
+    if wi.steps_without_token_ids:
+        w(
+            f"  steps without token ids: {wi.steps_without_token_ids} (steady decode steps of "
+            "the run, not steady under this config;\n    their token ids are not in the log, "
+            "so no chunk over them can be planned: saved is a lower bound)\n"
+        )
+    w("\n")

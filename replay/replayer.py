@@ -73,6 +73,7 @@ DIVERGENT_ADMISSION_RULES = frozenset({"accepted_equals_answer", "admission_matc
 _COMPARED: tuple[type[ev.DecisionEvent], ...] = (ev.LookupAnswered, ev.LoadPlanned, ev.SavePlanned)
 _WORKER_RESULTS = (ev.SaveDone, ev.SaveFailed, ev.LoadDone, ev.LoadFailed)
 _PathArg = str | os.PathLike[str]
+_UNBOUNDED_LAG = 1 << 30
 Progress = Callable[[int, int], None]
 
 
@@ -216,6 +217,10 @@ class WhatIf:
     divergent_admissions: int = 0
     worker_results_replaced: int = 0
     recorded_failures_ignored: int = 0
+    # Steady decode steps of the run that are not steady under this config, whose token
+    # ids the log does not hold (the run never needed them): chunks over them cannot be
+    # planned, so the saved totals are a lower bound when this is not 0.
+    steps_without_token_ids: int = 0
 
     def totals(self) -> dict[str, list[int]]:
         loaded = [0, 0]
@@ -237,6 +242,7 @@ class WhatIf:
             "divergent_admissions": self.divergent_admissions,
             "worker_results_replaced": self.worker_results_replaced,
             "recorded_failures_ignored": self.recorded_failures_ignored,
+            "steps_without_token_ids": self.steps_without_token_ids,
         }
 
 
@@ -447,24 +453,32 @@ class _Checker:
             return
         tracker = self.tracker
         tracker.violations.clear()  # the replay keeps its own (bounded) list
-        after = self._summary(tracker.states.get(event.req_id))
         common = {
             "step": event.step,
             "req_id": event.req_id,
             "event": event,
             "before": self._summary(before),
-            "after": after,
+            "after": self._summary(tracker.state(event.req_id)),
             "path": frame.path,
             "offset": frame.offset,
             "seq": frame.seq,
             "index": index,
         }
+
+        def about(v: ev.ViolationRecorded) -> dict[str, Any]:
+            # A violation about another request than the event's (StepDecoded is about
+            # several): its own request, and that request's state now.
+            if v.req_id == event.req_id:
+                return common
+            after = self._summary(tracker.state(v.req_id))
+            return {**common, "req_id": v.req_id, "before": None, "after": after}
+
         if self.what_if is not None:
             for v in derived_v:
                 if v.rule in DIVERGENT_ADMISSION_RULES:
                     self.what_if.divergent_admissions += 1
                 else:
-                    self._add(Problem("violation", v.rule, derived=(v,), **common))
+                    self._add(Problem("violation", v.rule, derived=(v,), **about(v)))
             return
         for cls in _COMPARED:
             r = tuple(d for d in recorded if d.__class__ is cls)
@@ -481,7 +495,7 @@ class _Checker:
                     derived=(v,),
                     recorded_too=v in recorded_v,
                     detail=v.detail,
-                    **common,
+                    **about(v),
                 )
             )
         for v in recorded_v:
@@ -492,7 +506,7 @@ class _Checker:
                         f"ViolationRecorded {v.rule}",
                         recorded=(v,),
                         detail=v.detail,
-                        **common,
+                        **about(v),
                     )
                 )
         others = [d for d in recorded if d.__class__ not in _COMPARED and d not in recorded_v]
@@ -512,9 +526,9 @@ class _Checker:
     def _fact(self, v: ev.ViolationRecorded, frame: Any, index: int) -> None:
         """A violation recorded outside the fold: apply it the way the fold does."""
         tracker = self.tracker
-        state = tracker.states.get(v.req_id)
-        if state is not None:
-            tracker.states[v.req_id] = state._replace(recompute_only=True)
+        tracker.step = v.step
+        tracker.mark_violation(v.req_id, v.rule, v.event)  # the request: recompute only
+        tracker.violations.clear()
         if self.request is None or v.req_id == self.request:
             if len(self.result.recorded_violations) < self.max_problems:
                 self.result.recorded_violations.append(
@@ -554,6 +568,8 @@ class _Checker:
             if isinstance(e, (ev.LoadFailed, ev.SaveFailed)):
                 w.recorded_failures_ignored += 1
             return None
+        if isinstance(e, ev.StepDecoded):
+            return self._split_decoded(e)
         if before is None:
             return e
         lookup = before.lookup
@@ -578,6 +594,37 @@ class _Checker:
                 return attrs.evolve(e, num_computed=computed, num_scheduled=total - computed)
         return e
 
+    def _split_decoded(self, e: ev.StepDecoded) -> ev.Event | None:
+        """What-if: the recorded run folded these requests' single-token steps as steady
+        (``StepDecoded``). Under the what-if config some may not be steady (a decode chunk is
+        due with ``save_decode_cache``, say): those go through ``Scheduled`` as the connector
+        would have sent them, except for the token ids, which the run learned later, in bulk
+        (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
+        tracker = self.tracker
+        # The tracker has no public accessor from request number to id yet.
+        req_of: dict[int, str] = getattr(tracker, "_req_of", {})
+        steady: list[int] = []
+        for num in e.nums:
+            rid = req_of.get(num)
+            state = tracker.state(rid) if rid is not None else None
+            if (
+                rid is None
+                or state is None
+                or tracker.decode_step_ok(rid, state.num_tokens) is not None
+            ):
+                steady.append(num)  # (or unknown: the tracker names it)
+                continue
+            scheduled = ev.Scheduled(e.step, rid, state.num_tokens, 1, len(state.token_ids))
+            if len(state.token_ids) <= state.num_tokens:
+                self.what_if.steps_without_token_ids += 1
+            tracker.step = e.step
+            derived = tracker.apply(scheduled)
+            if derived:
+                self._finish((scheduled, state, derived, _NO_FRAME, -1), [])
+        if not steady:
+            return None
+        return e if len(steady) == len(e.nums) else ev.StepDecoded(e.step, "", tuple(steady))
+
     def _complete_transfers(self, step: int) -> None:
         """What-if: every transfer planned before ``step`` succeeded."""
         tracker = self.tracker
@@ -588,7 +635,7 @@ class _Checker:
             if state.save.pending:
                 events.append(ev.SaveDone(step, req_id, tuple(k for k, _ in state.save.pending)))
             for e in events:
-                before = tracker.states.get(req_id)
+                before = tracker.state(req_id)
                 tracker.step = step
                 derived = tracker.apply(e)
                 if derived:
@@ -600,7 +647,8 @@ class _Checker:
     def run(self, source: LogSource) -> None:
         result = self.result
         tracker = self.tracker
-        states = tracker.states
+        state_of = tracker.state
+        live_states = tracker.states  # the live dict itself (read for its size only)
         apply = tracker.apply
         what_if = self.what_if
         progress = self.progress
@@ -654,7 +702,7 @@ class _Checker:
                     pending = None
                     inputs += 1
                     rid = e.req_id
-                    before = states.get(rid)
+                    before = state_of(rid)
                     if what_if is not None:
                         e = self._rewrite(e, before, admissions)
                         if e is None:
@@ -697,7 +745,7 @@ class _Checker:
                 index += 1
             if self.done:
                 break
-            live = len(states)
+            live = len(live_states)
             if live > peak_live:
                 peak_live = live
             if progress is not None and time.monotonic() >= next_report:
@@ -812,9 +860,14 @@ def _check_into(
     if overrides:
         what_if = WhatIf(dict(overrides), recorded.to_dict(), config.to_dict())
     result.what_if = what_if
+    replay_config = config
+    if what_if is not None and "max_async_lag" not in overrides:
+        # Steady decode steps of the run learned their token ids later, in bulk; a what-if
+        # step that is not steady under the new config goes through Scheduled without them.
+        replay_config = config.with_changes(max_async_lag=_UNBOUNDED_LAG)
     checker = _Checker(
         result,
-        config,
+        replay_config,
         request=request,
         first=first,
         progress=progress,

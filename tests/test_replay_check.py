@@ -55,11 +55,20 @@ def saved_keys(decisions: list[ev.DecisionEvent]) -> tuple[bytes, ...]:
 
 
 def drive(
-    t: Tracker, n: int, *, start: int = 0, prompt: int = 40, decode: int = 4, shared: int = 64
+    t: Tracker,
+    n: int,
+    *,
+    start: int = 0,
+    prompt: int = 40,
+    decode: int = 4,
+    shared: int = 64,
+    hot: bool = True,
 ) -> None:
     """``n`` requests one after another, each: added, looked up (the shared prefix hits from
     the second on), allocated, prefilled, its saves confirmed, ``decode`` decode steps,
-    finished. Every step is one log frame."""
+    finished. Every step is one log frame. ``hot``: decode steps the way the connector sends
+    them, steady ones as ``StepDecoded`` (token ids learned later, in bulk), else all as
+    ``Scheduled``."""
     prefix = list(range(7, 7 + shared))
     for i in range(start, start + n):
         rid = f"r{i}"
@@ -84,7 +93,11 @@ def drive(
         toks = list(ids)
         for k in range(decode):
             toks.append(50_000 + k)
-            t.scheduled(rid, num_computed=len(toks) - 1, num_scheduled=1, all_token_ids=toks)
+            num = t.decode_step_ok(rid, len(toks) - 1) if hot else None
+            if num is not None:
+                t.decoded([num])
+            else:
+                t.scheduled(rid, num_computed=len(toks) - 1, num_scheduled=1, all_token_ids=toks)
             t.end_step()
         t.finished(rid)
         t.end_step()
@@ -237,8 +250,37 @@ def test_what_if_assumes_vllm_accepts_this_configs_offer(tmp_path: Path) -> None
 
 def test_what_if_saving_decode_chunks_saves_more() -> None:
     result = check(CLEAN, save_decode_cache=True)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
     totals = result.what_if.totals()
     assert totals["saved"][1] > totals["saved"][0]
+
+
+def test_what_if_saving_decode_chunks_needs_their_token_ids(tmp_path: Path) -> None:
+    """Saving decode chunks needs their token ids. A log whose decode steps carry them
+    (``Scheduled``) gives the decode chunks; one whose steady decode steps were folded as
+    ``StepDecoded`` does not hold them (the run never needed them): those steps go through
+    ``Scheduled`` without ids, nothing is reported as a problem, and the what-if counts the
+    steps it could not cover (the saved total is then a lower bound)."""
+    full = tmp_path / "full.kvlog"
+    write_log(full, 4, decode=80, prompt=20, shared=0, hot=False)
+    result = check(full, save_decode_cache=True)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.what_if.steps_without_token_ids == 0
+    rows = result.what_if.per_request
+    for i in range(4):
+        recorded, what_if = rows[f"r{i}"]["saved"]
+        assert recorded == 20  # the prompt's partial chunk only
+        # and, as decoding fills them, the full chunks [0, 32), [32, 64), [64, 96)
+        assert what_if == 20 + 96
+
+    steady = tmp_path / "steady.kvlog"
+    write_log(steady, 4, decode=80, prompt=20, shared=0, hot=True)
+    base = check(steady)
+    assert base.exit_code == 0 and base.counts["by_type"]["StepDecoded"] > 200
+    result = check(steady, save_decode_cache=True)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.what_if.steps_without_token_ids > 0
+    assert result.what_if.totals()["saved"] == [80, 80]
 
 
 def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
@@ -275,6 +317,56 @@ def test_synthetic_log_is_clean_and_loads_shared_prefixes(synthetic: Path) -> No
     assert result.totals["recorded"]["loads"] == 5  # every request after the first
     assert result.counts["requests"] == 6
     assert result.counts["peak_live_requests"] == 1
+    assert result.counts["by_type"]["StepDecoded"] > 0  # the hot path is replayed too
+
+
+def test_a_steady_decode_that_is_not_steady_is_named(tmp_path: Path) -> None:
+    """A recorded ``StepDecoded`` is re-validated: numbering a request whose step needs a
+    decision (here: saves of decode chunks are due) is a problem about that request."""
+    config = TrackerConfig(block_size=B, chunk_size=C, num_slots=64, save_decode_cache=True)
+    path = tmp_path / "steady.kvlog"
+    t = Tracker(config, log=LogWriter(path, config.to_dict(), fsync="never"))
+    ids = list(range(100, 130))  # 30 tokens: the first chunk completes at the 3rd decode step
+    t.add_request("a", ids)
+    t.lookup("a", 0, ids)
+    t.allocated("a", [1, 2, 3], 0)
+    t.scheduled(
+        "a", num_computed=0, num_scheduled=30, all_token_ids=ids, block_ids=[1, 2, 3], admission=NEW
+    )
+    t.end_step()
+    toks = list(ids)
+    steps = []
+    for k in range(4):
+        toks.append(900 + k)
+        num = t.decode_step_ok("a", len(toks) - 1)
+        steps.append(num is not None)
+        if num is not None:
+            t.decoded([num])
+        else:
+            t.scheduled("a", num_computed=len(toks) - 1, num_scheduled=1, all_token_ids=toks)
+        t.end_step()
+    t.close()
+    assert steps == [True, False, True, True]  # step 2 completes the chunk [0, 32): a save
+    assert check(path).exit_code == 0
+
+    # The same log claiming the later steps steady too.
+    lie = tmp_path / "lie.kvlog"
+    frames = list(LogReader(path))
+    num = next(e.nums[0] for f in frames for e in f.events if isinstance(e, ev.StepDecoded))
+    writer = LogWriter(lie, config.to_dict(), fsync="never")
+    for f in frames:
+        for e in f.events:
+            if isinstance(e, ev.Scheduled) and e.admission is RUNNING and e.step == 2:
+                e = ev.StepDecoded(e.step, "", (num,))
+            if isinstance(e, ev.SavePlanned) and e.step == 2:
+                continue
+            writer.append(e)
+        writer.end_step(f.step)
+    writer.close()
+    result = check(lie)
+    p = result.problems[0]
+    assert (p.kind, p.rule, p.req_id, p.step) == ("violation", "decoded_not_steady", "a", 2)
+    assert isinstance(p.event, ev.StepDecoded)
 
 
 def _rewrite(src: Path, dst: Path, edit: Any) -> None:
