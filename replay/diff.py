@@ -35,11 +35,13 @@ from typing import Any
 import attrs
 
 from replay.views import (
+    _GLOBAL_TYPES,
     POOL,
     LogPath,
     LogSource,
     _labelled,
     _Lives,
+    _walk,
     damage_dict,
     describe_event,
     event_content,
@@ -245,7 +247,7 @@ def _lives_raw(src: LogSource) -> list[_Life]:
     lives = _Lives()
     live = lives.live
     added, finished = ev.RequestAdded.TAG, ev.Finished.TAG
-    pool = {ev.ChunkStored.TAG, ev.ChunkEvicted.TAG}
+    pool = {cls.TAG for cls in _GLOBAL_TYPES}
     out: list[_Life] = []
     for frame in src.raw_frames():
         for rec in frame.records:
@@ -365,9 +367,11 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
         while qa and qb:
             x, y = qa.popleft(), qb.popleft()
             ex, ey = x[2], y[2]
-            # Equal events of equal ids and steps compare equal at once; otherwise by content.
+            # Equal events of equal ids and steps compare equal at once; otherwise by content
+            # (a StepDecoded, seen from one of its requests, says only: one more token).
             if ex == ey or (
-                ex.__class__ is ey.__class__ and event_content(ex) == event_content(ey)
+                ex.__class__ is ey.__class__
+                and (ex.__class__ is decoded or event_content(ex) == event_content(ey))
             ):
                 p.position += 1
                 p.context.append(x)
@@ -389,8 +393,10 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
             qb.clear()
             return
 
-    counts = [0, 0]
-    streams = (_labelled(src_a), _labelled(src_b))
+    decoded = ev.StepDecoded
+    counts = [0, 0]  # items read (a StepDecoded is one item per request it names, and one)
+    events = [0, 0]
+    streams = (_walk(src_a), _walk(src_b))
     done = [False, False]
     # Read both logs side by side, always advancing the one that has read fewer events, so
     # that agreeing logs never queue more than a few events.
@@ -401,7 +407,10 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
             done[side] = True
             continue
         counts[side] += 1
-        index, frame, e, label, _ = item
+        index, frame, e, rid, label, _, _, _ = item
+        events[side] = index + 1
+        if not rid and e.__class__ is decoded:
+            continue  # compared through its requests
         label_a = label if side == 0 else by_b.get(label)
         if label_a is None:
             continue
@@ -437,8 +446,8 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
         unmatched_b=unmatched_b,
         matched=matched,
         aligned_by=how,
-        events_a=counts[0],
-        events_b=counts[1],
+        events_a=events[0],
+        events_b=events[1],
         config_changes=config_changes,
         damage_a=src_a.damage,
         damage_b=src_b.damage,

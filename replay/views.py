@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import heapq
 import html
 import json
 import math
@@ -36,7 +37,7 @@ import attrs
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
 from tracker.log import Frame, LogFormatError, LogReader, RawFrame, StopInfo
-from tracker.state import Phase, RequestState, fold
+from tracker.state import Phase, RequestState, advance_decoded, fold
 
 __all__ = [
     "EXPORT_COLUMNS",
@@ -233,6 +234,9 @@ def describe_event(e: ev.Event) -> str:
     if isinstance(e, ev.RequestAdded):
         salt = f" salt={e.cache_salt}" if e.cache_salt else ""
         return f"prompt {len(e.prompt_token_ids)} tokens{salt}"
+    if isinstance(e, ev.StepDecoded):
+        n = len(e.nums)
+        return f"+1 token for each of {n} request{'s' if n != 1 else ''} nums={_short_ints(e.nums)}"
     parts: list[str] = []
     cls = type(e)
     for f in attrs.fields(cls)[2:]:
@@ -303,15 +307,17 @@ class _Lives:
 
 # (position in the log, frame, event, life label, starts a life)
 Labelled = tuple[int, Frame, ev.Event, str, bool]
-# ... and the request's state before and after the event (None: no state)
-Folded = tuple[int, Frame, ev.Event, str, bool, "RequestState | None", "RequestState | None"]
+# (position in the log, frame, event, req_id, life label, starts a life, state before, after)
+Folded = tuple[int, Frame, ev.Event, str, str, bool, "RequestState | None", "RequestState | None"]
 
-_POOL_TYPES = (ev.ChunkStored, ev.ChunkEvicted)
+# Events about no one request (their req_id is empty): the pool's own, and StepDecoded (one
+# steady decode step of several requests, named by their request numbers).
+_GLOBAL_TYPES = (ev.ChunkStored, ev.ChunkEvicted, ev.StepDecoded)
 
 
 def _labelled(src: LogSource) -> Iterator[Labelled]:
-    """Every event with its position in the log and its request's life label; the pool's own
-    events (ChunkStored, ChunkEvicted, no request) under :data:`POOL`."""
+    """Every event with its position in the log and its request's life label; the events
+    about no one request (ChunkStored, ChunkEvicted, StepDecoded) under :data:`POOL`."""
     lives = _Lives()
     live_get = lives.live.get
     label = lives.label
@@ -326,46 +332,94 @@ def _labelled(src: LogSource) -> Iterator[Labelled]:
                 if current is not None:  # the hot path: an event of a live request
                     yield pos, frame, e, current[0], False
                     continue
-                if not e.req_id and cls in _POOL_TYPES:
+                if not e.req_id and cls in _GLOBAL_TYPES:
                     yield pos, frame, e, POOL, False
                     continue
             name, new = label(e.req_id, cls)
             yield pos, frame, e, name, new
 
 
+def _idle_finished(state: RequestState) -> bool:
+    """Finished, with no save or load in flight: the Tracker retires it (and frees its
+    request number)."""
+    return (
+        state.phase is Phase.FINISHED
+        and not state.save.pending
+        and (state.load is None or state.load.done)
+    )
+
+
 def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator[Folded]:
-    """Fold the recorded events (inputs and decisions) request by request; yield each event
-    with its request's state before and after it. ``want(req_id)`` limits the fold to some
-    requests (the others are skipped, but still counted in the positions). A finished request
-    is dropped once no save or load of its is in flight: memory follows live requests."""
+    """Fold the recorded events, input facts and decisions, request by request, as the
+    recording Tracker did; yield each event with its request's state before and after it.
+
+    ``StepDecoded`` (one steady decode step of several requests, by request number) is
+    yielded once as itself (req_id and label :data:`POOL`, no states), then once per request
+    it names, with that request's id, label and states. Request numbers follow the log
+    format's rule: the lowest free number, taken when a request is added and freed when the
+    Tracker retires it (finished, nothing in flight).
+
+    ``want(req_id)`` limits what is yielded (every request is still folded: numbers depend
+    on all of them); without it the events about no request are yielded too. A retired
+    request's state is dropped: memory follows the live requests."""
     config = src.config
     states: dict[str, RequestState] = {}
     get = states.get
-    added = ev.RequestAdded
-    finished = Phase.FINISHED
-    for item in _labelled(src):
-        pos, frame, e, label, new = item
-        rid = e.req_id
-        if want is not None and not want(rid):
-            continue
-        if label is POOL and not rid:
-            yield pos, frame, e, label, new, None, None
-            continue
-        before = get(rid)
-        if before is None and e.__class__ is not added:
-            after = None
-        else:
-            after = fold(before, e, config)[0]
-            if after is not None:
-                if (
-                    after.phase is finished
-                    and not after.save.pending
-                    and (after.load is None or after.load.done)
-                ):
-                    states.pop(rid, None)
-                else:
-                    states[rid] = after
-        yield pos, frame, e, label, new, before, after
+    lives = _Lives()
+    live = lives.live
+    num_of: dict[str, int] = {}
+    req_of: dict[int, str] = {}
+    free: list[int] = []
+    next_num = 0
+    added, finished, decoded = ev.RequestAdded, ev.Finished, ev.StepDecoded
+    pos = -1
+    for frame in src.frames():
+        for e in frame.events:
+            pos += 1
+            cls = e.__class__
+            rid = e.req_id
+            if not rid and cls in _GLOBAL_TYPES:
+                if want is None:
+                    yield pos, frame, e, POOL, POOL, False, None, None
+                if cls is decoded:
+                    for num in e.nums:  # type: ignore[attr-defined]
+                        r = req_of.get(num)
+                        state = get(r) if r is not None else None
+                        if r is None or state is None:
+                            continue  # an unknown number: kvledger check names it
+                        # As the recording Tracker did (it validates only on replay).
+                        advanced = advance_decoded(state, 1)
+                        states[r] = advanced
+                        if want is None or want(r):
+                            label = live[r][0] if r in live else r
+                            yield pos, frame, e, r, label, False, state, advanced
+                continue
+            current = live.get(rid)
+            if current is not None and cls is not added and cls is not finished:
+                label, new = current[0], False
+            else:
+                label, new = lives.label(rid, cls)
+            before = get(rid)
+            after: RequestState | None = None
+            if before is not None or cls is added:
+                after = fold(before, e, config)[0]
+                if after is not None:
+                    if rid not in num_of:
+                        if free:
+                            num = heapq.heappop(free)
+                        else:
+                            num, next_num = next_num, next_num + 1
+                        num_of[rid] = num
+                        req_of[num] = rid
+                    if _idle_finished(after):
+                        states.pop(rid, None)
+                        num = num_of.pop(rid)
+                        del req_of[num]
+                        heapq.heappush(free, num)
+                    else:
+                        states[rid] = after
+            if want is None or want(rid):
+                yield pos, frame, e, rid, label, new, before, after
 
 
 # --- show ---------------------------------------------------------------------------------------
@@ -438,7 +492,7 @@ class RequestLife(list[Row]):
 
 
 def _row(item: Folded) -> Row:
-    pos, _, e, label, _, _, s = item
+    pos, _, e, _, label, _, _, s = item
     violation = e.rule if isinstance(e, ev.ViolationRecorded) else ""
     if s is None:  # an event about a request the log never added
         return Row(pos, e.step, type(e).__name__, describe_event(e), label,
@@ -610,7 +664,11 @@ def stats(path: LogPath | LogSource) -> Stats:
     # Preemption happens only in these folds (signalled, inferred from a lookup of a running
     # request, or from a re-admission); checking only them keeps the decode path cheap.
     may_preempt = (ev.Preempted, ev.LookupAsked)
-    for _, frame, e, _, new, before, after in _walk(src):
+    last_pos = -1
+    for pos, frame, e, _, _, new, before, after in _walk(src):
+        if pos == last_pos:
+            continue  # StepDecoded again, for one of its requests: counted once
+        last_pos = pos
         if frame is not last_frame:
             last_frame = frame
             st.frames += 1
@@ -721,34 +779,31 @@ class TimelineResult:
 
 def _rank(src: LogSource) -> tuple[list[tuple[str, str]], int]:
     """The requests worth a picture first: with violations, then preempted ones, then by
-    tokens computed; ties by arrival. Returns ((label, req_id) in that order, request lives).
-    Reads the events without folding: a preemption is a ``Preempted`` event or a
-    re-admission (vLLM < 0.12 and Model Runner V2 do not always signal it)."""
-    # label -> [violations, Preempted events, admissions, tokens scheduled, arrival, req_id]
+    tokens computed; ties by arrival. Returns ((label, req_id) in that order, request lives)."""
+    # label -> [violations, preemptions, tokens scheduled, arrival, req_id]
     score: dict[str, list[Any]] = {}
-    scheduled, running = ev.Scheduled, ev.Admission.RUNNING
-    for _, _, e, label, _ in _labelled(src):
-        if label is POOL and not e.req_id:
+    scheduled, decoded = ev.Scheduled, ev.StepDecoded
+    for _, _, e, rid, label, _, before, after in _walk(src):
+        if label is POOL and not rid:
             continue
         entry = score.get(label)
         if entry is None:
-            entry = score[label] = [0, 0, 0, 0, len(score), e.req_id]
+            entry = score[label] = [0, 0, 0, len(score), rid]
         cls = e.__class__
         if cls is scheduled:
-            entry[3] += e.num_scheduled  # type: ignore[attr-defined]
-            if e.admission is not running:  # type: ignore[attr-defined]
-                entry[2] += 1
+            entry[2] += e.num_scheduled  # type: ignore[attr-defined]
+        elif cls is decoded:
+            entry[2] += 1
         elif cls is ev.ViolationRecorded:
             entry[0] += 1
-        elif cls is ev.Preempted:
+        if (
+            before is not None
+            and after is not None
+            and after.life.num_preemptions > before.life.num_preemptions
+        ):
             entry[1] += 1
-
-    def key(label: str) -> tuple[int, int, int, int]:
-        v, p, admissions, tokens, arrival, _ = score[label]
-        return (-v, -max(p, admissions - 1), -tokens, arrival)
-
-    ranked = sorted(score, key=key)
-    return [(label, score[label][5]) for label in ranked], len(score)
+    ranked = sorted(score, key=lambda k: (-score[k][0], -score[k][1], -score[k][2], score[k][3]))
+    return [(label, score[label][4]) for label in ranked], len(score)
 
 
 def _collect(src: LogSource, chosen: Sequence[tuple[str, str]]) -> list[Series]:
@@ -768,7 +823,7 @@ def _collect(src: LogSource, chosen: Sequence[tuple[str, str]]) -> list[Series]:
             series.saved.append(state.saved)
         touched.clear()
 
-    for _, at, e, label, _, before, after in _walk(src, ids.__contains__):
+    for _, at, e, _, label, _, before, after in _walk(src, ids.__contains__):
         if at is not frame:
             if frame is not None:
                 flush(frame.step)
@@ -1023,7 +1078,8 @@ _BASE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("wall_ns", "int"),  # when the frame was written
     ("type", "str"),
     ("kind", "str"),  # input | decision
-    ("request", "str"),  # req_id ("" for the pool's own events)
+    ("request", "str"),  # req_id ("" for the events about no one request)
+    ("requests", "str_list"),  # StepDecoded: the ids of the requests it names
 )
 
 
@@ -1060,7 +1116,7 @@ def _export_columns() -> tuple[tuple[str, str], ...]:
 EXPORT_COLUMNS: tuple[tuple[str, str], ...] = _export_columns()
 """``(column, kind)`` of an export: the base columns, then every event field of every type
 (a field absent from an event type is null in its rows). Kinds: int, bool, str, hex (bytes as
-hex), int_list, hex_list."""
+hex), int_list, hex_list, str_list."""
 
 _BASE_NAMES = frozenset(name for name, _ in _BASE_COLUMNS)
 
@@ -1105,32 +1161,41 @@ def _enum_name(value: enum.Enum) -> str:
 
 def _export_rows(src: LogSource) -> Iterator[dict[str, Any]]:
     makers = _row_makers()
-    index = -1
-    for frame in src.frames():
-        seq, step, wall_ns = frame.seq, frame.step, frame.wall_ns
-        for e in frame.events:
-            index += 1
-            cls = e.__class__
-            row: dict[str, Any] = {
-                "index": index,
-                "seq": seq,
-                "step": step,
-                "wall_ns": wall_ns,
-                "type": cls.__name__,
-                "kind": cls.KIND,
-                "request": e.req_id,
-            }
-            for name, column, fn in makers[cls]:
-                value = getattr(e, name)
-                row[column] = value if fn is None else fn(value)
+    row: dict[str, Any] | None = None
+    last_pos = -1
+    for pos, frame, e, rid, _, _, _, _ in _walk(src):
+        if pos == last_pos:  # StepDecoded, once more for each request it names
+            assert row is not None
+            row["requests"].append(rid)
+            continue
+        if row is not None:
             yield row
+        last_pos = pos
+        cls = e.__class__
+        row = {
+            "index": pos,
+            "seq": frame.seq,
+            "step": frame.step,
+            "wall_ns": frame.wall_ns,
+            "type": cls.__name__,
+            "kind": cls.KIND,
+            "request": e.req_id,
+        }
+        if cls is ev.StepDecoded:
+            row["requests"] = []
+        for name, column, fn in makers[cls]:
+            value = getattr(e, name)
+            row[column] = value if fn is None else fn(value)
+    if row is not None:
+        yield row
 
 
 def export(
     path: LogPath | LogSource, out: PathLike, fmt: str = "jsonl", *, batch_rows: int = 65536
 ) -> ExportResult:
     """One row per event: ``index, seq, step, wall_ns, type, kind, request`` and the event's
-    fields as columns (bytes as hex, enums by name), for DuckDB or pandas. ``fmt="jsonl"``
+    fields as columns (bytes as hex, enums by name), for DuckDB or pandas; a ``StepDecoded``
+    row also has ``requests``, the ids its request numbers stood for. ``fmt="jsonl"``
     writes one JSON object per line (only the event's own fields; ``out="-"``: standard
     output); ``fmt="parquet"`` writes every column of :data:`EXPORT_COLUMNS` (pyarrow, the
     ``parquet`` extra), in row groups of ``batch_rows``. The file appears complete or not at
@@ -1183,6 +1248,7 @@ def _write_parquet(src: LogSource, out: str, counts: Counter[str], batch_rows: i
         "hex": pa.string(),
         "int_list": pa.list_(pa.int64()),
         "hex_list": pa.list_(pa.string()),
+        "str_list": pa.list_(pa.string()),
     }
     schema = pa.schema([(name, types[kind]) for name, kind in EXPORT_COLUMNS])
     names = [name for name, _ in EXPORT_COLUMNS]

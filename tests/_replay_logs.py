@@ -66,8 +66,10 @@ class _Sink:
 class Sim:
     """A toy engine over a Tracker: owns token lists, block tables and worker results."""
 
-    def __init__(self, tracker: Tracker) -> None:
+    def __init__(self, tracker: Tracker, fast: bool = True) -> None:
         self.t = tracker
+        self.fast = fast
+        self.steady: list[int] = []  # this step's steady decodes (request numbers)
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}
         self.computed: dict[str, int] = {}
@@ -133,6 +135,13 @@ class Sim:
         tokens.append(token(rid, len(tokens)))
         n = self.computed[rid]
         new = self._alloc(rid, n + 1)
+        if self.fast and not new:
+            # The connector's hot path: one StepDecoded record for the step's steady decodes.
+            num = self.t.decode_step_ok(rid, n)
+            if num is not None:
+                self.steady.append(num)
+                self.computed[rid] = n + 1
+                return
         out = self.t.scheduled(
             rid, num_computed=n, num_scheduled=1, all_token_ids=tokens, block_ids=new
         )
@@ -151,6 +160,8 @@ class Sim:
         self.t.finished(rid, "length")
 
     def end_step(self) -> None:
+        self.t.decoded(self.steady)
+        self.steady = []
         self.t.end_step()
 
 
@@ -163,8 +174,10 @@ def write_log(
     prompt_change: str | None = None,
     rotate_bytes: int | None = None,
     violation: bool = True,
+    fast: bool = True,
 ) -> Tracker:
     """The synthetic workload; returns the Tracker (its ``counts`` and ``violations``).
+    ``fast``: steady decode steps go through the connector's hot path (``StepDecoded``).
 
     Steps: 0 prefill a (40 tokens) and b (70, sharing 32 with a); 1..3 decode; 3 b preempted;
     4 b waits (lookup); 5 b resumed with a load from the pool; 6 a finishes; 7 c (a's prompt
@@ -174,7 +187,7 @@ def write_log(
     config = TrackerConfig(block_size=BLOCK, chunk_size=chunk_size, num_slots=64)
     writer = LogWriter(path, config.to_dict(), fsync="never", rotate_bytes=rotate_bytes)
     tracker = Tracker(config, log=_Sink(writer, rename, alter))
-    sim = Sim(tracker)
+    sim = Sim(tracker, fast)
     pa = prompt(40, 1, shared=32)
     pb = prompt(70, 2, shared=32)
     if prompt_change == "req-b":

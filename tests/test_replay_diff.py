@@ -81,10 +81,9 @@ def test_one_altered_event_is_found_at_its_step_and_request(base: Path, tmp_path
     assert isinstance(d.a.event, ev.LookupAnswered) and d.a.event.hit == 64
     assert d.b.event.hit == 48
     # Its place among the request's events, and the events both logs agree on before it.
-    b_events = [e for f in views.open_log(base).frames() for e in f.events if e.req_id == "req-b"]
-    assert b_events[d.position] == d.a.event
-    assert [c.event for c in d.context] == b_events[d.position - 3 : d.position]
-    assert d.a.index == d.b.index
+    rows = views.show(base, "req-b")
+    assert rows[d.position].index == d.a.index == d.b.index
+    assert [c.index for c in d.context] == [r.index for r in rows[d.position - 3 : d.position]]
 
 
 def test_a_dropped_event_is_missing_and_an_added_one_extra(base: Path, tmp_path: Path) -> None:
@@ -96,7 +95,7 @@ def test_a_dropped_event_is_missing_and_an_added_one_extra(base: Path, tmp_path:
     # c's LoadDone (step 8) is missing in B: B has c's next event at that position instead.
     assert d.kind == "differ" and d.fields == ("type",)
     assert (type(d.a.event).__name__, d.step_a) == ("LoadDone", 8)
-    assert type(d.b.event).__name__ == "Scheduled"
+    assert (type(d.b.event).__name__, d.step_b) == ("StepDecoded", 8)
 
     # A log that stops early lacks the tail of every request still running.
     shorter = tmp_path / "shorter.kvlog"
@@ -115,17 +114,37 @@ def test_a_dropped_event_is_missing_and_an_added_one_extra(base: Path, tmp_path:
 
 def test_the_earliest_divergence_comes_first(base: Path, tmp_path: Path) -> None:
     def alter(e: ev.Event) -> ev.Event:
-        if isinstance(e, ev.Scheduled) and e.req_id == "req-c" and e.step == 9:
-            return attrs.evolve(e, num_scheduled=2)
-        if isinstance(e, ev.Scheduled) and e.req_id == "req-a" and e.step == 4:
-            return attrs.evolve(e, block_ids=(99,))
+        if isinstance(e, ev.LookupAnswered) and e.req_id == "req-c":
+            return attrs.evolve(e, hit=0)
+        if isinstance(e, ev.Finished) and e.req_id == "req-a":
+            return attrs.evolve(e, reason="abort")
         return e
 
     r = diff(base, other(tmp_path, alter=alter))
     assert list(r.per_request) == ["req-a", "req-c"]
     assert r.first is r.per_request["req-a"]
-    assert r.first.step == 4 and r.first.fields == ("block_ids",)
-    assert r.per_request["req-c"].step == 9
+    assert r.first.step == 6 and r.first.fields == ("reason",)
+    assert r.per_request["req-c"].step == 7 and r.per_request["req-c"].fields == ("hit",)
+
+
+def test_a_decode_step_missing_from_step_decoded_is_found(base: Path, tmp_path: Path) -> None:
+    """StepDecoded names requests by number: diff compares it as each request's own event."""
+    late = [e for f in views.open_log(base).frames() for e in f.events if e.step == 9]
+    step9 = next(e for e in late if isinstance(e, ev.StepDecoded))
+    c_num = 0  # req-c took number 0 when req-a retired
+
+    def drop_c(e: ev.Event) -> ev.Event:
+        if e == step9:
+            return attrs.evolve(e, nums=tuple(n for n in e.nums if n != c_num))
+        return e
+
+    changed = tmp_path / "changed.kvlog"
+    copy_log(base, changed, drop_c)
+    r = diff(base, changed)
+    assert list(r.per_request) == ["req-c"]
+    d = r.first
+    assert d is not None and (d.step_a, d.step_b) == (9, 10)
+    assert (type(d.a.event).__name__, type(d.b.event).__name__) == ("StepDecoded", "Finished")
 
 
 def test_a_changed_prompt_is_found_at_its_first_event(base: Path, tmp_path: Path) -> None:

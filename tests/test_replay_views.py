@@ -18,7 +18,7 @@ from replay import views, views_cli
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.log import LogReader, segment_paths
-from tracker.state import fold
+from tracker.tracker import Tracker
 
 
 @pytest.fixture
@@ -49,23 +49,66 @@ def truncated_copy(src: Path, dst: Path, cut: int) -> Path:
 # --- show ---------------------------------------------------------------------------------
 
 
-def test_show_rows_follow_the_fold(log: Path) -> None:
-    life = views.show(log, "req-b")
-    mine = [(s, e) for s, e in all_events(log) if e.req_id == "req-b"]
-    assert [r.event for r in life] == [type(e).__name__ for _, e in mine]
-    assert [r.step for r in life] == [s for s, _ in mine]
-    state = None
-    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=64)
-    for row, (_, e) in zip(life, mine, strict=True):
-        state, _ = fold(state, e, config)
-        assert state is not None
-        assert row.tokens_known == len(state.token_ids)
-        assert row.num_tokens == state.num_tokens
-        assert row.block_ids == tuple(state.block_ids)
-        assert row.saved == state.saved
-        assert row.preempted == state.preempted
-        assert row.recompute_only == state.recompute_only
-    assert life.damage is None
+def _row_view(row: views.Row) -> tuple:
+    return (row.tokens_known, row.num_tokens, row.num_computed, row.block_ids, row.saved)
+
+
+def _state_view(state) -> tuple:
+    return (
+        len(state.token_ids),
+        state.num_tokens,
+        state.num_computed,
+        tuple(state.block_ids),
+        state.saved,
+    )
+
+
+def assert_rows_match_a_tracker_replay(path: Path) -> int:
+    """Feed the log's input events to a Tracker (which re-derives the decisions) and compare,
+    at the end of every step, each live request's state with the last row ``show`` gives for
+    it in that step. Returns the number of comparisons."""
+    reader = LogReader(path)
+    header = reader.header
+    fields = {f.name for f in attrs.fields(TrackerConfig)}
+    config = TrackerConfig(**{k: v for k, v in header["config"].items() if k in fields})
+    ids = sorted({e.req_id for f in reader for e in f.events if e.req_id})
+    rows = {rid: views.show(path, rid) for rid in ids}
+    tracker = Tracker(config)
+    compared = 0
+    for frame in reader:
+        for e in frame.events:
+            if e.KIND == "input":
+                tracker.apply(e)
+        for rid in ids:
+            state = tracker.state(rid)
+            mine = [r for r in rows[rid] if r.step == frame.step]
+            if state is None or not mine:
+                continue
+            assert _row_view(mine[-1]) == _state_view(state), (rid, frame.step)
+            assert mine[-1].recompute_only == state.recompute_only
+            assert mine[-1].preempted == state.preempted
+            compared += 1
+        tracker.end_step()
+    return compared
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["StepDecoded", "Scheduled-only"])
+def test_show_rows_follow_the_tracker(tmp_path: Path, fast: bool) -> None:
+    path = tmp_path / "run.kvlog"
+    write_log(path, fast=fast)
+    assert assert_rows_match_a_tracker_replay(path) > 20
+
+
+def test_show_counts_steady_decode_steps(log: Path) -> None:
+    """A StepDecoded names requests by number; show gives the request its own row, one more
+    token each, and numbers freed by a retired request go to the next one added."""
+    c = views.show(log, "req-c")
+    decoded = [r for r in c if r.event == "StepDecoded"]
+    assert [r.step for r in decoded] == [8, 9]
+    assert [r.num_tokens for r in decoded] == [41, 42]
+    assert decoded[0].tokens_known == 40  # the ids come in bulk, with the next Scheduled
+    nums = [e.nums for s, e in all_events(log) if isinstance(e, ev.StepDecoded)]
+    assert nums[-1] == (1, 0, 2)  # b kept 1; c took a's 0 after a retired; d took 2
 
 
 def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) -> None:
@@ -431,6 +474,14 @@ def test_real_log_stats_and_show(real: dict[str, Path]) -> None:
     assert len(readmit) == 2
     allocated = [r for r in life if r.event == "Allocated"][-1]
     assert readmit[1].block_ids == allocated.block_ids  # replaced on re-admission
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("name", ["base", "loads"])
+def test_real_log_rows_follow_the_tracker(real: dict[str, Path], name: str) -> None:
+    log = segment_paths(real[name])[0]
+    assert any(isinstance(e, ev.StepDecoded) for f in LogReader(log) for e in f.events)
+    assert assert_rows_match_a_tracker_replay(log) > 100
 
 
 @pytest.mark.vllm
