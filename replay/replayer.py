@@ -674,6 +674,8 @@ class _Checker:
         next_report = time.monotonic() + 0.1
         RequestAdded = ev.RequestAdded
         ViolationRecorded = ev.ViolationRecorded
+        StepDecoded = ev.StepDecoded
+        steady = 0
         for frame in source.frames():
             frames += 1
             events = frame.events
@@ -701,6 +703,8 @@ class _Checker:
                         recorded = []
                     pending = None
                     inputs += 1
+                    if e.__class__ is StepDecoded:
+                        steady += len(e.nums)
                     rid = e.req_id
                     before = state_of(rid)
                     if what_if is not None:
@@ -766,6 +770,8 @@ class _Checker:
             "steps": steps,
             "requests": requests,
             "peak_live_requests": peak_live,
+            # Steady decode steps, one per request in each StepDecoded record.
+            "steady_decode_steps": steady,
             "by_type": {cls.__name__: n for cls, n in sorted(by_type.items(), key=_type_order)},
         }
 
