@@ -590,6 +590,9 @@ class Stats:
     last_step: int | None = None
     seconds: float | None = None  # wall time from the first frame to the last
     events: int = 0
+    # Events counting a StepDecoded once per request it names: what the log would hold
+    # without the hot path's one-record-per-step encoding.
+    logical_events: int = 0
     input_events: int = 0
     decision_events: int = 0
     events_by_type: dict[str, int] = attrs.field(factory=dict)
@@ -622,6 +625,10 @@ class Stats:
         return self.file_bytes / self.events if self.events else None
 
     @property
+    def bytes_per_logical_event(self) -> float | None:
+        return self.file_bytes / self.logical_events if self.logical_events else None
+
+    @property
     def violations_total(self) -> int:
         return sum(self.violations.values())
 
@@ -635,13 +642,15 @@ class Stats:
                 value = damage_dict(value)
             d[f.name] = value
         d["bytes_per_event"] = self.bytes_per_event
+        d["bytes_per_logical_event"] = self.bytes_per_logical_event
         return d
 
 
 def stats(path: LogPath | LogSource) -> Stats:
     """Count what a log holds: requests, steps, events by type, preemptions, lookup hit rates
     at first admission and at every admission, tokens loaded and saved, violations by rule,
-    bytes per event (file size / events), the header's configuration, and read damage."""
+    bytes per event (file size / events; also per logical event, a ``StepDecoded`` counting
+    once per request it names), the header's configuration, and read damage."""
     src = open_log(path)
     h = src.header
     st = Stats(
@@ -665,6 +674,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     # request, or from a re-admission); checking only them keeps the decode path cheap.
     may_preempt = (ev.Preempted, ev.LookupAsked)
     last_pos = -1
+    decoded = 0
     for pos, frame, e, _, _, new, before, after in _walk(src):
         if pos == last_pos:
             continue  # StepDecoded again, for one of its requests: counted once
@@ -717,6 +727,8 @@ def stats(path: LogPath | LogSource) -> Stats:
             st.chunks_failed += len(e.keys)  # type: ignore[attr-defined]
         elif cls is ev.ViolationRecorded:
             rules[e.rule] += 1  # type: ignore[attr-defined]
+        elif cls is ev.StepDecoded:
+            decoded += len(e.nums)  # type: ignore[attr-defined]
         if (
             (cls is ev.Scheduled or cls in may_preempt)
             and before is not None
@@ -729,6 +741,7 @@ def stats(path: LogPath | LogSource) -> Stats:
         if first_wall is not None:
             st.seconds = (last_frame.wall_ns - first_wall) / 1e9
     st.events = sum(by_type.values())
+    st.logical_events = st.events - by_type[ev.StepDecoded] + decoded
     st.decision_events = sum(n for cls, n in by_type.items() if cls.KIND == "decision")
     st.input_events = st.events - st.decision_events
     st.events_by_type = {cls.__name__: n for cls, n in by_type.most_common()}

@@ -386,6 +386,11 @@ def _stats(args: argparse.Namespace) -> int:
     out = _Out()
     files = len(st.files)
     bpe = "-" if st.bytes_per_event is None else f"{st.bytes_per_event:.1f}"
+    if st.bytes_per_logical_event is not None and st.logical_events != st.events:
+        bpe += (
+            f" ({st.bytes_per_logical_event:.1f} per logical event: {st.logical_events}, "
+            "a StepDecoded counted once per request)"
+        )
     rows: list[list[Any]] = [
         ["log", f"{st.log} ({files} segment{'s' if files != 1 else ''}, {st.file_bytes} bytes)"],
         ["format", f"{st.format_version}, written by kvledger {st.library_version}"],

@@ -174,6 +174,11 @@ def test_stats_counts_match_the_events(log: Path) -> None:
     assert st.events == len(events)
     assert st.events_by_type == dict(Counter(type(e).__name__ for _, e in events))
     assert st.decision_events == sum(isinstance(e, ev.DecisionEvent) for _, e in events)
+    decoded = [e for _, e in events if isinstance(e, ev.StepDecoded)]
+    assert decoded and st.logical_events == len(events) - len(decoded) + sum(
+        len(e.nums) for e in decoded
+    )
+    assert st.bytes_per_logical_event == pytest.approx(log.stat().st_size / st.logical_events)
     assert st.steps == len({s for s, _ in events}) == 11
     assert (st.first_step, st.last_step) == (0, 10)
     assert st.requests == 4 and st.finished == 4
