@@ -1,6 +1,6 @@
 """``kvledger check``: the command-line face of :func:`replay.check`.
 
-    kvledger check LOG... [--json] [--request ID] [--first] [--with key=value ...] [--limit N]
+    kvledger check LOG... [--json] [--request ID] [--first] [--with KEY=VALUE]... [--limit N]
 
 Exit status: 0 clean, 1 problems found, 2 the log could not be read to its end (a torn tail,
 a corrupt frame, not a log, an unknown format version; what was readable was still checked and
@@ -28,7 +28,7 @@ examples:
   kvledger check kvledger-1234.kvlog
   kvledger check logs/ --first                  # a directory holding one log's segments
   kvledger check run.kvlog --request req-7 --json
-  kvledger check run.kvlog --with chunk_size=512 save_decode_cache=true   # what-if
+  kvledger check run.kvlog --with chunk_size=512 --with save_decode_cache=true   # what-if
 """
 
 
@@ -65,12 +65,11 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--with",
         dest="overrides",
-        action="extend",
-        nargs="+",
+        action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="what-if: replay under a changed tracker config (chunk_size=512, "
-        "save_decode_cache=true, ...) and compare the plans",
+        help="what-if: replay under a changed tracker config and compare the plans "
+        "(chunk_size=512, save_decode_cache=true, ...; repeat --with for several)",
     )
     p.add_argument(
         "--limit",
@@ -145,15 +144,25 @@ def _value(name: str, v: Any) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
 
+def _is_default(field: Any, value: Any) -> bool:
+    default = field.default
+    if default is attrs.NOTHING:
+        return False
+    if field.converter is not None and callable(field.converter):
+        default = field.converter(default)
+    return bool(value == default) and type(value) is type(default)
+
+
 def format_event(event: Any) -> str:
-    """``Scheduled num_computed=0 num_scheduled=49 ... admission=resumed``: every field but
-    ``step`` and ``req_id``; chunk keys as their first 8 hex digits, long token lists cut."""
+    """``Scheduled num_computed=0 num_scheduled=49 ... admission=resumed``: the fields but
+    ``step``, ``req_id`` and those at their default; chunk keys as their first 8 hex digits,
+    long token lists cut."""
     if event is None:
         return "-"
     fields = [
         f"{f.name}={_value(f.name, getattr(event, f.name))}"
         for f in attrs.fields(type(event))
-        if f.name not in ("step", "req_id")
+        if f.name not in ("step", "req_id") and not _is_default(f, getattr(event, f.name))
     ]
     return " ".join([type(event).__name__, *fields])
 

@@ -579,8 +579,16 @@ class _Checker:
             offered = lookup.external if lookup is not None else 0
             local = lookup.local_hit if lookup is not None else 0
             total = admissions.get(e.req_id)
-            if total is not None:
-                offered = max(0, min(offered, total - 1 - local))
+            if lookup is not None and total is not None and offered > total - 1 - local:
+                # vLLM's recorded step has no room for the whole offer (its admission
+                # computes fewer tokens than the offer would skip): offer what fits, as
+                # a connector capping its answer would, and keep the recorded schedule.
+                offered = max(0, total - 1 - local)
+                capped = ev.LookupAnswered(e.step, e.req_id, lookup.hit, offered)
+                self.tracker.step = e.step
+                derived = self.tracker.apply(capped)
+                if derived:
+                    self._finish((capped, before, derived, _NO_FRAME, -1), [])
             if offered != e.num_external:
                 w.divergent_admissions += 1
                 return attrs.evolve(e, num_external=offered)

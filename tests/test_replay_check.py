@@ -248,6 +248,48 @@ def test_what_if_assumes_vllm_accepts_this_configs_offer(tmp_path: Path) -> None
     assert [rows[f"r{i}"]["loaded"] for i in range(1, 5)] == [[32, 48]] * 4
 
 
+def test_what_if_offer_is_cut_to_the_recorded_schedule(tmp_path: Path) -> None:
+    """The run stored nothing (partial chunks discarded), so vLLM admitted ``b`` with a
+    9-token first chunk of prefill. Keeping partial chunks, ``b`` would hit its whole
+    prompt; the recorded step has room for 8 loaded tokens, and that is what the what-if
+    loads (not a recompute-only fallback)."""
+    config = TrackerConfig(block_size=B, chunk_size=2 * C, num_slots=64)
+    path = tmp_path / "chunked.kvlog"
+    t = Tracker(config, log=LogWriter(path, config.to_dict(), fsync="never"))
+    ids = list(range(300, 360))  # 60 tokens: less than one 64-token chunk
+    t.add_request("a", ids)
+    t.lookup("a", 0, ids)
+    t.allocated("a", [1, 2, 3, 4], 0)
+    ds = t.scheduled(
+        "a",
+        num_computed=0,
+        num_scheduled=60,
+        all_token_ids=ids,
+        block_ids=[1, 2, 3, 4],
+        admission=NEW,
+    )
+    assert saved_keys(ds) == ()
+    t.finished("a")
+    t.end_step()
+    t.add_request("b", ids)
+    assert t.lookup("b", 0, ids) == 0
+    t.allocated("b", [5], 0)
+    t.scheduled(
+        "b", num_computed=0, num_scheduled=9, all_token_ids=ids, block_ids=[5], admission=NEW
+    )
+    t.end_step()
+    t.scheduled("b", num_computed=9, num_scheduled=51, all_token_ids=ids, block_ids=[6, 7, 8])
+    t.finished("b")
+    t.end_step()
+    t.close()
+    assert check(path).exit_code == 0
+    result = check(path, discard_partial_chunks=False)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.what_if.divergent_admissions == 1
+    assert result.what_if.per_request["b"]["loaded"] == [0, 8]
+    assert result.what_if.per_request["a"]["saved"] == [0, 60]
+
+
 def test_what_if_saving_decode_chunks_saves_more() -> None:
     result = check(CLEAN, save_decode_cache=True)
     assert result.exit_code == 0, [p.describe() for p in result.problems]
