@@ -17,6 +17,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import attrs
 import pytest
 from fakes import (
     PREEMPT_SIGNALS,
@@ -50,9 +51,13 @@ def prompt(n: int, seed: int = 1) -> list[int]:
     return [3 + (seed * 7919 + i * 131 + (i * i) % 97) % 30000 for i in range(n)]
 
 
-def make_side(block: int = 16, chunk: int = 16, slots: int = 64, **cfg: Any) -> SchedulerSide:
+def make_side(
+    block: int = 16, chunk: int = 16, slots: int = 64, world_size: int = 1, **cfg: Any
+) -> SchedulerSide:
     config = ConnectorConfig(chunk_size=chunk, **cfg)
-    return SchedulerSide(config, block_size=block, num_slots=slots, salt="tiny-llama|2L")
+    return SchedulerSide(
+        config, block_size=block, num_slots=slots, salt="tiny-llama|2L", world_size=world_size
+    )
 
 
 def make_engine(
@@ -985,11 +990,6 @@ def test_request_finished_of_an_unseen_request_is_harmless() -> None:
     assert side.adapter_errors == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Tracker.finished on an unknown request records an unknown_request violation "
-    "(and raises in strict mode); aborting a never-seen request is normal on vLLM < 0.22",
-)
 def test_request_finished_of_an_unseen_request_is_no_violation() -> None:
     side = make_side(strict=True)
     req = FakeRequest("never-seen", [1, 2, 3], status=RequestStatus.FINISHED_ABORTED)
@@ -1014,12 +1014,6 @@ def _finish_prefill(eng: FakeEngine, req_id: str, total: int) -> None:
         eng.step({req_id: total - req.num_computed_tokens})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: after update_state_after_alloc fails (adapter error), vLLM still counts the "
-    "external tokens as computed; the admission only records admission_matches_lookup and "
-    "plans no load and no refusal, so the forward runs over never-loaded blocks",
-)
 def test_failed_update_state_after_alloc_never_leaves_unloaded_kv() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
@@ -1092,19 +1086,18 @@ def _saved_by_r(side: SchedulerSide) -> tuple[bytes, ...]:
 
 
 def _tp2(rank0: WorkerReport, rank1: WorkerReport) -> KVConnectorOutput:
-    # KVLedgerWorkerMetadata.aggregate(other) is WorkerReport.merged, applied by vLLM's
-    # KVOutputAggregator over the tensor-parallel workers' metadata of one step.
-    return KVConnectorOutput(kv_connector_worker_meta=WorkerMeta(rank0.merged(rank1)))
+    # vLLM's KVOutputAggregator folds the tensor-parallel workers' metadata of one step with
+    # KVLedgerWorkerMetadata.aggregate, which keeps each rank's report apart.
+    from connector.vllm import KVLedgerWorkerMetadata
+
+    meta = KVLedgerWorkerMetadata(attrs.evolve(rank0, rank=0)).aggregate(
+        KVLedgerWorkerMetadata(attrs.evolve(rank1, rank=1))
+    )
+    return KVConnectorOutput(kv_connector_worker_meta=meta)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with tensor parallelism vLLM aggregates the workers' reports (aggregate = "
-    "WorkerReport.merged, a concatenation): each chunk is reported done once per rank; the "
-    "second SaveDone finds no pending save -> save_result_planned violation, recompute_only",
-)
 def test_tp2_saves_confirmed_by_every_rank_are_no_violation() -> None:
-    side = make_side()
+    side = make_side(world_size=2)
     keys = _saved_by_r(side)
     done = WorkerReport(saves_done=(("R", keys),))
     side.update_connector_output(_tp2(done, done))
@@ -1114,12 +1107,13 @@ def test_tp2_saves_confirmed_by_every_rank_are_no_violation() -> None:
 
 
 def test_tp2_a_chunk_failed_on_one_rank_is_not_offered() -> None:
-    side = make_side()
+    side = make_side(world_size=2)
     keys = _saved_by_r(side)
     side.update_connector_output(
         _tp2(
             WorkerReport(saves_done=(("R", keys),)),
-            WorkerReport(saves_failed=(("R", keys[1:]),)),
+            # Rank 1 stored its share of the first chunk and failed the second.
+            WorkerReport(saves_done=(("R", keys[:1]),), saves_failed=(("R", keys[1:]),)),
         )
     )
     q = FakeRequest("Q", prompt(40))
@@ -1127,13 +1121,10 @@ def test_tp2_a_chunk_failed_on_one_rank_is_not_offered() -> None:
 
 
 def test_tp2_a_chunk_that_failed_to_load_on_one_rank_is_not_offered_again() -> None:
-    side = make_side()
+    side = make_side(world_size=2)
     keys = _saved_by_r(side)
-    side.update_connector_output(
-        KVConnectorOutput(
-            kv_connector_worker_meta=WorkerMeta(WorkerReport(saves_done=(("R", keys),)))
-        )
-    )
+    done = WorkerReport(saves_done=(("R", keys),))
+    side.update_connector_output(_tp2(done, done))
     b = FakeRequest("B", prompt(40))
     assert side.get_num_new_matched_tokens(b, 0) == (32, False)
     side.update_state_after_alloc(b, FakeBlocks([4, 5, 6]), 32)

@@ -59,7 +59,8 @@ def running(
     s = s._replace(
         phase=Phase.RUNNING,
         num_tokens=n,
-        num_computed=n,
+        # As the fold leaves an admission: vLLM counts the local hit plus what it accepted.
+        num_computed=n if lookup is None else lookup.local_hit + accepted,
         block_ids=Seq(range(10, 10 + nb)),
         lookup=lookup,
         accepted=accepted,

@@ -28,7 +28,7 @@ import attrs
 from tracker import events as ev
 from tracker.chunks import ChunkIndex, partial_key
 from tracker.config import TrackerConfig
-from tracker.state import RequestState, Violation
+from tracker.state import Phase, RequestState, Violation
 
 __all__ = [
     "ChunkTransfer",
@@ -80,22 +80,31 @@ def blocks_covering(block_ids: Sequence[int], block_size: int, start: int, end: 
 def plan_load(
     state: RequestState, index: ChunkIndex, config: TrackerConfig, step: int
 ) -> tuple[ev.LoadPlanned | None, tuple[Violation, ...]]:
-    """The admission's load, or a refusal naming the blocks vLLM must recompute."""
-    if state.accepted <= 0 or state.lookup is None:
+    """The admission's load, or a refusal naming the blocks vLLM must recompute.
+
+    Once admitted (the fold has set the request running at vLLM's ``num_computed``), vLLM
+    counts ``[local_hit, num_computed)`` as loaded from us. If that is more than vLLM accepted
+    (the allocation callback failed, say), all of it is refused: a load that never happens
+    must never pass for one that did."""
+    if state.lookup is None:
         return None, ()
     start = state.lookup.local_hit
     end = start + state.accepted
+    admitted = state.phase is Phase.RUNNING
+    counted_end = max(end, state.num_computed) if admitted else end
+    if counted_end <= start:
+        return None, ()
     c, b = config.chunk_size, config.block_size
 
     def refuse(rule: str | None, **detail: int) -> tuple[ev.LoadPlanned, tuple[Violation, ...]]:
-        refused = blocks_covering(state.block_ids, b, start, end)
+        refused = blocks_covering(state.block_ids, b, start, counted_end)
         decision = ev.LoadPlanned(step, state.req_id, start, start, refused_blocks=refused)
         if rule is None:
             return decision, ()
         return decision, (Violation(rule, step, state.req_id, "LoadPlanned", detail),)
 
-    if state.recompute_only:
-        return refuse(None)
+    if state.recompute_only or counted_end != end:
+        return refuse(None)  # the admission's violation is already recorded
     if end > state.block_capacity(b):
         return refuse("load_within_allocation", end=end, capacity=state.block_capacity(b))
     if end > state.lookup.hit or end > state.lookup.num_tokens - 1:

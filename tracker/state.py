@@ -236,6 +236,8 @@ def _learn_tokens(
     """
     known = state.token_ids
     n_known = len(known)
+    if start < 0:
+        return state, (_violation("token_range", event, token_start=start),)
     if start > n_known:
         return state, (_violation("token_gap", event, token_start=start, tokens_known=n_known),)
     overlap = min(n_known - start, len(tokens))
@@ -589,6 +591,10 @@ def fold(state: RequestState | None, event: ev.Event, config: TrackerConfig) -> 
     if handler is None:
         return state, _NONE
     if state is None and not isinstance(event, ev.RequestAdded):
+        if isinstance(event, ev.Finished):
+            # A request aborted before the connector ever saw it (vLLM < 0.22 has no
+            # on_new_request; LMCache #3337): nothing to forget, nothing wrong.
+            return None, ()
         return None, (_violation("unknown_request", event),)
     if state is not None and state.phase is Phase.FINISHED:
         if not isinstance(event, (ev.RequestAdded, *_AFTER_FINISH_OK)):
