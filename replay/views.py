@@ -1001,14 +1001,33 @@ def _step_points(
     x: Callable[[float], float],
     y: Callable[[float], float],
 ) -> str:
-    pts: list[str] = []
-    for i, (st, v) in enumerate(zip(steps, values, strict=True)):
-        if i:  # a step function: hold the previous value up to this step, then move
-            pts.append(f"{x(st):.1f},{y(values[i - 1]):.1f}")
-        pts.append(f"{x(st):.1f},{y(v):.1f}")
-    if len(pts) == 1:
-        pts.append(pts[0])
-    return " ".join(pts)
+    """A step function's polyline, at most four points per pixel column (the first, lowest,
+    highest and last value in it), so a request that lived 100,000 steps stays a small page."""
+    points: list[tuple[float, float]] = []
+    column: list[tuple[float, float]] = []
+    prev: int | None = None
+
+    def flush() -> None:
+        if len(column) <= 4:
+            points.extend(column)
+        else:
+            lo = min(column, key=lambda p: p[1])
+            hi = max(column, key=lambda p: p[1])
+            points.extend((column[0], lo, hi, column[-1]))
+        column.clear()
+
+    for st, v in zip(steps, values, strict=True):
+        px = x(st)
+        if column and round(column[-1][0]) != round(px):
+            flush()
+        if prev is not None:  # hold the previous value up to this step, then move
+            column.append((px, y(prev)))
+        column.append((px, y(v)))
+        prev = v
+    flush()
+    if len(points) == 1:
+        points.append(points[0])
+    return " ".join(f"{px:.1f},{py:.1f}" for px, py in points)
 
 
 def _ticks(x0: int, x1: int, n: int = 8) -> list[int]:
