@@ -7,7 +7,7 @@ empty) tuple of ``Violation``s; it never raises on bad input and never silently 
 state it cannot prove right. A violation sets ``recompute_only``: from then on the request is
 never loaded or saved, and vLLM recomputes it.
 
-The rules, each one a bug that shipped elsewhere (see docs/design.md):
+The rules, each one a bug that shipped elsewhere (see docs/design-notes.md):
 
 - Admission (new, resumed, or "new" again under Model Runner V2) **replaces** the block table
   and rebuilds the token list from the full token ids; nothing from the old admission leaks.
@@ -340,6 +340,10 @@ def _on_lookup_answered(state: RequestState, e: ev.LookupAnswered, config: Track
 
 
 def _on_allocated(state: RequestState, e: ev.Allocated, config: TrackerConfig) -> Result:
+    if state.phase is Phase.RUNNING:
+        # vLLM allocates through update_state_after_alloc only for waiting requests: a
+        # running request's table grows through Scheduled, never here.
+        return state, (_violation("allocated_while_running", e, blocks=len(e.block_ids)),)
     if state.allocated and e.num_external == 0:
         # The second call after an async load completes: the full table, nothing to decide.
         return state._replace(block_ids=Seq(e.block_ids)), _NONE
@@ -360,8 +364,6 @@ def _on_scheduled(state: RequestState, e: ev.Scheduled, config: TrackerConfig) -
         state = state._replace(
             phase=Phase.RUNNING,
             block_ids=Seq(e.block_ids),  # replaced, never extended
-            lookup=lookup,
-            accepted=accepted,
         )
         state, tv = _learn_tokens(state, e.token_start, e.token_ids, e, config)
         vs.extend(tv)

@@ -343,10 +343,8 @@ class Tracker:
             # its pins until the result: the worker may still be reading the slots, and the
             # result's own unpin must not be a second one.
             index.unpin(before.load.keys)
-        if isinstance(event, ev.Preempted) or (
-            before is not None and after.life.num_preemptions > before.life.num_preemptions
-        ):
-            self.counts["preemptions"] += 1
+        if before is not None and after.life.num_preemptions > before.life.num_preemptions:
+            self.counts["preemptions"] += 1  # signalled or inferred, counted once
 
     def _failed_keys(self, state: RequestState, failed_blocks: Iterable[int]) -> list[bytes]:
         """The keys of ``state.load`` whose token range touches one of ``failed_blocks``."""
@@ -418,10 +416,8 @@ class Tracker:
                 **{k: val for k, val in v.detail.items() if k not in _RESERVED_LOG_KEYS},
                 state=state.summary() if state is not None else None,
             )
-        if self.config.strict:
-            first = next(iter(self.violations[-len(recorded) :]), None)
-            if first is not None:
-                raise invariants.InvariantViolation(first)
+        if self.config.strict and recorded:
+            raise invariants.InvariantViolation(self.violations[-len(recorded)])
         return recorded
 
     def mark_violation(self, req_id: str, rule: str, event: str, **detail: Any) -> None:
@@ -484,6 +480,7 @@ class Tracker:
         """One request's share of ``build_connector_meta``. ``all_token_ids`` is the request's
         full token list as vLLM has it now (it may trail ``num_computed + num_scheduled`` under
         async scheduling); only the unknown tail is recorded."""
+        admission = ev.Admission(admission)  # a plain int from a caller is fine too
         state = self.state(req_id)
         known = len(state.token_ids) if state is not None else 0
         start = min(known, len(all_token_ids))
