@@ -8,8 +8,8 @@ oracle checked after every step. Same workload, same seed, two versions of the c
 - ``replay-clean.kvlog``: this code. ``kvledger check`` must find nothing.
 - ``replay-short-load.kvlog``: a deliberately wrong planning rule injected in-process (the
   tracker's ``plan_load`` monkeypatched): every load of more than one block is planned one
-  block short, LMCache's old slice-base bug (the last loaded block keeps stale KV while vLLM
-  counts it computed; the oracle sees it). ``kvledger check`` must point at the first load
+  block short, the off-by-one a slice taken from the wrong base produces (the last loaded
+  block keeps stale KV while vLLM counts it computed; the oracle sees it). ``kvledger check`` must point at the first load
   it shortened. ``replay-short-load.json`` says which: the step, the request, the decision
   type, and the recorded and correct load ranges, as seen by the injected code at the moment
   it changed the plan. It also holds the run's own summary (the oracle's mismatches).
@@ -117,7 +117,7 @@ def make_short_load() -> dict[str, Any]:
     if not changed:
         raise SystemExit("the injected rule never changed a load: pick another workload")
     sidecar = {
-        "bug": "LoadPlanned one block short (LMCache's old slice base)",
+        "bug": "LoadPlanned one block short (a load slice off by one block)",
         "first_bad": next(iter(changed.values())),
         "loads_changed": len(changed),
         "requests_changed": sorted({req_id for _, req_id in changed}),
