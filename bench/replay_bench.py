@@ -5,11 +5,17 @@ workload: ``--live`` requests at a time (default 256), each a 512-token prompt (
 prefix shared by groups of 8 requests, so later ones load it from the pool) prefilled in one
 step, then 200 to 800 decode steps; a finished request is replaced by a new one; every 97
 steps two requests are preempted and re-admitted the step after (they reload their saved
-prefix). Then, over that log:
+prefix). Steady decode steps are logged as the connector logs them: one ``StepDecoded``
+record per step for all the requests that decoded one token steadily (``--full``: one
+``Scheduled`` record per request and step instead). An *event* is one request's share of a
+callback (a steady decode step counts one per request, as it would without ``StepDecoded``);
+a *record* is what the file holds. Then, over that log:
 
 - ``read+verify``: ``LogReader.iter_raw`` (checksums, frame shape, tags, interning; no event
   objects), the floor any replay pays;
 - ``decode``: ``LogReader`` iteration (event objects);
+- ``decode+Tracker.apply``: every input event through ``Tracker.apply`` and nothing else: the
+  floor a replay of this tracker cannot go under;
 - ``check``: ``replay.check``: fold every input, re-derive every decision, run the
   invariants, compare with the recorded decisions (target: 1M events in under 3 s, one core);
 - ``check peak``: Python heap peak of ``check`` (tracemalloc, a separate run: tracemalloc
@@ -19,6 +25,7 @@ prefix). Then, over that log:
 
     python bench/replay_bench.py                      # 1M events, and 250k for the memory row
     python bench/replay_bench.py --events 200000 --rounds 1   # quicker
+    python bench/replay_bench.py --full --events 200000       # one record per event
 
 Timings are medians of ``--rounds`` runs; the machine is shared, expect noise.
 """
@@ -233,7 +240,7 @@ def main() -> None:
         action="store_true",
         help="one Scheduled record per request and step (no StepDecoded): the slow path",
     )
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="timed runs of each (median)")
     ap.add_argument("--keep", action="store_true", help="keep the logs (prints where)")
     args = ap.parse_args()
 
@@ -251,7 +258,7 @@ def main() -> None:
         )
 
     big = logs["big"]
-    result = check(big)
+    t_chk, result = median_time(lambda: check(big), args.rounds)
     if result.exit_code != 0:
         raise SystemExit(f"the bench log does not check clean: {result.problems[:3]}")
     c = result.counts
@@ -267,7 +274,7 @@ def main() -> None:
     rows.append(("read+decode (events)", t_dec))
     t_bare, _ = median_time(lambda: bare_apply(big), args.rounds)
     rows.append(("decode+Tracker.apply (floor)", t_bare))
-    t_chk, res = median_time(lambda: check(big), args.rounds)
+    res = result
     rows.append(("check (fold+plan+compare)", t_chk))
 
     peaks = {name: check_peak(path) for name, path in logs.items()}
