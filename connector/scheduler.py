@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import functools
 import os
+import time
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -181,7 +183,10 @@ class SchedulerSide:
         from tracker.log import LogWriter  # the only file I/O, and only when asked for
 
         os.makedirs(log_dir, exist_ok=True)
-        path = os.path.join(log_dir, f"kvledger-{os.getpid()}.kvlog")
+        # One log per connector: time, pid and a random suffix, so a second connector in the
+        # same process (an engine restarted in place) never collides with the first.
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        path = os.path.join(log_dir, f"kvledger-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.kvlog")
         self.log_path = path
         header = {**self.tracker_config.to_dict(), **extra}
         return LogWriter(path, header, rotate_bytes=self.config.log_rotate_bytes)

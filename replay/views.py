@@ -340,8 +340,7 @@ def _labelled(src: LogSource) -> Iterator[Labelled]:
 
 
 def _idle_finished(state: RequestState) -> bool:
-    """Finished, with no save or load in flight: the Tracker retires it (and frees its
-    request number)."""
+    """Finished, with no save or load in flight: the Tracker retires it."""
     return (
         state.phase is Phase.FINISHED
         and not state.save.pending
@@ -356,8 +355,8 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
     ``StepDecoded`` (one steady decode step of several requests, by request number) is
     yielded once as itself (req_id and label :data:`POOL`, no states), then once per request
     it names, with that request's id, label and states. Request numbers follow the log
-    format's rule: the lowest free number, taken when a request is added and freed when the
-    Tracker retires it (finished, nothing in flight).
+    format's rule: the lowest free number, taken when a request is added and freed at its
+    ``Finished``.
 
     ``want(req_id)`` limits what is yielded (every request is still folded: numbers depend
     on all of them); without it the events about no request are yielded too. A retired
@@ -404,18 +403,19 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
             if before is not None or cls is added:
                 after = fold(before, e, config)[0]
                 if after is not None:
-                    if rid not in num_of:
+                    if cls is added and rid not in num_of:
                         if free:
                             num = heapq.heappop(free)
                         else:
                             num, next_num = next_num, next_num + 1
                         num_of[rid] = num
                         req_of[num] = rid
-                    if _idle_finished(after):
-                        states.pop(rid, None)
+                    elif cls is finished and rid in num_of:
                         num = num_of.pop(rid)
                         del req_of[num]
                         heapq.heappush(free, num)
+                    if _idle_finished(after):
+                        states.pop(rid, None)
                     else:
                         states[rid] = after
             if want is None or want(rid):

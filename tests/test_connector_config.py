@@ -390,3 +390,17 @@ def test_chunk_size_not_a_multiple_of_vllm_block_size_worker(
 ) -> None:
     with pytest.raises(ConnectorConfigError, match=r"chunk_size \(24\)"):
         vllm_build("worker", chunk_size=24, host_pool_bytes=1 << 20)
+
+
+def test_two_connectors_logging_to_one_directory_do_not_collide(tmp_path) -> None:
+    """An engine restarted in place opens a second log in the same directory: a new file."""
+    from connector.config import ConnectorConfig
+    from connector.scheduler import SchedulerSide
+
+    config = ConnectorConfig(chunk_size=16, log_dir=str(tmp_path))
+    first = SchedulerSide(config, block_size=16, num_slots=4)
+    second = SchedulerSide(config, block_size=16, num_slots=4)
+    assert first.log_path != second.log_path
+    first.shutdown()
+    second.shutdown()
+    assert len(list(tmp_path.glob("*.kvlog"))) == 2

@@ -34,6 +34,7 @@ from tracker.log import (
     LogWriteError,
     LogWriter,
     StopInfo,
+    segment_paths,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -819,3 +820,25 @@ def test_the_documented_reader_agrees_with_log_reader(sample: tuple[Path, bytes]
         for e in frame.events
     ]
     assert documented == expected
+
+
+def test_a_later_segment_that_is_no_log_stops_the_reader_after_the_frames_before_it(
+    tmp_path: Path,
+) -> None:
+    """A segment zero-filled after a crash is damage like any other: every frame of the
+    segments before it is read, then the reader stops at offset 0 of that segment."""
+    writer = LogWriter(tmp_path / "run.kvlog", {"block_size": 16}, rotate_bytes=200)
+    for step in range(40):
+        writer.append(ev.Preempted(step, f"r{step}"))
+        writer.end_step(step)
+    writer.close()
+    segments = segment_paths(tmp_path)
+    assert len(segments) >= 3
+    whole = [f.step for f in LogReader(tmp_path)]
+    segments[-1].write_bytes(b"\0" * 64)
+    reader = LogReader(tmp_path)
+    steps = [f.step for f in reader]
+    assert steps and steps == whole[: len(steps)] and len(steps) < len(whole)
+    assert reader.stop is not None
+    assert (reader.stop.kind, reader.stop.offset) == ("bad_header", 0)
+    assert reader.stop.path == str(segments[-1])

@@ -216,9 +216,9 @@ class StepDecoded(InputEvent):
     """Running requests that each computed exactly one more token this step, steadily: vLLM's
     ``num_computed_tokens`` was what the tracker expected, no block was added, no load is
     pending and no save can be due. The one event about several requests (``req_id`` is
-    empty): ``nums`` are the tracker's request numbers (the lowest free number, taken at
-    ``RequestAdded`` and freed when the request is retired, so a replay assigns the same
-    ones). It exists for the hot path: a decode step costs one record for all requests.
+    empty): ``nums`` are the tracker's request numbers (the lowest free number, taken at the
+    ``RequestAdded`` that starts a request's life and freed at its ``Finished``: a reader
+    resolves them from those two recorded facts alone). It exists for the hot path: a decode step costs one record for all requests.
     Anything unsteady about a request goes through ``Scheduled`` instead."""
 
     TAG: ClassVar[int] = 13

@@ -592,7 +592,14 @@ class LogReader:
                 path = str(p)
                 hasher = _Hasher()
                 with open(p, "rb", buffering=1 << 20) as f:
-                    header = self._read_header(f, path, hasher)
+                    try:
+                        header = self._read_header(f, path, hasher)
+                    except LogFormatError as e:
+                        if index == 0:
+                            raise  # not a kvledger log at all: the caller's error
+                        # A later segment that is no log (zero-filled after a crash, say):
+                        # damage like any other, after every frame before it was read.
+                        raise _Stop(StopInfo(path, 0, str(e), "bad_header")) from None
                     if prev is not None:
                         _check_chain(prev, header, path)
                     decoder = _decoder_for(header, path)

@@ -143,8 +143,10 @@ class Tracker:
                 state = state._replace(recompute_only=True)
             if isinstance(event, ev.Allocated) and not state.recompute_only:
                 self._reserve(state, event.step)
-            if req_id not in self._num_of:
+            if isinstance(event, ev.RequestAdded) and req_id not in self._num_of:
                 self._number(req_id)
+            elif isinstance(event, ev.Finished):
+                self._free_number(req_id)
             self._store(req_id, state)
             if state.phase is Phase.FINISHED and self._idle(state):
                 self._retire(req_id)
@@ -241,6 +243,16 @@ class Tracker:
         state = self._states.get(req_id)
         if k and state is not None:
             self._store(req_id, advance_decoded(state, k))
+
+    def _free_number(self, req_id: str) -> None:
+        """At Finished: a finished request never decodes again. Freed on this recorded fact
+        alone (not on retirement, which waits for transfer results), so a reader resolves
+        StepDecoded numbers from RequestAdded and Finished events only."""
+        self._hot.pop(req_id, None)
+        num = self._num_of.pop(req_id, None)
+        if num is not None:
+            del self._req_of[num]
+            heapq.heappush(self._free_nums, num)
 
     def _number(self, req_id: str) -> None:
         if self._free_nums:
@@ -377,11 +389,7 @@ class Tracker:
     def _retire(self, req_id: str) -> None:
         del self._states[req_id]
         self._pending.pop(req_id, None)
-        self._hot.pop(req_id, None)
-        num = self._num_of.pop(req_id, None)
-        if num is not None:
-            del self._req_of[num]
-            heapq.heappush(self._free_nums, num)
+        self._free_number(req_id)
         self.counts["finished"] += 1
         self._retired[req_id] = None
         if len(self._retired) > _RETIRED_MEMORY:
