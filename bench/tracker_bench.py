@@ -34,11 +34,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tracker import events as ev  # noqa: E402
-from tracker.chunks import chunk_keys, root_key  # noqa: E402
-from tracker.config import TrackerConfig  # noqa: E402
-from tracker.log import LogReader, LogWriter  # noqa: E402
-from tracker.tracker import Tracker  # noqa: E402
+from tracker import events as ev
+from tracker.chunks import chunk_keys, root_key
+from tracker.config import TrackerConfig
+from tracker.log import LogReader, LogWriter
+from tracker.tracker import Tracker
 
 BLOCK = 16
 CHUNK = 256
@@ -48,9 +48,20 @@ CHUNK = 256
 
 
 class Workload:
-    def __init__(self, requests: int, prompt: int, prefill_chunk: int, decode: int, preempt_every: int, seed: int):
+    def __init__(
+        self,
+        requests: int,
+        prompt: int,
+        prefill_chunk: int,
+        decode: int,
+        preempt_every: int,
+        seed: int,
+    ):
         rng = random.Random(seed)
-        self.prompts = {f"req-{i:04d}-{rng.getrandbits(32):08x}": [rng.randrange(32000) for _ in range(prompt)] for i in range(requests)}
+        self.prompts = {
+            f"req-{i:04d}-{rng.getrandbits(32):08x}": [rng.randrange(32000) for _ in range(prompt)]
+            for i in range(requests)
+        }
         self.prefill_chunk = prefill_chunk
         self.decode = decode
         self.preempt_every = preempt_every
@@ -113,7 +124,11 @@ class Workload:
                 t.finished(r)
                 free.extend(blocks[r])
             running = [r for r in running if decoded[r] < self.decode]
-            if self.preempt_every and step % self.preempt_every == self.preempt_every - 1 and running:
+            if (
+                self.preempt_every
+                and step % self.preempt_every == self.preempt_every - 1
+                and running
+            ):
                 for r in rng.sample(running, min(4, len(running))):
                     running.remove(r)
                     t.preempted(r)
@@ -127,15 +142,32 @@ class Workload:
 
 
 class NoopAdapter:
-    def add(self, r, p): pass
-    def lookup(self, r, local, toks): return 0
-    def allocated(self, r, blocks, ext): pass
-    def scheduled(self, r, nc, n, toks, blocks, admission): return ()
-    def preempted(self, r): pass
-    def finished(self, r): pass
-    def save_done(self, r, keys): pass
-    def end_step(self): pass
-    def meta_built(self): pass
+    def add(self, r, p):
+        pass
+
+    def lookup(self, r, local, toks):
+        return 0
+
+    def allocated(self, r, blocks, ext):
+        pass
+
+    def scheduled(self, r, nc, n, toks, blocks, admission):
+        return ()
+
+    def preempted(self, r):
+        pass
+
+    def finished(self, r):
+        pass
+
+    def save_done(self, r, keys):
+        pass
+
+    def end_step(self):
+        pass
+
+    def meta_built(self):
+        pass
 
 
 class TrackerAdapter:
@@ -162,7 +194,11 @@ class TrackerAdapter:
                 self.steady.append(num)
                 return ()
         out = self.t.scheduled(
-            r, num_computed=nc, num_scheduled=n, all_token_ids=toks, block_ids=blocks,
+            r,
+            num_computed=nc,
+            num_scheduled=n,
+            all_token_ids=toks,
+            block_ids=blocks,
             admission=ev.Admission.NEW if admission else ev.Admission.RUNNING,
         )
         keys: tuple[bytes, ...] = ()
@@ -198,7 +234,14 @@ class MutableBaseline:
         self.root = root_key("")
 
     def add(self, r, p):
-        self.req[r] = {"tokens": list(p), "blocks": [], "n": 0, "cursor": 0, "keys": chunk_keys(self.root, p, CHUNK), "prefill_end": len(p)}
+        self.req[r] = {
+            "tokens": list(p),
+            "blocks": [],
+            "n": 0,
+            "cursor": 0,
+            "keys": chunk_keys(self.root, p, CHUNK),
+            "prefill_end": len(p),
+        }
 
     def _keys(self, s):
         if len(s["tokens"]) // CHUNK > len(s["keys"]):
@@ -208,7 +251,7 @@ class MutableBaseline:
     def lookup(self, r, local, toks):
         s = self.req[r]
         if len(toks) > len(s["tokens"]):
-            s["tokens"].extend(toks[len(s["tokens"]):])
+            s["tokens"].extend(toks[len(s["tokens"]) :])
             self._keys(s)
         hit = 0
         for k in s["keys"][: len(toks) // CHUNK]:
@@ -229,7 +272,7 @@ class MutableBaseline:
         else:
             s["blocks"].extend(blocks)
         if len(toks) > len(s["tokens"]):
-            s["tokens"].extend(toks[len(s["tokens"]): nc + n])
+            s["tokens"].extend(toks[len(s["tokens"]) : nc + n])
             self._keys(s)
         s["n"] = nc + n
         if len(s["blocks"]) * BLOCK < s["n"]:
@@ -270,19 +313,32 @@ def _timed(fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--prompt", type=int, default=2048)
     ap.add_argument("--prefill-chunk", type=int, default=512)
     ap.add_argument("--decode", type=int, default=512)
-    ap.add_argument("--preempt-every", type=int, default=64, help="preempt 4 requests every N steps (0: never)")
+    ap.add_argument(
+        "--preempt-every", type=int, default=64, help="preempt 4 requests every N steps (0: never)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    work = Workload(args.requests, args.prompt, args.prefill_chunk, args.decode, args.preempt_every, seed=1)
-    config = TrackerConfig(block_size=BLOCK, chunk_size=CHUNK, num_slots=args.requests * (args.prompt // CHUNK + 4))
+    work = Workload(
+        args.requests, args.prompt, args.prefill_chunk, args.decode, args.preempt_every, seed=1
+    )
+    config = TrackerConfig(
+        block_size=BLOCK, chunk_size=CHUNK, num_slots=args.requests * (args.prompt // CHUNK + 4)
+    )
     tmp = tempfile.mkdtemp(prefix="kvledger-bench-")
-    times: dict[str, list[float]] = {"driver": [], "baseline": [], "kvledger-nolog": [], "kvledger": []}
+    times: dict[str, list[float]] = {
+        "driver": [],
+        "baseline": [],
+        "kvledger-nolog": [],
+        "kvledger": [],
+    }
     pairs = 0
     log_path = ""
     for rnd in range(args.rounds):
@@ -292,7 +348,7 @@ def main() -> None:
         log_path = os.path.join(tmp, f"bench-{rnd}.kvlog")
         holder: dict[str, int] = {}
 
-        def with_log() -> None:
+        def with_log(log_path: str = log_path, holder: dict[str, int] = holder) -> None:
             writer = LogWriter(log_path, config.to_dict(), rotate_bytes=None)
             tracker = Tracker(config, log=writer)
             holder["pairs"] = work.drive(TrackerAdapter(tracker))
@@ -300,13 +356,19 @@ def main() -> None:
 
         times["kvledger"].append(_timed(with_log))
         pairs = holder["pairs"]
-        print(f"round {rnd + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()), flush=True)
+        print(
+            f"round {rnd + 1}/{args.rounds}: "
+            + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()),
+            flush=True,
+        )
 
     med = {k: statistics.median(v) for k, v in times.items()}
     drv = med["driver"]
     per = {k: (med[k] - drv) / pairs * 1e6 for k in ("baseline", "kvledger-nolog", "kvledger")}
     print()
-    print(f"workload: {args.requests} requests x ({args.prompt}-token prompt in {args.prefill_chunk}-token chunks + {args.decode} decode steps), preempt 4 every {args.preempt_every} steps")
+    print(
+        f"workload: {args.requests} requests x ({args.prompt}-token prompt in {args.prefill_chunk}-token chunks + {args.decode} decode steps), preempt 4 every {args.preempt_every} steps"
+    )
     print(f"(request, step) pairs: {pairs:,}")
     print(f"{'variant':<16}{'median s':>10}{'us/req/step':>14}{'vs baseline':>13}")
     for k in ("baseline", "kvledger-nolog", "kvledger"):
@@ -325,29 +387,37 @@ def main() -> None:
     )
     decode_bytes = decode_events = 0
     offsets = [f.offset for f in frames] + [size]
-    for f, nxt in zip(frames, offsets[1:]):
+    for f, nxt in zip(frames, offsets[1:], strict=True):
         tags = {rec[0] for rec in f.records}
         if tags == {ev.StepDecoded.TAG}:
             # One record for the whole step: count one decode event per request in it.
             decode_bytes += nxt - f.offset
             decode_events += sum(len(rec[2]) for rec in f.records if len(rec) > 2)
     print()
-    print(f"log: {size:,} bytes, {len(frames):,} frames, {n_records:,} records = {n_events:,} logical events (one per request per step), {size / n_events:.1f} B/logical event overall")
+    print(
+        f"log: {size:,} bytes, {len(frames):,} frames, {n_records:,} records = {n_events:,} logical events (one per request per step), {size / n_events:.1f} B/logical event overall"
+    )
     if decode_events:
-        print(f"decode-step events: {decode_bytes / decode_events:.2f} B per request per decode step (decode-only frames, framing included)")
+        print(
+            f"decode-step events: {decode_bytes / decode_events:.2f} B per request per decode step (decode-only frames, framing included)"
+        )
 
     # Read + verify (checksums, shapes, tags, interning) without building event objects.
     def read_raw() -> int:
         return sum(len(f.records) for f in LogReader(log_path).iter_raw())
 
     read_times = [_timed(read_raw) for _ in range(args.rounds)]
-    print(f"read+verify: {n_events / statistics.median(read_times) / 1e6:.2f} M logical events/s ({n_records / statistics.median(read_times) / 1e6:.2f} M records/s)")
+    print(
+        f"read+verify: {n_events / statistics.median(read_times) / 1e6:.2f} M logical events/s ({n_records / statistics.median(read_times) / 1e6:.2f} M records/s)"
+    )
 
     def decode_all() -> int:
         return sum(len(f.events) for f in LogReader(log_path))
 
     dec_times = [_timed(decode_all) for _ in range(args.rounds)]
-    print(f"read+verify+decode to event objects: {n_events / statistics.median(dec_times) / 1e6:.2f} M logical events/s")
+    print(
+        f"read+verify+decode to event objects: {n_events / statistics.median(dec_times) / 1e6:.2f} M logical events/s"
+    )
 
     # Full replay: fold every input event, re-derive every decision, run invariants, compare.
     def replay() -> int:
@@ -370,8 +440,10 @@ def main() -> None:
     rep_times = []
     for _ in range(args.rounds):
         holder2: dict[str, int] = {}
-        rep_times.append(_timed(lambda: holder2.setdefault("m", replay())))
-    print(f"full replay (fold + re-plan + invariants + compare): {n_events / statistics.median(rep_times) / 1e3:.0f} k logical events/s, {holder2['m']} decision mismatches")
+        rep_times.append(_timed(lambda h=holder2: h.setdefault("m", replay())))
+    print(
+        f"full replay (fold + re-plan + invariants + compare): {n_events / statistics.median(rep_times) / 1e3:.0f} k logical events/s, {holder2['m']} decision mismatches"
+    )
     print(f"peak RSS: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
