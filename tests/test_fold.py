@@ -210,7 +210,7 @@ def test_readmission_without_a_preemption_signal_is_inferred() -> None:
 
 def test_admission_must_match_the_lookup() -> None:
     """I4: nc == local hit + accepted external tokens."""
-    s, vs = run(
+    _, vs = run(
         [
             ev.RequestAdded(0, "r", tokens(20)),
             ev.LookupAsked(0, "r", 8, 20),
@@ -341,7 +341,7 @@ def test_load_failed_rolls_back_to_the_first_failed_block() -> None:
     assert s.num_tokens == 16
     assert s.save.cursor == 16 and s.saved == 16
     assert s.load is not None and s.load.done
-    s2, vs = run([ev.LoadFailed(1, "r", (99,))], admitted())  # no load: a violation
+    _, vs = run([ev.LoadFailed(1, "r", (99,))], admitted())  # no load: a violation
     assert rules(vs) == ["load_result_without_load"]
 
 
@@ -395,7 +395,7 @@ def test_save_failed_is_replanned_while_running_only() -> None:
 
 
 def test_save_result_for_a_chunk_never_planned() -> None:
-    s, vs = run([ev.SaveDone(1, "r", (b"zz",))], admitted())
+    _, vs = run([ev.SaveDone(1, "r", (b"zz",))], admitted())
     assert rules(vs) == ["save_result_planned"] and vs[0].detail == {"unplanned": 1}
 
 
@@ -519,7 +519,7 @@ def test_fold_is_total(cfg: TrackerConfig, events: list[ev.Event]) -> None:
         states[e.req_id] = after
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=_CONFIGS, events=st.lists(_EVENT, max_size=30))
 def test_tracker_is_total(cfg: TrackerConfig, events: list[ev.Event]) -> None:
     """Non-strict, the Tracker takes anything: it returns decisions, records violations,

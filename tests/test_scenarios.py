@@ -668,7 +668,9 @@ def test_s6_full_prompt_hit_loads_exactly_894_of_895() -> None:
 # --- S7 ----------------------------------------------------------------------------------------
 
 
-def _s7_setup(prompt_len: int) -> tuple[Tracker, TrackerConfig, list[int], list[int], list]:
+def _s7_setup(
+    prompt_len: int,
+) -> tuple[Tracker, TrackerConfig, list[int], list[int], list[ev.DecisionEvent]]:
     cfg = TrackerConfig(block_size=16, chunk_size=256)
     t = Tracker(cfg)
     prompt = tokens(prompt_len)
@@ -751,7 +753,7 @@ def test_2984_resumed_with_no_block_ids_drops_the_stale_table() -> None:
     prompt = tokens(40)
     run_prefill(t, "R", prompt, [1, 2, 3])
     all_ids = [*prompt, 1]
-    t.scheduled("R", num_computed=40, num_scheduled=1, all_token_ids=all_ids, block_ids=None)  # type: ignore[arg-type]
+    t.scheduled("R", num_computed=40, num_scheduled=1, all_token_ids=all_ids, block_ids=None)
     assert st(t, "R").block_ids == [1, 2, 3]
     t.preempted("R")
     for key, _ in t.index.stored_items():
@@ -759,7 +761,7 @@ def test_2984_resumed_with_no_block_ids_drops_the_stale_table() -> None:
     assert t.lookup("R", 0, all_ids) == 0
     t.allocated("R", [7, 8, 9], 0)
     ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=41, all_token_ids=all_ids, block_ids=None,  # type: ignore[arg-type]
+        "R", num_computed=0, num_scheduled=41, all_token_ids=all_ids, block_ids=None,
         admission=RESUMED,
     )  # fmt: skip
     s = st(t, "R")
@@ -883,6 +885,91 @@ def test_save_before_reuse_finished_request_waits_for_its_save() -> None:
     t.lookup("Q", 0, prompt)
     assert t.finished("Q") is False
     assert t.state("Q") is None
+
+
+# --- pins: a chunk being (or about to be) loaded is never evicted -------------------------------
+
+
+def test_a_promised_chunk_survives_another_requests_save_in_the_same_step() -> None:
+    """#1686 / #2106 (evicted between lookup and retrieve): once vLLM accepted our external
+    tokens (Allocated), another request's save in the same step must not evict their chunks."""
+    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=3))
+    a, b = tokens(16), tokens(16, base=5000)
+    run_prefill(t, "donor", [*a, *b], [1, 2])  # the pool: k(a), k(ab)
+    t.finished("donor")
+    q = tokens(48, base=9000)
+    t.add_request("X", q)
+    t.lookup("X", 0, q)
+    t.allocated("X", [3, 4], 0)
+    ds = t.scheduled(
+        "X", num_computed=0, num_scheduled=16, all_token_ids=q, block_ids=[3, 4],
+        admission=NEW,
+    )  # fmt: skip
+    confirm(t, "X", ds)  # the pool is full: k(a) is the least recently used
+    t.end_step()
+
+    prompt = [*a, *tokens(16, base=7000)]
+    t.add_request("R", prompt)
+    assert t.lookup("R", 0, prompt) == 16
+    t.allocated("R", [5, 6], 16)
+    ds_x = t.scheduled("X", num_computed=16, num_scheduled=16, all_token_ids=q)
+    save = one(ds_x, ev.SavePlanned)
+    ds_r = t.scheduled(
+        "R", num_computed=16, num_scheduled=16, all_token_ids=prompt, block_ids=[5, 6],
+        admission=NEW,
+    )  # fmt: skip
+    load = one(ds_r, ev.LoadPlanned)
+    assert load.keys and load.keys[0] not in save.evicted
+    assert (load.start, load.end) == (0, 16)
+    assert t.violations == []
+
+
+def test_a_save_never_evicts_the_chunk_its_own_load_reads() -> None:
+    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=1))
+    a = tokens(16)
+    run_prefill(t, "donor", a, [1])
+    t.finished("donor")
+    prompt = [*a, *tokens(16, base=3000)]
+    t.add_request("R", prompt)
+    assert t.lookup("R", 0, prompt) == 16
+    t.allocated("R", [2, 3], 16)
+    ds = t.scheduled(
+        "R", num_computed=16, num_scheduled=16, all_token_ids=prompt, block_ids=[2, 3],
+        admission=NEW,
+    )  # fmt: skip
+    load = one(ds, ev.LoadPlanned)
+    assert all(load.keys[0] not in d.evicted for d in of(ds, ev.SavePlanned))
+    assert saved_keys(ds) == []  # the only slot is being read
+    assert load.keys[0] in t.index
+
+
+def test_a_request_finished_while_loading_keeps_its_pin_until_the_result() -> None:
+    """Two requests read the same chunk; one is aborted before its load reports back: the
+    other's pin must survive the aborted one's result (released once, not twice)."""
+    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=4))
+    a = tokens(16)
+    run_prefill(t, "donor", a, [1])
+    t.finished("donor")
+    (key,) = [k for k, _ in t.index.stored_items()]
+    prompt = [*a, 1, 2, 3]
+    for rid, table in (("R1", [2, 3]), ("R2", [4, 5])):
+        t.add_request(rid, prompt)
+        assert t.lookup(rid, 0, prompt) == 16
+        t.allocated(rid, table, 16)
+        ds = t.scheduled(
+            rid, num_computed=16, num_scheduled=3, all_token_ids=prompt, block_ids=table,
+            admission=NEW,
+        )  # fmt: skip
+        assert one(ds, ev.LoadPlanned).keys == (key,)
+    assert t.finished("R1", "aborted") is False
+    assert t.state("R1") is not None  # its load is still in flight
+    t.load_done("R1")
+    assert t.state("R1") is None
+    assert t.index.stats()["pinned"] == 1  # R2 still reads it
+    assert key not in t.index.choose_slots(4)[1]
+    t.load_done("R2")
+    assert t.index.stats()["pinned"] == 0
+    assert t.violations == []
 
 
 # --- wrong inputs: named violations, recompute fallback ---------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -164,7 +165,9 @@ _ops = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(start=st.lists(st.integers(0, 9), max_size=5), ops=_ops)
-def test_every_version_keeps_its_content(start: list[int], ops: list[tuple]) -> None:
+def test_every_version_keeps_its_content(
+    start: list[int], ops: list[tuple[str, int, Any]]
+) -> None:
     versions: list[Seq[int]] = [Seq(start)]
     model: list[list[int]] = [list(start)]
     for op, which, arg in ops:

@@ -14,6 +14,7 @@ Sequences are well-formed by construction, so the tracker must record no violati
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
@@ -88,21 +89,27 @@ class Output:
     saves: list[tuple[str, tuple[bytes, ...], bool]] = field(default_factory=list)
 
 
-class VLLMAndTracker(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([2, 4]),
-        blocks_per_chunk=st.sampled_from([1, 2]),
-        num_slots=st.integers(2, 24),
-        num_blocks=st.integers(10, 40),
-        discard_partial=st.booleans(),
-        save_decode=st.booleans(),
-        prefix_caching=st.booleans(),
-        async_sched=st.booleans(),
-        preempt_signal=st.booleans(),
-        mrv2=st.booleans(),
-        late_saves=st.booleans(),
-        failures=st.booleans(),
-    )
+_CONFIG: dict[str, st.SearchStrategy[Any]] = dict(
+    block_size=st.sampled_from([2, 4]),
+    blocks_per_chunk=st.sampled_from([1, 2]),
+    num_slots=st.sampled_from([2, 3, 4, 6, 12]),
+    num_blocks=st.integers(10, 40),
+    discard_partial=st.booleans(),
+    save_decode=st.booleans(),
+    prefix_caching=st.booleans(),
+    async_sched=st.booleans(),
+    preempt_signal=st.booleans(),
+    mrv2=st.booleans(),
+    late_saves=st.booleans(),
+    failures=st.booleans(),
+)
+
+
+class VLLMModel(RuleBasedStateMachine):
+    """The model and its checks; the machines below choose the configurations."""
+
+    fail_one_in = 6  # a load chunk or a save fails once in this many, when failures are on
+
     def setup(
         self,
         block_size: int,
@@ -204,7 +211,8 @@ class VLLMAndTracker(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         live = sorted((r for r in self.reqs.values() if r.status != "finished"), key=_rid)
         if live and data.draw(st.booleans(), label="abort"):
-            self._finish(data.draw(st.sampled_from(live)), "aborted")
+            victim: VReq = data.draw(st.sampled_from(live))
+            self._finish(victim, "aborted")
 
     @rule(data=st.data())
     def pool_evicts(self, data: st.DataObject) -> None:
@@ -350,9 +358,12 @@ class VLLMAndTracker(RuleBasedStateMachine):
             for req in sorted(set(self._preempted_now), key=_rid):
                 if req.status == "waiting":
                     t.preempted(req.rid)
-        order = [s for s in sched if s.admission is not ev.Admission.RUNNING] + [
-            s for s in sched if s.admission is ev.Admission.RUNNING
+        # The connector's order: scheduled_new_reqs, then scheduled_cached_reqs (running
+        # requests first, then those resumed from preemption, as vLLM scheduled them).
+        order = [s for s in sched if s.admission is ev.Admission.NEW] + [
+            s for s in sched if s.admission is not ev.Admission.NEW
         ]
+        loading: set[bytes] = set()  # chunks this step's loads read
         for s in order:
             req = s.req
             ds = t.scheduled(
@@ -386,10 +397,12 @@ class VLLMAndTracker(RuleBasedStateMachine):
                     plan = transfer_plan(d, state, self.cfg)
                     assert plan is not None and plan.num_tokens == d.end - d.start
                     s.loads.append(plan)
+                    loading.update(d.keys)
                     event(f"load on {s.admission.name} admission")
                     if d.end == state.lookup.num_tokens - 1:
                         event("load of a full hit")
                 elif isinstance(d, ev.SavePlanned) and d.keys:
+                    assert not loading & set(d.evicted), "evicted a chunk being loaded"
                     assert d.end <= state.num_tokens
                     plan = transfer_plan(d, state, self.cfg)
                     assert plan is not None
@@ -416,7 +429,10 @@ class VLLMAndTracker(RuleBasedStateMachine):
             failed_blocks: list[int] = []
             for plan in s.loads:
                 for ch in plan.chunks:
-                    if self.load_failures and data.draw(st.integers(0, 5), label="load_ok") == 0:
+                    failed = self.load_failures and (
+                        data.draw(st.integers(1, self.fail_one_in), label="load_fails") == 1
+                    )
+                    if failed:
                         lo = ch.token_start // self.B
                         hi = _cdiv(ch.token_end, self.B)
                         failed_blocks += plan.block_ids[lo:hi]
@@ -431,7 +447,9 @@ class VLLMAndTracker(RuleBasedStateMachine):
                 value = req.values[p] if failed_at is None else POISON
                 self.gpu[s.table[p // self.B]][p % self.B] = value
             for d, plan in s.saves:
-                ok = not self.save_failures or data.draw(st.integers(0, 5), label="save_ok") > 0
+                ok = not self.save_failures or (
+                    data.draw(st.integers(1, self.fail_one_in), label="save_fails") > 1
+                )
                 if ok:
                     for ch in plan.chunks:
                         for p in range(ch.token_start, ch.token_end):
@@ -444,6 +462,8 @@ class VLLMAndTracker(RuleBasedStateMachine):
                 if failed_at is None:
                     out.loads_done.append(req.rid)
                 else:
+                    if s.saves:
+                        event("a save computed over a failed load")
                     out.loads_failed.append((req, tuple(failed_blocks), failed_at))
             elif s.nc + s.ns >= len(req.all):
                 out.sampled.append((req, s.nc + s.ns))
@@ -558,10 +578,40 @@ class _Quiet:
         pass
 
 
-VLLMAndTracker.TestCase.settings = settings(
-    max_examples=300,
+class VLLMAndTracker(VLLMModel):
+    """Every configuration: sync and async scheduling, MRV1 and MRV2 re-admission, with and
+    without the preemption signal, prefix caching, partial and decode chunks, late results."""
+
+    @initialize(**_CONFIG)
+    def init(self, **config: Any) -> None:
+        self.setup(**config)
+
+
+class LoadFailures(VLLMModel):
+    """Focused on failed loads and saves (#2516): synchronous scheduling, a pool large enough
+    to keep hits, and failures three times as often."""
+
+    fail_one_in = 2
+
+    @initialize(
+        **{
+            **_CONFIG,
+            "num_slots": st.sampled_from([8, 16]),
+            "async_sched": st.just(False),
+            "failures": st.just(True),
+            "discard_partial": st.just(True),
+        }
+    )
+    def init(self, **config: Any) -> None:
+        self.setup(**config)
+
+
+_SETTINGS: dict[str, Any] = dict(
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+VLLMAndTracker.TestCase.settings = settings(max_examples=250, **_SETTINGS)
+LoadFailures.TestCase.settings = settings(max_examples=100, **_SETTINGS)
 TestVLLMAndTracker = VLLMAndTracker.TestCase
+TestLoadFailures = LoadFailures.TestCase
