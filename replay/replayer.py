@@ -610,10 +610,10 @@ class _Checker:
         (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
         tracker = self.tracker
         # The tracker has no public accessor from request number to id yet.
-        req_of: dict[int, str] = getattr(tracker, "_req_of", {})
+        req_of = tracker.request_of
         steady: list[int] = []
         for num in e.nums:
-            rid = req_of.get(num)
+            rid = req_of(num)
             state = tracker.state(rid) if rid is not None else None
             if (
                 rid is None

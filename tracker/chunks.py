@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 __all__ = ["ChunkIndex", "chunk_keys", "partial_key", "root_key"]
 
@@ -72,14 +72,18 @@ class ChunkIndex:
 
     __slots__ = ("_cancelled", "_free", "_readers", "_stored", "_writing", "num_slots")
 
+    # Every operation here is O(chunks involved), never O(num_slots): a 4 GiB pool of small
+    # chunks has hundreds of thousands of slots, and plans run on vLLM's scheduler thread.
+
     def __init__(self, num_slots: int) -> None:
         self.num_slots = num_slots
         self._stored: OrderedDict[bytes, int] = OrderedDict()
         self._writing: dict[bytes, int] = {}
         self._cancelled: set[bytes] = set()
         self._readers: dict[bytes, int] = {}
-        # Popped from the end: slots are handed out 0, 1, 2, ... deterministically.
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        # Handed out from the end (0, 1, 2, ... at first), deterministically, so a replay
+        # assigns the same slots.
+        self._free = _FreeSlots(range(num_slots - 1, -1, -1))
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -112,7 +116,7 @@ class ChunkIndex:
     def choose_slots(self, count: int) -> tuple[list[int], list[bytes]]:
         """Up to ``count`` slots for new chunks: free slots first, then the least recently used
         stored chunks that no planned load is reading. Returns (slots, evicted keys)."""
-        slots = self._free[::-1][:count]
+        slots = self._free.last(count)
         evicted: list[bytes] = []
         if len(slots) < count:
             for key, slot in self._stored.items():
@@ -143,8 +147,8 @@ class ChunkIndex:
             slot = self._stored.pop(key, None)
             if slot is not None:
                 self._free.append(slot)
-        taken = set(slots)
-        self._free = [s for s in self._free if s not in taken]
+        for slot in slots:
+            self._free.discard(slot)
         for key, slot in zip(keys, slots, strict=True):
             self._writing[key] = slot
 
@@ -198,10 +202,52 @@ class ChunkIndex:
         """A chunk that appeared outside our plans (a warm pool)."""
         if key in self._stored or slot not in self._free:
             return
-        self._free.remove(slot)
+        self._free.discard(slot)
         self._stored[key] = slot
 
     def apply_evicted(self, key: bytes) -> None:
         slot = self._stored.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+
+
+class _FreeSlots:
+    """Free host slots: append, remove any slot, and read the most recently freed ones, each
+    in O(1) (a list plus each slot's position; removal swaps in the last slot)."""
+
+    __slots__ = ("_pos", "_slots")
+
+    def __init__(self, slots: Iterable[int] = ()) -> None:
+        self._slots: list[int] = []
+        self._pos: dict[int, int] = {}
+        for slot in slots:
+            self.append(slot)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._pos
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._slots))
+
+    def append(self, slot: int) -> None:
+        if slot not in self._pos:
+            self._pos[slot] = len(self._slots)
+            self._slots.append(slot)
+
+    def discard(self, slot: int) -> None:
+        i = self._pos.pop(slot, None)
+        if i is None:
+            return
+        last = self._slots.pop()
+        if last != slot:
+            self._slots[i] = last
+            self._pos[last] = i
+
+    def last(self, count: int) -> list[int]:
+        """Up to ``count`` slots, the most recently freed first."""
+        if count <= 0:
+            return []
+        return self._slots[: -count - 1 : -1]

@@ -178,6 +178,10 @@ class Tracker:
 
     # --- steady decode: the hot path -----------------------------------------------------
 
+    def request_of(self, num: int) -> str | None:
+        """The live request a ``StepDecoded`` number stands for (None: no such request)."""
+        return self._req_of.get(num)
+
     def decode_step_ok(self, req_id: str, num_computed: int) -> int | None:
         """The request's number if its single-token step with no new blocks, at vLLM's
         ``num_computed``, is steady (see ``StepDecoded``); None: use ``scheduled``.
