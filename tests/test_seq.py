@@ -165,9 +165,7 @@ _ops = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(start=st.lists(st.integers(0, 9), max_size=5), ops=_ops)
-def test_every_version_keeps_its_content(
-    start: list[int], ops: list[tuple[str, int, Any]]
-) -> None:
+def test_every_version_keeps_its_content(start: list[int], ops: list[tuple[str, int, Any]]) -> None:
     versions: list[Seq[int]] = [Seq(start)]
     model: list[list[int]] = [list(start)]
     for op, which, arg in ops:
