@@ -177,6 +177,7 @@ class TrackerAdapter:
     def __init__(self, tracker: Tracker):
         self.t = tracker
         self.steady: list[int] = []
+        self.grown: list[tuple[int, int]] = []
 
     def add(self, r, p):
         self.t.add_request(r, p)
@@ -188,10 +189,13 @@ class TrackerAdapter:
         self.t.allocated(r, blocks, ext)
 
     def scheduled(self, r, nc, n, toks, blocks, admission):
-        if n == 1 and not admission and not blocks:
-            num = self.t.decode_step_ok(r, nc)
+        if n == 1 and not admission and len(blocks) <= 1:
+            new_block = blocks[0] if blocks else None
+            num = self.t.decode_step_ok(r, nc, new_block)
             if num is not None:
                 self.steady.append(num)
+                if new_block is not None:
+                    self.grown.append((num, new_block))
                 return ()
         out = self.t.scheduled(
             r,
@@ -217,8 +221,9 @@ class TrackerAdapter:
         self.t.save_done(r, keys)
 
     def meta_built(self):
-        self.t.decoded(self.steady)
+        self.t.decoded(self.steady, self.grown)
         self.steady = []
+        self.grown = []
 
     def end_step(self):
         self.t.end_step()

@@ -238,24 +238,25 @@ class SchedulerSide:
         decisions: list[ev.DecisionEvent] = []
         preempted: tuple[str, ...] = ()
         steady: list[int] = []
+        grown: list[tuple[int, int]] = []
         try:
             preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             for req_id in preempted:
                 tracker.preempted(req_id)
-            for req_id, read in self._scheduled_requests(scheduler_output, steady):
+            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown):
                 decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             if self.config.strict:
                 raise
             self.adapter_errors += 1
             _log.error("kvledger.adapter_error", callback="build_connector_meta", error=repr(exc))
-        tracker.decoded(steady)
+        tracker.decoded(steady, grown)
         plan = self._plan(step, decisions, preempted)
         tracker.end_step()
         return plan
 
     def _scheduled_requests(
-        self, out: Any, steady: list[int]
+        self, out: Any, steady: list[int], grown: list[tuple[int, int]]
     ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
         """(req id, a reader of its facts) per scheduled request. Reading happens inside the
         per-request guard, so one malformed entry costs one request, not the step.
@@ -294,14 +295,18 @@ class SchedulerSide:
             try:
                 if scheduled_tokens(req_id) == 1:
                     blocks = new_block_ids[i]  # None, or one list per KV-cache group
+                    group = blocks[0] if blocks else ()
                     if (
-                        (not blocks or not blocks[0])
+                        len(group) <= 1
                         and req_id not in resumed_set
                         and (resumed_flags is None or not resumed_flags[i])
                     ):
-                        num = decode_step_ok(req_id, num_computed[i])
+                        new_block = int(group[0]) if group else None
+                        num = decode_step_ok(req_id, num_computed[i], new_block)
                         if num is not None:
                             append(num)
+                            if new_block is not None:
+                                grown.append((num, new_block))
                             continue
             except Exception:  # malformed: the full path below reports it
                 pass

@@ -381,13 +381,16 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
                 if want is None:
                     yield pos, frame, e, POOL, POOL, False, None, None
                 if cls is decoded:
+                    pairs = e.blocks  # type: ignore[attr-defined]
+                    grew = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
                     for num in e.nums:  # type: ignore[attr-defined]
                         r = req_of.get(num)
                         state = get(r) if r is not None else None
                         if r is None or state is None:
                             continue  # an unknown number: kvledger check names it
                         # As the recording Tracker did (it validates only on replay).
-                        advanced = advance_decoded(state, 1)
+                        block = grew.get(num)
+                        advanced = advance_decoded(state, 1, () if block is None else (block,))
                         states[r] = advanced
                         if want is None or want(r):
                             label = live[r][0] if r in live else r

@@ -37,7 +37,7 @@ from typing import Any, Final, NamedTuple
 
 import attrs
 
-from tracker.events import EVENT_TYPES, Event, Finished, Scheduled
+from tracker.events import EVENT_TYPES, Event, Finished, Scheduled, StepDecoded
 
 __all__ = [
     "DELTA_FIELDS",
@@ -90,8 +90,16 @@ def _finished_v1_to_v2(fields: list[Any]) -> list[Any]:
     return ["aborted" if aborted else "stopped"]
 
 
+def _step_decoded_v1_to_v2(fields: list[Any]) -> list[Any]:
+    # v1: [nums]  ->  v2: [nums, blocks]: v1 steady steps never appended a block.
+    if len(fields) > 1:
+        raise DecodeError(f"StepDecoded v1: expected at most 1 field (nums), got {len(fields)}")
+    return [*fields, []] if fields else []
+
+
 UPCASTERS: Final[dict[tuple[int, int], Upcaster]] = {
     (Finished.TAG, 1): _finished_v1_to_v2,
+    (StepDecoded.TAG, 1): _step_decoded_v1_to_v2,
 }
 """``(tag, from_version) -> upcaster`` to ``from_version + 1``."""
 

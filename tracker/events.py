@@ -222,7 +222,11 @@ class StepDecoded(InputEvent):
     Anything unsteady about a request goes through ``Scheduled`` instead."""
 
     TAG: ClassVar[int] = 13
+    VERSION: ClassVar[int] = 2  # v1 had no `blocks`: a steady step appended none
     nums: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    # Flat (number, block id) pairs: the requests whose table grew by exactly one block in
+    # this step (every block_size tokens), appended as Scheduled would append it.
+    blocks: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 
 
 # --- decision events ----------------------------------------------------------------------

@@ -429,42 +429,53 @@ def _rollback(state: RequestState, to: int, config: TrackerConfig) -> RequestSta
     return state._replace(num_tokens=to, save=save)
 
 
-def advance_decoded(state: RequestState, steps: int) -> RequestState:
-    """The state after ``steps`` steady single-token decode steps (``StepDecoded``): the same
-    as folding that many ``Scheduled(num_computed=num_tokens, num_scheduled=1)`` events whose
-    token ids are learned later, in bulk."""
+def advance_decoded(state: RequestState, steps: int, blocks: Sequence[int] = ()) -> RequestState:
+    """The state after ``steps`` steady single-token decode steps (``StepDecoded``) that
+    appended ``blocks``: the same as folding that many ``Scheduled(num_computed=num_tokens,
+    num_scheduled=1)`` events whose token ids are learned later, in bulk."""
     if steps <= 0:
         return state
     return state._replace(
-        num_computed=state.num_tokens + steps - 1, num_tokens=state.num_tokens + steps
+        num_computed=state.num_tokens + steps - 1,
+        num_tokens=state.num_tokens + steps,
+        block_ids=state.block_ids.extended(blocks) if blocks else state.block_ids,
     )
+
+
+_UNBOUNDED = 1 << 62
 
 
 def steady_limit(state: RequestState, config: TrackerConfig) -> int:
     """The highest ``num_tokens`` that steady single-token decode steps (``StepDecoded``) may
-    reach from this state: past it, a step needs a decision or a check beyond counting (a
-    new block, a load still running, a save that may be due), so it must be a ``Scheduled``.
-    -1 when no steady step is allowed at all."""
+    reach from this state, blocks aside: past it, a step needs a decision (a load still
+    running, a save that may be due), so it must be a ``Scheduled``. -1 when no steady step
+    is allowed at all. The block table's capacity is the other bound (``steady_decode``)."""
     if state.phase is not Phase.RUNNING or (state.load is not None and not state.load.done):
         return -1
-    limit = len(state.block_ids) * config.block_size  # else tokens_within_blocks must judge
     if state.recompute_only:
-        return limit  # no plans for it anyway
+        return _UNBOUNDED  # no plans for it anyway
+    limit = _UNBOUNDED
     c = config.chunk_size
     cursor = state.save.cursor
     next_chunk_end = (cursor // c + 1) * c
     if config.save_decode_cache or state.prefill_end >= next_chunk_end:
-        limit = min(limit, next_chunk_end - 1)  # a full chunk could be saved: plan_save decides
+        limit = next_chunk_end - 1  # a full chunk could be saved: plan_save decides
     if not config.discard_partial_chunks and cursor < state.prefill_end:
         limit = min(limit, state.prefill_end - 1)  # the prefill's partial chunk may be due
     return limit
 
 
-def steady_decode(state: RequestState, config: TrackerConfig, pending: int) -> bool:
+def steady_decode(
+    state: RequestState, config: TrackerConfig, pending: int, pending_blocks: int = 0
+) -> bool:
     """Whether one more single-token step of a running request (with ``pending`` steady steps
-    not folded yet) can be folded as ``StepDecoded``. The same bound guards the connector's
-    fast path and validates a recorded ``StepDecoded`` on replay."""
-    return state.num_tokens + pending + 1 <= steady_limit(state, config)
+    and ``pending_blocks`` appended blocks not folded yet, this step's included) can be
+    folded as ``StepDecoded``: within ``steady_limit`` and within the blocks (else
+    ``tokens_within_blocks`` must judge it). The same bounds guard the connector's fast path
+    and validate a recorded ``StepDecoded`` on replay."""
+    after = state.num_tokens + pending + 1
+    capacity = (len(state.block_ids) + pending_blocks) * config.block_size
+    return after <= capacity and after <= steady_limit(state, config)
 
 
 def _on_preempted(state: RequestState, e: ev.Preempted, config: TrackerConfig) -> Result:

@@ -68,8 +68,11 @@ class Tracker:
         self._states: dict[str, RequestState] = {}
         # Steady decode steps folded lazily (StepDecoded): req id -> steps not applied yet.
         self._pending: dict[str, int] = {}
+        # Blocks appended by those steps: req id -> block ids not applied yet.
+        self._pending_blocks: dict[str, list[int]] = {}
         # The hot path's view of each live request, refreshed whenever its state is stored:
-        # [number, num_tokens, steady_limit]. Derived only; never the source of truth.
+        # [number, num_tokens, steady_limit, tokens its blocks hold]. Derived only; never the
+        # source of truth.
         self._hot: dict[str, list[int]] = {}
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
         # freed at retirement; a replay of the same events assigns the same numbers.
@@ -182,28 +185,42 @@ class Tracker:
         """The live request a ``StepDecoded`` number stands for (None: no such request)."""
         return self._req_of.get(num)
 
-    def decode_step_ok(self, req_id: str, num_computed: int) -> int | None:
-        """The request's number if its single-token step with no new blocks, at vLLM's
-        ``num_computed``, is steady (see ``StepDecoded``); None: use ``scheduled``.
-        Two integer comparisons: the bound was derived when the state last changed."""
+    def decode_step_ok(
+        self, req_id: str, num_computed: int, new_block: int | None = None
+    ) -> int | None:
+        """The request's number if its single-token step, at vLLM's ``num_computed`` and with
+        at most one new block, is steady (see ``StepDecoded``); None: use ``scheduled``.
+        A few integer comparisons: the bounds were derived when the state last changed."""
         hot = self._hot.get(req_id)
         if hot is None:
             return None
         expected = hot[1] + self._pending.get(req_id, 0)
         if num_computed != expected or expected + 1 > hot[2]:
             return None
+        capacity = hot[3]
+        grown = self._pending_blocks.get(req_id)
+        if grown:
+            capacity += len(grown) * self.config.block_size
+        if new_block is not None:
+            capacity += self.config.block_size
+        if expected + 1 > capacity:
+            return None
         return hot[0]
 
-    def decoded(self, nums: Sequence[int]) -> None:
+    def decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
         """Record one step of steady decodes for these request numbers, each admitted by
-        ``decode_step_ok`` in this step (so not checked again; a replay checks them)."""
+        ``decode_step_ok`` in this step (so not checked again; a replay checks them);
+        ``grown``: (number, block id) of those whose table grew by one block."""
         if not nums:
             return
-        event = ev.StepDecoded(self.step, "", tuple(nums))
+        flat = tuple(x for pair in grown for x in pair)
+        event = ev.StepDecoded(self.step, "", tuple(nums), flat)
         pending, req_of = self._pending, self._req_of
         for num in nums:
             req_id = req_of[num]
             pending[req_id] = pending.get(req_id, 0) + 1
+        for num, block in grown:
+            self._pending_blocks.setdefault(req_of[num], []).append(block)
         self.counts["events"] += 1
         self._record(event, ())
 
@@ -211,13 +228,27 @@ class Tracker:
         self._states[req_id] = state
         num = self._num_of.get(req_id)
         if num is not None and req_id not in self._pending:
-            self._hot[req_id] = [num, state.num_tokens, steady_limit(state, self.config)]
+            self._hot[req_id] = [
+                num,
+                state.num_tokens,
+                steady_limit(state, self.config),
+                len(state.block_ids) * self.config.block_size,
+            ]
 
     def _apply_step_decoded(self, event: ev.StepDecoded) -> list[ev.DecisionEvent]:
         # A recorded event is validated with the same bound that admitted it to the fast
         # path, so a replay of a wrong log names the request and the step.
         pending, states, config = self._pending, self._states, self.config
         bad: list[Violation] = []
+        pairs = event.blocks
+        new_block = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
+        if (
+            len(pairs) % 2
+            or len(new_block) * 2 != len(pairs)
+            or not new_block.keys() <= set(event.nums)
+        ):
+            bad.append(Violation("decoded_blocks", event.step, "", "StepDecoded", {}))
+            new_block = {}
         for num in event.nums:
             req_id = self._req_of.get(num)
             state = states.get(req_id) if req_id is not None else None
@@ -225,7 +256,9 @@ class Tracker:
                 bad.append(Violation("decoded_unknown", event.step, str(num), "StepDecoded", {}))
                 continue
             k = pending.get(req_id, 0)
-            if not steady_decode(state, config, k):
+            grown = self._pending_blocks.get(req_id, [])
+            block = new_block.get(num)
+            if not steady_decode(state, config, k, len(grown) + (block is not None)):
                 self._materialize(req_id)
                 bad.append(
                     Violation(
@@ -239,14 +272,17 @@ class Tracker:
                 self._store(req_id, states[req_id]._replace(recompute_only=True))
                 continue
             pending[req_id] = k + 1
+            if block is not None:
+                self._pending_blocks.setdefault(req_id, []).append(block)
         self._record(event, ())
         return self._report(bad, None) if bad else []
 
     def _materialize(self, req_id: str) -> None:
         k = self._pending.pop(req_id, 0)
+        blocks = self._pending_blocks.pop(req_id, ())
         state = self._states.get(req_id)
         if k and state is not None:
-            self._store(req_id, advance_decoded(state, k))
+            self._store(req_id, advance_decoded(state, k, blocks))
 
     def _free_number(self, req_id: str) -> None:
         """At Finished: a finished request never decodes again. Freed on this recorded fact
@@ -393,6 +429,7 @@ class Tracker:
     def _retire(self, req_id: str) -> None:
         del self._states[req_id]
         self._pending.pop(req_id, None)
+        self._pending_blocks.pop(req_id, None)
         self._free_number(req_id)
         self.counts["finished"] += 1
         self._retired[req_id] = None
