@@ -135,6 +135,7 @@ def write_log(
             admit(rid, ev.Admission.NEW)
         still: list[str] = []
         steady: list[int] = []
+        grown: list[tuple[int, int]] = []
         for rid in running:
             toks = tokens[rid]
             nc = computed[rid]
@@ -147,10 +148,13 @@ def write_log(
             if cdiv(nc + 1, BLOCK) > len(blocks[rid]):
                 new = [free.pop()]
                 blocks[rid].extend(new)
-            # The connector's hot path: a steady single-token step is only numbered.
-            num = t.decode_step_ok(rid, nc) if hot and not new else None
+            # The connector's hot path: a steady single-token step (at most one new block)
+            # is only numbered.
+            num = t.decode_step_ok(rid, nc, new[0] if new else None) if hot else None
             if num is not None:
                 steady.append(num)
+                if new:
+                    grown.append((num, new[0]))
             else:
                 out = t.scheduled(
                     rid, num_computed=nc, num_scheduled=1, all_token_ids=toks, block_ids=new
@@ -160,7 +164,7 @@ def write_log(
             computed[rid] = nc + 1
             toks.append(rng.randrange(32000))
             still.append(rid)
-        t.decoded(steady)
+        t.decoded(steady, grown)
         steady_steps += len(steady)
         decoded_records += 1 if steady else 0
         running = still
