@@ -76,6 +76,28 @@ class WorkerReport:
     def __bool__(self) -> bool:
         return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
 
+    def to_plain(self) -> list[Any]:
+        """Lists, strings, bytes and ints only: travels through any serialiser vLLM uses for
+        connector stats (pickle, msgpack, msgspec)."""
+        return [
+            [[r, list(k)] for r, k in self.saves_done],
+            [[r, list(k)] for r, k in self.saves_failed],
+            list(self.loads_done),
+            [[r, list(b)] for r, b in self.loads_failed],
+            self.rank,
+        ]
+
+    @classmethod
+    def from_plain(cls, data: Any) -> WorkerReport:
+        saves_done, saves_failed, loads_done, loads_failed, rank = data
+        return cls(
+            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_done),
+            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_failed),
+            tuple(str(r) for r in loads_done),
+            tuple((str(r), tuple(int(x) for x in b)) for r, b in loads_failed),
+            int(rank),
+        )
+
 
 class _Ack:
     """Which ranks reported a transfer done or failed; forgotten once all ranks reported."""
@@ -389,8 +411,14 @@ class SchedulerSide:
     def update_connector_output(self, connector_output: Any) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         reports = getattr(meta, "reports", None)
-        if reports is None:  # a single report, bare or wrapped
+        if reports is None and meta is not None:  # a single report, bare or wrapped
             reports = (getattr(meta, "report", meta),)
+        if reports is None:
+            # vLLM < 0.18 has no worker metadata: the reports ride in the connector stats.
+            stats = getattr(connector_output, "kv_connector_stats", None)
+            plain = getattr(stats, "data", None)
+            if isinstance(plain, dict) and "kvledger_reports" in plain:
+                reports = tuple(WorkerReport.from_plain(r) for r in plain["kvledger_reports"])
         for report in reports or ():
             if isinstance(report, WorkerReport):
                 self.apply_report(report)

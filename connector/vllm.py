@@ -32,6 +32,14 @@ try:  # vLLM >= 0.18: the worker -> scheduler channel
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+try:  # vLLM >= 0.11: connector stats travel worker -> scheduler in every KVConnectorOutput
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorStats = object  # type: ignore[assignment,misc]
+
+# Where the worker's reports travel: the worker metadata where vLLM has it (>= 0.18), else the
+# connector stats (0.11 - 0.17), which vLLM also hands to update_connector_output.
+WORKER_META_CHANNEL = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
 
 __all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerWorkerMetadata"]
 
@@ -62,6 +70,28 @@ class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     def report(self) -> WorkerReport:
         """This worker's report (the first, when several ranks were aggregated)."""
         return self.reports[0]
+
+
+class KVLedgerStats(KVConnectorStats):  # type: ignore[misc]
+    """The worker's reports on vLLM 0.11 - 0.17, in the connector stats: plain data (it may be
+    serialised between processes); ``aggregate`` keeps each rank's reports apart."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        self.data = data if data is not None else {"kvledger_reports": []}
+
+    def reset(self) -> None:
+        self.data = {"kvledger_reports": []}
+
+    def aggregate(self, other: Any) -> KVLedgerStats:
+        mine = list(self.data.get("kvledger_reports", []))
+        theirs = list(getattr(other, "data", {}).get("kvledger_reports", []))
+        return KVLedgerStats({"kvledger_reports": mine + theirs})
+
+    def reduce(self) -> dict[str, int | float]:
+        return {"kvledger_reports": len(self.data.get("kvledger_reports", []))}
+
+    def is_empty(self) -> bool:
+        return not self.data.get("kvledger_reports")
 
 
 def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str]:
@@ -185,8 +215,16 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def take_events(self) -> tuple[()]:
         return ()
 
-    def get_kv_connector_stats(self) -> None:
-        return None
+    def get_kv_connector_stats(self) -> KVLedgerStats | None:
+        """On the worker of a vLLM without worker metadata, this step's report; else None."""
+        if self._worker is None or WORKER_META_CHANNEL:
+            return None
+        report = self._worker.build_report()
+        return KVLedgerStats({"kvledger_reports": [report.to_plain()]}) if report else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLedgerStats | None:
+        return KVLedgerStats(data) if data is not None else None
 
     # --- worker side ----------------------------------------------------------------------
 

@@ -404,3 +404,55 @@ def test_two_connectors_logging_to_one_directory_do_not_collide(tmp_path) -> Non
     first.shutdown()
     second.shutdown()
     assert len(list(tmp_path.glob("*.kvlog"))) == 2
+
+
+@pytest.mark.vllm
+def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
+    vllm_build: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.11-0.17 has no worker metadata: the worker's report travels in its connector
+    stats (aggregated per rank, serialisable), and the scheduler side confirms saves from it."""
+    import pickle
+
+    import connector.vllm as front
+
+    monkeypatch.setattr(front, "WORKER_META_CHANNEL", False)
+    worker = vllm_build("worker", chunk_size=32, host_pool_bytes=1 << 20)
+    oracle = _oracle_caches()
+    worker.register_kv_caches(oracle.caches)
+    oracle.write("A", list(range(3, 40)), [1, 2], 0, 32)
+    save = TransferPlan("A", "save", (1, 2), (ChunkTransfer(b"k" * 16, 0, 0, 32, 0),))
+    worker.bind_connector_metadata(front.KVLedgerMetadata(StepPlan(step=0, saves=(save,))))
+    worker.wait_for_save()
+    stats = worker.get_kv_connector_stats()
+    assert isinstance(stats, front.KVLedgerStats) and not stats.is_empty()
+    stats = pickle.loads(pickle.dumps(stats))  # it crosses processes
+    merged = stats.aggregate(front.KVLedgerStats())  # a second rank with nothing to say
+    assert merged.reduce() == {"kvledger_reports": 1}
+    rebuilt = front.KVLedgerConnector.build_kv_connector_stats(data=merged.data)
+    assert rebuilt is not None and rebuilt.data == merged.data
+    worker.shutdown()
+
+    side = SchedulerSide(ConnectorConfig(chunk_size=16), block_size=16, num_slots=8)
+    r = FakeRequest("R", list(range(7, 47)))
+    side.get_num_new_matched_tokens(r, 0)
+    side.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 0)
+    plan = side.build_connector_meta(
+        SchedulerOutput(
+            scheduled_new_reqs=[NewRequestData("R", r.prompt_token_ids, ([1, 2, 3],), 0)],
+            num_scheduled_tokens={"R": 40},
+        )
+    )
+    keys = [c.key for p in plan.saves for c in p.chunks]
+    assert keys
+    from connector.scheduler import WorkerReport
+
+    report = WorkerReport(saves_done=(("R", tuple(keys)),))
+    from types import SimpleNamespace
+
+    out = SimpleNamespace(  # vLLM 0.11-0.17's KVConnectorOutput: no worker metadata field
+        kv_connector_stats=front.KVLedgerStats({"kvledger_reports": [report.to_plain()]})
+    )
+    side.update_connector_output(out)
+    assert side.tracker.state("R").saved == 32
+    assert not side.tracker.violations

@@ -157,7 +157,9 @@ class ChunkIndex:
         slot = self._writing.pop(key, None)
         if slot is None:
             return False
-        if key in self._cancelled:
+        if key in self._cancelled or key in self._stored:
+            # Never stored (its source KV was wrong), or stored meanwhile in another slot:
+            # either way this slot goes back, and the key keeps at most one slot.
             self._cancelled.discard(key)
             self._free.append(slot)
             return True
@@ -200,8 +202,8 @@ class ChunkIndex:
 
     def apply_stored(self, key: bytes, slot: int) -> None:
         """A chunk that appeared outside our plans (a warm pool)."""
-        if key in self._stored or slot not in self._free:
-            return
+        if key in self._stored or key in self._writing or slot not in self._free:
+            return  # already there, being written by us, or its slot is in use
         self._free.discard(slot)
         self._stored[key] = slot
 
