@@ -9,6 +9,7 @@ held its oracle value at every step, no violation, nothing leaked, and the log r
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -60,6 +61,9 @@ def main(args: argparse.Namespace) -> int:
         print("install it with: make setup-vllm", file=sys.stderr)
         return 2
     from connector.run import RunSpec, run, summarize
+
+    # The demo is an application: it may quiet vLLM's own logger (a library never would).
+    logging.getLogger("vllm").setLevel(logging.ERROR)
 
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvledger-demo-")
     spec = RunSpec(
