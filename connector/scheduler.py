@@ -171,6 +171,7 @@ class SchedulerSide:
         num_slots: int,
         salt: str = "",
         world_size: int = 1,
+        max_async_lag: int = 1,
         log_header: dict[str, Any] | None = None,
         logger: Any = None,
     ) -> None:
@@ -183,6 +184,7 @@ class SchedulerSide:
             discard_partial_chunks=config.discard_partial_chunks,
             save_decode_cache=config.save_decode_cache,
             salt=salt,
+            max_async_lag=max_async_lag,
             strict=config.strict,
         )
         self.log_path: str | None = None
@@ -283,7 +285,7 @@ class SchedulerSide:
         """(req id, a reader of its facts) per scheduled request. Reading happens inside the
         per-request guard, so one malformed entry costs one request, not the step.
 
-        The hot path: a running request decoding one token with no new block, at the count
+        The hot path: a running request decoding one token with at most one new block, at the count
         the tracker expects, is only numbered into ``steady`` (one ``StepDecoded`` record for
         the whole step); its token ids are learned later, in bulk, when a decision needs
         them. Anything unusual about it takes the full path."""

@@ -94,6 +94,16 @@ class KVLedgerStats(KVConnectorStats):  # type: ignore[misc]
         return not self.data.get("kvledger_reports")
 
 
+def _max_async_lag(vllm_config: Any) -> int:
+    """Scheduled tokens whose ids may not be in ``all_token_ids`` yet at build_connector_meta:
+    the sampled token under async scheduling, plus the draft tokens of speculative decoding."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    drafts = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    scheduler_config = getattr(vllm_config, "scheduler_config", None)
+    async_scheduling = bool(getattr(scheduler_config, "async_scheduling", False))
+    return max(1, int(async_scheduling) + drafts)
+
+
 def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str]:
     """(bytes of one token's K and V over all layers, number of layers, a salt naming the
     model and layout), from the KV cache config when vLLM gives it, else the model config."""
@@ -160,6 +170,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 num_slots=num_slots,
                 salt=salt,
                 world_size=world_size,
+                max_async_lag=_max_async_lag(vllm_config),
                 log_header={
                     "vllm_version": getattr(vllm, "__version__", "?"),
                     "slot_bytes": slot_bytes,

@@ -456,3 +456,44 @@ def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
     side.update_connector_output(out)
     assert side.tracker.state("R").saved == 32
     assert not side.tracker.violations
+
+
+def test_a_log_that_cannot_be_written_never_stops_the_engine(tmp_path) -> None:
+    """Disk full mid-run: the failure is reported once (Tracker.log_error), logging stops, and
+    every callback goes on answering as before."""
+    from connector.scheduler import SchedulerSide
+
+    side = SchedulerSide(
+        ConnectorConfig(chunk_size=16, log_dir=str(tmp_path)), block_size=16, num_slots=8
+    )
+    writer = side.tracker._log
+
+    def no_space(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    writer._write = no_space  # every later frame write fails
+    r = FakeRequest("R", list(range(7, 47)))
+    for step in range(3):
+        assert side.get_num_new_matched_tokens(r, 0) == (0, False)
+        side.build_connector_meta(SchedulerOutput())  # writes (or fails to write) a frame
+        assert side.adapter_errors == 0, f"step {step}"
+    assert side.tracker.log_error is not None and "No space left" in side.tracker.log_error
+    side.shutdown()
+
+
+def test_max_async_lag_follows_async_scheduling_and_draft_tokens() -> None:
+    from types import SimpleNamespace
+
+    from connector.vllm import _max_async_lag
+
+    def cfg(async_scheduling: bool, drafts: int | None) -> Any:
+        spec = None if drafts is None else SimpleNamespace(num_speculative_tokens=drafts)
+        return SimpleNamespace(
+            speculative_config=spec,
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+        )
+
+    assert _max_async_lag(cfg(False, None)) == 1
+    assert _max_async_lag(cfg(True, None)) == 1
+    assert _max_async_lag(cfg(False, 3)) == 3
+    assert _max_async_lag(cfg(True, 3)) == 4

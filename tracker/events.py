@@ -214,12 +214,15 @@ class ChunkEvicted(InputEvent):
 @attrs.frozen(slots=True)
 class StepDecoded(InputEvent):
     """Running requests that each computed exactly one more token this step, steadily: vLLM's
-    ``num_computed_tokens`` was what the tracker expected, no block was added, no load is
-    pending and no save can be due. The one event about several requests (``req_id`` is
-    empty): ``nums`` are the tracker's request numbers (the lowest free number, taken at the
-    ``RequestAdded`` that starts a request's life and freed at its ``Finished``: a reader
-    resolves them from those two recorded facts alone). It exists for the hot path: a decode step costs one record for all requests.
-    Anything unsteady about a request goes through ``Scheduled`` instead."""
+    ``num_computed_tokens`` was what the tracker expected, at most one block was appended
+    (listed in ``blocks``), no load is pending and no save can be due. The one event about
+    several requests (``req_id`` is empty): ``nums`` are the tracker's request numbers (the
+    lowest free number, taken at the ``RequestAdded`` that starts a request's life and freed at
+    its ``Finished``: a reader resolves them from those two recorded facts alone). It exists
+    for the hot path: a decode step costs one record for all requests. Anything unsteady
+    about a request goes through ``Scheduled`` instead. The token ids of steady steps are not
+    in the record: they are learned, in bulk, by the next event that needs them.
+    """
 
     TAG: ClassVar[int] = 13
     VERSION: ClassVar[int] = 2  # v1 had no `blocks`: a steady step appended none

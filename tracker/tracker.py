@@ -75,7 +75,7 @@ class Tracker:
         # source of truth.
         self._hot: dict[str, list[int]] = {}
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
-        # freed at retirement; a replay of the same events assigns the same numbers.
+        # freed at Finished; a replay of the same events assigns the same numbers.
         self._num_of: dict[str, int] = {}
         self._req_of: dict[int, str] = {}
         self._free_nums: list[int] = []
@@ -91,6 +91,8 @@ class Tracker:
             "finished": 0,
         }
         self._log = log
+        # Why the log stopped being written, if it did (the engine goes on without it).
+        self.log_error: str | None = None
         self._logger = logger if logger is not None else structlog.get_logger("kvledger")
         self._retired: OrderedDict[str, None] = OrderedDict()
         # Chunks a request's load will read, pinned from its Allocated (vLLM committed to the
@@ -163,7 +165,10 @@ class Tracker:
     def end_step(self) -> int:
         """Close the current step: its events become one log frame. Returns the next step."""
         if self._log is not None:
-            self._log.end_step(self.step)
+            try:
+                self._log.end_step(self.step)
+            except Exception as exc:
+                self._log_failed(exc)
         self.step += 1
         return self.step
 
@@ -309,7 +314,19 @@ class Tracker:
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
         if closer is not None:
-            closer()
+            try:
+                closer()
+            except Exception as exc:
+                self._log_failed(exc)
+
+    def _log_failed(self, exc: Exception) -> None:
+        """The log cannot be written (disk full, a failed fsync): say so once, loudly, and go
+        on without it. Bookkeeping must never stop the engine; the states stay exact, only the
+        record of them ends here."""
+        if self.log_error is None:
+            self.log_error = f"{type(exc).__name__}: {exc}"
+            self._logger.error("kvledger.log_failed", step=self.step, error=self.log_error)
+        self._log = None
 
     # --- decisions ----------------------------------------------------------------------
 
@@ -439,9 +456,12 @@ class Tracker:
     def _record(self, event: ev.Event, decisions: Sequence[ev.DecisionEvent]) -> None:
         if self._log is None:
             return
-        self._log.append(event)
-        for d in decisions:
-            self._log.append(d)
+        try:
+            self._log.append(event)
+            for d in decisions:
+                self._log.append(d)
+        except Exception as exc:
+            self._log_failed(exc)
 
     def _report(
         self, violations: Iterable[Violation], state: RequestState | None
@@ -453,7 +473,10 @@ class Tracker:
             record = ev.ViolationRecorded(v.step, v.req_id, v.rule, v.event, detail)
             recorded.append(record)
             if self._log is not None:
-                self._log.append(record)
+                try:
+                    self._log.append(record)
+                except Exception as exc:
+                    self._log_failed(exc)
             self._logger.warning(
                 "kvledger.violation",
                 req_id=v.req_id,
