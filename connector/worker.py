@@ -87,6 +87,11 @@ class WorkerSide:
             self._drain_saves(block=True)
 
     def bind(self, plan: StepPlan) -> None:
+        # Order this step's forward pass after every save still reading blocks: a block freed
+        # by a preemption may be reused right now, and vLLM before 0.14 never calls
+        # handle_preemptions. The compute stream waits; the host does not block.
+        for _, _, handle in self._saves_in_flight:
+            handle.wait()
         self._plan = plan
         self._awaiting_free.update(plan.delayed_free)
         self._load_errors.update(plan.refused_blocks)
