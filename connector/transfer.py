@@ -201,8 +201,12 @@ class TransferHandle:
 
     def wait(self) -> None:
         """Make the current (compute) stream wait for the transfer; does not block the host."""
-        if self._event is not None:
+        if self._event is None:
+            return
+        if self._device is not None and self._device.type == "cuda":
             self._event.wait(torch.cuda.current_stream(self._device))
+        else:  # not a CUDA transfer: the event orders itself
+            self._event.wait()
 
     def synchronize(self) -> None:
         """Block the host until the transfer has finished."""
