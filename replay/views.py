@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import heapq
 import html
 import json
 import math
@@ -37,6 +36,7 @@ import attrs
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
 from tracker.log import Frame, LogFormatError, LogReader, RawFrame, StopInfo
+from tracker.numbering import RequestNumbers
 from tracker.state import Phase, RequestState, advance_decoded, fold
 
 __all__ = [
@@ -366,10 +366,8 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
     get = states.get
     lives = _Lives()
     live = lives.live
-    num_of: dict[str, int] = {}
-    req_of: dict[int, str] = {}
-    free: list[int] = []
-    next_num = 0
+    numbers = RequestNumbers()  # the log format's rule, as the recording Tracker applied it
+    req_of = numbers.req_of
     added, finished, decoded = ev.RequestAdded, ev.Finished, ev.StepDecoded
     pos = -1
     for frame in src.frames():
@@ -381,8 +379,7 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
                 if want is None:
                     yield pos, frame, e, POOL, POOL, False, None, None
                 if cls is decoded:
-                    pairs = e.blocks  # type: ignore[attr-defined]
-                    grew = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
+                    grew = e.new_blocks() or {}  # type: ignore[attr-defined]
                     for num in e.nums:  # type: ignore[attr-defined]
                         r = req_of.get(num)
                         state = get(r) if r is not None else None
@@ -406,17 +403,10 @@ def _walk(src: LogSource, want: Callable[[str], bool] | None = None) -> Iterator
             if before is not None or cls is added:
                 after = fold(before, e, config)[0]
                 if after is not None:
-                    if cls is added and rid not in num_of:
-                        if free:
-                            num = heapq.heappop(free)
-                        else:
-                            num, next_num = next_num, next_num + 1
-                        num_of[rid] = num
-                        req_of[num] = rid
-                    elif cls is finished and rid in num_of:
-                        num = num_of.pop(rid)
-                        del req_of[num]
-                        heapq.heappush(free, num)
+                    if cls is added:
+                        numbers.take(rid)
+                    elif cls is finished:
+                        numbers.give_back(rid)
                     if _idle_finished(after):
                         states.pop(rid, None)
                     else:

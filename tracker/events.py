@@ -231,6 +231,15 @@ class StepDecoded(InputEvent):
     # this step (every block_size tokens), appended as Scheduled would append it.
     blocks: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 
+    def new_blocks(self) -> dict[int, int] | None:
+        """``blocks`` as number -> block id; None when the pairs are malformed (odd length, a
+        number twice, or a number not in ``nums``)."""
+        pairs = self.blocks
+        grown = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
+        if len(pairs) % 2 or len(grown) * 2 != len(pairs) or not grown.keys() <= set(self.nums):
+            return None
+        return grown
+
 
 # --- decision events ----------------------------------------------------------------------
 

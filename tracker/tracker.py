@@ -13,7 +13,6 @@ recompute (no load, no save) for the rest of its life.
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
@@ -24,6 +23,7 @@ from tracker import events as ev
 from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
+from tracker.numbering import RequestNumbers
 from tracker.plans import answer_lookup, plan_load, plan_save
 from tracker.state import (
     Phase,
@@ -76,10 +76,9 @@ class Tracker:
         self._hot: dict[str, list[int]] = {}
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
         # freed at Finished; a replay of the same events assigns the same numbers.
-        self._num_of: dict[str, int] = {}
-        self._req_of: dict[int, str] = {}
-        self._free_nums: list[int] = []
-        self._next_num = 0
+        self._numbers = RequestNumbers()
+        self._num_of = self._numbers.num_of  # read on the hot path
+        self._req_of = self._numbers.req_of
         self.violations: list[Violation] = []
         self.step = 0
         self.counts: dict[str, int] = {
@@ -245,13 +244,8 @@ class Tracker:
         # path, so a replay of a wrong log names the request and the step.
         pending, states, config = self._pending, self._states, self.config
         bad: list[Violation] = []
-        pairs = event.blocks
-        new_block = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
-        if (
-            len(pairs) % 2
-            or len(new_block) * 2 != len(pairs)
-            or not new_block.keys() <= set(event.nums)
-        ):
+        new_block = event.new_blocks()
+        if new_block is None:
             bad.append(Violation("decoded_blocks", event.step, "", "StepDecoded", {}))
             new_block = {}
         for num in event.nums:
@@ -294,19 +288,10 @@ class Tracker:
         alone (not on retirement, which waits for transfer results), so a reader resolves
         StepDecoded numbers from RequestAdded and Finished events only."""
         self._hot.pop(req_id, None)
-        num = self._num_of.pop(req_id, None)
-        if num is not None:
-            del self._req_of[num]
-            heapq.heappush(self._free_nums, num)
+        self._numbers.give_back(req_id)
 
     def _number(self, req_id: str) -> None:
-        if self._free_nums:
-            num = heapq.heappop(self._free_nums)
-        else:
-            num = self._next_num
-            self._next_num += 1
-        self._num_of[req_id] = num
-        self._req_of[num] = req_id
+        self._numbers.take(req_id)
         state = self._states.get(req_id)
         if state is not None:
             self._store(req_id, state)

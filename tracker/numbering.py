@@ -1,0 +1,45 @@
+"""Request numbers: how ``StepDecoded`` names requests, a rule of the log format.
+
+A request takes the lowest free number at the ``RequestAdded`` that starts its life and gives
+it back at its ``Finished``. Those two recorded facts alone decide every number, so the
+Tracker that writes a log and any reader of it (a replay, ``kvledger show``) assign the same
+ones. Numbers stay small (bounded by the live requests), so a step's record stays small.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+__all__ = ["RequestNumbers"]
+
+
+class RequestNumbers:
+    """``num_of`` (req id -> number) and ``req_of`` (number -> req id) are read directly on
+    hot paths; they change only through ``take`` and ``give_back``."""
+
+    __slots__ = ("_free", "_next", "num_of", "req_of")
+
+    def __init__(self) -> None:
+        self.num_of: dict[str, int] = {}
+        self.req_of: dict[int, str] = {}
+        self._free: list[int] = []
+        self._next = 0
+
+    def take(self, req_id: str) -> int:
+        """The request's number, taking the lowest free one if it has none."""
+        num = self.num_of.get(req_id)
+        if num is not None:
+            return num
+        if self._free:
+            num = heapq.heappop(self._free)
+        else:
+            num, self._next = self._next, self._next + 1
+        self.num_of[req_id] = num
+        self.req_of[num] = req_id
+        return num
+
+    def give_back(self, req_id: str) -> None:
+        num = self.num_of.pop(req_id, None)
+        if num is not None:
+            del self.req_of[num]
+            heapq.heappush(self._free, num)
