@@ -441,10 +441,15 @@ class Tracker:
     def _record(self, event: ev.Event, decisions: Sequence[ev.DecisionEvent]) -> None:
         if self._log is None:
             return
+        self._append(event)
+        for d in decisions:
+            self._append(d)
+
+    def _append(self, event: ev.Event) -> None:
+        if self._log is None:
+            return
         try:
             self._log.append(event)
-            for d in decisions:
-                self._log.append(d)
         except Exception as exc:
             self._log_failed(exc)
 
@@ -457,11 +462,7 @@ class Tracker:
             detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
             record = ev.ViolationRecorded(v.step, v.req_id, v.rule, v.event, detail)
             recorded.append(record)
-            if self._log is not None:
-                try:
-                    self._log.append(record)
-                except Exception as exc:
-                    self._log_failed(exc)
+            self._append(record)
             self._logger.warning(
                 "kvledger.violation",
                 req_id=v.req_id,
