@@ -142,12 +142,7 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
             try:
                 return fn(self, *args, **kwargs)
             except Exception as exc:
-                if self.config.strict:
-                    raise
-                self.adapter_errors += 1
-                _log.error(
-                    "kvledger.adapter_error", callback=fn.__name__, error=repr(exc), exc_info=True
-                )
+                self._adapter_error(fn.__name__, exc)
                 return default()
 
         return inner
@@ -270,10 +265,7 @@ class SchedulerSide:
             for req_id, read in self._scheduled_requests(scheduler_output, steady, grown):
                 decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
-            if self.config.strict:
-                raise
-            self.adapter_errors += 1
-            _log.error("kvledger.adapter_error", callback="build_connector_meta", error=repr(exc))
+            self._adapter_error("build_connector_meta", exc)
         tracker.decoded(steady, grown)
         plan = self._plan(step, decisions, preempted)
         tracker.end_step()
@@ -362,10 +354,7 @@ class SchedulerSide:
             self._allocated_this_step.discard(req_id)
             return decisions
         except Exception as exc:
-            if self.config.strict:
-                raise
-            self.adapter_errors += 1
-            self.tracker.mark_violation(req_id, "adapter_error", "Scheduled", error=repr(exc))
+            self._adapter_error("build_connector_meta", exc, req_id=req_id)
             return []
 
     def _plan(
@@ -462,24 +451,30 @@ class SchedulerSide:
             if confirmed:
                 tracker.save_done(req_id, confirmed)
 
+    @_guarded(lambda: (False, None))
     def request_finished(
         self, request: Any, block_ids: Any = None
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while a save still reads the request's blocks: vLLM keeps them until the worker
         reports the request in ``finished_sending``."""
-        try:
-            req_id = str(request.request_id)
-            self._requests.pop(req_id, None)
-            delay = self.tracker.finished(req_id, _status_name(request) or "finished")
-        except Exception as exc:
-            if self.config.strict:
-                raise
-            self.adapter_errors += 1
-            _log.error("kvledger.adapter_error", callback="request_finished", error=repr(exc))
-            return False, None
+        req_id = str(request.request_id)
+        self._requests.pop(req_id, None)
+        delay = self.tracker.finished(req_id, _status_name(request) or "finished")
         if delay:
             self._delayed_free.append(req_id)
         return delay, None
+
+    def _adapter_error(self, callback: str, exc: Exception, req_id: str | None = None) -> None:
+        """A vLLM object we could not read: strict mode (tests) raises at once; otherwise it is
+        counted and logged, and when it concerns one request, that request falls back to
+        recompute through a recorded violation."""
+        if self.config.strict:
+            raise exc
+        self.adapter_errors += 1
+        if req_id is not None:
+            self.tracker.mark_violation(req_id, "adapter_error", "Scheduled", error=repr(exc))
+        else:
+            _log.error("kvledger.adapter_error", callback=callback, error=repr(exc), exc_info=exc)
 
     def shutdown(self) -> None:
         self.tracker.close()
