@@ -290,3 +290,33 @@ def test_shutdown_drains_saves(monkeypatch) -> None:
     run_step(worker, StepPlan(step=0, saves=(plan("R", "save", [1, 2], 0, 8, [0]),)))
     worker.shutdown()
     assert events[0].synchronized == 1
+
+
+def test_binding_a_step_orders_its_forward_pass_after_saves_in_flight() -> None:
+    """A preempted request's blocks may be reused by this step's forward pass, and vLLM before
+    0.14 never calls handle_preemptions: binding the step makes the compute stream wait on
+    every save still in flight (without blocking the host)."""
+    from connector.config import ConnectorConfig
+    from connector.scheduler import StepPlan
+    from connector.worker import WorkerSide
+
+    class Handle:
+        def __init__(self) -> None:
+            self.waited = 0
+            self.synchronized = 0
+
+        def wait(self) -> None:
+            self.waited += 1
+
+        def synchronize(self) -> None:
+            self.synchronized += 1
+
+        def done(self) -> bool:
+            return False
+
+    side = WorkerSide(ConnectorConfig(chunk_size=16))
+    held = [Handle(), Handle()]
+    side._saves_in_flight = [("A", b"a", held[0]), ("B", b"b", held[1])]
+    side.bind(StepPlan(step=1))
+    assert [h.waited for h in held] == [1, 1]
+    assert [h.synchronized for h in held] == [0, 0]  # the host did not block
