@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import heapq
 
+from tracker import events as ev
+
 __all__ = ["RequestNumbers"]
 
 
@@ -37,6 +39,15 @@ class RequestNumbers:
         self.num_of[req_id] = num
         self.req_of[num] = req_id
         return num
+
+    def follow(self, event: ev.Event) -> None:
+        """The rule itself, for an event the fold accepted: a ``RequestAdded`` takes a number
+        (a repeated one keeps it), a ``Finished`` gives it back; nothing else changes them."""
+        cls = event.__class__
+        if cls is ev.RequestAdded:
+            self.take(event.req_id)
+        elif cls is ev.Finished:
+            self.give_back(event.req_id)
 
     def give_back(self, req_id: str) -> None:
         num = self.num_of.pop(req_id, None)

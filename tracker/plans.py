@@ -21,7 +21,7 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -35,6 +35,7 @@ __all__ = [
     "TransferPlan",
     "answer_lookup",
     "blocks_covering",
+    "failed_load_keys",
     "plan_load",
     "plan_save",
     "transfer_plan",
@@ -75,6 +76,25 @@ def blocks_covering(block_ids: Sequence[int], block_size: int, start: int, end: 
     if end <= start:
         return []
     return list(block_ids[start // block_size : (end - 1) // block_size + 1])
+
+
+def failed_load_keys(
+    state: RequestState, failed_blocks: Iterable[int], config: TrackerConfig
+) -> list[bytes]:
+    """The keys of ``state.load`` whose token range touches one of ``failed_blocks``."""
+    load = state.load
+    if load is None:
+        return []
+    b, c = config.block_size, config.chunk_size
+    failed = set(failed_blocks)
+    positions = [i * b for i, block in enumerate(state.block_ids) if block in failed]
+    keys: list[bytes] = []
+    for i, key in enumerate(load.keys):
+        lo = max(load.start, (load.start // c + i) * c)
+        hi = min(load.end, (load.start // c + i + 1) * c)
+        if any(p < hi and p + b > lo for p in positions):
+            keys.append(key)
+    return keys
 
 
 def plan_load(

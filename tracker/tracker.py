@@ -14,8 +14,8 @@ recompute (no load, no save) for the rest of its life.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import structlog
 
@@ -23,6 +23,8 @@ from tracker import events as ev
 from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
+from tracker.history import RETIRED_MEMORY, retires
+from tracker.index_fold import apply_to_index
 from tracker.numbering import RequestNumbers
 from tracker.plans import answer_lookup, plan_load, plan_save
 from tracker.state import (
@@ -37,10 +39,6 @@ from tracker.state import (
 
 __all__ = ["LogSink", "Tracker"]
 
-# Finished requests are dropped once no work of theirs is in flight; their ids are remembered
-# this long so that a late event about them is named for what it is.
-_RETIRED_MEMORY = 65536
-
 # Keys of the violation log record that a violation's detail must not shadow.
 _RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule", "state"})
 
@@ -51,6 +49,16 @@ class LogSink(Protocol):
     def append(self, event: ev.Event) -> None: ...
 
     def end_step(self, step: int) -> None: ...
+
+
+class _Hot(NamedTuple):
+    """The hot path's view of one live request, refreshed whenever its state is stored.
+    Derived only; never the source of truth."""
+
+    num: int  # its request number
+    num_tokens: int  # tokens its state counts (pending steady steps not included)
+    limit: int  # steady_limit(state): the highest num_tokens steady steps may reach
+    capacity: int  # tokens its block table holds (pending blocks not included)
 
 
 class Tracker:
@@ -70,10 +78,7 @@ class Tracker:
         self._pending: dict[str, int] = {}
         # Blocks appended by those steps: req id -> block ids not applied yet.
         self._pending_blocks: dict[str, list[int]] = {}
-        # The hot path's view of each live request, refreshed whenever its state is stored:
-        # [number, num_tokens, steady_limit, tokens its blocks hold]. Derived only; never the
-        # source of truth.
-        self._hot: dict[str, list[int]] = {}
+        self._hot: dict[str, _Hot] = {}
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
         # freed at Finished; a replay of the same events assigns the same numbers.
         self._numbers = RequestNumbers()
@@ -104,15 +109,18 @@ class Tracker:
     def apply(self, event: ev.Event) -> list[ev.DecisionEvent]:
         """Fold an input event, derive and fold its decisions, check, log. Never raises for
         bad input unless the configuration is strict."""
+        self.counts["events"] += 1
+        return self._APPLY.get(event.__class__, Tracker._apply_request_event)(self, event)
+
+    def _apply_pool_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
+        """ChunkStored, ChunkEvicted: the index alone changes."""
+        apply_to_index(self.index, event, None, None, self.config)
+        self._record(event, ())
+        return []
+
+    def _apply_request_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         config = self.config
         req_id = event.req_id
-        self.counts["events"] += 1
-        if isinstance(event, (ev.ChunkStored, ev.ChunkEvicted)):
-            self._apply_pool_event(event)
-            self._record(event, ())
-            return []
-        if isinstance(event, ev.StepDecoded):
-            return self._apply_step_decoded(event)
         if req_id in self._pending:
             self._materialize(req_id)
         before = self._states.get(req_id)
@@ -124,10 +132,11 @@ class Tracker:
             self._report(violations, None)
             return []
         reserved = self._reserved.pop(req_id, ())  # released once this event is decided
-        folded, violations = fold(before, event, config)
-        state = folded
+        state, violations = fold(before, event, config)
         if state is not None:
-            self._apply_index_effects(before, state, event)
+            apply_to_index(self.index, event, before, state, config)
+            if before is not None and state.life.num_preemptions > before.life.num_preemptions:
+                self.counts["preemptions"] += 1  # signalled or inferred, counted once
             # Check the input's invariants before deciding: a request whose state is already
             # wrong (tokens beyond its blocks, say) must get no load and no save this step,
             # only a refusal. Checked after planning, the plans went out regardless.
@@ -147,12 +156,11 @@ class Tracker:
                 state = state._replace(recompute_only=True)
             if isinstance(event, ev.Allocated) and not state.recompute_only:
                 self._reserve(state, event.step)
-            if isinstance(event, ev.RequestAdded) and req_id not in self._num_of:
-                self._number(req_id)
-            elif isinstance(event, ev.Finished):
-                self._free_number(req_id)
+            self._numbers.follow(event)
+            if event.__class__ is ev.Finished:
+                self._hot.pop(req_id, None)  # a finished request never decodes again
             self._store(req_id, state)
-            if state.phase is Phase.FINISHED and self._idle(state):
+            if retires(state):
                 self._retire(req_id)
         if reserved:
             self.index.unpin(reserved)
@@ -198,10 +206,10 @@ class Tracker:
         hot = self._hot.get(req_id)
         if hot is None:
             return None
-        expected = hot[1] + self._pending.get(req_id, 0)
-        if num_computed != expected or expected + 1 > hot[2]:
+        expected = hot.num_tokens + self._pending.get(req_id, 0)
+        if num_computed != expected or expected + 1 > hot.limit:
             return None
-        capacity = hot[3]
+        capacity = hot.capacity
         grown = self._pending_blocks.get(req_id)
         if grown:
             capacity += len(grown) * self.config.block_size
@@ -209,7 +217,7 @@ class Tracker:
             capacity += self.config.block_size
         if expected + 1 > capacity:
             return None
-        return hot[0]
+        return hot.num
 
     def decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
         """Record one step of steady decodes for these request numbers, each admitted by
@@ -232,12 +240,12 @@ class Tracker:
         self._states[req_id] = state
         num = self._num_of.get(req_id)
         if num is not None and req_id not in self._pending:
-            self._hot[req_id] = [
+            self._hot[req_id] = _Hot(
                 num,
                 state.num_tokens,
                 steady_limit(state, self.config),
                 len(state.block_ids) * self.config.block_size,
-            ]
+            )
 
     def _apply_step_decoded(self, event: ev.StepDecoded) -> list[ev.DecisionEvent]:
         # A recorded event is validated with the same bound that admitted it to the fast
@@ -290,12 +298,6 @@ class Tracker:
         self._hot.pop(req_id, None)
         self._numbers.give_back(req_id)
 
-    def _number(self, req_id: str) -> None:
-        self._numbers.take(req_id)
-        state = self._states.get(req_id)
-        if state is not None:
-            self._store(req_id, state)
-
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
         if closer is not None:
@@ -329,7 +331,10 @@ class Tracker:
             decisions.append(d)
             after, more = fold(state, d, config)
             violations = violations + more
-            self._apply_decision_to_index(d)
+            apply_to_index(index, d, state, after, config)
+            if isinstance(d, (ev.LoadPlanned, ev.SavePlanned)) and d.keys:
+                counter = "tokens_loaded" if isinstance(d, ev.LoadPlanned) else "tokens_saved"
+                self.counts[counter] += d.end - d.start
             return state if after is None else after  # never None: a known request
 
         if isinstance(event, ev.LookupAsked):
@@ -356,77 +361,7 @@ class Tracker:
             self.index.pin(load.keys)
             self._reserved[state.req_id] = load.keys
 
-    def _apply_decision_to_index(self, d: ev.DecisionEvent) -> None:
-        if isinstance(d, ev.LoadPlanned):
-            if d.keys:
-                self.index.pin(d.keys)
-                self.counts["tokens_loaded"] += d.end - d.start
-        elif isinstance(d, ev.SavePlanned) and d.keys:
-            self.index.apply_save_planned(d.keys, d.slots, d.evicted)
-            self.counts["tokens_saved"] += d.end - d.start
-
-    def _apply_index_effects(
-        self, before: RequestState | None, after: RequestState, event: ev.Event
-    ) -> None:
-        index = self.index
-        if isinstance(event, ev.SaveDone):
-            for key in event.keys:
-                index.apply_save_done(key)
-        elif isinstance(event, ev.SaveFailed):
-            for key in event.keys:
-                index.apply_save_failed(key)
-        elif isinstance(event, (ev.LoadDone, ev.LoadFailed)):
-            if before is not None and before.load is not None and not before.load.done:
-                index.unpin(before.load.keys)
-                if isinstance(event, ev.LoadFailed):
-                    # The pool could not serve these chunks: never offer them again (a later
-                    # lookup would fail the same way); the recomputed KV is saved anew.
-                    index.drop_unread(self._failed_keys(before, event.block_ids))
-            if isinstance(event, ev.LoadFailed):
-                # KV computed over the failed range is wrong: never store chunks from there on.
-                for key, start in after.save.pending:
-                    if start >= after.num_tokens:
-                        index.cancel_write(key)
-        elif (
-            before is not None
-            and before.load is not None
-            and not before.load.done
-            and after.load is None
-        ):
-            # Revoked (preemption) before the worker reported back. A finished request keeps
-            # its pins until the result: the worker may still be reading the slots, and the
-            # result's own unpin must not be a second one.
-            index.unpin(before.load.keys)
-        if before is not None and after.life.num_preemptions > before.life.num_preemptions:
-            self.counts["preemptions"] += 1  # signalled or inferred, counted once
-
-    def _failed_keys(self, state: RequestState, failed_blocks: Iterable[int]) -> list[bytes]:
-        """The keys of ``state.load`` whose token range touches one of ``failed_blocks``."""
-        load = state.load
-        if load is None:
-            return []
-        b, c = self.config.block_size, self.config.chunk_size
-        failed = set(failed_blocks)
-        positions = [i * b for i, block in enumerate(state.block_ids) if block in failed]
-        keys: list[bytes] = []
-        for i, key in enumerate(load.keys):
-            lo = max(load.start, (load.start // c + i) * c)
-            hi = min(load.end, (load.start // c + i + 1) * c)
-            if any(p < hi and p + b > lo for p in positions):
-                keys.append(key)
-        return keys
-
-    def _apply_pool_event(self, event: ev.ChunkStored | ev.ChunkEvicted) -> None:
-        if isinstance(event, ev.ChunkStored):
-            self.index.apply_stored(event.key, event.slot)
-        else:
-            self.index.apply_evicted(event.key)
-
     # --- bookkeeping ----------------------------------------------------------------------
-
-    @staticmethod
-    def _idle(state: RequestState) -> bool:
-        return not state.save.pending and (state.load is None or state.load.done)
 
     def _retire(self, req_id: str) -> None:
         del self._states[req_id]
@@ -435,7 +370,7 @@ class Tracker:
         self._free_number(req_id)
         self.counts["finished"] += 1
         self._retired[req_id] = None
-        if len(self._retired) > _RETIRED_MEMORY:
+        if len(self._retired) > RETIRED_MEMORY:
             self._retired.popitem(last=False)
 
     def _record(self, event: ev.Event, decisions: Sequence[ev.DecisionEvent]) -> None:
@@ -486,6 +421,13 @@ class Tracker:
             state = state._replace(recompute_only=True)
             self._store(req_id, state)
         self._report((Violation(rule, self.step, req_id, event, detail),), state)
+
+    # Event types that are not about one request; every other type is.
+    _APPLY: ClassVar[dict[type[ev.Event], Callable[[Tracker, Any], list[ev.DecisionEvent]]]] = {
+        ev.ChunkStored: _apply_pool_event,
+        ev.ChunkEvicted: _apply_pool_event,
+        ev.StepDecoded: _apply_step_decoded,
+    }
 
     # --- one helper per callback: build the event for the current step, apply it ---------
 

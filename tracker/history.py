@@ -1,0 +1,219 @@
+"""Recorded history, walked as the recording Tracker lived it.
+
+The rules of a request's life outside the fold live here, once, for both readers of them: the
+``Tracker`` that writes a log and every reader that walks one back (``kvledger show``,
+``stats``, ``timeline``, ``export``, ``diff``). Were they written twice, a view could drift
+from what the Tracker did and show a state the run never had.
+
+- **Retirement**: a finished request with no load or save in flight is dropped
+  (:func:`retires`); its id is remembered (the last :data:`RETIRED_MEMORY`) so that a late
+  event about it is named for what it is.
+- **Lives**: vLLM may reuse a request id once the request finished; a ``RequestAdded`` after
+  the ``Finished`` starts a new life, labelled ``id#2``, ``id#3`` (:class:`Lives`).
+- **Request numbers and steady decode steps**: a ``StepDecoded`` names requests by number
+  (``tracker.numbering``); each number stands for one more single-token step of that request
+  (:func:`tracker.state.advance_decoded`).
+
+:func:`walk` folds recorded events, input facts *and* decisions, with
+:func:`tracker.state.fold`, so each state it yields is exactly what the recording Tracker held
+after that event. It takes any iterable of frames (anything with ``.events``), does no I/O, and
+keeps memory to the live requests.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, Protocol
+
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.numbering import RequestNumbers
+from tracker.state import Phase, RequestState, advance_decoded, fold
+
+__all__ = [
+    "GLOBAL_TYPES",
+    "POOL",
+    "RETIRED_MEMORY",
+    "Folded",
+    "Labelled",
+    "Lives",
+    "idle",
+    "labelled",
+    "retires",
+    "walk",
+]
+
+# Finished request ids remembered after retirement: the Tracker, to name a late event about
+# one `event_after_finish`; a reader, to number a reused id's next life.
+RETIRED_MEMORY = 65536
+
+# req_id (and life label) of the events about no one request.
+POOL = ""
+
+# Events about no one request (their req_id is empty): the pool's own, and StepDecoded (one
+# steady decode step of several requests, named by their request numbers).
+GLOBAL_TYPES: tuple[type[ev.Event], ...] = (ev.ChunkStored, ev.ChunkEvicted, ev.StepDecoded)
+
+
+def idle(state: RequestState) -> bool:
+    """No save or load of the request is in flight."""
+    return not state.save.pending and (state.load is None or state.load.done)
+
+
+def retires(state: RequestState) -> bool:
+    """Finished and idle: the Tracker drops the request; a walk forgets its state."""
+    return state.phase is Phase.FINISHED and idle(state)
+
+
+class Lives:
+    """Names each request's life: its id, then ``id#2``, ``id#3`` when vLLM reuses an id after
+    the request finished. A late event of a finished life (a save result) keeps that life's
+    name. Memory: the live requests, plus the last :data:`RETIRED_MEMORY` finished ids."""
+
+    __slots__ = ("count", "live")
+
+    def __init__(self) -> None:
+        self.live: dict[str, tuple[str, int]] = {}  # req_id -> (label, life number)
+        self.count: OrderedDict[str, int] = OrderedDict()  # finished ids -> lives so far
+
+    def label(self, rid: str, cls: type[ev.Event]) -> tuple[str, bool]:
+        """(label, new): the life an event of type ``cls`` about ``rid`` belongs to; ``new``
+        when it starts one."""
+        current = self.live.get(rid)
+        if current is None:
+            lives = self.count.get(rid)
+            if cls is not ev.RequestAdded and lives is not None:
+                return (rid if lives == 1 else f"{rid}#{lives}"), False  # a late event
+            n = self.count.pop(rid, 0) + 1
+            label = rid if n == 1 else f"{rid}#{n}"
+            if cls is ev.Finished:  # a life of one event (unknown request)
+                self._retire(rid, n)
+            else:
+                self.live[rid] = (label, n)
+            return label, True
+        if cls is ev.Finished:
+            del self.live[rid]
+            self._retire(rid, current[1])
+        return current[0], False
+
+    def _retire(self, rid: str, n: int) -> None:
+        self.count[rid] = n
+        if len(self.count) > RETIRED_MEMORY:
+            self.count.popitem(last=False)
+
+
+class _HasEvents(Protocol):
+    @property
+    def events(self) -> Sequence[ev.Event]: ...
+
+
+class Labelled(NamedTuple):
+    """One recorded event with its position in the log and its request's life."""
+
+    pos: int  # position of the event in the log (0-based, over all events)
+    frame: Any  # what the event was read from (``tracker.log.Frame`` for a log)
+    event: ev.Event
+    life: str  # the life label (:data:`POOL` for the events about no one request)
+    new: bool  # the event starts that life
+
+
+class Folded(NamedTuple):
+    """One recorded event with its request's state before and after it. A ``StepDecoded``
+    comes once as itself (``req_id`` :data:`POOL`, no states), then once per request it
+    names, with that request's id, life and states."""
+
+    pos: int
+    frame: Any
+    event: ev.Event
+    req_id: str
+    life: str
+    new: bool
+    before: RequestState | None
+    after: RequestState | None
+
+
+def labelled(frames: Iterable[_HasEvents]) -> Iterator[Labelled]:
+    """Every event with its position and its request's life label; the events about no one
+    request (ChunkStored, ChunkEvicted, StepDecoded) under :data:`POOL`. No fold: cheap."""
+    lives = Lives()
+    live_get = lives.live.get
+    label = lives.label
+    added, finished = ev.RequestAdded, ev.Finished
+    pos = -1
+    for frame in frames:
+        for e in frame.events:
+            pos += 1
+            cls = e.__class__
+            if cls is not added and cls is not finished:
+                current = live_get(e.req_id)
+                if current is not None:  # the hot path: an event of a live request
+                    yield Labelled(pos, frame, e, current[0], False)
+                    continue
+                if not e.req_id and cls in GLOBAL_TYPES:
+                    yield Labelled(pos, frame, e, POOL, False)
+                    continue
+            name, new = label(e.req_id, cls)
+            yield Labelled(pos, frame, e, name, new)
+
+
+def walk(
+    frames: Iterable[_HasEvents],
+    config: TrackerConfig,
+    want: Callable[[str], bool] | None = None,
+) -> Iterator[Folded]:
+    """Fold the recorded events request by request, as the recording Tracker did, and yield
+    each with its request's state before and after it (see :class:`Folded`).
+
+    ``want(req_id)`` limits what is yielded (every request is still folded: request numbers
+    depend on all of them); without it the events about no request are yielded too. A retired
+    request's state is dropped: memory follows the live requests."""
+    states: dict[str, RequestState] = {}
+    get = states.get
+    lives = Lives()
+    live = lives.live
+    numbers = RequestNumbers()
+    req_of = numbers.req_of
+    added, finished, decoded = ev.RequestAdded, ev.Finished, ev.StepDecoded
+    pos = -1
+    for frame in frames:
+        for e in frame.events:
+            pos += 1
+            cls = e.__class__
+            rid = e.req_id
+            if not rid and cls in GLOBAL_TYPES:
+                if want is None:
+                    yield Folded(pos, frame, e, POOL, POOL, False, None, None)
+                if cls is decoded:
+                    assert isinstance(e, ev.StepDecoded)
+                    grew = e.new_blocks() or {}
+                    for num in e.nums:
+                        r = req_of.get(num)
+                        state = get(r) if r is not None else None
+                        if r is None or state is None:
+                            continue  # an unknown number: kvledger check names it
+                        # As the recording Tracker did (it validates only on replay).
+                        block = grew.get(num)
+                        advanced = advance_decoded(state, 1, () if block is None else (block,))
+                        states[r] = advanced
+                        if want is None or want(r):
+                            label = live[r][0] if r in live else r
+                            yield Folded(pos, frame, e, r, label, False, state, advanced)
+                continue
+            current = live.get(rid)
+            if current is not None and cls is not added and cls is not finished:
+                label, new = current[0], False
+            else:
+                label, new = lives.label(rid, cls)
+            before = get(rid)
+            after: RequestState | None = None
+            if before is not None or cls is added:
+                after = fold(before, e, config)[0]
+                if after is not None:
+                    numbers.follow(e)
+                    if retires(after):
+                        states.pop(rid, None)
+                    else:
+                        states[rid] = after
+            if want is None or want(rid):
+                yield Folded(pos, frame, e, rid, label, new, before, after)

@@ -1,0 +1,150 @@
+"""The chunk index's fold: how each recorded event changes ``ChunkIndex``.
+
+``state.py`` folds an event into one request's state; this module folds the same event into
+the index the whole pool shares, by a table from event type to effect, so a reader finds every
+way the index can change in one place. Like the state fold it is a function of recorded facts
+alone (the event and the request's state before and after it), so a replay rebuilds the index
+exactly; the chunk arithmetic it needs comes from ``plans.py``.
+
+The effects:
+
+- a save plan reserves its slots (evicting what it names); a save result stores or releases
+  each chunk; a pool event (``ChunkStored``, ``ChunkEvicted``) stores or drops one chunk;
+- a load plan pins the chunks it reads; its result unpins them. A failed load also drops the
+  chunks it could not read (a later lookup would fail the same way) and cancels the writes of
+  saves over the failed range (their KV was computed over wrong KV);
+- any other event that revoked a load still in flight (a preemption) unpins its chunks. A
+  finished request keeps its pins until its load result: the worker may still read the slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tracker import events as ev
+from tracker.chunks import ChunkIndex
+from tracker.config import TrackerConfig
+from tracker.plans import failed_load_keys
+from tracker.state import RequestState
+
+__all__ = ["EFFECTS", "apply_to_index"]
+
+Effect = Callable[
+    [ChunkIndex, ev.Event, "RequestState | None", "RequestState | None", TrackerConfig], None
+]
+
+
+def _load_in_flight(state: RequestState | None) -> bool:
+    return state is not None and state.load is not None and not state.load.done
+
+
+def _revoke(
+    index: ChunkIndex,
+    event: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
+    # Revoked (preemption) before the worker reported back.
+    if _load_in_flight(before) and after is not None and after.load is None:
+        assert before is not None and before.load is not None
+        index.unpin(before.load.keys)
+
+
+def _save_planned(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.SavePlanned)
+    if e.keys:
+        index.apply_save_planned(e.keys, e.slots, e.evicted)
+
+
+def _load_planned(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.LoadPlanned)
+    if e.keys:
+        index.pin(e.keys)
+
+
+def _save_done(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.SaveDone)
+    for key in e.keys:
+        index.apply_save_done(key)
+
+
+def _save_failed(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.SaveFailed)
+    for key in e.keys:
+        index.apply_save_failed(key)
+
+
+def _load_done(
+    index: ChunkIndex,
+    e: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
+    if _load_in_flight(before):
+        assert before is not None and before.load is not None
+        index.unpin(before.load.keys)
+
+
+def _load_failed(
+    index: ChunkIndex,
+    e: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
+    assert isinstance(e, ev.LoadFailed)
+    if _load_in_flight(before):
+        assert before is not None and before.load is not None
+        index.unpin(before.load.keys)
+        # The pool could not serve these chunks: never offer them again; the recomputed KV
+        # is saved anew.
+        index.drop_unread(failed_load_keys(before, e.block_ids, config))
+    if after is not None:
+        # KV computed over the failed range is wrong: never store chunks from there on.
+        for key, start in after.save.pending:
+            if start >= after.num_tokens:
+                index.cancel_write(key)
+
+
+def _chunk_stored(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.ChunkStored)
+    index.apply_stored(e.key, e.slot)
+
+
+def _chunk_evicted(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+    assert isinstance(e, ev.ChunkEvicted)
+    index.apply_evicted(e.key)
+
+
+def _nothing(*_: object) -> None:
+    pass
+
+
+EFFECTS: dict[type[ev.Event], Effect] = {
+    ev.LoadPlanned: _load_planned,
+    ev.SavePlanned: _save_planned,
+    ev.SaveDone: _save_done,
+    ev.SaveFailed: _save_failed,
+    ev.LoadDone: _load_done,
+    ev.LoadFailed: _load_failed,
+    ev.ChunkStored: _chunk_stored,
+    ev.ChunkEvicted: _chunk_evicted,
+    # Decisions that touch no chunk.
+    ev.LookupAnswered: _nothing,
+    ev.ViolationRecorded: _nothing,
+    ev.StepDecoded: _nothing,
+}
+
+
+def apply_to_index(
+    index: ChunkIndex,
+    event: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
+    """Apply ``event``'s effect on the index (``before``/``after``: the request's state around
+    the event's fold; None for the events about no one request)."""
+    EFFECTS.get(event.__class__, _revoke)(index, event, before, after, config)
