@@ -10,6 +10,17 @@ from hypothesis import strategies as st
 
 from tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key
 
+
+def _stored_items(index: ChunkIndex) -> list[tuple[bytes, int | None]]:
+    """(key, slot) of every stored chunk, least recently used first."""
+    return [(key, index.slot_of(key)) for key in index]
+
+
+def _busy(index: ChunkIndex, key: bytes) -> bool:
+    """Stored or being written: either way nobody else should write it."""
+    return key in index or index.is_writing(key)
+
+
 # --- keys ------------------------------------------------------------------------------------
 
 # Golden values: a log written today must find the same chunks in a pool years from now, so a
@@ -144,11 +155,11 @@ def test_slots_are_handed_out_in_order_and_queries_change_nothing() -> None:
     assert index.prefix_hit([_k(1), _k(2), _k(3)]) == 2
     assert index.prefix_hit([_k(2), _k(1)]) == 2
     assert index.prefix_hit([_k(3), _k(1)]) == 0  # counts from the first key only
-    before = (index.stored_items(), index.stats())
+    before = (_stored_items(index), index.stats())
     for _ in range(3):
         index.prefix_hit([_k(1)])
         index.choose_slots(4)
-    assert (index.stored_items(), index.stats()) == before
+    assert (_stored_items(index), index.stats()) == before
 
 
 def test_a_reserved_chunk_is_not_readable_until_confirmed() -> None:
@@ -156,13 +167,13 @@ def test_a_reserved_chunk_is_not_readable_until_confirmed() -> None:
     slots, evicted = index.choose_slots(1)
     index.apply_save_planned([_k(1)], slots, evicted)
     assert _k(1) not in index
-    assert index.is_writing(_k(1)) and index.is_busy(_k(1))
+    assert index.is_writing(_k(1)) and _busy(index, _k(1))
     assert index.prefix_hit([_k(1)]) == 0
     assert index.slot_of(_k(1)) is None
     assert index.choose_slots(2) == ([1], [])  # the reserved slot is not offered again
     assert index.apply_save_done(_k(1))
     assert _k(1) in index and index.slot_of(_k(1)) == 0
-    assert not index.is_writing(_k(1)) and index.is_busy(_k(1))
+    assert not index.is_writing(_k(1)) and _busy(index, _k(1))
     assert not index.apply_save_done(_k(1))  # a second confirmation is not a write
 
 
@@ -217,7 +228,7 @@ def test_pool_events_outside_our_plans() -> None:
     index.apply_stored(_k(2), 1)  # the slot is taken: ignored
     index.apply_stored(_k(1), 0)  # already stored: ignored
     index.apply_stored(_k(3), 7)  # no such slot: ignored
-    assert index.stored_items() == [(_k(1), 1)]
+    assert _stored_items(index) == [(_k(1), 1)]
     index.apply_evicted(_k(1))
     index.apply_evicted(_k(1))
     assert len(index) == 0 and index.stats()["free"] == 2
@@ -245,7 +256,7 @@ def test_index_conserves_slots(num_slots: int, ops: list[tuple[str, int, int]]) 
     pins: dict[bytes, int] = {}
     for op, i, n in ops:
         key = _k(i)
-        if op == "plan" and not index.is_busy(key):
+        if op == "plan" and not _busy(index, key):
             slots, evicted = index.choose_slots(1)
             assert not any(pins.get(k) for k in evicted), "evicted a pinned chunk"
             if slots:
@@ -269,7 +280,7 @@ def test_index_conserves_slots(num_slots: int, ops: list[tuple[str, int, int]]) 
         stats = index.stats()
         assert len(index) <= num_slots
         assert stats["stored"] + stats["writing"] + stats["free"] == num_slots
-        stored_slots = [slot for _, slot in index.stored_items()]
+        stored_slots = [slot for _, slot in _stored_items(index)]
         writing_slots = list(index._writing.values())
         in_use = stored_slots + writing_slots + list(index._free)
         assert sorted(in_use) == list(range(num_slots)), "a slot leaked or is used twice"

@@ -93,12 +93,12 @@ class ChunkIndex:
     def __contains__(self, key: object) -> bool:
         return key in self._stored
 
+    def __iter__(self) -> Iterator[bytes]:
+        """The stored keys, least recently used first."""
+        return iter(self._stored)
+
     def slot_of(self, key: bytes) -> int | None:
         return self._stored.get(key)
-
-    def is_busy(self, key: bytes) -> bool:
-        """Stored or being written: either way nobody else should write it."""
-        return key in self._stored or key in self._writing
 
     def is_writing(self, key: bytes) -> bool:
         return key in self._writing
@@ -126,9 +126,6 @@ class ChunkIndex:
                     slots.append(slot)
                     evicted.append(key)
         return slots, evicted
-
-    def stored_items(self) -> list[tuple[bytes, int]]:
-        return list(self._stored.items())
 
     def stats(self) -> dict[str, int]:
         return {

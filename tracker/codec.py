@@ -51,6 +51,7 @@ __all__ = [
     "Upcaster",
     "check_upcasters",
     "defaults",
+    "describe_exception",
     "encoder_table",
     "generated_source",
     "schemas",
@@ -726,7 +727,7 @@ class Decoder:
                 raise DecodeError(f"record {index}: {e}") from None
             except Exception as e:  # an upcaster meets old, possibly hostile data
                 raise DecodeError(
-                    f"record {index}: {s.name} upcaster from v{version} failed: {_exc(e)}"
+                    f"record {index}: {s.name} upcaster from v{version} failed: {describe_exception(e)}"
                 ) from None
             if type(fields) is not list:
                 raise DecodeError(f"record {index}: {s.name} upcaster from v{version}: not a list")
@@ -744,7 +745,8 @@ class Decoder:
         return s.cls(step, rid, *fields)
 
 
-def _exc(e: BaseException) -> str:
+def describe_exception(e: BaseException) -> str:
+    """An exception as one short line for a stop reason or a loss record."""
     return f"{type(e).__name__}: {e}"[:200]
 
 

@@ -665,7 +665,9 @@ class LogReader:
             )
         except Exception as e:
             raise _Stop(
-                StopInfo(path, offset, f"undecodable header: {_exc(e)}", "bad_header")
+                StopInfo(
+                    path, offset, f"undecodable header: {codec.describe_exception(e)}", "bad_header"
+                )
             ) from None
         problem = _header_problem(header)
         if problem is not None:
@@ -747,7 +749,9 @@ def _unpack_frame(payload: memoryview, path: str, offset: int) -> tuple[int, int
         )
     except Exception as e:  # hostile bytes raise many kinds; all mean "undecodable"
         raise _Stop(
-            StopInfo(path, offset, f"undecodable frame payload: {_exc(e)}", "corrupt")
+            StopInfo(
+                path, offset, f"undecodable frame payload: {codec.describe_exception(e)}", "corrupt"
+            )
         ) from None
     if (
         type(obj) is not list
@@ -776,10 +780,6 @@ class _Hasher:
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
-
-
-def _exc(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"[:200]
 
 
 def _header_problem(header: Any) -> str | None:

@@ -69,9 +69,6 @@ class Seq(Sequence[T], Generic[T]):
             return f"Seq([{head}, ... {self._n} items])"
         return f"Seq({self._buf[: self._n]!r})"
 
-    def tolist(self) -> list[T]:
-        return self._buf[: self._n]
-
     def extended(self, items: Sequence[T]) -> Seq[T]:
         """A view with ``items`` appended; this view is unchanged."""
         if not items:
@@ -82,9 +79,3 @@ class Seq(Sequence[T], Generic[T]):
             buf = self._buf[: self._n]
         buf.extend(items)
         return Seq._view(buf, len(buf))
-
-    def truncated(self, n: int) -> Seq[T]:
-        """The first ``n`` items (shares the buffer; a later append forks)."""
-        if n >= self._n:
-            return self
-        return Seq._view(self._buf, max(0, n))
