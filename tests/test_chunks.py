@@ -5,15 +5,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
+from _pool import stored_items
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key
-
-
-def _stored_items(index: ChunkIndex) -> list[tuple[bytes, int | None]]:
-    """(key, slot) of every stored chunk, least recently used first."""
-    return [(key, index.slot_of(key)) for key in index]
 
 
 def _busy(index: ChunkIndex, key: bytes) -> bool:
@@ -155,11 +151,11 @@ def test_slots_are_handed_out_in_order_and_queries_change_nothing() -> None:
     assert index.prefix_hit([_k(1), _k(2), _k(3)]) == 2
     assert index.prefix_hit([_k(2), _k(1)]) == 2
     assert index.prefix_hit([_k(3), _k(1)]) == 0  # counts from the first key only
-    before = (_stored_items(index), index.stats())
+    before = (stored_items(index), index.stats())
     for _ in range(3):
         index.prefix_hit([_k(1)])
         index.choose_slots(4)
-    assert (_stored_items(index), index.stats()) == before
+    assert (stored_items(index), index.stats()) == before
 
 
 def test_a_reserved_chunk_is_not_readable_until_confirmed() -> None:
@@ -228,7 +224,7 @@ def test_pool_events_outside_our_plans() -> None:
     index.apply_stored(_k(2), 1)  # the slot is taken: ignored
     index.apply_stored(_k(1), 0)  # already stored: ignored
     index.apply_stored(_k(3), 7)  # no such slot: ignored
-    assert _stored_items(index) == [(_k(1), 1)]
+    assert stored_items(index) == [(_k(1), 1)]
     index.apply_evicted(_k(1))
     index.apply_evicted(_k(1))
     assert len(index) == 0 and index.stats()["free"] == 2
@@ -280,7 +276,75 @@ def test_index_conserves_slots(num_slots: int, ops: list[tuple[str, int, int]]) 
         stats = index.stats()
         assert len(index) <= num_slots
         assert stats["stored"] + stats["writing"] + stats["free"] == num_slots
-        stored_slots = [slot for _, slot in _stored_items(index)]
+        stored_slots = [slot for _, slot in stored_items(index)]
         writing_slots = list(index._writing.values())
         in_use = stored_slots + writing_slots + list(index._free)
         assert sorted(in_use) == list(range(num_slots)), "a slot leaked or is used twice"
+
+
+# --- the free-slot list: the exact order of a plain list, in memory of the slots touched ------
+
+
+class _ListFreeSlots:
+    """The reference: the plain list the free slots were before (O(num_slots) memory)."""
+
+    def __init__(self, n: int) -> None:
+        self.slots: list[int] = []
+        self.pos: dict[int, int] = {}
+        for s in range(n - 1, -1, -1):
+            self.append(s)
+
+    def append(self, s: int) -> None:
+        if s not in self.pos:
+            self.pos[s] = len(self.slots)
+            self.slots.append(s)
+
+    def discard(self, s: int) -> None:
+        i = self.pos.pop(s, None)
+        if i is None:
+            return
+        last = self.slots.pop()
+        if last != s:
+            self.slots[i] = last
+            self.pos[last] = i
+
+    def last(self, count: int) -> list[int]:
+        return self.slots[: -count - 1 : -1] if count > 0 else []
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    n=st.integers(1, 12),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["append", "discard", "last"]), st.integers(0, 14)),
+        max_size=60,
+    ),
+)
+def test_free_slots_keep_the_plain_lists_order(n: int, ops: list[tuple[str, int]]) -> None:
+    # Slot choice is recorded in every SavePlanned: a replay must hand out the same slots.
+    from tracker.chunks import _FreeSlots
+
+    lazy, plain = _FreeSlots(n), _ListFreeSlots(n)
+    for op, arg in ops:
+        if op == "last":
+            assert lazy.last(arg) == plain.last(arg)
+        else:
+            getattr(lazy, op)(arg)
+            getattr(plain, op)(arg)
+        assert list(lazy) == plain.slots and len(lazy) == len(plain.slots)
+        assert all((s in lazy) == (s in plain.pos) for s in range(n + 3))
+
+
+def test_a_huge_pool_costs_nothing_until_used() -> None:
+    # A log header may claim any num_slots; the index must not allocate per slot.
+    import tracemalloc
+
+    tracemalloc.start()
+    index = ChunkIndex(2**40)
+    slots, evicted = index.choose_slots(3)
+    index.apply_save_planned([_k(1), _k(2), _k(3)], slots, evicted)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert slots == [0, 1, 2] and not evicted
+    assert peak < 1 << 20, peak
+    assert index.stats()["free"] == 2**40 - 3

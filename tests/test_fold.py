@@ -404,10 +404,10 @@ def test_save_result_for_a_chunk_never_planned() -> None:
 
 def test_fold_never_changes_the_state_it_was_given() -> None:
     s = admitted()
-    snapshot = (s.token_ids.tolist(), s.block_ids.tolist(), s.keys.tolist(), s.summary())
+    snapshot = (list(s.token_ids), list(s.block_ids), list(s.keys), s.summary())
     a, _ = run([ev.Scheduled(1, "r", 20, 4, 20, (1, 2, 3, 4), (6,))], s)
     b, _ = run([ev.Scheduled(1, "r", 20, 4, 20, (9, 9, 9, 9), (7,))], s)  # another branch
-    assert (s.token_ids.tolist(), s.block_ids.tolist(), s.keys.tolist(), s.summary()) == snapshot
+    assert (list(s.token_ids), list(s.block_ids), list(s.keys), s.summary()) == snapshot
     assert a is not None and b is not None
     assert a.token_ids == [*tokens(20), 1, 2, 3, 4] and a.block_ids == [1, 2, 3, 4, 5, 6]
     assert b.token_ids == [*tokens(20), 9, 9, 9, 9] and b.block_ids == [1, 2, 3, 4, 5, 7]
@@ -582,7 +582,7 @@ def test_tracker_helpers_are_total(
         elif name == "finish":
             assert isinstance(t.finished("r"), bool)
         elif name == "done":
-            t.save_done("r", [k for k, _ in t.index.stored_items()][:a])
+            t.save_done("r", list(t.index)[:a])
             t.load_done("r")
         else:
             t.load_failed("r", list(range(a)))

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pool import stored_items
 
 from tracker import events as ev
 from tracker.config import TrackerConfig
@@ -28,7 +29,7 @@ CONFIGS = {
 
 
 def _snapshot(t: Tracker) -> tuple[dict[str, Any], list[tuple[bytes, int]], dict[str, int]]:
-    return dict(t.states), t.index.stored_items(), t.index.stats()
+    return dict(t.states), stored_items(t.index), t.index.stats()
 
 
 def _drive(t: Tracker, seed: int) -> list[Any]:

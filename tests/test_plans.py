@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from _pool import stored_items
 
 from tracker import events as ev
 from tracker import invariants as inv
@@ -72,7 +73,7 @@ def running(
         s = s._replace(prefill_end=prefill_end)
     if known is not None:
         s = s._replace(
-            token_ids=s.token_ids.truncated(known), keys=s.keys.truncated(known // cfg.chunk_size)
+            token_ids=Seq(s.token_ids[:known]), keys=Seq(s.keys[: known // cfg.chunk_size])
         )
     return s
 
@@ -145,10 +146,10 @@ def test_lookup_of_a_recompute_only_request_offers_nothing() -> None:
 def test_lookup_is_pure() -> None:
     s = new_state("r", tokens(40), CFG)
     index = pool_with(list(s.keys[:3]))
-    before = (index.stored_items(), index.stats(), s)
+    before = (stored_items(index), index.stats(), s)
     answers = {answer_lookup(s, index, CFG, 8, 40) for _ in range(10)}
     assert answers == {(24, 16)}
-    assert (index.stored_items(), index.stats(), s) == before
+    assert (stored_items(index), index.stats(), s) == before
 
 
 # --- the load ----------------------------------------------------------------------------------
@@ -431,7 +432,7 @@ def test_load_within_allocation() -> None:
     for bad in (
         s._replace(block_ids=Seq([1, 2, 3])),  # beyond the blocks
         s._replace(num_computed=15),  # beyond what vLLM counts computed
-        s._replace(token_ids=s.token_ids.truncated(16)),  # the last known token
+        s._replace(token_ids=Seq(s.token_ids[:16])),  # the last known token
     ):
         v = inv.load_within_allocation(bad, ev.LoadPlanned(0, "r", 0, 16), CFG)
         assert v is not None and v.rule == "load_within_allocation"

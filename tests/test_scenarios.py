@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import pytest
+from _pool import stored_items
 
 from tracker import events as ev
 from tracker.chunks import chunk_keys, root_key
@@ -234,12 +235,12 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
     assert t.lookup("R", 336, prompt) == 0  # hit 256 < local 336: need -80 -> 0
     first = st(t, "R")
     assert first.lookup == LookupResult(336, 256, 0, 10009)
-    pool = (t.index.stored_items(), t.index.stats())
+    pool = (stored_items(t.index), t.index.stats())
     for _ in range(3):  # allocation fails; vLLM asks again every step
         t.end_step()
         assert t.lookup("R", 336, prompt) == 0
         assert st(t, "R") == first  # no side effect on the state ...
-        assert (t.index.stored_items(), t.index.stats()) == pool  # ... nor on the pool
+        assert (stored_items(t.index), t.index.stats()) == pool  # ... nor on the pool
 
     table = blocks(cdiv(336 + 512, 16))
     t.allocated("R", table, 0)
@@ -528,7 +529,7 @@ def test_s4_pr2929_preemption_vector() -> None:
     decode_sync(t, "R", all_ids, table, 49, block_size=10)
     assert len(all_ids) == 150
     t.preempted("R")
-    for key, _ in t.index.stored_items():  # the pool lost the prompt's chunks
+    for key, _ in stored_items(t.index):  # the pool lost the prompt's chunks
         t.apply(ev.ChunkEvicted(t.step, "", key=key))
     assert t.lookup("R", 50, all_ids) == 0
     t.allocated("R", blocks(10, first=50), 0)
@@ -756,7 +757,7 @@ def test_2984_resumed_with_no_block_ids_drops_the_stale_table() -> None:
     t.scheduled("R", num_computed=40, num_scheduled=1, all_token_ids=all_ids, block_ids=None)
     assert st(t, "R").block_ids == [1, 2, 3]
     t.preempted("R")
-    for key, _ in t.index.stored_items():
+    for key, _ in stored_items(t.index):
         t.apply(ev.ChunkEvicted(t.step, "", key=key))
     assert t.lookup("R", 0, all_ids) == 0
     t.allocated("R", [7, 8, 9], 0)
@@ -784,7 +785,7 @@ def test_decode_phase_is_not_sticky_after_preemption() -> None:
         assert saved_keys(ds) == []  # decode chunks are not saved
     assert len(all_ids) == 70
     t.preempted("R")
-    for key, _ in t.index.stored_items():  # the pool is reset: hit 0
+    for key, _ in stored_items(t.index):  # the pool is reset: hit 0
         t.apply(ev.ChunkEvicted(t.step, "", key=key))
 
     assert t.lookup("R", 0, all_ids) == 0
@@ -950,7 +951,7 @@ def test_a_request_finished_while_loading_keeps_its_pin_until_the_result() -> No
     a = tokens(16)
     run_prefill(t, "donor", a, [1])
     t.finished("donor")
-    (key,) = [k for k, _ in t.index.stored_items()]
+    (key,) = [k for k, _ in stored_items(t.index)]
     prompt = [*a, 1, 2, 3]
     for rid, table in (("R1", [2, 3]), ("R2", [4, 5])):
         t.add_request(rid, prompt)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from _pool import stored_items
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -222,7 +223,7 @@ class VLLMModel(RuleBasedStateMachine):
     @rule(data=st.data())
     def pool_evicts(self, data: st.DataObject) -> None:
         """A chunk leaves the pool outside our plans (``reset_cache``, a second tier)."""
-        stored = self.t.index.stored_items()
+        stored = stored_items(self.t.index)
         if stored and data.draw(st.integers(0, 2), label="evict") == 0:
             key, _ = data.draw(st.sampled_from(stored))
             self.t.apply(ev.ChunkEvicted(self.t.step, "", key=key))
@@ -266,11 +267,11 @@ class VLLMModel(RuleBasedStateMachine):
         local = len(hit_blocks) * self.B
         external = self.t.lookup(req.rid, local, req.all, preempted=req.ever_ran)
         state, stats = self.t.state(req.rid), self.t.index.stats()
-        stored = self.t.index.stored_items()
+        stored = stored_items(self.t.index)
         again = self.t.lookup(req.rid, local, req.all, preempted=req.ever_ran)
         assert again == external, "a repeated lookup answered differently"
         assert self.t.state(req.rid) == state, "a repeated lookup changed the state"
-        assert (self.t.index.stats(), self.t.index.stored_items()) == (stats, stored)
+        assert (self.t.index.stats(), stored_items(self.t.index)) == (stats, stored)
         assert 0 <= external <= len(req.all) - local - 1, "offered the last token"
         nc = local + external
         ns = min(len(req.all) - nc, budget)
@@ -536,7 +537,7 @@ class VLLMModel(RuleBasedStateMachine):
 
     @invariant()
     def stored_chunks_hold_their_kv(self) -> None:
-        for key, slot in self.t.index.stored_items():
+        for key, slot in stored_items(self.t.index):
             want = self.expect.get(key)
             if want is not None:
                 assert self.pool[slot][: len(want)] == want, "the pool serves wrong KV"

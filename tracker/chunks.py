@@ -83,7 +83,7 @@ class ChunkIndex:
         self._readers: dict[bytes, int] = {}
         # Handed out from the end (0, 1, 2, ... at first), deterministically, so a replay
         # assigns the same slots.
-        self._free = _FreeSlots(range(num_slots - 1, -1, -1))
+        self._free = _FreeSlots(num_slots)
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -212,41 +212,73 @@ class ChunkIndex:
 
 class _FreeSlots:
     """Free host slots: append, remove any slot, and read the most recently freed ones, each
-    in O(1) (a list plus each slot's position; removal swaps in the last slot)."""
+    in O(1), in memory that grows with the slots ever touched, never with ``num_slots``.
 
-    __slots__ = ("_pos", "_slots")
+    Logically a list that starts as ``[n-1, ..., 1, 0]`` (so slots are first handed out 0, 1,
+    2, ...), where ``last`` reads from the end, ``append`` adds at the end and ``discard``
+    swaps the last slot into the removed one's place. The order is part of the log's
+    meaning: a replay must choose the same slots, so it is kept exactly. Only the positions
+    whose slot differs from the starting list are stored (``_at``), and the slots whose
+    position differs from their starting one (``_pos``; -1: not free), so a header claiming
+    ``num_slots = 2**32`` costs nothing until slots are used.
+    """
 
-    def __init__(self, slots: Iterable[int] = ()) -> None:
-        self._slots: list[int] = []
+    __slots__ = ("_at", "_len", "_n", "_pos")
+
+    def __init__(self, num_slots: int) -> None:
+        self._n = num_slots  # the starting list's length: position p holds n - 1 - p
+        self._len = num_slots
+        self._at: dict[int, int] = {}
         self._pos: dict[int, int] = {}
-        for slot in slots:
-            self.append(slot)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return self._len
+
+    def _slot_at(self, p: int) -> int:
+        return self._at.get(p, self._n - 1 - p)
+
+    def _position(self, slot: int) -> int | None:
+        p = self._pos.get(slot)
+        if p is None:
+            p = self._n - 1 - slot
+        if 0 <= p < self._len and self._slot_at(p) == slot:
+            return p
+        return None
+
+    def _put(self, p: int, slot: int) -> None:
+        if slot == self._n - 1 - p:
+            self._at.pop(p, None)
+            self._pos.pop(slot, None)
+        else:
+            self._at[p] = slot
+            self._pos[slot] = p
 
     def __contains__(self, slot: object) -> bool:
-        return slot in self._pos
+        return isinstance(slot, int) and self._position(slot) is not None
 
     def __iter__(self) -> Iterator[int]:
-        return iter(list(self._slots))
+        return iter([self._slot_at(p) for p in range(self._len)])
 
     def append(self, slot: int) -> None:
-        if slot not in self._pos:
-            self._pos[slot] = len(self._slots)
-            self._slots.append(slot)
+        if self._position(slot) is None:
+            self._put(self._len, slot)
+            self._len += 1
 
     def discard(self, slot: int) -> None:
-        i = self._pos.pop(slot, None)
-        if i is None:
+        p = self._position(slot)
+        if p is None:
             return
-        last = self._slots.pop()
+        last_p = self._len - 1
+        last = self._slot_at(last_p)
+        self._len = last_p
+        self._at.pop(last_p, None)  # beyond the end now
+        self._pos[slot] = -1  # not free (its default position may still be below _len)
         if last != slot:
-            self._slots[i] = last
-            self._pos[last] = i
+            self._put(p, last)
 
     def last(self, count: int) -> list[int]:
         """Up to ``count`` slots, the most recently freed first."""
         if count <= 0:
             return []
-        return self._slots[: -count - 1 : -1]
+        stop = max(self._len - count, 0)
+        return [self._slot_at(p) for p in range(self._len - 1, stop - 1, -1)]

@@ -17,9 +17,22 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the key and what is accepted."""
 
 
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+# Upper bounds of the numbers that size something. A log header is input like any other: a
+# header claiming 2**64 slots must be refused by name, never allocated (or looped over).
+MAX_BLOCK_SIZE = 1 << 16  # tokens per vLLM block (vLLM uses 16 to 256)
+MAX_CHUNK_SIZE = 1 << 24  # tokens per chunk
+MAX_NUM_SLOTS = 1 << 32  # chunks in the host pool (a slot number is a uint32)
+MAX_ASYNC_LAG = 1 << 30  # unsampled scheduled tokens (1 + drafts); a what-if check uses the top
+
+
+def _int_in(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ConfigError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+
+
+def _of_type(name: str, value: object, t: type) -> None:
+    if not isinstance(value, t):
+        raise ConfigError(f"{name} must be a {t.__name__}, got {value!r}")
 
 
 @attrs.frozen(slots=True)
@@ -49,16 +62,19 @@ class TrackerConfig:
     strict: bool = False
 
     def __attrs_post_init__(self) -> None:
-        _positive("block_size", self.block_size)
-        _positive("chunk_size", self.chunk_size)
-        _positive("num_slots", self.num_slots)
+        _int_in("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _int_in("chunk_size", self.chunk_size, 1, MAX_CHUNK_SIZE)
+        _int_in("num_slots", self.num_slots, 1, MAX_NUM_SLOTS)
         if self.chunk_size % self.block_size:
             raise ConfigError(
                 f"chunk_size ({self.chunk_size}) must be a multiple of block_size "
                 f"({self.block_size})"
             )
-        if not isinstance(self.max_async_lag, int) or self.max_async_lag < 0:
-            raise ConfigError(f"max_async_lag must be >= 0, got {self.max_async_lag!r}")
+        _int_in("max_async_lag", self.max_async_lag, 0, MAX_ASYNC_LAG)
+        # A string "no" is truthy: a flag must be a real bool, or a header means its opposite.
+        for flag in ("discard_partial_chunks", "save_decode_cache", "strict"):
+            _of_type(flag, getattr(self, flag), bool)
+        _of_type("salt", self.salt, str)
 
     def to_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)

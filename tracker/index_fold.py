@@ -1,8 +1,8 @@
 """The chunk index's fold: how each recorded event changes ``ChunkIndex``.
 
 ``state.py`` folds an event into one request's state; this module folds the same event into
-the index the whole pool shares, by a table from event type to effect, so a reader finds every
-way the index can change in one place. Like the state fold it is a function of recorded facts
+the index the whole pool shares, by two tables from event type to effect (input facts, and the
+Tracker's own decisions), so a reader finds every way the index can change in one place. Like the state fold it is a function of recorded facts
 alone (the event and the request's state before and after it), so a replay rebuilds the index
 exactly; the chunk arithmetic it needs comes from ``plans.py``.
 
@@ -27,7 +27,7 @@ from tracker.config import TrackerConfig
 from tracker.plans import failed_load_keys
 from tracker.state import RequestState
 
-__all__ = ["EFFECTS", "apply_to_index"]
+__all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input"]
 
 Effect = Callable[
     [ChunkIndex, ev.Event, "RequestState | None", "RequestState | None", TrackerConfig], None
@@ -122,29 +122,39 @@ def _nothing(*_: object) -> None:
     pass
 
 
-EFFECTS: dict[type[ev.Event], Effect] = {
-    ev.LoadPlanned: _load_planned,
-    ev.SavePlanned: _save_planned,
+# What the facts vLLM and the worker report do to the index. Any other input event (a
+# decision type arriving as input included: only the Tracker's own decisions reserve or pin)
+# can only revoke a load.
+INPUT_EFFECTS: dict[type[ev.Event], Effect] = {
     ev.SaveDone: _save_done,
     ev.SaveFailed: _save_failed,
     ev.LoadDone: _load_done,
     ev.LoadFailed: _load_failed,
     ev.ChunkStored: _chunk_stored,
     ev.ChunkEvicted: _chunk_evicted,
-    # Decisions that touch no chunk.
+}
+
+# What the Tracker's own decisions do, as each is derived (a save plan must see the pins of
+# the same step's load). A lookup answer touches no chunk.
+DECISION_EFFECTS: dict[type[ev.Event], Effect] = {
+    ev.LoadPlanned: _load_planned,
+    ev.SavePlanned: _save_planned,
     ev.LookupAnswered: _nothing,
-    ev.ViolationRecorded: _nothing,
-    ev.StepDecoded: _nothing,
 }
 
 
-def apply_to_index(
+def apply_input(
     index: ChunkIndex,
     event: ev.Event,
     before: RequestState | None,
     after: RequestState | None,
     config: TrackerConfig,
 ) -> None:
-    """Apply ``event``'s effect on the index (``before``/``after``: the request's state around
-    the event's fold; None for the events about no one request)."""
-    EFFECTS.get(event.__class__, _revoke)(index, event, before, after, config)
+    """Apply an input event's effect (``before``/``after``: the request's state around the
+    event's fold; None for the events about no one request)."""
+    INPUT_EFFECTS.get(event.__class__, _revoke)(index, event, before, after, config)
+
+
+def apply_decision(index: ChunkIndex, decision: ev.DecisionEvent, config: TrackerConfig) -> None:
+    """Apply the effect of a decision the Tracker just derived."""
+    DECISION_EFFECTS.get(decision.__class__, _nothing)(index, decision, None, None, config)

@@ -24,7 +24,7 @@ from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.history import RETIRED_MEMORY, retires
-from tracker.index_fold import apply_to_index
+from tracker.index_fold import apply_decision, apply_input
 from tracker.numbering import RequestNumbers
 from tracker.plans import answer_lookup, plan_load, plan_save
 from tracker.state import (
@@ -114,7 +114,7 @@ class Tracker:
 
     def _apply_pool_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         """ChunkStored, ChunkEvicted: the index alone changes."""
-        apply_to_index(self.index, event, None, None, self.config)
+        apply_input(self.index, event, None, None, self.config)
         self._record(event, ())
         return []
 
@@ -134,7 +134,7 @@ class Tracker:
         reserved = self._reserved.pop(req_id, ())  # released once this event is decided
         state, violations = fold(before, event, config)
         if state is not None:
-            apply_to_index(self.index, event, before, state, config)
+            apply_input(self.index, event, before, state, config)
             if before is not None and state.life.num_preemptions > before.life.num_preemptions:
                 self.counts["preemptions"] += 1  # signalled or inferred, counted once
             # Check the input's invariants before deciding: a request whose state is already
@@ -331,7 +331,7 @@ class Tracker:
             decisions.append(d)
             after, more = fold(state, d, config)
             violations = violations + more
-            apply_to_index(index, d, state, after, config)
+            apply_decision(index, d, config)
             if isinstance(d, (ev.LoadPlanned, ev.SavePlanned)) and d.keys:
                 counter = "tokens_loaded" if isinstance(d, ev.LoadPlanned) else "tokens_saved"
                 self.counts[counter] += d.end - d.start
