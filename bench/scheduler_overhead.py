@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/scheduler_overhead.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from connector.harness import (  # noqa: E402
+from connector.testing.harness import (  # noqa: E402
     HarnessConfig,
     SchedulerHarness,
     make_kv_connector_output,

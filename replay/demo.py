@@ -53,14 +53,14 @@ def _progress(enabled: bool) -> Any:
 def main(args: argparse.Namespace) -> int:
     # vLLM's own startup warnings (hybrid KV cache manager, experimental API) are noise here.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from connector.harness import skip_reason
+    from connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
         print(f"kvledger demo needs vLLM's scheduler: {reason}", file=sys.stderr)
         print("install it with: make setup-vllm", file=sys.stderr)
         return 2
-    from connector.run import RunSpec, run, summarize
+    from connector.testing.run import RunSpec, run, summarize
 
     # The demo is an application: it may quiet vLLM's own logger (a library never would).
     logging.getLogger("vllm").setLevel(logging.ERROR)

@@ -5,7 +5,8 @@ engine loop drives the tracker's callback helpers through prefills, decodes, a p
 resumption with a load from the pool, a prefix hit on a repeated prompt, and one violation
 (vLLM accepting more external tokens than offered). Hooks perturb it at known places.
 
-``real_logs`` runs vLLM's real scheduler (``connector.run``) once per session for a few specs.
+``real_logs`` runs vLLM's real scheduler (``connector.testing.run``) once per session for a few
+specs.
 """
 
 from __future__ import annotations
@@ -267,7 +268,7 @@ SMALL = dict(num_requests=4, num_gpu_blocks=12, prompt_len=(20, 50), max_tokens=
 @functools.cache
 def _real_runs(root: str) -> dict[str, Path]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from connector.run import RunSpec, run
+    from connector.testing.run import RunSpec, run
 
     specs = {
         "base": RunSpec(**SMALL),
@@ -288,7 +289,7 @@ def _real_runs(root: str) -> dict[str, Path]:
 def real_logs(tmp_path_factory: Any) -> dict[str, Path]:
     """Directories holding the logs of small real runs: ``base``, ``again`` (the same spec),
     ``chunk16`` (chunk size 16), ``loads`` (vLLM's prefix cache off: loads from the pool)."""
-    from connector.harness import skip_reason
+    from connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:

@@ -177,12 +177,12 @@ BLOCK = 16
 def vllm_build() -> Callable[..., Any]:
     """``build(role, **extra) -> KVLedgerConnector`` through vLLM's own connector factory (the
     third-party loading path: kv_connector_module_path), for a tiny model's VllmConfig."""
-    from connector.harness import skip_reason
+    from connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    from connector.harness import (
+    from connector.testing.harness import (
         HarnessConfig,
         _build_kv_cache_config,
         _build_vllm_config,
@@ -213,7 +213,7 @@ def vllm_build() -> Callable[..., Any]:
 
 
 def _oracle_caches() -> Any:
-    from connector.oracle import KVOracle
+    from connector.testing.oracle import KVOracle
 
     # The harness model: 2 layers, 2 KV heads of 16, float32.
     return KVOracle(

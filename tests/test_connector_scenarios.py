@@ -34,8 +34,8 @@ from fakes import (
 )
 
 from connector.config import ConnectorConfig
-from connector.oracle import KVOracle
 from connector.scheduler import SchedulerSide, StepPlan, WorkerReport
+from connector.testing.oracle import KVOracle
 from connector.worker import WorkerSide
 from tracker.invariants import InvariantViolation
 from tracker.state import LookupResult, Phase

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from connector.harness import skip_reason
+from connector.testing.harness import skip_reason
 
 pytestmark = [
     pytest.mark.vllm,
@@ -28,7 +28,7 @@ PREEMPTING = dict(
 
 
 def _run(**kw):
-    from connector.run import RunSpec, run
+    from connector.testing.run import RunSpec, run
 
     load_fault = kw.pop("load_fault", None)
     log_dir = kw.pop("log_dir", None)

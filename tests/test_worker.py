@@ -14,8 +14,8 @@ import torch
 from fakes import hold_saves
 
 from connector.config import ConnectorConfig
-from connector.oracle import KVOracle
 from connector.scheduler import StepPlan, WorkerReport
+from connector.testing.oracle import KVOracle
 from connector.transfer import KVCacheLayoutError
 from connector.worker import WorkerSide
 from tracker.plans import ChunkTransfer, TransferPlan

@@ -1,9 +1,9 @@
 """Regenerate the real logs that tests/test_replay_check.py replays: ``python
 tests/data/make_replay_logs.py`` (needs vLLM's scheduler: ``make setup-vllm``).
 
-Both logs come from ``connector.run``: vLLM's real scheduler (CPU) with KVLedgerConnector
-loaded by module path, the worker side moving bytes through a CPU paged cache, the KV-content
-oracle checked after every step. Same workload, same seed, two versions of the code:
+Both logs come from ``connector.testing.run``: vLLM's real scheduler (CPU) with
+KVLedgerConnector loaded by module path, the worker side moving bytes through a CPU paged cache,
+the KV-content oracle checked after every step. Same workload, same seed, two versions of the code:
 
 - ``replay-clean.kvlog``: this code. ``kvledger check`` must find nothing.
 - ``replay-short-load.kvlog``: a deliberately wrong planning rule injected in-process (the
@@ -51,7 +51,7 @@ SPEC: dict[str, Any] = dict(
 
 
 def _run(name: str, log_dir: str) -> Any:
-    from connector.run import RunSpec, run
+    from connector.testing.run import RunSpec, run
 
     report = run(RunSpec(**SPEC), log_dir=log_dir)
     produced = [p for p in os.listdir(log_dir) if p.endswith(".kvlog")]

@@ -18,8 +18,13 @@ from typing import Any
 
 import attrs
 
-from connector.harness import HarnessConfig, SchedulerHarness, fake_token, make_kv_connector_output
-from connector.oracle import KVOracle, Mismatch
+from connector.testing.harness import (
+    HarnessConfig,
+    SchedulerHarness,
+    fake_token,
+    make_kv_connector_output,
+)
+from connector.testing.oracle import KVOracle, Mismatch
 from tracker.plans import ChunkTransfer
 
 __all__ = ["RunReport", "RunSpec", "run"]
