@@ -20,83 +20,19 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import attrs
 import structlog
 
 from connector.config import ConnectorConfig
+from connector.messages import StepPlan, TransferPlan, WorkerReport
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.plans import TransferPlan, blocks_covering, transfer_plan
+from tracker.plans import blocks_covering, transfer_plan
 from tracker.tracker import Tracker
 
-__all__ = ["SchedulerSide", "StepPlan", "WorkerReport", "first_group"]
+__all__ = ["SchedulerSide", "first_group"]
 
 _log = structlog.get_logger("kvledger.connector")
 T = TypeVar("T")
-
-
-@attrs.frozen
-class StepPlan:
-    """What the scheduler tells the worker for one step (travels in the connector metadata)."""
-
-    step: int
-    loads: tuple[TransferPlan, ...] = ()
-    saves: tuple[TransferPlan, ...] = ()
-    # Blocks vLLM counts as loaded but that we refuse to fill: the worker reports them through
-    # get_block_ids_with_load_errors so vLLM's recompute policy recomputes them.
-    refused_blocks: tuple[int, ...] = ()
-    preempted: tuple[str, ...] = ()
-    # request_finished returned True for these: the worker reports each in finished_sending
-    # once no save of it is in flight, and only then may vLLM free its blocks.
-    delayed_free: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class WorkerReport:
-    """What one worker (one ``rank``) tells the scheduler; travels in
-    ``kv_connector_worker_meta``. Under tensor or pipeline parallelism every rank holds a
-    share of each chunk, so the scheduler confirms a chunk only when every rank reported it."""
-
-    saves_done: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
-    saves_failed: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
-    loads_done: tuple[str, ...] = ()
-    loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    rank: int = 0
-
-    def merged(self, other: WorkerReport) -> WorkerReport:
-        """This rank's results of two moments, in order."""
-        return WorkerReport(
-            self.saves_done + other.saves_done,
-            self.saves_failed + other.saves_failed,
-            self.loads_done + other.loads_done,
-            self.loads_failed + other.loads_failed,
-            self.rank,
-        )
-
-    def __bool__(self) -> bool:
-        return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
-
-    def to_plain(self) -> list[Any]:
-        """Lists, strings, bytes and ints only: travels through any serialiser vLLM uses for
-        connector stats (pickle, msgpack, msgspec)."""
-        return [
-            [[r, list(k)] for r, k in self.saves_done],
-            [[r, list(k)] for r, k in self.saves_failed],
-            list(self.loads_done),
-            [[r, list(b)] for r, b in self.loads_failed],
-            self.rank,
-        ]
-
-    @classmethod
-    def from_plain(cls, data: Any) -> WorkerReport:
-        saves_done, saves_failed, loads_done, loads_failed, rank = data
-        return cls(
-            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_done),
-            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_failed),
-            tuple(str(r) for r in loads_done),
-            tuple((str(r), tuple(int(x) for x in b)) for r, b in loads_failed),
-            int(rank),
-        )
 
 
 class _Ack:

@@ -26,7 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.config import ConnectorConfig
-from connector.scheduler import SchedulerSide, StepPlan, WorkerReport
+from connector.messages import StepPlan, WorkerReport
+from connector.scheduler import SchedulerSide
 
 try:  # vLLM >= 0.18: the worker -> scheduler channel
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata

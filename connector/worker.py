@@ -18,10 +18,10 @@ import structlog
 import torch
 
 from connector.config import ConnectorConfig
-from connector.scheduler import StepPlan, WorkerReport
+from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from connector.store import HostChunkPool
 from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
-from tracker.plans import ChunkTransfer, TransferPlan, blocks_covering
+from tracker.plans import blocks_covering
 
 __all__ = ["LoadFault", "WorkerSide"]
 

@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.scheduler import SchedulerSide, StepPlan, WorkerReport
+from connector.messages import StepPlan, WorkerReport
+from connector.scheduler import SchedulerSide
 
 __all__ = [
     "PREEMPT_SIGNALS",

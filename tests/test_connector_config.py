@@ -20,8 +20,8 @@ from fakes import (
 )
 
 from connector.config import ENV_LOG_DIR, ConnectorConfig, ConnectorConfigError
-from connector.scheduler import SchedulerSide, StepPlan
-from tracker.plans import ChunkTransfer, TransferPlan
+from connector.messages import ChunkTransfer, StepPlan, TransferPlan
+from connector.scheduler import SchedulerSide
 
 ACCEPTED = [
     "chunk_size",
@@ -445,7 +445,7 @@ def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
     )
     keys = [c.key for p in plan.saves for c in p.chunks]
     assert keys
-    from connector.scheduler import WorkerReport
+    from connector.messages import WorkerReport
 
     report = WorkerReport(saves_done=(("R", tuple(keys)),))
     from types import SimpleNamespace

@@ -34,7 +34,8 @@ from fakes import (
 )
 
 from connector.config import ConnectorConfig
-from connector.scheduler import SchedulerSide, StepPlan, WorkerReport
+from connector.messages import StepPlan, WorkerReport
+from connector.scheduler import SchedulerSide
 from connector.testing.oracle import KVOracle
 from connector.worker import WorkerSide
 from tracker.invariants import InvariantViolation

@@ -14,11 +14,10 @@ import torch
 from fakes import hold_saves
 
 from connector.config import ConnectorConfig
-from connector.scheduler import StepPlan, WorkerReport
+from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from connector.testing.oracle import KVOracle
 from connector.transfer import KVCacheLayoutError
 from connector.worker import WorkerSide
-from tracker.plans import ChunkTransfer, TransferPlan
 
 LAYOUTS = ["flash_attn", "flashinfer"]
 B, C = 4, 8
@@ -297,7 +296,7 @@ def test_binding_a_step_orders_its_forward_pass_after_saves_in_flight() -> None:
     0.14 never calls handle_preemptions: binding the step makes the compute stream wait on
     every save still in flight (without blocking the host)."""
     from connector.config import ConnectorConfig
-    from connector.scheduler import StepPlan
+    from connector.messages import StepPlan
     from connector.worker import WorkerSide
 
     class Handle:

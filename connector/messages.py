@@ -1,0 +1,85 @@
+"""The plain values that cross between vLLM's scheduler process and its worker processes.
+
+Scheduler -> worker, once per step: a ``StepPlan`` (in the connector metadata), made of
+``TransferPlan``s of ``ChunkTransfer``s. Worker -> scheduler, once per step and rank: a
+``WorkerReport`` (in the worker metadata, or in the connector stats on vLLM 0.11 - 0.17).
+``connector.scheduler`` and ``connector.worker`` both import them from here and never import
+each other. The transfer plans are made by the tracker's pure planning code
+(``tracker.plans.transfer_plan``), so their classes are defined there and named here.
+
+Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from tracker.plans import ChunkTransfer, TransferPlan
+
+__all__ = ["ChunkTransfer", "StepPlan", "TransferPlan", "WorkerReport"]
+
+
+@attrs.frozen
+class StepPlan:
+    """What the scheduler tells the worker for one step (travels in the connector metadata)."""
+
+    step: int
+    loads: tuple[TransferPlan, ...] = ()
+    saves: tuple[TransferPlan, ...] = ()
+    # Blocks vLLM counts as loaded but that we refuse to fill: the worker reports them through
+    # get_block_ids_with_load_errors so vLLM's recompute policy recomputes them.
+    refused_blocks: tuple[int, ...] = ()
+    preempted: tuple[str, ...] = ()
+    # request_finished returned True for these: the worker reports each in finished_sending
+    # once no save of it is in flight, and only then may vLLM free its blocks.
+    delayed_free: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class WorkerReport:
+    """What one worker (one ``rank``) tells the scheduler; travels in
+    ``kv_connector_worker_meta``. Under tensor or pipeline parallelism every rank holds a
+    share of each chunk, so the scheduler confirms a chunk only when every rank reported it."""
+
+    saves_done: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
+    saves_failed: tuple[tuple[str, tuple[bytes, ...]], ...] = ()
+    loads_done: tuple[str, ...] = ()
+    loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    rank: int = 0
+
+    def merged(self, other: WorkerReport) -> WorkerReport:
+        """This rank's results of two moments, in order."""
+        return WorkerReport(
+            self.saves_done + other.saves_done,
+            self.saves_failed + other.saves_failed,
+            self.loads_done + other.loads_done,
+            self.loads_failed + other.loads_failed,
+            self.rank,
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
+
+    def to_plain(self) -> list[Any]:
+        """Lists, strings, bytes and ints only: travels through any serialiser vLLM uses for
+        connector stats (pickle, msgpack, msgspec)."""
+        return [
+            [[r, list(k)] for r, k in self.saves_done],
+            [[r, list(k)] for r, k in self.saves_failed],
+            list(self.loads_done),
+            [[r, list(b)] for r, b in self.loads_failed],
+            self.rank,
+        ]
+
+    @classmethod
+    def from_plain(cls, data: Any) -> WorkerReport:
+        saves_done, saves_failed, loads_done, loads_failed, rank = data
+        return cls(
+            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_done),
+            tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_failed),
+            tuple(str(r) for r in loads_done),
+            tuple((str(r), tuple(int(x) for x in b)) for r, b in loads_failed),
+            int(rank),
+        )
