@@ -240,17 +240,19 @@ def test_writer_refuses_to_overwrite_and_bad_config(tmp_path: Path) -> None:
         LogWriter(tmp_path / "z.kvlog", {}, fsync="sometimes")  # type: ignore[arg-type]
 
 
-def test_unencodable_event_loses_only_its_step_and_keeps_the_log_consistent(
+def test_unencodable_event_loses_only_its_record_and_keeps_the_log_consistent(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "x.kvlog"
     w = LogWriter(path, {})
     w.append(ev.Preempted(0, "a"))
     w.end_step(0)
-    w.append(ev.Preempted(1, "new"))  # interned in the frame that fails
-    w.append(ev.Scheduled(1, "new", 0, 1, 0, (2**70,)))  # beyond msgpack's integers
-    with pytest.raises(codec.EncodeError, match="cannot encode a record of step 1"):
-        w.end_step(1)
+    w.append(ev.Preempted(1, "a"))
+    # beyond msgpack's integers, and the first sight of "new": its interning is undone
+    with pytest.raises(codec.EncodeError, match="cannot encode a Scheduled of step 1"):
+        w.append(ev.Scheduled(1, "new", 0, 1, 0, (2**70,)))
+    w.append(ev.Preempted(1, "b"))
+    w.end_step(1)
     w.append(ev.Preempted(2, "new"))
     w.append(ev.Preempted(2, "a"))
     w.end_step(2)
@@ -258,9 +260,10 @@ def test_unencodable_event_loses_only_its_step_and_keeps_the_log_consistent(
     frames, _ = read_all(path, strict=True)
     assert as_steps(frames) == [
         (0, (ev.Preempted(0, "a"),)),
+        (1, (ev.Preempted(1, "a"), ev.Preempted(1, "b"))),
         (2, (ev.Preempted(2, "new"), ev.Preempted(2, "a"))),
     ]
-    assert [f.seq for f in frames] == [0, 1]
+    assert [f.seq for f in frames] == [0, 1, 2]
 
     class NotAnEvent:
         step = 3

@@ -14,6 +14,7 @@ equal their defaults), so new fields go at the end with a default. Sequences are
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Iterable
 from typing import ClassVar
 
@@ -55,8 +56,20 @@ class Admission(enum.IntEnum):
 
 def _ints(value: Iterable[int]) -> tuple[int, ...]:
     # Converters copy whatever sequence vLLM hands us (lists, ConstantList views) into a tuple,
-    # so an event can never alias a list that vLLM goes on mutating.
-    return value if type(value) is tuple else tuple(value)
+    # so an event can never alias a list that vLLM goes on mutating. Integer-likes (numpy and
+    # torch integers) become ints; anything else raises TypeError naming it, never a silent
+    # value that the fold accepts and the log cannot hold.
+    t = value if type(value) is tuple else tuple(value)
+    if t and set(map(type, t)) != _INT:
+        try:
+            t = tuple(map(operator.index, t))
+        except TypeError:
+            bad = next(v for v in t if not hasattr(v, "__index__"))
+            raise TypeError(f"expected integers, got {type(bad).__name__} {bad!r}") from None
+    return t
+
+
+_INT = {int}
 
 
 def _keys(value: Iterable[bytes]) -> tuple[bytes, ...]:

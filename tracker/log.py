@@ -224,7 +224,7 @@ class LogWriter:
         self._encoders = codec.encoder_table()
         self._encoder = codec.Encoder()
         self._refs = self._encoder.refs
-        self._pending: list[list[Any]] = []
+        self._pending: list[bytes] = []  # the step's records, each packed
         self._frame_step = 0
         self._mark = 0
         self._failure: str | None = None
@@ -259,10 +259,18 @@ class LogWriter:
         fn = self._encoders.get(event.__class__)
         if fn is None:
             raise codec.EncodeError(f"not an event type the codec knows: {type(event)!r}")
+        # Packed now, record by record, so that a value msgpack cannot hold (an int of 2**64,
+        # an object) costs this record alone: the interning it did is undone, the rest of the
+        # step's frame is untouched, and the caller can record the loss in its place.
+        mark = len(self._refs)
         try:
-            self._pending.append(fn(event, self._refs))
-        except TypeError as e:
-            raise codec.EncodeError(f"cannot encode {event!r}: {e}") from None
+            self._pending.append(self._packer.pack(fn(event, self._refs)))
+        except (TypeError, ValueError, OverflowError) as e:
+            self._packer.reset()
+            self._encoder.rollback(mark)
+            raise codec.EncodeError(
+                f"cannot encode a {type(event).__name__} of step {event.step}: {e}"
+            ) from None
 
     def end_step(self, step: int) -> None:
         """Write the frame of ``step`` (nothing if it has no events) and flush it to the OS."""
@@ -399,34 +407,31 @@ class LogWriter:
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
 
-    def _pack(self, records: list[list[Any]]) -> list[bytes]:
+    def _pack(self, records: list[bytes]) -> list[bytes]:
         """Payloads for the pending records: one frame, or several of the same step when one
-        would exceed ``max_frame_bytes``."""
-        wall_ns = time.time_ns()
-        pack = self._packer.pack
-        try:
-            payload = pack([self.seq, self._frame_step, wall_ns, records])
-        except (TypeError, ValueError, OverflowError):
-            self._packer.reset()
-            raise codec.EncodeError(self._unpackable(records)) from None
+        would exceed ``max_frame_bytes``. The bytes are those of
+        ``packb([seq, step, wall_ns, records])``, built from the records packed already."""
+        pack, header = self._packer.pack, self._packer.pack_array_header
+        payload = b"".join(
+            (
+                header(4),
+                pack(self.seq),
+                pack(self._frame_step),
+                pack(time.time_ns()),
+                header(len(records)),
+                *records,
+            )
+        )
         if len(payload) <= self.max_frame_bytes:
             self.seq += 1
             return [payload]
         if len(records) == 1:
             raise codec.EncodeError(
                 f"one record of step {self._frame_step} takes {len(payload)} bytes, over "
-                f"max_frame_bytes={self.max_frame_bytes}: tag {records[0][0]}"
+                f"max_frame_bytes={self.max_frame_bytes}"
             )
         half = len(records) // 2
         return self._pack(records[:half]) + self._pack(records[half:])
-
-    def _unpackable(self, records: list[list[Any]]) -> str:
-        for rec in records:
-            try:
-                msgpack.packb(rec, use_bin_type=True)
-            except (TypeError, ValueError, OverflowError) as e:
-                return f"cannot encode a record of step {self._frame_step} ({rec[:2]}): {e}"
-        return f"cannot encode the frame of step {self._frame_step}"
 
     def _write(self, data: bytes) -> None:
         assert self._file is not None

@@ -22,6 +22,7 @@ import structlog
 from tracker import events as ev
 from tracker import invariants
 from tracker.chunks import ChunkIndex
+from tracker.codec import EncodeError
 from tracker.config import TrackerConfig
 from tracker.history import RETIRED_MEMORY, retires
 from tracker.index_fold import apply_decision, apply_input
@@ -385,8 +386,22 @@ class Tracker:
             return
         try:
             self._log.append(event)
+        except EncodeError as exc:
+            if isinstance(event, ev.ViolationRecorded):
+                self._log_failed(exc)  # not even the loss can be written
+            else:
+                self._record_lost(event, exc)
         except Exception as exc:
             self._log_failed(exc)
+
+    def _record_lost(self, event: ev.Event, exc: EncodeError) -> None:
+        """One record could not be encoded (a value msgpack cannot hold): it alone is lost.
+        The loss takes its place in the log as the violation ``record_lost``, and its request
+        falls back to recompute, so the log and a replay of it still agree on that request's
+        decisions; every other request's record goes on."""
+        self.counts["records_lost"] = self.counts.get("records_lost", 0) + 1
+        req_id = event.req_id if isinstance(event.req_id, str) else ""
+        self.mark_violation(req_id, "record_lost", type(event).__name__, reason=str(exc))
 
     def _report(
         self, violations: Iterable[Violation], state: RequestState | None

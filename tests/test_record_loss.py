@@ -1,0 +1,100 @@
+"""One value the log cannot hold costs one record, never the rest of the run's audit trail,
+and never a log that `kvledger check` calls clean. Integer-likes (numpy, torch) are ints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.log import LogReader, LogWriter
+from tracker.tracker import Tracker
+
+CFG = TrackerConfig(block_size=4, chunk_size=8, num_slots=16)
+
+
+def _run(path: Path, prompts: dict[str, list[object]]) -> Tracker:
+    """Each request: added, looked up, allocated, scheduled whole, its saves confirmed."""
+    t = Tracker(CFG, log=LogWriter(path, CFG.to_dict(), fsync="never"))
+    for step, (rid, prompt) in enumerate(prompts.items()):
+        t.add_request(rid, prompt)  # type: ignore[arg-type]
+        ext = t.lookup(rid, 0, prompt)  # type: ignore[arg-type]
+        blocks = list(range(step * 4, step * 4 + 3))
+        t.allocated(rid, blocks, ext)
+        t.scheduled(rid, num_computed=ext, num_scheduled=len(prompt) - ext,
+                    all_token_ids=prompt, block_ids=blocks, admission=ev.Admission.NEW)  # type: ignore[arg-type]  # fmt: skip
+        state = t.state(rid)
+        if state is not None and state.save.pending:
+            t.save_done(rid, [k for k, _ in state.save.pending])
+        t.end_step()
+    t.close()
+    return t
+
+
+def _logged(path: Path) -> list[ev.Event]:
+    return [e for frame in LogReader(path) for e in frame.events]
+
+
+def test_an_unencodable_token_costs_its_record_and_the_loss_is_recorded(tmp_path: Path) -> None:
+    import replay
+
+    path = tmp_path / "run.kvlog"
+    t = _run(
+        path,
+        {
+            "a": list(range(100, 110)),
+            "bad": [*range(200, 209), 2**64],  # beyond any msgpack integer
+            "c": list(range(100, 110)),
+        },
+    )
+    assert t.log_error is None  # the log was never turned off
+    events = _logged(path)
+    lost = [e for e in events if isinstance(e, ev.ViolationRecorded) and e.rule == "record_lost"]
+    # each record that carries the value is lost, and only those
+    assert [(v.req_id, v.step, v.event) for v in lost] == [
+        ("bad", 1, "RequestAdded"),
+        ("bad", 1, "LookupAsked"),
+        ("bad", 1, "Scheduled"),
+    ]
+    assert any(isinstance(e, ev.Allocated) and e.req_id == "bad" for e in events)
+    assert "cannot encode a RequestAdded of step 1" in lost[0].detail
+    # every other request's trail is whole: c even loads what a saved
+    for rid in ("a", "c"):
+        kinds = [type(e).__name__ for e in events if e.req_id == rid]
+        assert kinds[:4] == ["RequestAdded", "LookupAsked", "LookupAnswered", "Allocated"]
+        assert "Scheduled" in kinds
+    assert any(isinstance(e, ev.SaveDone) and e.req_id == "a" for e in events)
+    assert any(isinstance(e, ev.LoadPlanned) and e.req_id == "c" and e.end > 0 for e in events)
+    result = replay.check(path)
+    assert result.exit_code == 1  # never "clean"
+    assert result.problems and result.problems[0].req_id == "bad"
+    assert "record_lost" in result.problems[0].describe()
+
+
+def test_numpy_and_torch_integers_are_ints(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    import replay
+
+    path = tmp_path / "run.kvlog"
+    plain = list(range(100, 110))
+    t = _run(
+        path,
+        {
+            "np": list(np.arange(100, 110, dtype=np.int64)),
+            "torch": list(torch.arange(100, 110)),
+            "plain": plain,
+        },
+    )
+    assert t.log_error is None and not t.violations
+    added = [e for e in _logged(path) if isinstance(e, ev.RequestAdded)]
+    assert [e.prompt_token_ids for e in added] == [tuple(plain)] * 3
+    assert all(type(x) is int for e in added for x in e.prompt_token_ids)
+    assert replay.check(path).exit_code == 0
+
+
+def test_a_non_integer_token_is_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"expected integers, got float 1\.5"):
+        ev.RequestAdded(0, "r", (1, 1.5))  # type: ignore[arg-type]
