@@ -17,7 +17,7 @@ connector metadata, a ``WorkerReport`` in the worker metadata.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -28,6 +28,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from connector.config import ConnectorConfig
 from connector.messages import StepPlan, WorkerReport
 from connector.scheduler import SchedulerSide
+
+if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
+    from connector.worker import WorkerSide
 
 try:  # vLLM >= 0.18: the worker -> scheduler channel
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
@@ -161,7 +164,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"{self.kv_config.chunk_size} tokens takes {slot_bytes} bytes"
             )
         self._scheduler: SchedulerSide | None = None
-        self._worker: Any = None
+        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             import vllm
 
@@ -178,9 +181,15 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 },
             )
         else:
-            from connector.worker import WorkerSide  # torch only where bytes move
+            self._worker = self.make_worker_side(self.kv_config, num_slots=num_slots, rank=rank)
 
-            self._worker = WorkerSide(self.kv_config, num_slots=num_slots, rank=rank)
+    def make_worker_side(self, config: ConnectorConfig, *, num_slots: int, rank: int) -> WorkerSide:
+        """Build the worker role's ``WorkerSide`` (called once, from ``__init__``): a host pool
+        of ``num_slots`` chunk slots for worker ``rank``. A subclass may return a subclass of
+        ``WorkerSide``; the test rigs inject load faults this way."""
+        from connector.worker import WorkerSide  # torch only where bytes move
+
+        return WorkerSide(config, num_slots=num_slots, rank=rank)
 
     # --- role guards ----------------------------------------------------------------------
 
@@ -191,7 +200,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return self._scheduler
 
     @property
-    def worker_side(self) -> Any:
+    def worker_side(self) -> WorkerSide:
         if self._worker is None:
             raise RuntimeError("KVLedgerConnector: worker method called on the scheduler role")
         return self._worker
@@ -274,10 +283,10 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.worker_side.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self.worker_side.get_finished(finished_req_ids)  # type: ignore[no-any-return]
+        return self.worker_side.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.get_block_ids_with_load_errors()  # type: ignore[no-any-return]
+        return self.worker_side.get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVLedgerWorkerMetadata | None:
         report = self.worker_side.build_report()

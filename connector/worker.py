@@ -11,7 +11,7 @@ blocks are reused) -> ``bind`` -> ``start_load_kv`` -> forward -> ``wait_for_sav
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -23,16 +23,16 @@ from connector.store import HostChunkPool
 from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
 from tracker.plans import blocks_covering
 
-__all__ = ["LoadFault", "WorkerSide"]
+__all__ = ["WorkerSide"]
 
 _log = structlog.get_logger("kvledger.connector")
 
-# A test hook: return True to make this chunk's load fail (as a lost or corrupt remote chunk).
-LoadFault = Callable[[str, ChunkTransfer], bool]
-
 
 class WorkerSide:
-    """One per worker process; owns the host pool bytes and the transfer backend."""
+    """One per worker process; owns the host pool bytes and the transfer backend.
+
+    ``num_slots`` sizes the host pool (default: as many slots as ``host_pool_bytes`` holds);
+    ``layout`` names the KV-cache layout when the shapes cannot tell (default: inferred)."""
 
     def __init__(
         self,
@@ -40,14 +40,12 @@ class WorkerSide:
         *,
         num_slots: int | None = None,
         layout: str | None = None,
-        load_fault: LoadFault | None = None,
         rank: int = 0,
     ) -> None:
         self.config = config
         self.rank = rank
         self._num_slots = num_slots
         self._layout = layout
-        self._load_fault = load_fault
         self.backend: TransferBackend | None = None
         self.pool: HostChunkPool | None = None
         self._plan: StepPlan | None = None
@@ -100,12 +98,12 @@ class WorkerSide:
         plan = self._plan
         if plan is None or not plan.loads:
             return
-        backend, pool = self._ready()
+        backend, _ = self._ready()
         block_size = backend.spec.block_size
         failed: list[tuple[str, tuple[int, ...]]] = []
         done: list[str] = []
         for load in plan.loads:
-            bad = self._load_one(load, backend, pool, block_size)
+            bad = self._load_one(load, block_size)
             if bad:
                 failed.append((load.req_id, bad))
                 self._load_errors.update(bad)
@@ -115,22 +113,11 @@ class WorkerSide:
             WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
         )
 
-    def _load_one(
-        self, load: TransferPlan, backend: TransferBackend, pool: HostChunkPool, block_size: int
-    ) -> tuple[int, ...]:
+    def _load_one(self, load: TransferPlan, block_size: int) -> tuple[int, ...]:
         """Load every chunk; returns the blocks that could not be filled (empty: success)."""
         for chunk in load.chunks:
             try:
-                if self._load_fault is not None and self._load_fault(load.req_id, chunk):
-                    raise OSError("injected load fault")
-                mapping = slot_mapping_for(
-                    load.block_ids, block_size, chunk.token_start, chunk.token_end
-                )
-                pool.wait_slot(chunk.slot)  # a save into this slot may still be running
-                handle = pool.load(backend, chunk.slot, mapping, chunk.slot_offset)
-                handle.wait()  # the forward pass (compute stream) reads these blocks next
-                self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
-                self.stats["chunks_loaded"] += 1
+                self.load_chunk(load, chunk)
             except Exception as exc:
                 _log.warning(
                     "kvledger.load_failed", req_id=load.req_id, slot=chunk.slot, error=repr(exc)
@@ -140,6 +127,23 @@ class WorkerSide:
                 end = load.chunks[-1].token_end
                 return tuple(blocks_covering(load.block_ids, block_size, start, end))
         return ()
+
+    def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Fill one chunk of ``load`` from its host slot into the paged caches, ordered before
+        the forward pass. Raising fails the request's load from this chunk on: the blocks from
+        here to the end of the load are reported as load errors and vLLM recomputes them.
+
+        Subclasses may override it, calling this one to move the bytes; the test rigs make
+        chosen chunks fail this way (as a lost or corrupt remote chunk would)."""
+        backend, pool = self._ready()
+        mapping = slot_mapping_for(
+            load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
+        )
+        pool.wait_slot(chunk.slot)  # a save into this slot may still be running
+        handle = pool.load(backend, chunk.slot, mapping, chunk.slot_offset)
+        handle.wait()  # the forward pass (compute stream) reads these blocks next
+        self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
+        self.stats["chunks_loaded"] += 1
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Loads are issued for all layers at once in ``start_load_kv``; nothing per layer."""
@@ -213,10 +217,6 @@ class WorkerSide:
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
-
-    def failed_load_requests(self) -> set[str]:
-        """Requests whose load failed in this step (their forward ran over a wrong prefix)."""
-        return {req for req, _ in self._report.loads_failed}
 
     def build_report(self) -> WorkerReport:
         self._drain_saves(block=False)

@@ -1,6 +1,7 @@
 """Duck-typed stand-ins for vLLM's scheduler-side objects, and ``FakeEngine``, which plays
-vLLM's callback order around a ``SchedulerSide`` (and, when given, a ``WorkerSide`` over CPU
-paged caches owned by the KV-content oracle).
+vLLM's callback order around a ``SchedulerSide`` (and, when given, a worker: a
+``connector.testing.faults.FaultyWorkerSide`` over CPU paged caches owned by the KV-content
+oracle).
 
 Nothing here imports vLLM. The shapes follow /work/shared/reference/vllm-connector-api.md §2:
 

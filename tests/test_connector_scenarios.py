@@ -3,9 +3,10 @@ callbacks (``SchedulerSide``: get_num_new_matched_tokens, update_state_after_all
 build_connector_meta, update_connector_output, request_finished) in vLLM's order, without
 vLLM's scheduler (see ``fakes.FakeEngine``).
 
-Where bytes matter, a ``WorkerSide`` executes the plans over small CPU paged caches owned by
-the KV-content oracle, and the test checks KV values (every computed token holds the value of
-its prefix, position, layer and K/V), not just counts.
+Where bytes matter, a ``WorkerSide`` (the rigs' ``FaultyWorkerSide``, which can fail chosen
+chunk loads) executes the plans over small CPU paged caches owned by the KV-content oracle, and
+the test checks KV values (every computed token holds the value of its prefix, position, layer
+and K/V), not just counts.
 
 Notation as in the report: ``B`` block size, ``C`` chunk size, ``P`` prompt length, ``nc``
 vLLM's ``num_computed_tokens`` when ``build_connector_meta`` runs.
@@ -36,8 +37,8 @@ from fakes import (
 from connector.config import ConnectorConfig
 from connector.messages import StepPlan, WorkerReport
 from connector.scheduler import SchedulerSide
+from connector.testing.faults import FaultyWorkerSide
 from connector.testing.oracle import KVOracle
-from connector.worker import WorkerSide
 from tracker.invariants import InvariantViolation
 from tracker.state import LookupResult, Phase
 
@@ -86,7 +87,9 @@ def make_engine(
             head_size=4,
             layout=layout,
         )
-        worker = WorkerSide(side.config, num_slots=slots, layout=layout, load_fault=load_fault)
+        worker = FaultyWorkerSide(
+            side.config, num_slots=slots, layout=layout, load_fault=load_fault
+        )
         worker.register_kv_caches(oracle.caches)
     return FakeEngine(
         side,

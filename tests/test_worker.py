@@ -15,6 +15,7 @@ from fakes import hold_saves
 
 from connector.config import ConnectorConfig
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
+from connector.testing.faults import FaultyWorkerSide
 from connector.testing.oracle import KVOracle
 from connector.transfer import KVCacheLayoutError
 from connector.worker import WorkerSide
@@ -34,8 +35,11 @@ def make(
     oracle = KVOracle(
         LAYERS, num_blocks=num_blocks, block_size=B, num_kv_heads=2, head_size=4, layout=layout
     )
-    worker = WorkerSide(
-        ConnectorConfig(chunk_size=C), num_slots=slots, layout=layout, load_fault=load_fault
+    config = ConnectorConfig(chunk_size=C)
+    worker = (
+        WorkerSide(config, num_slots=slots, layout=layout)
+        if load_fault is None
+        else FaultyWorkerSide(config, num_slots=slots, layout=layout, load_fault=load_fault)
     )
     worker.register_kv_caches(oracle.caches)
     return worker, oracle

@@ -1,12 +1,13 @@
 """Run vLLM's real scheduler with KVLedgerConnector end to end, on CPU, and prove the KV right.
 
 The scheduler role of the connector is loaded by vLLM itself through
-``kv_connector_module_path``; the worker role is a second ``KVLedgerConnector`` instance,
-driven by hand in the order vLLM's model runner calls it, over CPU paged caches owned by the
-KV-content oracle. A fake forward pass writes every scheduled token's oracle value; after
-every step every computed token of every running request is checked.
+``kv_connector_module_path``; the worker role is a second ``KVLedgerConnector`` instance (a
+``FaultyKVLedgerConnector``, which can fail chosen chunk loads), driven by hand in the order
+vLLM's model runner calls it, over CPU paged caches owned by the KV-content oracle. A fake
+forward pass writes every scheduled token's oracle value; after every step every computed token
+of every running request is checked.
 
-Used by the integration tests and by ``kvledger demo``.
+Used by the integration tests, the replay tests' real logs and ``kvledger demo``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import attrs
 
+from connector.testing.faults import LoadFault
 from connector.testing.harness import (
     HarnessConfig,
     SchedulerHarness,
@@ -25,11 +27,8 @@ from connector.testing.harness import (
     make_kv_connector_output,
 )
 from connector.testing.oracle import KVOracle, Mismatch
-from tracker.plans import ChunkTransfer
 
-__all__ = ["RunReport", "RunSpec", "run"]
-
-LoadFault = Callable[[str, ChunkTransfer], bool]
+__all__ = ["RunReport", "RunSpec", "run", "summarize"]
 
 
 @attrs.frozen
@@ -99,7 +98,7 @@ class _Driver:
     """The fake worker process: connector worker role, oracle forward pass, results."""
 
     def __init__(self, spec: RunSpec, load_fault: LoadFault | None, log_dir: str | None) -> None:
-        from connector.vllm import KVLedgerConnector
+        from connector.testing.vllm import FaultyKVLedgerConnector  # imports vLLM
 
         extra = dict(spec.extra_config)
         if log_dir is not None:
@@ -136,11 +135,13 @@ class _Driver:
             head_size=min(int(group.head_size), 16),
             layout=spec.layout,
         )
-        self.worker = KVLedgerConnector(
-            self.harness.vllm_config, KVConnectorRole.WORKER, self.harness.kv_cache_config
+        self.worker = FaultyKVLedgerConnector(
+            self.harness.vllm_config,
+            KVConnectorRole.WORKER,
+            self.harness.kv_cache_config,
+            layout=spec.layout,
+            load_fault=load_fault,
         )
-        self.worker.worker_side._load_fault = load_fault
-        self.worker.worker_side._layout = spec.layout
         self.worker.register_kv_caches(self.oracle.caches)
         self.tokens: dict[str, list[int]] = {}
         self.load_errors = 0
@@ -254,7 +255,7 @@ def run(
         leaks.append(f"pool slots: {pool}")
     if side.tracker.states:
         leaks.append(f"tracker still holds {sorted(side.tracker.states)}")
-    if driver.worker.worker_side._saves_in_flight:
+    if driver.worker.worker_side.saves_in_flight:
         leaks.append("saves still in flight")
     if not harness.is_done():
         leaks.append(f"not done after {steps} steps: {harness.describe()}")

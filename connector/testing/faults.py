@@ -1,0 +1,59 @@
+"""Fault injection for the rigs: a ``WorkerSide`` whose chosen chunk loads fail.
+
+The production worker has no test hooks; ``FaultyWorkerSide`` overrides its public per-chunk
+load (``WorkerSide.load_chunk``) and keeps what a rig's fake forward pass needs to know: which
+requests' loads failed in this step (their forward pass runs over a wrong prefix). Tests build
+it directly; the end-to-end runner gets it on the worker role through
+``connector.testing.vllm.FaultyKVLedgerConnector``.
+
+Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.messages import ChunkTransfer, TransferPlan, WorkerReport
+from connector.worker import WorkerSide
+
+__all__ = ["FaultyWorkerSide", "LoadFault"]
+
+# (req id, chunk) -> True to make this chunk's load fail, as a lost or corrupt remote chunk would.
+LoadFault = Callable[[str, ChunkTransfer], bool]
+
+
+class FaultyWorkerSide(WorkerSide):
+    """A ``WorkerSide`` that fails the chunk loads ``load_fault`` picks, and tells which
+    requests' loads failed since the last report."""
+
+    def __init__(
+        self, config: ConnectorConfig, *, load_fault: LoadFault | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(config, **kwargs)
+        self.load_fault = load_fault
+        self._failed_loads: set[str] = set()
+
+    def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        try:
+            if self.load_fault is not None and self.load_fault(load.req_id, chunk):
+                raise OSError("injected load fault")
+            super().load_chunk(load, chunk)
+        except Exception:
+            self._failed_loads.add(load.req_id)
+            raise
+
+    def failed_load_requests(self) -> set[str]:
+        """Requests whose load failed in this step (their forward ran over a wrong prefix): the
+        ``loads_failed`` of the report this step will send."""
+        return set(self._failed_loads)
+
+    @property
+    def saves_in_flight(self) -> int:
+        """Saves issued and not yet known to be complete (a finished run leaves none)."""
+        return len(self._saves_in_flight)
+
+    def build_report(self) -> WorkerReport:
+        self._failed_loads.clear()
+        return super().build_report()
