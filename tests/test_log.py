@@ -151,9 +151,13 @@ def test_round_trip_frames_header_offsets(sample: tuple[Path, bytes]) -> None:
     assert as_steps(frames) == sample_steps()
     assert [f.seq for f in frames] == list(range(len(frames)))
     spans = frame_spans(data)
-    assert [f.offset for f in frames] == [s for s, _ in spans[1:]]
+    # header, the steps' frames, and the end record the writer's close adds
+    assert [f.offset for f in frames] == [s for s, _ in spans[1:-1]]
+    end = msgpack.unpackb(data[spans[-1][0] + 8 : spans[-1][1] - 4])
+    assert end == {"end": "closed", "frames": len(frames), "last_step": frames[-1].step}
+    assert reader.ending == "closed" and reader.last_step == frames[-1].step
     assert {f.path for f in frames} == {str(path)}
-    assert data[:12] == b"KVLEDGER\x01\x00\x00\x00"
+    assert data[:12] == b"KVLEDGER\x01\x00\x01\x00"  # format 1.1
     header = reader.header
     assert header is not None
     assert header["format"] == "kvledger-log"
@@ -165,7 +169,7 @@ def test_round_trip_frames_header_offsets(sample: tuple[Path, bytes]) -> None:
     assert header["segment"] == 0 and header["prev_segment_digest"] == ""
     assert len(header["run_id"]) == 32 and int(header["run_id"], 16) >= 0
     assert header["library_version"]
-    assert (header["major"], header["minor"]) == (1, 0)
+    assert (header["major"], header["minor"]) == (1, 1)
 
 
 def test_iter_raw_resolves_refs_and_keeps_wire_fields(sample: tuple[Path, bytes]) -> None:
@@ -316,9 +320,12 @@ def test_rotation_segments_chain_and_read_back_in_order(tmp_path: Path) -> None:
         assert header["prev_segment_digest"] == prev_digest
         run_ids.add(header["run_id"])
         prev_digest = hashlib.blake2b(p.read_bytes(), digest_size=16).hexdigest()
-        # self-contained: every segment reads alone, interning restarted
+        # self-contained: every segment reads alone, interning restarted, and knows its place:
+        # a later one lacks the log's start, an earlier one its continuation
         alone, r = read_all(p)
-        assert r.stop is None and alone
+        assert alone and r.missing_start == (i or None)
+        assert r.stop is None
+        assert r.ending == ("closed" if p == w.paths[-1] else "rotated")
         first = next(LogReader(p).iter_raw())
         assert all(type(rec[1]) is str for rec in first.records)
     assert len(run_ids) == 1
@@ -340,7 +347,17 @@ def test_broken_segment_chain_stops(tmp_path: Path) -> None:
     short = tmp_path / "short.kvlog"
     short.write_bytes(data[:cut])
     frames, reader = read_all([short, p1])
-    assert reader.stop is not None and "prev_segment_digest" in reader.stop.reason
+    assert (
+        reader.stop is not None
+        and "segment 0 has no end record, yet more follow" in reader.stop.reason
+    )
+    # ... and one cut after its end record still fails the chain's digest
+    spliced = tmp_path / "spliced.kvlog"
+    spans = frame_spans(data)
+    spliced.write_bytes(data[: spans[-2][0]] + data[spans[-1][0] :])  # a frame dropped
+    frames, reader = read_all([spliced, p1])
+    assert reader.stop is not None
+    assert any(w in reader.stop.reason for w in ("prev_segment_digest", "frame seq"))
     # a foreign segment
     (tmp_path / "other").mkdir()
     other = write_log(tmp_path / "other" / "o.kvlog", many_steps(60), rotate_bytes=1500)
@@ -480,7 +497,7 @@ def test_a_length_claiming_gigabytes_stops_without_allocating(tmp_path: Path) ->
     assert f"frame length {3 << 30} exceeds max_frame_bytes" in reader.stop.reason
     assert peak < 8 << 20
     # under the limit but past the end of the file: a torn tail, still nothing allocated
-    head = struct.pack("<I", 60 << 20)
+    head = struct.pack("<I", 15 << 20)
     target.write_bytes(
         header_bytes() + head + struct.pack("<I", log.masked_crc(head)) + b"\x00" * 100
     )
@@ -502,12 +519,12 @@ def _bomb_nested(n: int) -> bytes:
 @pytest.mark.parametrize(
     ("payload", "reason"),
     [
-        (b"\x91" * 200_000 + b"\x00", "undecodable frame payload"),  # deep nesting
-        (b"\xdd\xff\xff\xff\xff", "undecodable frame payload"),  # 4G-element array header
-        (_bomb_nested(100_000), "undecodable frame payload"),
+        (b"\x91" * 200_000 + b"\x00", "is not [seq, step, wall_ns, [records]]"),  # deep nesting
+        (b"\xdd\xff\xff\xff\xff", "is not [seq, step, wall_ns, [records]]"),  # 4G-element array
+        (_bomb_nested(100_000), "is not [seq, step, wall_ns, [records]]"),
         (b"\xdb\xff\xff\xff\xff", "undecodable frame payload"),  # 4 GB string header
         (b"\xc6\xff\xff\xff\xff", "undecodable frame payload"),  # 4 GB bin header
-        (b"\x81\x00\x00", "undecodable frame payload"),  # a map
+        (b"\x81\x00\x00", "undecodable end record"),  # a map: an end record
         (b"\xd4\x01\x00", "undecodable frame payload"),  # an ext type
         (b"\xd6\xff\x00\x00\x00\x00", "undecodable frame payload"),  # a timestamp ext
         (b"\x94\x00\x00\x00\x90\x00", "undecodable frame payload"),  # trailing bytes

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from _logfiles import torn_copy
 from _replay_logs import copy_log, real_logs, suffixed, write_log
 
 from replay import views, views_cli
@@ -240,8 +241,7 @@ def test_alignment_reads_raw_records_as_it_reads_events(
 
 
 def test_diff_reports_read_damage(base: Path, tmp_path: Path) -> None:
-    torn = tmp_path / "torn.kvlog"
-    torn.write_bytes(base.read_bytes()[:-5])
+    torn = torn_copy(base, tmp_path / "torn.kvlog", 5)
     r = diff(base, torn)
     assert r.damage_a is None and r.damage_b is not None and r.damage_b.kind == "torn_tail"
     assert r.first is not None and r.first.kind == "missing" and r.first.step_a == 10

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from _logfiles import torn_copy
 from _replay_logs import copy_log, real_logs, write_log
 
 from replay import views, views_cli
@@ -41,9 +42,7 @@ def all_events(path: Path) -> list[tuple[int, ev.Event]]:
 
 
 def truncated_copy(src: Path, dst: Path, cut: int) -> Path:
-    data = src.read_bytes()
-    dst.write_bytes(data[: len(data) - cut])
-    return dst
+    return torn_copy(src, dst, cut)
 
 
 # --- show ---------------------------------------------------------------------------------
@@ -197,7 +196,7 @@ def test_stats_counts_match_the_events(log: Path) -> None:
     assert st.file_bytes == log.stat().st_size
     assert st.bytes_per_event == pytest.approx(log.stat().st_size / len(events))
     assert st.config["chunk_size"] == 32 and st.config["block_size"] == 16
-    assert st.format_version == "1.0" and st.damage is None
+    assert st.format_version == "1.1" and st.damage is None
 
 
 def test_stats_over_a_split_log_equal_the_single_file(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ raises :class:`LogWriteError`. Open a new log to continue. A failed ``write`` do
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import logging
@@ -52,6 +53,7 @@ from tracker import codec
 from tracker.events import Event
 
 __all__ = [
+    "ENDINGS",
     "FORMAT",
     "MAGIC",
     "MAJOR",
@@ -72,13 +74,31 @@ __all__ = [
 
 MAGIC: Final = b"KVLEDGER"
 MAJOR: Final = 1
-MINOR: Final = 0
+# 1: every segment ends with an end record (closed, or rotated into the next), and a header
+# names the seq of its segment's first frame. Logs of minor 0 have neither.
+MINOR: Final = 1
 FORMAT: Final = "kvledger-log"
 PREAMBLE_SIZE: Final = 12
-DEFAULT_MAX_FRAME_BYTES: Final = 64 << 20
+DEFAULT_MAX_FRAME_BYTES: Final = 16 << 20
+# Records one frame may hold: the writer splits a step with more into several frames, and a
+# reader refuses a frame announcing more before decoding any of it. With the byte bound, this
+# bounds what reading one frame costs in memory (docs/log-format.md, "What reading costs").
+MAX_FRAME_RECORDS: Final = 1 << 16
 DEFAULT_ROTATE_BYTES: Final = 256 << 20
 # The header frame is small (schemas, config): readers refuse a bigger one.
 MAX_HEADER_BYTES: Final = 1 << 20
+
+# How a log read without damage ended, and what that means for the reader (kvledger check
+# says the last three aloud: the log is incomplete).
+Ending = Literal["closed", "open", "rotated", "unknown"]
+ENDINGS: Final[dict[str, str]] = {
+    "closed": "complete: the writer closed the log",
+    "open": "no end record: the engine is still writing it, or died after step {last_step}",
+    "rotated": "its last segment here was rotated into a next one that is missing (deleted, "
+    "or the engine died starting it) after step {last_step}",
+    "unknown": "written before end records existed (format 1.0): whether it is complete "
+    "cannot be told",
+}
 
 _U32 = struct.Struct("<I")
 _U32x2 = struct.Struct("<II")
@@ -125,10 +145,11 @@ class LogWriteError(LogError, RuntimeError):
 class StopInfo:
     """Where and why a reader stopped before the end of the data.
 
-    ``kind``: ``"torn_tail"`` (the data ends inside a frame: a writer died mid-write; normal
-    after a crash), ``"corrupt"`` (a checksum, length, payload, record or sequence number is
-    wrong), ``"bad_header"`` (a segment header is damaged or does not chain to the previous
-    segment). ``offset`` is the byte offset in ``path`` of the frame that could not be read.
+    ``kind``: ``"torn_tail"`` (the data ends inside a frame, or in zeros: a writer died
+    mid-write, or the machine lost power; normal after a crash), ``"corrupt"`` (a checksum,
+    length, payload, record or sequence number is wrong), ``"bad_header"`` (a segment header
+    is damaged or does not chain to the previous segment). ``offset`` is the byte offset in
+    ``path`` of the frame that could not be read.
     """
 
     path: str
@@ -226,6 +247,7 @@ class LogWriter:
         self._refs = self._encoder.refs
         self._pending: list[bytes] = []  # the step's records, each packed
         self._frame_step = 0
+        self._last_step = -1  # the step of the last frame written (-1: none yet)
         self._mark = 0
         self._failure: str | None = None
         self._failure_raised = False
@@ -297,6 +319,9 @@ class LogWriter:
                     self._write_pending()
                 except codec.EncodeError as e:  # the earlier steps still get their fsync
                     unencodable = e
+            if self._failure is None and self._file is not None:
+                with contextlib.suppress(LogWriteError):  # recorded, and raised below
+                    self._write_end("closed")
             if self._failure is None and self.fsync != "never":
                 self._fsync("close")
         finally:
@@ -348,6 +373,7 @@ class LogWriter:
             "created_wall_ns": time.time_ns(),
             "run_id": self.run_id,
             "segment": number,
+            "first_seq": self.seq,
             "prev_segment_digest": prev_digest,
             "config": self.config,
             "schemas": codec.schemas(),
@@ -375,8 +401,16 @@ class LogWriter:
         if self.fsync != "never":
             _fsync_dir(path.parent)
 
+    def _write_end(self, how: Literal["closed", "rotated"]) -> None:
+        """The segment's end record: a frame whose payload is a map (a step's frame never
+        is), so a reader tells a log that was closed, or rotated into a next segment, from
+        one whose writer is still running or died (no end record)."""
+        end = {"end": how, "frames": self.seq, "last_step": self._last_step}
+        self._write(frame_bytes(msgpack.packb(end, use_bin_type=True)))
+
     def _rotate(self) -> None:
         number = len(self.paths)
+        self._write_end("rotated")
         if self.fsync != "never":
             self._fsync("rotation")
             self._check_usable()
@@ -403,6 +437,7 @@ class LogWriter:
             self.seq = seq
             raise
         self._write(b"".join(frame_bytes(p) for p in payloads))
+        self._last_step = self._frame_step
         self._mark = self._encoder.mark()
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
@@ -422,7 +457,7 @@ class LogWriter:
                 *records,
             )
         )
-        if len(payload) <= self.max_frame_bytes:
+        if len(payload) <= self.max_frame_bytes and len(records) <= MAX_FRAME_RECORDS:
             self.seq += 1
             return [payload]
         if len(records) == 1:
@@ -538,6 +573,15 @@ class LogReader:
         self.max_frame_bytes = max_frame_bytes
         self.strict = strict
         self.stop: StopInfo | None = None
+        # How the last read ended, when it ended without damage: "closed" (the writer closed
+        # the log), "open" (no end record: a writer still running, or one that died after its
+        # last complete step), "rotated" (the last segment here was rotated into a next one
+        # that is not here: deleted, or the writer died starting it), "unknown" (written
+        # before end records existed, format 1.0). See ENDINGS.
+        self.ending: Ending | None = None
+        # The first segment's number when it is not 0: the log's beginning is missing.
+        self.missing_start: int | None = None
+        self.last_step: int | None = None  # the step of the last frame read
         self._header: dict[str, Any] | None = None
         self._header_read = False
 
@@ -590,6 +634,9 @@ class LogReader:
         """``(seq, step, wall_ns, records, offset, path, decoder)`` per verified frame, over
         all segments; stops (or raises when strict) at the first damage."""
         self.stop = None
+        self.ending = None
+        self.missing_start = None
+        self.last_step = None
         prev: tuple[dict[str, Any], str, str] | None = None  # header, digest, path
         expect_seq: int | None = None
         try:
@@ -607,9 +654,23 @@ class LogReader:
                         raise _Stop(StopInfo(path, 0, str(e), "bad_header")) from None
                     if prev is not None:
                         _check_chain(prev, header, path)
+                    else:
+                        if header["segment"] != 0:
+                            # Old segments deleted: what is here is read, and said to lack
+                            # its start (a replay cannot rebuild the states before it).
+                            self.missing_start = header["segment"]
+                        expect_seq = header.get("first_seq", 0 if header["segment"] == 0 else None)
                     decoder = _decoder_for(header, path)
                     last = index == len(self.paths) - 1
+                    end: dict[str, Any] | None = None
                     for offset, payload in _scan(f, path, self.max_frame_bytes, hasher, last):
+                        if end is not None:
+                            raise _Stop(
+                                StopInfo(path, offset, "a frame after the end record", "corrupt")
+                            )
+                        if payload[:1] in _MAP_FIRST_BYTES:
+                            end = _unpack_end(payload, path, offset)
+                            continue
                         seq, step, wall_ns, records = _unpack_frame(payload, path, offset)
                         if expect_seq is not None and seq != expect_seq:
                             raise _Stop(
@@ -621,12 +682,34 @@ class LogReader:
                                 )
                             )
                         expect_seq = seq + 1
+                        self.last_step = step
                         yield seq, step, wall_ns, records, offset, path, decoder
+                    size = f.tell()
+                self._segment_end(header, end, path, size, last)
                 prev = (header, hasher.hexdigest(), path)
         except _Stop as s:
             self.stop = s.info
             if self.strict:
                 raise LogCorruptError(s.info) from None
+
+    def _segment_end(
+        self, header: dict[str, Any], end: dict[str, Any] | None, path: str, size: int, last: bool
+    ) -> None:
+        """Judge how a segment read to its end finished: the log's end, or a link on."""
+        how = None if end is None else end.get("end")
+        if header["minor"] < 1:  # written before end records existed
+            if last:
+                self.ending = "unknown"
+            return
+        if not last and how != "rotated":
+            what = "was closed" if how == "closed" else "has no end record"
+            raise _Stop(
+                StopInfo(
+                    path, size, f"segment {header['segment']} {what}, yet more follow", "corrupt"
+                )
+            )
+        if last:
+            self.ending = "open" if how is None else how
 
     def _read_header(self, f: IO[bytes], path: str, hasher: _Hasher) -> dict[str, Any]:
         pre = f.read(PREAMBLE_SIZE)
@@ -703,6 +786,8 @@ def _scan(
             raise _Stop(StopInfo(path, offset, f"the data ends inside a frame header{tail}", torn))
         n, lcrc = _U32x2.unpack(head)
         if masked_crc(head[:4]) != lcrc:
+            if last and _zeros_to_end(f, head):
+                raise _Stop(_zero_tail(path, offset, size))
             raise _Stop(StopInfo(path, offset, "frame length checksum mismatch", "corrupt"))
         if n > max_frame:
             raise _Stop(
@@ -726,6 +811,9 @@ def _scan(
             )
         payload = memoryview(body)[:n]
         if masked_crc(payload) != unpack_u32(body, n)[0]:
+            if last and _zeros_to_end(f, body):
+                # The length reached the disk, the payload did not (a power loss).
+                raise _Stop(_zero_tail(path, offset, size))
             raise _Stop(StopInfo(path, offset, "frame payload checksum mismatch", "corrupt"))
         update(head)
         update(body)
@@ -733,45 +821,108 @@ def _scan(
         offset += 12 + n
 
 
-def _unpack_frame(payload: memoryview, path: str, offset: int) -> tuple[int, int, int, list[Any]]:
-    """``[seq, step, wall_ns, records]`` from a verified payload. The limits bound what a
-    hostile payload can make the decoder allocate: no string, binary or array longer than the
-    payload, no maps at all (frames have none), no extension types. Deep nesting is bounded by
-    msgpack itself (1024 levels, each preallocating at most about 80 KB): a few times the
-    payload plus about 80 MB, whatever the claimed lengths."""
-    n = len(payload)
+def _zeros_to_end(f: IO[bytes], first: bytes) -> bool:
+    """Whether ``first`` and everything after it in ``f`` are zero bytes: what a file system
+    leaves after a power loss (blocks allocated, never written). Reads on to the end."""
+    if any(first):
+        return False
+    while chunk := f.read(1 << 20):
+        if any(chunk):
+            return False
+    return True
+
+
+def _zero_tail(path: str, offset: int, size: int) -> StopInfo:
+    return StopInfo(
+        path,
+        offset,
+        f"zero-filled tail ({size - offset} bytes of zeros after the last complete frame: "
+        "never written, as after a power loss)",
+        "torn_tail",
+    )
+
+
+# A step's frame is an array; an end record is a map (fixmap, map 16, map 32).
+_MAP_FIRST_BYTES: Final = frozenset(bytes([b]) for b in (*range(0x80, 0x90), 0xDE, 0xDF))
+
+
+def _unpack_end(payload: memoryview, path: str, offset: int) -> dict[str, Any]:
     try:
-        obj = msgpack.unpackb(
-            payload,
-            use_list=True,
-            raw=False,
-            strict_map_key=True,
-            max_str_len=n,
-            max_bin_len=n,
-            max_array_len=n,
-            max_map_len=0,
-            max_ext_len=0,
-        )
+        end = msgpack.unpackb(payload, raw=False, max_str_len=64, max_bin_len=0,
+                              max_array_len=0, max_map_len=16, max_ext_len=0)  # fmt: skip
+    except Exception as e:
+        raise _Stop(
+            StopInfo(
+                path, offset, f"undecodable end record: {codec.describe_exception(e)}", "corrupt"
+            )
+        ) from None
+    if not isinstance(end, dict) or end.get("end") not in ("closed", "rotated"):
+        raise _Stop(StopInfo(path, offset, f"not an end record: {end!r}"[:200], "corrupt"))
+    return end
+
+
+def _unpack_frame(payload: memoryview, path: str, offset: int) -> tuple[int, int, int, list[Any]]:
+    """``[seq, step, wall_ns, records]`` from a verified payload. The frame's head is read
+    first, and a frame announcing more than :data:`MAX_FRAME_RECORDS` records is refused
+    before any record is decoded. The limits bound what a hostile payload can make the
+    decoder allocate: no string, binary or array longer than the payload, no maps at all
+    (frames have none), no extension types; deep nesting is bounded by msgpack itself (1024
+    levels). docs/log-format.md gives the measured cost."""
+    n = len(payload)
+    limits = {
+        "raw": False,
+        "strict_map_key": True,
+        "max_str_len": n,
+        "max_bin_len": n,
+        "max_array_len": n,
+        "max_map_len": 0,
+        "max_ext_len": 0,
+    }
+    try:
+        head = msgpack.Unpacker(None, max_buffer_size=n, **limits)
+        head.feed(payload)
+        shape = head.read_array_header()
+        seq, step, wall_ns = (head.unpack() for _ in range(3)) if shape == 4 else (None,) * 3
+        start = head.tell()  # where the records array begins
+        count = head.read_array_header() if shape == 4 else -1
     except Exception as e:  # hostile bytes raise many kinds; all mean "undecodable"
         raise _Stop(
             StopInfo(
                 path, offset, f"undecodable frame payload: {codec.describe_exception(e)}", "corrupt"
             )
         ) from None
-    if (
-        type(obj) is not list
-        or len(obj) != 4
-        or type(obj[0]) is not int
-        or type(obj[1]) is not int
-        or type(obj[2]) is not int
-        or type(obj[3]) is not list
-    ):
+    if shape != 4 or type(seq) is not int or type(step) is not int or type(wall_ns) is not int:
         raise _Stop(
             StopInfo(
                 path, offset, "frame payload is not [seq, step, wall_ns, [records]]", "corrupt"
             )
         )
-    return obj[0], obj[1], obj[2], obj[3]
+    if count > MAX_FRAME_RECORDS:
+        raise _Stop(
+            StopInfo(
+                path,
+                offset,
+                f"frame announces {count} records, over {MAX_FRAME_RECORDS} a frame may hold",
+                "corrupt",
+            )
+        )
+    try:
+        # The records array again, whole, in one call (decoded in C).
+        body = payload[start:]
+        records = msgpack.unpackb(body, use_list=True, **limits)
+    except Exception as e:  # hostile bytes raise many kinds; all mean "undecodable"
+        raise _Stop(
+            StopInfo(
+                path, offset, f"undecodable frame payload: {codec.describe_exception(e)}", "corrupt"
+            )
+        ) from None
+    if type(records) is not list:
+        raise _Stop(
+            StopInfo(
+                path, offset, "frame payload is not [seq, step, wall_ns, [records]]", "corrupt"
+            )
+        )
+    return seq, step, wall_ns, records
 
 
 class _Hasher:
@@ -795,6 +946,10 @@ def _header_problem(header: Any) -> str | None:
             return f"header lacks {key!r}"
         if not isinstance(header[key], t) or isinstance(header[key], bool):
             return f"header {key!r} has type {type(header[key]).__name__}"
+    if "first_seq" in header and (type(header["first_seq"]) is not int or header["first_seq"] < 0):
+        return f"header 'first_seq' is not a non-negative integer: {header['first_seq']!r}"
+    if header["segment"] < 0:
+        return f"header 'segment' is negative: {header['segment']}"
     if header["format"] != FORMAT:
         return f"header format is {header['format']!r}, expected {FORMAT!r}"
     if not isinstance(header.get("transforms", {}), dict):
