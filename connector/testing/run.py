@@ -12,6 +12,7 @@ Used by the integration tests, the replay tests' real logs and ``kvledger demo``
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,10 +32,17 @@ from connector.testing.oracle import KVOracle, Mismatch
 __all__ = ["RunReport", "RunSpec", "run", "summarize"]
 
 
-@attrs.frozen
-class RunSpec:
-    """A workload and the engine and connector settings to run it under."""
+@dataclasses.dataclass(frozen=True)
+class RunSpec(HarnessConfig):
+    """A workload, and the engine (the ``HarnessConfig`` fields, with a smaller pool and batch
+    by default) and connector settings to run it under. ``kv_connector`` is the runner's: it
+    loads KVLedgerConnector with ``extra_config``."""
 
+    # The engine: HarnessConfig's fields, three with other defaults.
+    num_gpu_blocks: int = 24
+    max_num_seqs: int = 4
+    max_num_batched_tokens: int = 128
+    # The workload.
     num_requests: int = 8
     prompt_len: tuple[int, int] = (48, 160)
     max_tokens: tuple[int, int] = (8, 48)
@@ -43,19 +51,17 @@ class RunSpec:
     # Prompts of the first requests come again as new requests once those finished: full
     # prompt hits in the pool.
     repeat_prompts: int = 2
-    block_size: int = 16
-    num_gpu_blocks: int = 24
-    max_num_seqs: int = 4
-    max_num_batched_tokens: int = 128
-    long_prefill_token_threshold: int = 0
-    enable_prefix_caching: bool = True
-    async_scheduling: bool = False
-    model_runner_v2: bool = True
-    extra_config: Mapping[str, Any] = attrs.field(factory=lambda: {"chunk_size": 32})
+    # The connector: its kv_connector_extra_config, and the layout of the worker's caches.
+    extra_config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"chunk_size": 32})
     layout: str = "flash_attn"
-    seed: int = 0
+    # The run.
     verify: bool = True
     max_steps: int = 5000
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_connector is not None:
+            raise ValueError("RunSpec.kv_connector is set by the runner; use extra_config")
 
 
 @attrs.frozen
@@ -104,24 +110,16 @@ class _Driver:
         if log_dir is not None:
             extra["log_dir"] = log_dir
         extra.setdefault("strict", False)
-        config = HarnessConfig(
-            block_size=spec.block_size,
-            num_gpu_blocks=spec.num_gpu_blocks,
-            max_num_seqs=spec.max_num_seqs,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
-            long_prefill_token_threshold=spec.long_prefill_token_threshold,
-            enable_prefix_caching=spec.enable_prefix_caching,
-            async_scheduling=spec.async_scheduling,
-            model_runner_v2=spec.model_runner_v2,
-            seed=spec.seed,
-            kv_connector={
-                "kv_connector": "KVLedgerConnector",
-                "kv_connector_module_path": "connector.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": extra,
-            },
-        )
+        kv_connector = {
+            "kv_connector": "KVLedgerConnector",
+            "kv_connector_module_path": "connector.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra,
+        }
+        # The spec's HarnessConfig part, with the connector the runner loads.
+        engine = {f.name: getattr(spec, f.name) for f in dataclasses.fields(HarnessConfig)}
+        config = HarnessConfig(**{**engine, "kv_connector": kv_connector})
         self.spec = spec
         self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled)
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
