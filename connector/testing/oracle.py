@@ -15,12 +15,12 @@ was "computed" on garbage can never pass for the real thing.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import attrs
 import torch
 
-__all__ = ["KVOracle", "Mismatch", "verify_all"]
+__all__ = ["KVOracle", "Mismatch"]
 
 _MASK = (1 << 61) - 1
 _MUL = 1_000_003
@@ -174,15 +174,3 @@ class KVOracle:
 
     def forget(self, req_id: str) -> None:
         self._hashes.pop(req_id, None)
-
-
-def verify_all(
-    oracle: KVOracle, requests: Mapping[str, tuple[Sequence[int], Sequence[int], int]]
-) -> list[Mismatch]:
-    """``requests``: req id -> (token ids, block ids, tokens computed)."""
-    out: list[Mismatch] = []
-    for req_id, (tokens, blocks, upto) in requests.items():
-        m = oracle.verify(req_id, tokens, blocks, upto)
-        if m is not None:
-            out.append(m)
-    return out
