@@ -86,6 +86,11 @@ def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[
     return wrap
 
 
+def _free_now() -> tuple[bool, dict[str, Any] | None]:
+    """``request_finished``'s safe answer: vLLM may free the blocks at once."""
+    return False, None
+
+
 def _status_name(request: Any) -> str:
     status = getattr(request, "status", None)
     return str(getattr(status, "name", status) or "").lower()
@@ -387,7 +392,7 @@ class SchedulerSide:
             if confirmed:
                 tracker.save_done(req_id, confirmed)
 
-    @_guarded(lambda: (False, None))
+    @_guarded(_free_now)
     def request_finished(
         self, request: Any, block_ids: Any = None
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -180,7 +180,7 @@ def _pin_in_place(buffer: torch.Tensor, owner: object) -> bool:
     a power of two (100 GB becomes 128 GB); vLLM's CPU offloading registers for the same reason.
     """
     try:
-        cudart = torch.cuda.cudart()
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]  # untyped in torch
         err = cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
     except (AttributeError, RuntimeError):
         return False

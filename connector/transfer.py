@@ -261,7 +261,8 @@ class TransferBackend:
             # One side stream for saves and loads alike: transfers then run in issue order, so a
             # load can never overtake a save of the same blocks or slot (vLLM's offloading worker
             # chains its jobs the same way). The staging buffer is only touched on this stream.
-            self._stream = torch.cuda.Stream(device=self.spec.device)
+            # torch.cuda.Stream and torch.cuda.Event are untyped in torch's own annotations.
+            self._stream = torch.cuda.Stream(device=self.spec.device)  # type: ignore[no-untyped-call]
             self._staging = torch.empty(
                 self.chunk_shape, dtype=self.spec.dtype, device=self.spec.device
             )
@@ -314,7 +315,7 @@ class TransferBackend:
             self._move(staging, 0, n, index_dev, save=save)
             if save:
                 self._copy_region(host, staging, offset, n, to_host=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
         return TransferHandle(event, self.spec.device, (host, index_dev))
 

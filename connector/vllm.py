@@ -51,15 +51,18 @@ _BASE_TAKES_KV_CACHE_CONFIG = (
     "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
 )
 
+# The `type: ignore[misc, unused-ignore]` on the classes below: where vLLM is not installed
+# (mypy without the vllm extra) their bases are Any, and subclassing Any is an error.
 
-class KVLedgerMetadata(KVConnectorMetadata):  # type: ignore[misc]
+
+class KVLedgerMetadata(KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
     """Scheduler -> worker, once per step."""
 
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
 
 
-class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
+class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, unused-ignore]
     """Worker -> scheduler, once per step. ``aggregate`` (vLLM merging the workers of a
     tensor/pipeline-parallel group) keeps each rank's report apart: the scheduler confirms a
     transfer only once every rank reported it."""
@@ -67,7 +70,10 @@ class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
     def __init__(self, *reports: WorkerReport) -> None:
         self.reports = reports
 
-    def aggregate(self, other: KVLedgerWorkerMetadata) -> KVLedgerWorkerMetadata:
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVLedgerWorkerMetadata:
+        """vLLM aggregates the metadata of one connector class: ``other`` is ours too."""
+        if not isinstance(other, KVLedgerWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} with KVLedgerWorkerMetadata")
         return KVLedgerWorkerMetadata(*self.reports, *other.reports)
 
     @property
@@ -76,7 +82,7 @@ class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc]
         return self.reports[0]
 
 
-class KVLedgerStats(KVConnectorStats):  # type: ignore[misc]
+class KVLedgerStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
     """The worker's reports on vLLM 0.11 - 0.17, in the connector stats: plain data (it may be
     serialised between processes); ``aggregate`` keeps each rank's reports apart."""
 
@@ -140,14 +146,14 @@ def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, st
     return token_bytes, num_layers, salt
 
 
-class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc]
+class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     """vLLM's entry point; see the module docstring."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         if _BASE_TAKES_KV_CACHE_CONFIG:
             super().__init__(vllm_config, role, kv_cache_config)
-        else:  # pragma: no cover - vLLM <= 0.11.0
-            super().__init__(vllm_config, role)
+        else:  # pragma: no cover - vLLM <= 0.11.0, whose base takes no kv_cache_config
+            super().__init__(vllm_config, role)  # type: ignore[call-arg, unused-ignore]
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.kv_config = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
