@@ -7,11 +7,14 @@ ids (vLLM's ``slot_mapping`` convention: ``block_id * block_size + offset_in_blo
 A host chunk slot is one contiguous tensor ``[num_layers, 2, chunk_tokens, num_kv_heads *
 head_size]``: per layer K then V, token-major inside, so a whole chunk is one DMA.
 
-How bytes move (see /work/shared/reference/kv-transfer.md §3): each layer is viewed as rows of
-``num_kv_heads * head_size`` elements, one row per (K or V, token), and one ``index_select`` (save)
-or ``index_copy_`` (load) per layer moves every token of the call at once. On CUDA this runs on a
-side stream through a device staging buffer, so the host side is one large DMA; on CPU it runs
-synchronously, straight into or out of the host slot.
+How bytes move: each layer is viewed as rows of ``num_kv_heads * head_size`` elements, one row
+per (K or V, token), and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves
+every token of the call at once. On CUDA this runs on a side stream through a device staging
+buffer, so the host side is one large DMA; on CPU it runs synchronously, straight into or out of
+the host slot. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCache's
+``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side
+stream ordered after the compute stream is what vLLM's CPU offloading worker does
+(``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
 """
 
 from __future__ import annotations
