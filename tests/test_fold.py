@@ -598,3 +598,12 @@ def test_seq_state_fields_are_seqs() -> None:
 class _Quiet:
     def warning(self, *args: object, **kwargs: object) -> None:
         pass
+
+
+def test_a_load_failure_after_the_load_was_confirmed_is_a_violation() -> None:
+    s = admitted()
+    s, _ = run([ev.LoadPlanned(0, "r", 0, 16, (b"a", b"b"), (0, 1)), ev.LoadDone(1, "r")], s)
+    for blocks, foreign in (((77,), 1), ((s.block_ids[0],), 0)):
+        after, vs = run([ev.LoadFailed(2, "r", blocks)], s)
+        assert rules(vs) == ["load_result_twice"] and vs[0].detail == {"foreign_blocks": foreign}
+        assert after is not None and after.num_tokens == s.num_tokens  # nothing rolled back

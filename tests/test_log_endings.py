@@ -146,3 +146,22 @@ def test_what_reading_the_largest_frame_costs(tmp_path: Path, kind: str) -> None
         tracemalloc.stop()
     assert reader.stop is None and count >= 1
     assert peak <= 18 * limit, f"{peak / len(payload):.1f}x the payload"
+
+
+def test_steps_never_go_backwards_or_below_zero(tmp_path: Path) -> None:
+    for steps, reason in (([0, 2, 1], "frame step 1 after step 2"), ([-3], "frame step -3")):
+        payloads = [msgpack.packb([i, s, 0, [[5, f"r{i}"]]]) for i, s in enumerate(steps)]
+        path = tmp_path / f"steps{len(steps)}.kvlog"
+        path.write_bytes(header_bytes() + b"".join(frame_with(p) for p in payloads))
+        frames, reader = _read(path)
+        assert len(frames) == len(steps) - 1
+        assert reader.stop is not None and reader.stop.kind == "corrupt"
+        assert reason in reader.stop.reason
+    # a step spread over several frames is fine
+    path = tmp_path / "same.kvlog"
+    path.write_bytes(
+        header_bytes()
+        + b"".join(frame_with(msgpack.packb([i, 4, 0, [[5, f"r{i}"]]])) for i in range(3))
+    )
+    frames, reader = _read(path)
+    assert reader.stop is None and [f.step for f in frames] == [4, 4, 4]

@@ -682,6 +682,15 @@ class LogReader:
                                 )
                             )
                         expect_seq = seq + 1
+                        if step < 0 or (self.last_step is not None and step < self.last_step):
+                            # Steps only grow (a step may span several frames): a frame from
+                            # the past is a spliced or forged log, not a record of this run.
+                            after = (
+                                "" if self.last_step is None else f" after step {self.last_step}"
+                            )
+                            raise _Stop(
+                                StopInfo(path, offset, f"frame step {step}{after}", "corrupt")
+                            )
                         self.last_step = step
                         yield seq, step, wall_ns, records, offset, path, decoder
                     size = f.tell()

@@ -518,6 +518,11 @@ def _on_load_failed(state: RequestState, e: ev.LoadFailed, config: TrackerConfig
         return state, _NONE
     if state.load is None:
         return state, (_violation("load_result_without_load", e, blocks=len(e.block_ids)),)
+    if state.load.done:
+        # A failure after the load was confirmed contradicts that confirmation (each load
+        # gets one result, all ranks together): the worker's word on this KV is not reliable.
+        foreign = len(set(e.block_ids).difference(state.block_ids))
+        return state, (_violation("load_result_twice", e, foreign_blocks=foreign),)
     # vLLM rolls back to the first failed block; saves planned from there on would store KV
     # computed over a wrong prefix, so the tracker cancels them (see Tracker).
     first = _first_failed_token(state, e.block_ids, config.block_size)
