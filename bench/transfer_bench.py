@@ -14,7 +14,7 @@ raw, save and load so that drift on a shared machine hits all three alike; each 
 median over --repeats rounds after --warmup rounds, in GB/s (1e9 bytes/s); "vs raw" is the median
 of the per-round ratios. Every time includes waiting for the transfer to finish
 (TransferHandle.synchronize / stream sync); "submit" is the host time until save()/load()
-returned. Protocol: /work/shared/reference/kv-transfer.md §4-§5.
+returned. Protocol: warm-up rounds, then the variants interleaved round by round.
 
   python bench/transfer_bench.py --device cpu
   python bench/transfer_bench.py --device cuda --repeats 100

@@ -3,7 +3,8 @@ vLLM's callback order around a ``SchedulerSide`` (and, when given, a worker: a
 ``connector.testing.faults.FaultyWorkerSide`` over CPU paged caches owned by the KV-content
 oracle).
 
-Nothing here imports vLLM. The shapes follow /work/shared/reference/vllm-connector-api.md §2:
+Nothing here imports vLLM. The shapes follow vLLM 0.33's
+``vllm/v1/core/sched/output.py`` (``NewRequestData``, ``CachedRequestData``, ``SchedulerOutput``):
 
 * ``NewRequestData``: ``req_id, prompt_token_ids, block_ids: tuple[list[int], ...],
   num_computed_tokens`` (+ ``prefill_token_ids`` under Model Runner V2);
