@@ -47,6 +47,16 @@ class ConnectorConfig:
     discard_partial_chunks: bool = True
     log_dir: str | None = None
     log_rotate_bytes: int = 256 << 20
+    # Durability of the log, like SQLite's `synchronous`: "close" fsyncs at each rotation and
+    # at close, "step" after every step too, "never" leaves it to the OS.
+    log_fsync: str = "close"
+    # Write the log on a thread of its own, so a slow or hung disk never stalls the scheduler:
+    # past log_queue_bytes waiting, steps are dropped and the gap recorded.
+    log_background: bool = True
+    log_queue_bytes: int = 64 << 20
+    # A log_dir that cannot be written: by default a loud error and the engine serves without
+    # a log; with log_required, the connector refuses to start, naming the directory.
+    log_required: bool = False
     strict: bool = False
 
     @classmethod
@@ -63,12 +73,24 @@ class ConnectorConfig:
                 f"{sorted(known)}"
             )
         values: dict[str, Any] = {}
-        for name in ("chunk_size", "host_pool_bytes", "log_rotate_bytes"):
+        for name in ("chunk_size", "host_pool_bytes", "log_rotate_bytes", "log_queue_bytes"):
             if name in extra:
                 values[name] = _pos_int(name, extra[name])
-        for name in ("save_decode_cache", "discard_partial_chunks", "strict"):
+        for name in (
+            "save_decode_cache",
+            "discard_partial_chunks",
+            "strict",
+            "log_background",
+            "log_required",
+        ):
             if name in extra:
                 values[name] = _bool(name, extra[name])
+        if "log_fsync" in extra:
+            if extra["log_fsync"] not in ("close", "step", "never"):
+                raise ConnectorConfigError(
+                    f"log_fsync must be 'close', 'step' or 'never', got {extra['log_fsync']!r}"
+                )
+            values["log_fsync"] = extra["log_fsync"]
         log_dir = extra.get("log_dir", environ.get(ENV_LOG_DIR) or None)
         if log_dir is not None and not isinstance(log_dir, str):
             raise ConnectorConfigError(f"log_dir must be a path string, got {log_dir!r}")

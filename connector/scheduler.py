@@ -22,10 +22,11 @@ from typing import Any, TypeVar
 
 import structlog
 
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from tracker import events as ev
 from tracker.config import TrackerConfig
+from tracker.log import LogWriteError
 from tracker.plans import blocks_covering, transfer_plan
 from tracker.tracker import Tracker
 
@@ -125,9 +126,23 @@ class SchedulerSide:
         )
         self.log_path: str | None = None
         writer = None
+        log_error: str | None = None
         if config.log_dir:
-            writer = self._open_log(config.log_dir, log_header or {})
+            try:
+                writer = self._open_log(config.log_dir, log_header or {})
+            except (OSError, LogWriteError) as e:
+                # The documented policy (docs/using-with-vllm.md): the engine serves without a
+                # log, said loudly, unless the log is required.
+                log_error = f"log_dir {config.log_dir!r} cannot be written: {e}"
+                if config.log_required:
+                    raise ConnectorConfigError(f"{log_error} (log_required is set)") from None
+                self.log_path = None
         self.tracker = Tracker(self.tracker_config, log=writer, logger=logger)
+        if log_error is not None:
+            self.tracker.log_error = log_error
+            (logger or structlog.get_logger("kvledger")).error(
+                "kvledger.log_unavailable", error=log_error
+            )
         self.adapter_errors = 0
         # What the loads were for: resumed requests, and hits covering the whole prompt.
         self.load_stats = {"tokens_loaded_on_resume": 0, "full_hits": 0}
@@ -149,7 +164,14 @@ class SchedulerSide:
         path = os.path.join(log_dir, f"kvledger-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.kvlog")
         self.log_path = path
         header = {**self.tracker_config.to_dict(), **extra}
-        return LogWriter(path, header, rotate_bytes=self.config.log_rotate_bytes)
+        return LogWriter(
+            path,
+            header,
+            rotate_bytes=self.config.log_rotate_bytes,
+            fsync=self.config.log_fsync,  # type: ignore[arg-type]  # checked by ConnectorConfig
+            background=self.config.log_background,
+            max_queue_bytes=self.config.log_queue_bytes,
+        )
 
     # --- callbacks ------------------------------------------------------------------------
 

@@ -27,7 +27,11 @@ ACCEPTED = [
     "chunk_size",
     "discard_partial_chunks",
     "host_pool_bytes",
+    "log_background",
     "log_dir",
+    "log_fsync",
+    "log_queue_bytes",
+    "log_required",
     "log_rotate_bytes",
     "save_decode_cache",
     "strict",
@@ -47,6 +51,10 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
         "discard_partial_chunks": True,
         "log_dir": None,
         "log_rotate_bytes": 256 << 20,
+        "log_fsync": "close",
+        "log_background": True,
+        "log_queue_bytes": 64 << 20,
+        "log_required": False,
         "strict": False,
     }
     assert sorted(attrs.asdict(config)) == ACCEPTED
@@ -61,6 +69,10 @@ def test_every_key_is_read() -> None:
             "discard_partial_chunks": "0",
             "log_dir": "/var/log/kvledger",
             "log_rotate_bytes": 4096,
+            "log_fsync": "step",
+            "log_background": "false",
+            "log_queue_bytes": 1 << 20,
+            "log_required": True,
             "strict": True,
         },
         environ={},
@@ -72,6 +84,10 @@ def test_every_key_is_read() -> None:
         discard_partial_chunks=False,
         log_dir="/var/log/kvledger",
         log_rotate_bytes=4096,
+        log_fsync="step",
+        log_background=False,
+        log_queue_bytes=1 << 20,
+        log_required=True,
         strict=True,
     )
 
@@ -102,6 +118,11 @@ def test_booleans_accept_strings(text: str) -> None:
         ("strict", 1.0),
         ("log_dir", 7),
         ("log_dir", ["/tmp"]),
+        ("log_fsync", "always"),
+        ("log_fsync", None),
+        ("log_background", "on"),
+        ("log_queue_bytes", 0),
+        ("log_required", 3),
     ],
 )
 def test_bad_value_names_the_key(key: str, value: Any) -> None:

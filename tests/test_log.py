@@ -684,7 +684,8 @@ def test_fsync_error_is_logged_not_retried_and_fails_the_next_write(
     w.close()
 
 
-def test_write_error_fails_the_writer(tmp_path: Path) -> None:
+@pytest.mark.parametrize("background", [False, True])
+def test_write_error_fails_the_writer(tmp_path: Path, background: bool) -> None:
     class Full:
         def __init__(self, inner: Any) -> None:
             self.inner = inner
@@ -695,12 +696,19 @@ def test_write_error_fails_the_writer(tmp_path: Path) -> None:
         def __getattr__(self, name: str) -> Any:
             return getattr(self.inner, name)
 
-    w = LogWriter(tmp_path / "x.kvlog", {})
-    w._file = Full(w._file)  # type: ignore[assignment]
+    w = LogWriter(tmp_path / "x.kvlog", {}, background=background)
+    out = w._out  # the file under the writer's output (direct, or its background thread's)
+    out._file = Full(out._file)  # type: ignore[attr-defined]
     w.append(ev.Preempted(1, "a"))
-    with pytest.raises(LogWriteError, match="No space left"):
+    if background:  # the thread fails; the next step hears of it
         w.end_step(1)
-    with pytest.raises(LogWriteError, match="failed earlier"):
+        deadline = time.monotonic() + 10
+        while out.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        with pytest.raises(LogWriteError, match="No space left"):
+            w.end_step(1)
+    with pytest.raises(LogWriteError, match="No space left" if background else "failed earlier"):
         w.append(ev.Preempted(2, "a"))
     w.close()
 

@@ -31,6 +31,7 @@ raises :class:`LogWriteError`. Open a new log to continue. A failed ``write`` do
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import importlib.metadata
@@ -38,13 +39,14 @@ import logging
 import os
 import re
 import struct
+import threading
 import time
 import uuid
 import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Final, Literal
+from typing import IO, Any, Final, Literal, Protocol
 
 import attrs
 import msgpack
@@ -80,6 +82,13 @@ MINOR: Final = 1
 FORMAT: Final = "kvledger-log"
 PREAMBLE_SIZE: Final = 12
 DEFAULT_MAX_FRAME_BYTES: Final = 16 << 20
+# What the background writer may hold before the disk catches up; past it, steps are dropped
+# (and the loss recorded), never the engine stalled.
+DEFAULT_MAX_QUEUE_BYTES: Final = 64 << 20
+# How long close() waits for the background writer to drain before it gives up and says so.
+CLOSE_TIMEOUT_S: Final = 30.0
+# Room kept in the queue for the loss record itself.
+_LOST_RECORD_BYTES: Final = 128
 # Records one frame may hold: the writer splits a step with more into several frames, and a
 # reader refuses a frame announcing more before decoding any of it. With the byte bound, this
 # bounds what reading one frame costs in memory (docs/log-format.md, "What reading costs").
@@ -227,11 +236,15 @@ class LogWriter:
         rotate_bytes: int | None = DEFAULT_ROTATE_BYTES,
         fsync: Literal["close", "step", "never"] = "close",
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        background: bool = False,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
     ) -> None:
         if fsync not in ("close", "step", "never"):
             raise ValueError(f"fsync must be 'close', 'step' or 'never', got {fsync!r}")
         if rotate_bytes is not None and rotate_bytes <= 0:
             raise ValueError(f"rotate_bytes must be positive or None, got {rotate_bytes!r}")
+        if max_queue_bytes <= 0:
+            raise ValueError(f"max_queue_bytes must be positive, got {max_queue_bytes!r}")
         self.config: dict[str, Any] = dict(config or {})
         self.rotate_bytes = rotate_bytes
         self.fsync = fsync
@@ -251,11 +264,22 @@ class LogWriter:
         self._mark = 0
         self._failure: str | None = None
         self._failure_raised = False
-        self._file: IO[bytes] | None = None
+        self._out: _Output = _BackgroundOutput(max_queue_bytes) if background else _DirectOutput()
+        self._open = False  # a segment is open for writing
+        # Steps dropped since the last frame written, because the background queue was full:
+        # written as one loss record before the next frame ({} when none).
+        self._lost: dict[str, int] = {}
+        self.lost_frames = 0  # over the whole log
         self._digest = hashlib.blake2b(digest_size=16)
         self._size = 0
         self._rotate_due = False
-        self._open_segment(0, "")
+        try:
+            self._open_segment(0, "")
+        except BaseException:
+            # A log that cannot start (a full disk, a read-only directory) leaves no file
+            # behind: an empty or header-less file would read as damage later.
+            self._discard_first_segment()
+            raise
 
     # --- public API -------------------------------------------------------------------
 
@@ -303,8 +327,7 @@ class LogWriter:
             raise ValueError(
                 f"end_step({step}) but the pending events belong to step {self._frame_step}"
             )
-        self._write_pending()
-        if self.fsync == "step":
+        if self._write_pending() and self.fsync == "step":
             self._fsync("step")
 
     def close(self) -> None:
@@ -319,19 +342,24 @@ class LogWriter:
                     self._write_pending()
                 except codec.EncodeError as e:  # the earlier steps still get their fsync
                     unencodable = e
-            if self._failure is None and self._file is not None:
+            if self._failure is None and self._open:
                 with contextlib.suppress(LogWriteError):  # recorded, and raised below
+                    if self._lost:
+                        self._write_lost()
                     self._write_end("closed")
             if self._failure is None and self.fsync != "never":
                 self._fsync("close")
         finally:
             self.closed = True
-            if self._file is not None:
+            if self._open:
+                self._open = False
                 try:
-                    self._file.close()
+                    self._out.close()
                 except OSError as e:  # the data was flushed; report, do not retry
                     _logger.error("kvledger log close failed: %s: %s", self.path, e)
-                self._file = None
+            failure = self._out.finish(CLOSE_TIMEOUT_S)
+            if failure is not None:
+                self._fail(failure)
         if self._failure is not None and not self._failure_raised:
             self._failure_raised = True
             raise LogWriteError(self._failure)
@@ -351,9 +379,22 @@ class LogWriter:
 
     # --- internals --------------------------------------------------------------------
 
+    def _discard_first_segment(self) -> None:
+        self.closed = True
+        if self._open:
+            self._open = False
+            with contextlib.suppress(OSError):
+                self._out.close()
+        self._out.finish(CLOSE_TIMEOUT_S)
+        if self.paths:
+            with contextlib.suppress(OSError):
+                self.paths[0].unlink()
+
     def _check_usable(self) -> None:
         if self.closed:
             raise LogWriteError(f"LogWriter for {self._first} is closed")
+        if self._failure is None and self._out.failure is not None:
+            self._fail(self._out.failure)  # the background thread's write failed
         if self._failure is not None:
             self._failure_raised = True
             raise LogWriteError(f"LogWriter for {self._first} failed earlier: {self._failure}")
@@ -386,11 +427,8 @@ class LogWriter:
             raise TypeError(f"log config must be msgpack-serialisable: {e}") from e
         if len(payload) > MAX_HEADER_BYTES:
             raise ValueError(f"log header is {len(payload)} bytes, over {MAX_HEADER_BYTES}")
-        try:
-            f = open(path, "xb")  # noqa: SIM115 (owned by the writer until close)
-        except FileExistsError:
-            raise FileExistsError(f"{path} exists: a kvledger log is never overwritten") from None
-        self._file = f
+        self._out.open(path, sync_dir=self.fsync != "never")
+        self._open = True
         self._digest = hashlib.blake2b(digest_size=16)
         self._size = 0
         self._rotate_due = False
@@ -398,8 +436,6 @@ class LogWriter:
         self._encoder = codec.Encoder()
         self._refs = self._encoder.refs
         self._write(_PREAMBLE.pack(MAGIC, MAJOR, MINOR) + frame_bytes(payload))
-        if self.fsync != "never":
-            _fsync_dir(path.parent)
 
     def _write_end(self, how: Literal["closed", "rotated"]) -> None:
         """The segment's end record: a frame whose payload is a map (a step's frame never
@@ -414,17 +450,17 @@ class LogWriter:
         if self.fsync != "never":
             self._fsync("rotation")
             self._check_usable()
-        assert self._file is not None
         try:
-            self._file.close()
-            self._file = None
+            self._open = False
+            self._out.close()
             self._open_segment(number, self._digest.hexdigest())
         except OSError as e:
             self._fail(f"rotation to segment {number} failed: {e}")
             self._failure_raised = True
             raise LogWriteError(self._failure) from e
 
-    def _write_pending(self) -> None:
+    def _write_pending(self) -> bool:
+        """Write the pending frame; False when it was dropped (the background queue full)."""
         records = self._pending
         self._pending = []
         seq = self.seq
@@ -436,11 +472,43 @@ class LogWriter:
             self._encoder.rollback(self._mark)
             self.seq = seq
             raise
-        self._write(b"".join(frame_bytes(p) for p in payloads))
+        data = b"".join(frame_bytes(p) for p in payloads)
+        if not self._out.room(len(data) + _LOST_RECORD_BYTES):
+            # The disk is behind by max_queue_bytes: drop this step rather than block the
+            # engine. Its ids and seq numbers are forgotten, so the log stays consistent, and
+            # the loss is written in its place once the queue has room.
+            self._encoder.rollback(self._mark)
+            self.seq = seq
+            self._lose(len(payloads), len(records))
+            return False
+        if self._lost:
+            self._write_lost()
+        self._write(data)
         self._last_step = self._frame_step
         self._mark = self._encoder.mark()
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
+        return True
+
+    def _lose(self, frames: int, records: int) -> None:
+        lost = self._lost
+        if not lost:
+            _logger.warning(
+                "kvledger log: the disk is behind by the queue's bound; dropping steps from %d "
+                "until it catches up (the loss is recorded in the log)",
+                self._frame_step,
+            )
+            lost.update(frames=0, records=0, first_step=self._frame_step)
+        lost["frames"] += frames
+        lost["records"] += records
+        lost["last_step"] = self._frame_step
+        self.lost_frames += frames
+
+    def _write_lost(self) -> None:
+        """The loss record: which steps were dropped, and how much of them. A map like the end
+        record, so a reader knows the gap is a recorded fact, not damage."""
+        self._write(frame_bytes(msgpack.packb({"lost": self._lost}, use_bin_type=True)))
+        self._lost = {}
 
     def _pack(self, records: list[bytes]) -> list[bytes]:
         """Payloads for the pending records: one frame, or several of the same step when one
@@ -469,10 +537,8 @@ class LogWriter:
         return self._pack(records[:half]) + self._pack(records[half:])
 
     def _write(self, data: bytes) -> None:
-        assert self._file is not None
         try:
-            self._file.write(data)
-            self._file.flush()
+            self._out.write(data)
         except OSError as e:
             self._fail(f"write to {self.path} failed: {e}")
             self._failure_raised = True
@@ -481,9 +547,8 @@ class LogWriter:
         self._size += len(data)
 
     def _fsync(self, when: str) -> None:
-        assert self._file is not None
         try:
-            os.fsync(self._file.fileno())
+            self._out.fsync()
         except OSError as e:
             self._fail(f"fsync of {self.path} failed ({when}): {e}; not retried")
 
@@ -491,6 +556,169 @@ class LogWriter:
         if self._failure is None:
             self._failure = reason
         _logger.error("kvledger log writer failed: %s", reason)
+
+
+class _Output(Protocol):
+    """Where a writer's bytes go. The writer decides every byte (frames, digests, rotation)
+    on its own thread; an output only opens, writes, syncs and closes files."""
+
+    @property
+    def failure(self) -> str | None: ...
+
+    def open(self, path: Path, *, sync_dir: bool) -> None: ...
+
+    def write(self, data: bytes) -> None: ...
+
+    def fsync(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def room(self, size: int) -> bool: ...
+
+    def finish(self, timeout: float) -> str | None: ...
+
+
+def _create(path: Path) -> IO[bytes]:
+    try:
+        return open(path, "xb")
+    except FileExistsError:
+        raise FileExistsError(f"{path} exists: a kvledger log is never overwritten") from None
+
+
+class _DirectOutput:
+    """Writes on the caller's thread: an error raises at once (``OSError``)."""
+
+    failure: str | None = None
+
+    def __init__(self) -> None:
+        self._file: IO[bytes] | None = None
+
+    def open(self, path: Path, *, sync_dir: bool) -> None:
+        self._file = _create(path)
+        if sync_dir:
+            _fsync_dir(path.parent)
+
+    def write(self, data: bytes) -> None:
+        assert self._file is not None
+        self._file.write(data)
+        self._file.flush()
+
+    def fsync(self) -> None:
+        assert self._file is not None
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        f, self._file = self._file, None
+        if f is not None:
+            f.close()
+
+    def room(self, size: int) -> bool:
+        return True
+
+    def finish(self, timeout: float) -> str | None:
+        return None
+
+
+class _BackgroundOutput:
+    """Writes on a thread of its own, through a queue bounded in bytes, so a slow or hung
+    disk never stalls the caller (vLLM's scheduler): the caller asks :meth:`room` before each
+    frame and drops the frame when there is none. The first file is created on the caller's
+    thread (a log that cannot start says so at once); after that an error is kept in
+    :attr:`failure`, which the writer checks before each step, and what is queued after it is
+    discarded."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.failure: str | None = None
+        self._queued = 0  # bytes waiting (read without the lock: a bound, not an account)
+        self._ops: collections.deque[tuple[str, Any]] = collections.deque()
+        self._ready = threading.Condition()
+        self._file: IO[bytes] | None = None
+        self._path: Path | None = None
+        self._thread: threading.Thread | None = None
+
+    def open(self, path: Path, *, sync_dir: bool) -> None:
+        if self._path is None:  # the first segment: on the caller's thread
+            self._file, self._path = _create(path), path
+            if sync_dir:
+                _fsync_dir(path.parent)
+        else:
+            self._put("open", (path, sync_dir))
+
+    def write(self, data: bytes) -> None:
+        if self._thread is None:
+            # The first segment's header, on the caller's thread too: a log that cannot
+            # start says so at once. The thread takes over from here.
+            self._do("write", data)
+            self._thread = threading.Thread(target=self._run, name="kvledger-log", daemon=True)
+            self._thread.start()
+            return
+        self._put("write", data, len(data))
+
+    def fsync(self) -> None:
+        self._put("fsync", None)
+
+    def close(self) -> None:
+        self._put("close", None)
+
+    def room(self, size: int) -> bool:
+        return self._queued + size <= self.max_bytes
+
+    def finish(self, timeout: float) -> str | None:
+        """Stop the thread once the queue is written; the failure, if any."""
+        if self._thread is None:
+            return self.failure
+        self._put("stop", None)
+        self._thread.join(timeout)
+        if self._thread.is_alive() and self.failure is None:
+            self.failure = (
+                f"the log thread did not finish writing {self._path} within {timeout:.0f} s "
+                f"({self._queued} bytes still queued): is the disk hung?"
+            )
+        return self.failure
+
+    def _put(self, op: str, arg: Any, size: int = 0) -> None:
+        with self._ready:
+            self._ops.append((op, arg))
+            self._queued += size
+            self._ready.notify()
+
+    def _run(self) -> None:
+        ops, ready = self._ops, self._ready
+        while True:
+            with ready:
+                while not ops:
+                    ready.wait()
+                op, arg = ops.popleft()
+            if op == "stop":
+                return
+            try:
+                if self.failure is None:
+                    self._do(op, arg)
+            except OSError as e:
+                self.failure = f"{op} of {self._path} failed: {e}"
+            finally:
+                if op == "write":
+                    with ready:
+                        self._queued -= len(arg)
+
+    def _do(self, op: str, arg: Any) -> None:
+        if op == "write":
+            assert self._file is not None
+            self._file.write(arg)
+            self._file.flush()
+        elif op == "fsync":
+            assert self._file is not None
+            os.fsync(self._file.fileno())
+        elif op == "close":
+            f, self._file = self._file, None
+            if f is not None:
+                f.close()
+        elif op == "open":
+            path, sync_dir = arg
+            self._file, self._path = _create(path), path
+            if sync_dir:
+                _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -582,6 +810,9 @@ class LogReader:
         # The first segment's number when it is not 0: the log's beginning is missing.
         self.missing_start: int | None = None
         self.last_step: int | None = None  # the step of the last frame read
+        # Steps the writer dropped because the disk fell behind (its loss records):
+        # {"first_step", "last_step", "frames", "records"} each.
+        self.gaps: list[dict[str, int]] = []
         self._header: dict[str, Any] | None = None
         self._header_read = False
 
@@ -637,6 +868,7 @@ class LogReader:
         self.ending = None
         self.missing_start = None
         self.last_step = None
+        self.gaps = []
         prev: tuple[dict[str, Any], str, str] | None = None  # header, digest, path
         expect_seq: int | None = None
         try:
@@ -669,7 +901,11 @@ class LogReader:
                                 StopInfo(path, offset, "a frame after the end record", "corrupt")
                             )
                         if payload[:1] in _MAP_FIRST_BYTES:
-                            end = _unpack_end(payload, path, offset)
+                            marker = _unpack_marker(payload, path, offset)
+                            if "lost" in marker:
+                                self.gaps.append(marker["lost"])
+                            else:
+                                end = marker
                             continue
                         seq, step, wall_ns, records = _unpack_frame(payload, path, offset)
                         if expect_seq is not None and seq != expect_seq:
@@ -855,19 +1091,33 @@ def _zero_tail(path: str, offset: int, size: int) -> StopInfo:
 _MAP_FIRST_BYTES: Final = frozenset(bytes([b]) for b in (*range(0x80, 0x90), 0xDE, 0xDF))
 
 
-def _unpack_end(payload: memoryview, path: str, offset: int) -> dict[str, Any]:
+_LOST_KEYS: Final = frozenset({"frames", "records", "first_step", "last_step"})
+
+
+def _unpack_marker(payload: memoryview, path: str, offset: int) -> dict[str, Any]:
+    """An end record ``{"end": "closed" | "rotated", ...}`` or a loss record
+    ``{"lost": {"frames", "records", "first_step", "last_step"}}``; anything else is damage."""
     try:
-        end = msgpack.unpackb(payload, raw=False, max_str_len=64, max_bin_len=0,
-                              max_array_len=0, max_map_len=16, max_ext_len=0)  # fmt: skip
+        marker = msgpack.unpackb(payload, raw=False, max_str_len=64, max_bin_len=0,
+                                 max_array_len=0, max_map_len=16, max_ext_len=0)  # fmt: skip
     except Exception as e:
         raise _Stop(
             StopInfo(
                 path, offset, f"undecodable end record: {codec.describe_exception(e)}", "corrupt"
             )
         ) from None
-    if not isinstance(end, dict) or end.get("end") not in ("closed", "rotated"):
-        raise _Stop(StopInfo(path, offset, f"not an end record: {end!r}"[:200], "corrupt"))
-    return end
+    ok = isinstance(marker, dict) and (
+        marker.get("end") in ("closed", "rotated")
+        or (
+            set(marker) == {"lost"}
+            and isinstance(marker["lost"], dict)
+            and set(marker["lost"]) == _LOST_KEYS
+            and all(type(v) is int and v >= 0 for v in marker["lost"].values())
+        )
+    )
+    if not ok:
+        raise _Stop(StopInfo(path, offset, f"not an end record: {marker!r}"[:200], "corrupt"))
+    return dict(marker)
 
 
 def _unpack_frame(payload: memoryview, path: str, offset: int) -> tuple[int, int, int, list[Any]]:

@@ -1,0 +1,103 @@
+"""The background writer: the scheduler thread never waits for the disk. A slow or hung disk
+costs dropped steps, each gap recorded in the log as a fact, never a stalled engine."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_log import many_steps, write_log
+
+from tracker import events as ev
+from tracker import log
+from tracker.log import LogReader, LogWriter
+
+
+def _frames(path: Path) -> tuple[list[log.Frame], LogReader]:
+    reader = LogReader(path)
+    return list(reader), reader
+
+
+def test_the_background_writer_writes_the_same_log(tmp_path: Path) -> None:
+    steps = many_steps(200)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    direct = write_log(tmp_path / "a" / "run.kvlog", steps, rotate_bytes=3000)
+    queued = write_log(tmp_path / "b" / "run.kvlog", steps, rotate_bytes=3000, background=True)
+    assert len(direct.paths) == len(queued.paths) > 3
+    a, ra = _frames(tmp_path / "a")
+    b, rb = _frames(tmp_path / "b")
+    assert [(f.seq, f.step, f.events) for f in a] == [(f.seq, f.step, f.events) for f in b]
+    assert ra.stop is rb.stop is None and ra.ending == rb.ending == "closed"
+    assert queued.lost_frames == 0 and rb.gaps == []
+
+
+class _HungDisk:
+    """Makes the background thread's writes wait until released: a disk that hangs."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.release = threading.Event()
+        self.writes_started = threading.Event()
+        real = log._BackgroundOutput._do
+
+        def slow(out: Any, op: str, arg: Any) -> None:
+            # (the first header is written at startup, on the caller's thread)
+            if op == "write" and threading.current_thread().name == "kvledger-log":
+                self.writes_started.set()
+                self.release.wait(60)
+            real(out, op, arg)
+
+        monkeypatch.setattr(log._BackgroundOutput, "_do", slow)
+
+
+def _run_steps(w: LogWriter, steps: range, per_step: int = 20) -> None:
+    for step in steps:
+        for i in range(per_step):
+            w.append(ev.Scheduled(step, f"r{i}", step, 1, step, (step * 31 + i,)))
+        w.end_step(step)
+
+
+def test_a_hung_disk_drops_steps_and_records_the_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _HungDisk(monkeypatch)
+    path = tmp_path / "run.kvlog"
+    w = LogWriter(path, {}, background=True, max_queue_bytes=20_000, fsync="never")
+    done = threading.Event()
+
+    def engine() -> None:  # the scheduler thread: it must get through every step
+        _run_steps(w, range(0, 300))
+        done.set()
+
+    t = threading.Thread(target=engine, daemon=True)
+    t.start()
+    t.join(60)
+    assert done.is_set(), "the scheduler thread blocked on the log"
+    assert disk.writes_started.is_set()
+    assert w.lost_frames > 0
+    disk.release.set()  # the disk comes back: later steps are written again
+    _run_steps(w, range(300, 310))
+    w.close()
+    frames, reader = _frames(path)
+    assert reader.stop is None and reader.ending == "closed"
+    assert [f.seq for f in frames] == list(range(len(frames)))  # no seq hole
+    (gap,) = reader.gaps
+    assert gap["frames"] == w.lost_frames and gap["records"] == 20 * gap["frames"]
+    written = {f.step for f in frames}
+    lost = set(range(gap["first_step"], gap["last_step"] + 1))
+    assert written.isdisjoint(lost) and written | lost == set(range(310))
+    assert {e.req_id for f in frames for e in f.events} == {f"r{i}" for i in range(20)}
+
+
+def test_close_on_a_hung_disk_gives_up_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    disk = _HungDisk(monkeypatch)
+    monkeypatch.setattr(log, "CLOSE_TIMEOUT_S", 0.2)
+    w = LogWriter(tmp_path / "run.kvlog", {}, background=True, fsync="never")
+    _run_steps(w, range(3))
+    with pytest.raises(log.LogWriteError, match=r"did not finish writing .* is the disk hung"):
+        w.close()
+    disk.release.set()
