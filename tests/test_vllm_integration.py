@@ -166,3 +166,42 @@ def test_oracle_catches_a_block_table_that_is_extended_on_resume(monkeypatch):
     monkeypatch.setitem(state_module._HANDLERS, ev.Scheduled, extend_on_resume)
     report = _run(enable_prefix_caching=False, extra_config={"chunk_size": 16})
     assert report.mismatches or report.violations
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_disk_filling_mid_run_never_stops_the_engine(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, background: bool
+) -> None:
+    """The disk fills after some steps: logging stops (said once), the engine serves every
+    request with every token right, and the log reads up to the last step it holds."""
+    import errno
+
+    from tracker import log as kvlog
+
+    budget = {"bytes": 6000}
+
+    def filling(write):
+        def limited(self, *args):
+            data = args[-1]
+            if isinstance(data, bytes | bytearray) and (not args[:-1] or args[0] == "write"):
+                budget["bytes"] -= len(data)
+                if budget["bytes"] < 0:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return write(self, *args)
+
+        return limited
+
+    if background:
+        monkeypatch.setattr(kvlog._BackgroundOutput, "_do", filling(kvlog._BackgroundOutput._do))
+    else:
+        monkeypatch.setattr(kvlog._DirectOutput, "write", filling(kvlog._DirectOutput.write))
+    report = _run(
+        log_dir=str(tmp_path), extra_config={"chunk_size": 32, "log_background": background}
+    )
+    _assert_clean(report)
+    assert report.finished == report.requests and report.preemptions > 0
+    assert budget["bytes"] < 0  # the disk did fill
+    reader = kvlog.LogReader(report.log_path)
+    frames = list(reader)
+    assert frames and reader.stop is None and reader.ending == "open"
+    assert frames[-1].step < report.steps - 1  # it stopped early, and says it is incomplete
