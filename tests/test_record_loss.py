@@ -96,5 +96,7 @@ def test_numpy_and_torch_integers_are_ints(tmp_path: Path) -> None:
 
 
 def test_a_non_integer_token_is_refused_by_name() -> None:
+    t = Tracker(CFG)
     with pytest.raises(TypeError, match=r"expected integers, got float 1\.5"):
-        ev.RequestAdded(0, "r", (1, 1.5))  # type: ignore[arg-type]
+        t.add_request("r", [1, 1.5])  # type: ignore[list-item]
+    assert t.state("r") is None

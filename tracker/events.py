@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import operator
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -43,6 +43,7 @@ __all__ = [
     "Scheduled",
     "StepDecoded",
     "ViolationRecorded",
+    "int_tuple",
 ]
 
 
@@ -56,10 +57,16 @@ class Admission(enum.IntEnum):
 
 def _ints(value: Iterable[int]) -> tuple[int, ...]:
     # Converters copy whatever sequence vLLM hands us (lists, ConstantList views) into a tuple,
-    # so an event can never alias a list that vLLM goes on mutating. Integer-likes (numpy and
-    # torch integers) become ints; anything else raises TypeError naming it, never a silent
-    # value that the fold accepts and the log cannot hold.
-    t = value if type(value) is tuple else tuple(value)
+    # so an event can never alias a list that vLLM goes on mutating.
+    return value if type(value) is tuple else tuple(value)
+
+
+def int_tuple(values: Iterable[Any]) -> tuple[int, ...]:
+    """``values`` as a tuple of ints: integer-likes (numpy and torch integers) become ints;
+    anything else raises TypeError naming it, never a value the fold accepts and the log
+    cannot hold. The ``Tracker``'s helpers pass every id from vLLM through it (events built
+    from a log hold msgpack's ints already, and the hot path's request numbers are ours)."""
+    t = values if type(values) is tuple else tuple(values)
     if t and set(map(type, t)) != _INT:
         try:
             t = tuple(map(operator.index, t))

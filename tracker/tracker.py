@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, ClassVar, Protocol
 
 import structlog
 
@@ -52,14 +52,18 @@ class LogSink(Protocol):
     def end_step(self, step: int) -> None: ...
 
 
-class _Hot(NamedTuple):
+class _Hot:
     """The hot path's view of one live request, refreshed whenever its state is stored.
-    Derived only; never the source of truth."""
+    Derived only; never the source of truth. (A slotted class: its attributes read faster
+    than a NamedTuple's, and ``decode_step_ok`` reads them for every request every step.)"""
 
-    num: int  # its request number
-    num_tokens: int  # tokens its state counts (pending steady steps not included)
-    limit: int  # steady_limit(state): the highest num_tokens steady steps may reach
-    capacity: int  # tokens its block table holds (pending blocks not included)
+    __slots__ = ("capacity", "limit", "num", "num_tokens")
+
+    def __init__(self, num: int, num_tokens: int, limit: int, capacity: int) -> None:
+        self.num = num  # its request number
+        self.num_tokens = num_tokens  # tokens its state counts (pending steps not included)
+        self.limit = limit  # steady_limit(state): the highest num_tokens steady steps reach
+        self.capacity = capacity  # tokens its block table holds (pending blocks not included)
 
 
 class Tracker:
@@ -449,7 +453,7 @@ class Tracker:
     def add_request(
         self, req_id: str, prompt_token_ids: Sequence[int], cache_salt: str = ""
     ) -> None:
-        self.apply(ev.RequestAdded(self.step, req_id, tuple(prompt_token_ids), cache_salt))
+        self.apply(ev.RequestAdded(self.step, req_id, ev.int_tuple(prompt_token_ids), cache_salt))
 
     def lookup(
         self,
@@ -470,7 +474,7 @@ class Tracker:
                 local_hit,
                 len(all_token_ids),
                 start,
-                tuple(all_token_ids[start:]),
+                ev.int_tuple(all_token_ids[start:]),
                 preempted,
             )
         )
@@ -480,7 +484,7 @@ class Tracker:
         return 0
 
     def allocated(self, req_id: str, block_ids: Sequence[int], num_external: int) -> None:
-        self.apply(ev.Allocated(self.step, req_id, tuple(block_ids), num_external))
+        self.apply(ev.Allocated(self.step, req_id, ev.int_tuple(block_ids), num_external))
 
     def scheduled(
         self,
@@ -502,7 +506,7 @@ class Tracker:
         end = min(len(all_token_ids), num_computed + num_scheduled)
         if admission is not ev.Admission.RUNNING:
             end = len(all_token_ids)  # an admission learns every token vLLM has
-        tokens = tuple(all_token_ids[start:end]) if end > start else ()
+        tokens = ev.int_tuple(all_token_ids[start:end]) if end > start else ()
         return self.apply(
             ev.Scheduled(
                 self.step,
@@ -511,7 +515,7 @@ class Tracker:
                 num_scheduled,
                 start,
                 tokens,
-                tuple(block_ids or ()),  # vLLM sends None for "no new blocks"
+                ev.int_tuple(block_ids or ()),  # vLLM sends None for "no new blocks"
                 admission,
             )
         )
@@ -535,4 +539,4 @@ class Tracker:
         self.apply(ev.LoadDone(self.step, req_id))
 
     def load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
-        self.apply(ev.LoadFailed(self.step, req_id, tuple(block_ids)))
+        self.apply(ev.LoadFailed(self.step, req_id, ev.int_tuple(block_ids)))
