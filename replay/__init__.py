@@ -1,4 +1,4 @@
-"""Offline replay of kvledger logs: ``open``, ``check``, ``diff``.
+"""Offline replay of kvledger logs: the library behind the ``kvledger`` command.
 
     import replay
 
@@ -8,24 +8,33 @@
     for event, frame in replay.open("logs/"):              # a file, a list of segments, a directory
         ...
     replay.diff("a.kvlog", "b.kvlog")                      # first divergence between two runs
+    replay.show("run.kvlog", "req-3")                      # one request's life, state by state
+    replay.stats("run.kvlog")                              # what the log holds
+    replay.timeline("run.kvlog", "t.html")                 # a picture of the telling requests
+    replay.export("run.kvlog", "events.jsonl")             # one row per event
 
-Importing this package is cheap: nothing is loaded until a name is used (no torch, no vLLM;
-``check`` needs only ``tracker``).
+One module per job: ``source`` (opening a log), ``format`` (events as text and plain values),
+``replayer`` (check and what-if), ``divergence`` (diff), ``lives`` (show), ``summary``
+(stats), ``charts`` (timeline), ``tables`` (export), ``extras`` (the optional dependencies),
+``cli`` (the command line), ``demo``. The names above are functions; importing this package is
+cheap: nothing is loaded until a name is used (no torch, no vLLM).
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import Any
 
-__all__ = ["check", "diff", "open"]
+__all__ = ["check", "diff", "export", "open", "show", "stats", "timeline"]
 
 _LAZY = {
     "open": ("replay.source", "open_log"),
     "check": ("replay.replayer", "check"),
-    "diff": ("replay.diff", "diff"),
+    "diff": ("replay.divergence", "diff"),
+    "show": ("replay.lives", "show"),
+    "stats": ("replay.summary", "stats"),
+    "timeline": ("replay.charts", "timeline"),
+    "export": ("replay.tables", "export"),
 }
 
 
@@ -34,31 +43,10 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'replay' has no attribute {name!r}")
     module_name, attr = target
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        raise AttributeError(f"replay.{name} is not available: {module_name} is missing") from None
-    return getattr(module, attr)
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
 
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
-
-
-class _Package(types.ModuleType):
-    """``replay.diff`` is both a submodule and the function it defines. Importing the
-    submodule sets the package attribute ``diff`` to the module; this class keeps
-    ``replay.diff`` the function (the submodule stays in ``sys.modules['replay.diff']``)."""
-
-    @property
-    def diff(self) -> Any:
-        return __getattr__("diff")
-
-    @diff.setter
-    def diff(self, value: Any) -> None:
-        pass  # the import system binding the submodule: sys.modules has it
-
-
-sys.modules[__name__].__class__ = _Package

@@ -1,18 +1,71 @@
-"""The ``kvledger`` command: ``demo`` and the offline tools over captured logs.
+"""The ``kvledger`` command: the one command-line entry point.
 
-A thin layer: every subcommand parses its arguments and calls one function of the Python API
-(``replay.check``, ``replay.diff``, ... or ``replay.demo.main``), which does the work.
+``demo`` runs vLLM's real scheduler with the connector (the test rigs); ``check``, ``diff``,
+``show``, ``stats``, ``timeline`` and ``export`` read captured logs. Every subcommand parses its
+arguments, calls one function of the library (``replay.check``, ``replay.diff``,
+``replay.lives.show``, ...), and turns its result into text: tables with rich on a terminal
+(the ``cli`` extra, through ``replay.extras``), plain text when piped, one JSON document with
+``--json``.
+
+Exit status: ``check`` 0 clean, 1 problems, 2 the log could not be read (to its end);
+``diff`` 0 identical, 1 different, 2 a log could not be read (to its end); the others 0, or 2
+when a log could not be read, wholly or to its end (its readable part is still shown), when
+the request is not in the log, or when an optional extra is missing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from typing import Any, TextIO
+
+from replay import charts, demo, lives, summary, tables
+from replay.divergence import DiffResult, diff
+from replay.extras import MissingExtra, Output, progress_bar
+from replay.format import event_fields, format_event
+from replay.replayer import check, parse_overrides
+from replay.source import LogUnreadable
+from tracker.config import ConfigError
+from tracker.log import StopInfo
 
 __all__ = ["build_parser", "main"]
 
 Handler = Callable[[argparse.Namespace], int]
+
+EXIT_OK = 0
+EXIT_DIFFER = 1
+EXIT_UNREADABLE = 2
+
+
+def version() -> str:
+    """The installed kvledger's version, and which files answer to its three packages (a
+    distribution of the same import name installed beside it would show here)."""
+    import importlib.metadata
+    import importlib.util
+
+    try:
+        number = importlib.metadata.version("kvledger")
+    except importlib.metadata.PackageNotFoundError:
+        number = "0+unknown (not installed)"
+    places = []
+    for name in ("tracker", "connector", "replay"):  # found, not imported (no torch, no vLLM)
+        spec = importlib.util.find_spec(name)
+        found = list(spec.submodule_search_locations or ()) if spec is not None else []
+        places.append(f"{name} from {found[0] if found else '?'}")
+    where = ", ".join(places)
+    return f"kvledger {number} ({where})"
+
+
+class _Version(argparse.Action):
+    """``--version``, printed as it is (argparse's own action rewraps it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(version())
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,28 +74,28 @@ def build_parser() -> argparse.ArgumentParser:
         description="Event-sourced KV-cache request tracking for vLLM: run the demo, or check, "
         "diff and inspect captured logs.",
     )
+    parser.add_argument(
+        "--version", action=_Version, nargs=0, help="print the version and where it runs from"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    from replay import demo
-
     p = sub.add_parser(
         "demo", help="run vLLM's real scheduler with the connector, proven by the oracle"
     )
     demo.add_arguments(p)
     p.set_defaults(handler=demo.main)
-
-    _add_replay_commands(sub)
+    p = sub.add_parser(
+        "check",
+        help="replay a log through this code: re-derive every decision, check every rule",
+        description="Re-fold a captured log, re-derive every decision, run every invariant, "
+        "and report each step where this code disagrees with what the run recorded.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_check_arguments(p)
+    p.set_defaults(handler=run_check)
+    _add_views(sub)
     return parser
-
-
-def _add_replay_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """check, diff, show, stats, timeline, export (replay/commands.py, when present)."""
-    try:
-        from replay import commands
-    except ImportError:
-        return
-    commands.register(sub)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -55,6 +108,656 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `kvledger show ... | head`
         return 0
+
+
+# --- check ----------------------------------------------------------------------------------
+
+_EPILOG = """\
+exit status: 0 clean, 1 problems, 2 the log could not be read to its end
+examples:
+  kvledger check kvledger-1234.kvlog
+  kvledger check logs/ --first                  # a directory holding one log's segments
+  kvledger check run.kvlog --request req-7 --json
+  kvledger check run.kvlog --with chunk_size=512 --with save_decode_cache=true   # what-if
+"""
+
+
+def add_check_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="a log file, the segment files of one log in order, or a directory holding them",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object, no prose")
+    p.add_argument("--request", metavar="ID", help="report only this request's problems")
+    p.add_argument("--first", action="store_true", help="stop at the first problem")
+    p.add_argument(
+        "--with",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="what-if: replay under a changed tracker config and compare the plans "
+        "(chunk_size=512, save_decode_cache=true, ...; repeat --with for several)",
+    )
+    p.add_argument(
+        "--limit",
+        type=int,
+        default=20,
+        metavar="N",
+        help="print at most N problems in full (default 20; the summary counts all)",
+    )
+
+
+def run_check(args: argparse.Namespace) -> int:
+    try:
+        overrides = parse_overrides(args.overrides)
+    except ConfigError as e:
+        print(f"kvledger check: --with: {e}", file=sys.stderr)
+        return 2
+    paths = args.logs[0] if len(args.logs) == 1 else list(args.logs)
+    bar = None if args.json else progress_bar(sys.stderr, "check", unit="bytes")
+    with bar if bar is not None else nullcontext():
+        progress = None
+        if bar is not None:
+            task = bar.add_task("check", total=None)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+        result = check(
+            paths, request=args.request, first=args.first, progress=progress, **overrides
+        )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        render(result, sys.stdout, limit=args.limit)
+    return result.exit_code
+
+
+# --- check's report -------------------------------------------------------------------------
+
+
+def _state_line(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return "(no state: unknown yet, or finished and retired)"
+    return " ".join(f"{k}={v}" for k, v in summary.items())
+
+
+def _state_change(before: dict[str, Any] | None, after: dict[str, Any] | None) -> str:
+    if after is None:
+        return "(no state: finished and retired, or never added)"
+    if before is None:
+        return _state_line(after)
+    changed = [f"{k}={v} (was {before.get(k)})" for k, v in after.items() if before.get(k) != v]
+    return ", ".join(changed) if changed else "(unchanged)"
+
+
+def _fmt_decisions(ds: tuple[Any, ...]) -> list[str]:
+    return [format_event(d) for d in ds] or ["(nothing)"]
+
+
+def render_problem(n: int, p: Any, out: TextIO) -> None:
+    w = out.write
+    w(f"problem {n}: step {p.step}, request {p.req_id or '-'}: {p.headline()}\n")
+    if p.event is not None:
+        w(f"  event     {format_event(p.event)}\n")
+    if p.offset >= 0:
+        w(f"            (event #{p.index}, frame seq {p.seq} at byte {p.offset} of {p.path})\n")
+    if p.kind in ("decision", "unexplained") or p.recorded:
+        lines = _fmt_decisions(p.recorded)
+        w(f"  recorded  {lines[0]}\n")
+        for line in lines[1:]:
+            w(f"            {line}\n")
+    if p.kind in ("decision", "violation") or p.derived:
+        lines = _fmt_decisions(p.derived)
+        w(f"  derived   {lines[0]}\n")
+        for line in lines[1:]:
+            w(f"            {line}\n")
+    if p.detail and p.kind != "error":
+        w(f"  detail    {p.detail}\n")
+    w(f"  before    {_state_line(p.before)}\n")
+    w(f"  after     {_state_change(p.before, p.after)}\n")
+
+
+def _n(x: int) -> str:
+    return f"{x:,}"
+
+
+def render(result: Any, out: TextIO, *, limit: int = 20) -> None:
+    """The human report of a CheckResult."""
+    w = out.write
+    if result.error is not None and not result.counts:
+        w(f"kvledger check: cannot check {', '.join(result.paths)}\n")
+        w(f"  error     {result.error}\n")
+        if result.stop is not None:
+            w(f"  at        {result.stop.path}: byte offset {result.stop.offset}\n")
+        w("result: unreadable (exit 2)\n")
+        return
+    for i, p in enumerate(result.problems[:limit], 1):
+        render_problem(i, p, out)
+        w("\n")
+    if len(result.problems) > limit:
+        w(f"... {len(result.problems) - limit} more problems (--limit N, or --json)\n\n")
+    if result.what_if is not None:
+        _render_what_if(result, out, limit)
+    c = result.counts
+    info = result.run_info
+    made = [f"format {info.get('major', '?')}.{info.get('minor', '?')}"]
+    if "library_version" in info:
+        made.append(f"kvledger {info['library_version']}")
+    if "vllm_version" in info:
+        made.append(f"vLLM {info['vllm_version']}")
+    w("summary\n")
+    w(f"  log       {', '.join(result.paths)} ({', '.join(made)})\n")
+    cfg = {k: v for k, v in result.config.items() if k not in ("salt", "strict")}
+    w(f"  config    {' '.join(f'{k}={v}' for k, v in cfg.items())}\n")
+    w(
+        f"  read      {_n(c.get('events', 0))} events ({_n(c.get('inputs', 0))} inputs, "
+        f"{_n(c.get('decisions', 0))} decisions) in {_n(c.get('steps', 0))} steps, "
+        f"{_n(c.get('requests', 0))} requests (at most {c.get('peak_live_requests', 0)} live)"
+        f" in {result.seconds:.2f}s\n"
+    )
+    rec, der = result.totals["recorded"], result.totals["derived"]
+    for label, key, plans in (
+        ("loads", "tokens_loaded", "loads"),
+        ("saves", "tokens_saved", "saves"),
+    ):
+        w(
+            f"  {label}     recorded {_n(rec[key])} tokens in {rec[plans]} plans, "
+            f"derived {_n(der[key])} tokens in {der[plans]} plans"
+            + (
+                ""
+                if result.what_if is not None or (rec[key], rec[plans]) == (der[key], der[plans])
+                else "  <- differs"
+            )
+            + "\n"
+        )
+    if result.recorded_violations:
+        rules = Counter(v.rule for v in result.recorded_violations)
+        w(
+            "  recorded violations (facts of the run, applied as recorded): "
+            + ", ".join(f"{r} x{n}" for r, n in rules.items())
+            + "\n"
+        )
+        for v in result.recorded_violations[:limit]:
+            w(f"            {v.describe()}\n")
+    if result.request is not None:
+        w(f"  request   only {result.request}'s problems are reported")
+        w(f" ({result.problems_elsewhere} elsewhere)\n" if result.problems_elsewhere else "\n")
+    if result.problems_total:
+        names = Counter(f"{p.name}" for p in result.problems)
+        w(
+            f"  problems  {result.problems_total}: "
+            + ", ".join(f"{k} x{n}" for k, n in names.most_common())
+            + "\n"
+        )
+        first = result.problems[0]
+        w(f"  first     step {first.step}, request {first.req_id or '-'}: {first.headline()}\n")
+        if result.stopped_early:
+            w("            (stopped there: --first)\n")
+        elif result.problems_total > 1:
+            w("            (later problems may be consequences of the first)\n")
+    if result.stop is not None:
+        s = result.stop
+        w(
+            f"  DAMAGED   {s.path}: byte offset {s.offset}: {s.kind}: {s.reason}\n"
+            f"            every complete frame before it was checked\n"
+        )
+    if result.error is not None:
+        w(f"  ERROR     {result.error}\n")
+    code = result.exit_code
+    if code == 0 and result.what_if is not None:
+        verdict = "what-if replayed: no rule broken under the changed config"
+    elif code == 0:
+        verdict = "clean: every decision re-derived identically, no rule broken"
+    elif code == 1:
+        verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
+    else:
+        verdict = "the log could not be read to its end" + (
+            f"; {result.problems_total} problems before that" if result.problems_total else ""
+        )
+    w(f"result: {verdict} (exit {code})\n")
+
+
+def _render_what_if(result: Any, out: TextIO, limit: int) -> None:
+    wi = result.what_if
+    w = out.write
+    changes = ", ".join(
+        f"{k} {wi.recorded_config.get(k)} -> {v}"
+        for k, v in wi.overrides.items()
+        if wi.recorded_config.get(k) != v
+    )
+    w(f"what-if: {changes or 'no change'}\n")
+    w("  an estimate of the plans under this config; vLLM's schedule stays as recorded\n")
+    rows = sorted(wi.per_request.items())
+    if result.request is not None:
+        rows = [(r, v) for r, v in rows if r == result.request]
+    differing = [
+        (r, v)
+        for r, v in rows
+        if v["loaded"][0] != v["loaded"][1] or v["saved"][0] != v["saved"][1]
+    ]
+    width = max([len("request"), *(len(r) for r, _ in differing[:limit])])
+    w(
+        f"  {'request':<{width}}  {'loaded: recorded -> what-if':>28}  {'saved: recorded -> what-if':>27}\n"
+    )
+    for r, v in differing[:limit]:
+        lo = f"{_n(v['loaded'][0])} -> {_n(v['loaded'][1])}"
+        sa = f"{_n(v['saved'][0])} -> {_n(v['saved'][1])}"
+        w(f"  {r:<{width}}  {lo:>28}  {sa:>27}\n")
+    if len(differing) > limit:
+        w(f"  ... {len(differing) - limit} more requests differ\n")
+    same = len(rows) - len(differing)
+    if same:
+        w(f"  ({same} request{'s' if same != 1 else ''} with the same plans not shown)\n")
+    t = wi.totals()
+    lo = f"{_n(t['loaded'][0])} -> {_n(t['loaded'][1])}"
+    sa = f"{_n(t['saved'][0])} -> {_n(t['saved'][1])}"
+    w(f"  {'total':<{width}}  {lo:>28}  {sa:>27}\n")
+    w(
+        f"  divergent admissions: {wi.divergent_admissions} (vLLM accepted what the run offered;"
+        " this config offers otherwise)\n"
+    )
+    w(
+        f"  worker results replaced: {wi.worker_results_replaced} (every what-if transfer is "
+        f"assumed to succeed; {wi.recorded_failures_ignored} recorded failures ignored)\n"
+    )
+    if wi.steps_without_token_ids:
+        w(
+            f"  steps without token ids: {wi.steps_without_token_ids} (steady decode steps of "
+            "the run, not steady under this config;\n    their token ids are not in the log, "
+            "so no chunk over them can be planned: saved is a lower bound)\n"
+        )
+    w("\n")
+
+
+# --- diff, show, stats, timeline, export ----------------------------------------------------
+
+
+def _log_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("log", metavar="LOG", help="a log file, or a directory of one log's segments")
+
+
+def _add_views(sub: Any) -> None:
+    """``diff``, ``show``, ``stats``, ``timeline`` and ``export``; each sets ``handler``
+    (``args -> exit status``)."""
+    p = sub.add_parser(
+        "diff",
+        help="first divergence between two logs, overall and per request",
+        description="Compare two logs request by request (aligned by id, else by prompt and "
+        "arrival order) and show the first event where each request's history differs. "
+        "Exit status: 0 identical, 1 different, 2 a log could not be read (to its end).",
+    )
+    p.add_argument("a", metavar="A", help="a log file, or a directory of one log's segments")
+    p.add_argument("b", metavar="B", help="the log to compare it with")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(handler=_diff)
+
+    p = sub.add_parser(
+        "show",
+        help="one request's life: each event and the request's state after it",
+        description="Fold the recorded events of one request and print, for each, the state "
+        "after it: tokens known / num_tokens, blocks, saved watermark, loaded range, "
+        "preempted, recompute_only.",
+    )
+    _log_argument(p)
+    p.add_argument(
+        "--request", "-r", required=True, metavar="ID", help="the request id (or part of one)"
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(handler=_show)
+
+    p = sub.add_parser(
+        "stats",
+        help="what a log holds: requests, steps, events, hits, loads, saves, violations",
+    )
+    _log_argument(p)
+    p.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    p.set_defaults(handler=_stats)
+
+    p = sub.add_parser(
+        "timeline",
+        help="picture of the top requests over steps (.html, or .png with kvledger[timeline])",
+        description="Draw tokens computed, saved watermark and loads of the most telling "
+        "requests (violations first, then preempted, then by tokens computed) over the "
+        "steps, preemptions and violations marked. .html needs nothing extra; .png needs "
+        "matplotlib (pip install kvledger[timeline]).",
+    )
+    _log_argument(p)
+    p.add_argument("-o", "--out", required=True, metavar="FILE", help="FILE.html or FILE.png")
+    p.add_argument("--top", type=int, default=8, metavar="N", help="requests to draw (8)")
+    p.set_defaults(handler=_timeline)
+
+    p = sub.add_parser(
+        "export",
+        help="one row per event, as JSON lines or parquet, for DuckDB or pandas",
+        description="Write one row per event: index, seq, step, wall_ns, type, kind, request "
+        "and the event's fields (bytes as hex). parquet needs pyarrow "
+        "(pip install kvledger[parquet]).",
+    )
+    _log_argument(p)
+    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    p.add_argument(
+        "-o", "--out", required=True, metavar="OUT", help="output file ('-': stdout, jsonl only)"
+    )
+    p.set_defaults(handler=_export)
+
+
+# --- output ---------------------------------------------------------------------------------
+
+
+def _warn_damage(name: str, *damages: StopInfo | None) -> int:
+    """Report read damage on stderr; the exit status: 2 when a log could not be read to its
+    end (what was read is still shown), else 0."""
+    status = EXIT_OK
+    for damage in damages:
+        if damage is not None:
+            print(
+                f"kvledger: {name}: read stopped early: {damage.describe()}; "
+                "everything before it was used",
+                file=sys.stderr,
+            )
+            status = EXIT_UNREADABLE
+    return status
+
+
+def _fail(message: str) -> int:
+    print(f"kvledger: {message}", file=sys.stderr)
+    return EXIT_UNREADABLE
+
+
+def _json(obj: Any) -> None:
+    json.dump(obj, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")
+
+
+def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return fn(args)
+        except LogUnreadable as e:
+            return _fail(f"cannot read the log: {e}")
+        except lives.RequestNotFound as e:
+            return _fail(str(e))
+        except MissingExtra as e:
+            return _fail(str(e))
+        except ValueError as e:
+            return _fail(str(e))
+
+    run.__name__ = fn.__name__
+    return run
+
+
+# --- diff -----------------------------------------------------------------------------------
+
+
+@_guard
+def _diff(args: argparse.Namespace) -> int:
+    result = diff(args.a, args.b)
+    damaged = _warn_damage("A", result.damage_a) | _warn_damage("B", result.damage_b)
+    if args.json:
+        _json(result.to_dict())
+    else:
+        _print_diff(result, Output())
+    if damaged:
+        return EXIT_UNREADABLE
+    return EXIT_OK if result.identical else EXIT_DIFFER
+
+
+def _print_diff(r: DiffResult, out: Output) -> None:
+    out.line(f"A: {r.a} ({r.events_a} events)")
+    out.line(f"B: {r.b} ({r.events_b} events)")
+    for key, (va, vb) in r.config_changes.items():
+        out.line(f"config {key}: {va!r} -> {vb!r}", style="yellow")
+    how = ", ".join(f"{n} by {k}" for k, n in r.aligned_by.items() if n)
+    out.line(
+        f"requests: {len(r.matched)} matched ({how or 'none'}), "
+        f"{len(r.unmatched_a)} only in A, {len(r.unmatched_b)} only in B"
+    )
+    if r.identical:
+        out.line("identical: every request has the same events in the same order", style="green")
+        return
+    for side, names in (("A", r.unmatched_a), ("B", r.unmatched_b)):
+        if names:
+            shown = ", ".join(names[:10]) + (
+                f" (+{len(names) - 10} more)" if len(names) > 10 else ""
+            )
+            out.line(f"only in {side}: {shown}", style="yellow")
+    first = r.first
+    if first is None:
+        return
+    out.line()
+    what = {
+        "differ": f"{', '.join(first.fields)} differ",
+        "missing": "B lacks A's events from here",
+        "extra": "B has events A lacks from here",
+    }[first.kind]
+    out.line(
+        f"first divergence: step {first.step}, request {first.request}, "
+        f"event {first.position} of the request: {what}",
+        style="bold red",
+    )
+    for text in first.describe().splitlines()[1:]:
+        out.line(text)
+    if first.context:
+        out.line("  before it, both logs agree on:")
+        for c in first.context:
+            out.line(f"     {c.describe()}")
+    out.line()
+    renamed = any(d.request_a != d.request_b for d in r.per_request.values())
+    columns = ["request", *(["in B"] if renamed else []), "kind", "event #", "step A", "step B"]
+    columns += ["A", "B"]
+    rows = []
+    for d in r.per_request.values():
+        row: list[Any] = [d.request_a, *([d.request_b] if renamed else []), d.kind, d.position]
+        row += [d.step_a, d.step_b]
+        row += [_brief(d.a, d.fields), _brief(d.b, d.fields)]
+        rows.append(row)
+    out.table(
+        columns,
+        rows,
+        title=f"{len(r.per_request)} of {len(r.matched)} matched requests differ (earliest first)",
+        right=("event #", "step A", "step B"),
+    )
+
+
+def _brief(at: Any, fields: Sequence[str]) -> str:
+    if at is None:
+        return "-"
+    e = at.event
+    name = type(e).__name__
+    if not fields or fields == ("type",):
+        return name
+    parts = []
+    for f in fields:
+        value = event_fields(e)[f]
+        text = json.dumps(value)
+        parts.append(f"{f}={text if len(text) <= 24 else text[:21] + '...'}")
+    return f"{name} {' '.join(parts)}"
+
+
+# --- show -----------------------------------------------------------------------------------
+
+
+@_guard
+def _show(args: argparse.Namespace) -> int:
+    life = lives.show(args.log, args.request)
+    status = _warn_damage(args.log, life.damage)
+    if args.json:
+        _json(life.to_dict())
+        return status
+    out = Output()
+    c = life.config
+    out.line(
+        f"{life.request}: {len(life)} events in {life.log} "
+        f"(block_size {c.block_size}, chunk_size {c.chunk_size})"
+    )
+    rows = []
+    styles = []
+    for r in life:
+        rows.append(
+            [
+                r.step,
+                r.index,
+                r.event if r.life == life.request else f"{r.event} ({r.life})",
+                r.detail,
+                r.phase,
+                f"{r.tokens_known}/{r.num_tokens}",
+                _blocks(r.block_ids),
+                r.saved,
+                "-"
+                if r.load is None
+                else f"[{r.load[0]},{r.load[1]})" + ("" if r.load_done else "*"),
+                "yes" if r.preempted else "",
+                "yes" if r.recompute_only else "",
+            ]
+        )
+        styles.append("red" if r.violation else ("yellow" if r.preempted else ""))
+    out.table(
+        [
+            "step",
+            "#",
+            "event",
+            "detail",
+            "phase",
+            "known/num",
+            "blocks",
+            "saved",
+            "load",
+            "preempted",
+            "recompute_only",
+        ],
+        rows,
+        right=("step", "#", "saved", "known/num"),
+        styles=styles,
+    )
+    out.line(
+        "known/num: token ids known / tokens whose KV exists or is computing; load *: not done"
+    )
+    return status
+
+
+def _blocks(ids: Sequence[int]) -> str:
+    if not ids:
+        return "0"
+    if len(ids) <= 6:
+        return f"{len(ids)} [{' '.join(map(str, ids))}]"
+    return f"{len(ids)} [{' '.join(map(str, ids[:4]))} … {ids[-1]}]"
+
+
+# --- stats ----------------------------------------------------------------------------------
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+@_guard
+def _stats(args: argparse.Namespace) -> int:
+    st = summary.stats(args.log)
+    status = _warn_damage(args.log, st.damage)
+    if args.json:
+        _json(st.to_dict())
+        return status
+    out = Output()
+    files = len(st.files)
+    bpe = "-" if st.bytes_per_event is None else f"{st.bytes_per_event:.1f}"
+    if st.bytes_per_logical_event is not None and st.logical_events != st.events:
+        bpe += (
+            f" ({st.bytes_per_logical_event:.1f} per logical event: {st.logical_events}, "
+            "a StepDecoded counted once per request)"
+        )
+    rows: list[list[Any]] = [
+        ["log", f"{st.log} ({files} segment{'s' if files != 1 else ''}, {st.file_bytes} bytes)"],
+        ["format", f"{st.format_version}, written by kvledger {st.library_version}"],
+        ["run", st.run_id],
+        ["steps", f"{st.steps} ({st.first_step}..{st.last_step}), {st.frames} frames"],
+        ["wall time", "-" if st.seconds is None else f"{st.seconds:.3f} s"],
+        ["events", f"{st.events} ({st.input_events} input, {st.decision_events} decisions)"],
+        ["bytes per event", bpe],
+        ["requests", f"{st.requests} ({st.finished} finished)"],
+        ["preemptions", f"{st.preemptions} ({st.readmissions} re-admissions)"],
+    ]
+    for name, lk in (("first admission", st.first_lookup), ("every admission", st.all_lookups)):
+        rows.append(
+            [
+                f"lookups, {name}",
+                f"{lk.admissions} admissions, {lk.tokens} tokens asked: pool hit {lk.hit} "
+                f"({_pct(lk.hit_rate)}), vLLM prefix cache {lk.local} ({_pct(lk.local_rate)}), "
+                f"loaded from pool {lk.external} ({_pct(lk.external_rate)})",
+            ]
+        )
+    rows += [
+        [
+            "loads",
+            f"{st.loads} ({st.tokens_loaded} tokens), {st.loads_refused} refused, "
+            f"{st.load_failures} failed",
+        ],
+        [
+            "saves",
+            f"{st.saves} ({st.tokens_saved} tokens, {st.chunks_saved} chunks), "
+            f"{st.chunks_confirmed} chunks confirmed, {st.chunks_failed} failed",
+        ],
+        ["violations", str(st.violations_total)],
+    ]
+    if st.damage is not None:
+        rows.append(["damage", st.damage.describe()])
+    if st.config_problem:
+        rows.append(["config problem", st.config_problem])
+    out.table(["", "value"], rows)
+    out.line()
+    out.table(
+        ["event", "count"],
+        [[k, v] for k, v in st.events_by_type.items()],
+        right=("count",),
+    )
+    if st.violations:
+        out.line()
+        out.table(["rule", "count"], [[k, v] for k, v in st.violations.items()], right=("count",))
+    if st.finish_reasons:
+        out.line()
+        out.table(
+            ["finish reason", "count"],
+            [[k, v] for k, v in st.finish_reasons.items()],
+            right=("count",),
+        )
+    out.line()
+    out.table(["config", "value"], [[k, _short(v)] for k, v in st.config.items()])
+    return status
+
+
+def _short(value: Any) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+# --- timeline, export -----------------------------------------------------------------------
+
+
+@_guard
+def _timeline(args: argparse.Namespace) -> int:
+    result = charts.timeline(args.log, args.out, top=args.top)
+    status = _warn_damage(args.log, result.damage)
+    names = ", ".join(s.label for s in result.series)
+    print(f"wrote {result.out}: {len(result.series)} of {result.requests} requests ({names})")
+    return status
+
+
+@_guard
+def _export(args: argparse.Namespace) -> int:
+    if args.out == "-" and args.format != "jsonl":
+        return _fail("--out - (standard output) is for --format jsonl only")
+    result = tables.export(args.log, args.out, args.format)
+    status = _warn_damage(args.log, result.damage)
+    where = "standard output" if args.out == "-" else result.out
+    print(f"wrote {result.rows} rows to {where} ({result.format})", file=sys.stderr)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 
 
 if __name__ == "__main__":

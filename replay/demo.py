@@ -15,6 +15,9 @@ import sys
 import tempfile
 from typing import Any
 
+from replay.extras import progress_bar
+from replay.replayer import check
+
 __all__ = ["add_arguments", "main"]
 
 
@@ -35,19 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _progress(enabled: bool) -> Any:
     """A rich progress bar on a terminal; None (silent) when piped or rich is missing."""
-    if not enabled:
-        return None
-    try:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-    except ImportError:
-        return None
-    return Progress(
-        TextColumn("[bold]demo"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} requests finished, step {task.fields[step]}"),
-        TimeElapsedColumn(),
-        transient=True,
-    )
+    return progress_bar(sys.stdout, "demo", unit="requests") if enabled else None
 
 
 def main(args: argparse.Namespace) -> int:
@@ -119,10 +110,6 @@ def main(args: argparse.Namespace) -> int:
 def _check_log(path: str | None) -> int | None:
     """Problems found re-checking the written log offline (None: replay not available)."""
     if path is None or not os.path.exists(path):
-        return None
-    try:
-        from replay import check
-    except ImportError:
         return None
     result = check(path)
     return len(result.problems)

@@ -32,16 +32,17 @@ Admissions where the offer differs from what vLLM accepted in the run are counte
 
 from __future__ import annotations
 
-import enum
 import os
 import time
+import typing
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
-from replay.source import LogSource, open_log
+from replay.format import event_dict, jsonable
+from replay.source import LogSource, LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
 from tracker.log import LogFormatError, StopInfo
@@ -56,7 +57,6 @@ __all__ = [
     "RecordedViolation",
     "WhatIf",
     "check",
-    "event_dict",
     "parse_overrides",
 ]
 
@@ -78,29 +78,6 @@ Progress = Callable[[int, int], None]
 
 
 # --- results ------------------------------------------------------------------------------
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, enum.Enum):
-        return value.name.lower()
-    if isinstance(value, (tuple, list)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return value
-
-
-def event_dict(event: ev.Event | None) -> dict[str, Any] | None:
-    """An event as plain JSON-able values: ``{"type": name, field: value, ...}`` (bytes as
-    hex, enums by name)."""
-    if event is None:
-        return None
-    out: dict[str, Any] = {"type": type(event).__name__}
-    for f in attrs.fields(type(event)):
-        out[f.name] = _jsonable(getattr(event, f.name))
-    return out
 
 
 @attrs.frozen
@@ -173,8 +150,8 @@ class Problem:
             "recorded": [event_dict(d) for d in self.recorded],
             "derived": [event_dict(d) for d in self.derived],
             "recorded_too": self.recorded_too,
-            "before": _jsonable(self.before),
-            "after": _jsonable(self.after),
+            "before": jsonable(self.before),
+            "after": jsonable(self.after),
             "path": self.path,
             "offset": self.offset,
             "seq": self.seq,
@@ -318,7 +295,7 @@ class CheckResult:
             "first": self.first,
             "stopped_early": self.stopped_early,
             "config": self.config,
-            "run_info": _jsonable(self.run_info),
+            "run_info": jsonable(self.run_info),
             "counts": self.counts,
             "totals": self.totals,
             "problems_total": self.problems_total,
@@ -379,10 +356,9 @@ class _NullLogger:
 
 def _plan_tokens(d: ev.DecisionEvent) -> tuple[int, int]:
     """(tokens loaded, tokens saved) by a decision: only plans that move chunks count."""
-    cls = d.__class__
-    if cls is ev.LoadPlanned and d.keys:
+    if isinstance(d, ev.LoadPlanned) and d.keys:
         return d.end - d.start, 0
-    if cls is ev.SavePlanned and d.keys:
+    if isinstance(d, ev.SavePlanned) and d.keys:
         return 0, d.end - d.start
     return 0, 0
 
@@ -432,22 +408,15 @@ class _Checker:
         event, before, derived, frame, index = pending
         totals = self.result.totals
         rec_t, der_t = totals["recorded"], totals["derived"]
-        for d in recorded:
-            lo, sa = _plan_tokens(d)
-            if lo or sa:
-                rec_t["tokens_loaded"] += lo
-                rec_t["tokens_saved"] += sa
-                rec_t["loads" if lo else "saves"] += 1
-                if self.what_if is not None:
-                    self._per_request(d.req_id, lo, sa, 0)
-        for d in derived:
-            lo, sa = _plan_tokens(d)
-            if lo or sa:
-                der_t["tokens_loaded"] += lo
-                der_t["tokens_saved"] += sa
-                der_t["loads" if lo else "saves"] += 1
-                if self.what_if is not None:
-                    self._per_request(d.req_id, lo, sa, 1)
+        for side, decisions, t in ((0, recorded, rec_t), (1, derived, der_t)):
+            for d in decisions:
+                lo, sa = _plan_tokens(d)
+                if lo or sa:
+                    t["tokens_loaded"] += lo
+                    t["tokens_saved"] += sa
+                    t["loads" if lo else "saves"] += 1
+                    if self.what_if is not None:
+                        self._per_request(d.req_id, lo, sa, side)
         derived_v = [d for d in derived if d.__class__ is ev.ViolationRecorded]
         if self.what_if is None and recorded == derived and not derived_v:
             return
@@ -481,10 +450,10 @@ class _Checker:
                     self._add(Problem("violation", v.rule, derived=(v,), **about(v)))
             return
         for cls in _COMPARED:
-            r = tuple(d for d in recorded if d.__class__ is cls)
-            d = tuple(d for d in derived if d.__class__ is cls)
-            if r != d:
-                self._add(Problem("decision", cls.__name__, recorded=r, derived=d, **common))
+            rec = tuple(x for x in recorded if x.__class__ is cls)
+            der = tuple(x for x in derived if x.__class__ is cls)
+            if rec != der:
+                self._add(Problem("decision", cls.__name__, recorded=rec, derived=der, **common))
         recorded_v = [d for d in recorded if d.__class__ is ev.ViolationRecorded]
         for v in derived_v:
             self._add(
@@ -609,7 +578,6 @@ class _Checker:
         would have sent them, except for the token ids, which the run learned later, in bulk
         (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
         tracker = self.tracker
-        # The tracker has no public accessor from request number to id yet.
         req_of = tracker.request_of
         steady: list[int] = []
         for num in e.nums:
@@ -624,6 +592,7 @@ class _Checker:
                 continue
             scheduled = ev.Scheduled(e.step, rid, state.num_tokens, 1, len(state.token_ids))
             if len(state.token_ids) <= state.num_tokens:
+                assert self.what_if is not None  # (only a what-if splits StepDecoded)
                 self.what_if.steps_without_token_ids += 1
             tracker.step = e.step
             derived = tracker.apply(scheduled)
@@ -716,10 +685,11 @@ class _Checker:
                     rid = e.req_id
                     before = state_of(rid)
                     if what_if is not None:
-                        e = self._rewrite(e, before, admissions)
-                        if e is None:
+                        rewritten = self._rewrite(e, before, admissions)
+                        if rewritten is None:
                             index += 1
                             continue
+                        e = rewritten
                     if e.__class__ is RequestAdded and (before is None or before.finished):
                         requests += 1
                     tracker.step = e.step
@@ -749,11 +719,11 @@ class _Checker:
                     self._fact(e, frame, index)
                 elif pending is None:
                     if what_if is None:  # (what-if: after a replaced worker result)
-                        self._unexplained(e, frame, index)
+                        self._unexplained(typing.cast(ev.DecisionEvent, e), frame, index)
                         if self.done:
                             break
                 else:
-                    recorded.append(e)
+                    recorded.append(typing.cast(ev.DecisionEvent, e))  # (KIND: not input)
                 index += 1
             if self.done:
                 break
@@ -826,9 +796,10 @@ def check(
     result = CheckResult(paths=names, request=request, first=first)
     try:
         _check_into(result, path, request, first, progress, max_problems, config_overrides)
-    except (LogFormatError, OSError, ValueError) as e:
-        # Not a log, an unknown major version (also in a later segment), a missing file.
+    except LogUnreadable as e:
+        # Not a log, an unknown major version, a damaged first header, a missing file.
         result.error = str(e)
+        result.stop = e.stop
     result.seconds = time.perf_counter() - started
     return result
 
@@ -844,11 +815,6 @@ def _check_into(
 ) -> None:
     source = open_log(path)
     result.paths = [str(p) for p in source.paths]
-    if source.header is None:
-        result.stop = source.stop
-        why = source.stop.describe() if source.stop is not None else "no header"
-        result.error = f"unreadable header: {why}"
-        return
     header = source.header
     result.run_info = {
         **source.run_info,

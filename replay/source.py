@@ -1,19 +1,25 @@
-"""Open a captured log for replay: one file, a list of segment files, or a directory.
+"""Open a captured log for reading: the one way every command reads a log.
 
-A log split by rotation (``run.kvlog``, ``run.000001.kvlog``, ...) reads as one log; so does a
-directory holding the segments of one log (``tracker.log.segment_paths``). Iterating a
-:class:`LogSource` yields ``(event, frame)`` pairs in log order: the frame says where the event
-was read from (``frame.step``, ``frame.seq``, ``frame.offset`` in ``frame.path``).
+A log is one file, a list of segment files (in order), or a directory holding the segments of
+one log; a log split by rotation (``run.kvlog``, ``run.000001.kvlog``, ...) reads as one.
 
-Reading stops at the first damage, after every complete frame before it: :attr:`LogSource.stop`
-then says where (file, byte offset) and why (a torn tail after a crash, a checksum mismatch, a
-frame that claims more bytes than a frame may have, ...). A file that is not a kvledger log, or
-has a major format version this library cannot read, raises :class:`tracker.log.LogFormatError`
-when opened.
+One error model, for ``check``, ``diff``, ``show``, ``stats``, ``timeline`` and ``export``:
+
+- a log that cannot be read at all (a missing path, a file that is not a kvledger log, a newer
+  major format, a damaged first header, a directory with no log or with several) raises
+  :class:`LogUnreadable`, whose message names the file and why (and :attr:`LogUnreadable.stop`
+  says where, when damage was the cause);
+- damage part-way is data, not an exception: each pass (:meth:`LogSource.frames`) yields every
+  complete frame before it, and then :attr:`LogSource.damage` says where (file, byte offset)
+  and why (a torn tail after a crash, a checksum mismatch, a broken segment chain, ...);
+- how a log read without damage ended is data too (:attr:`LogSource.ending`: closed, still
+  open, cut at a rotation, or too old to tell), as are steps its writer dropped
+  (:attr:`LogSource.gaps`) and a missing beginning (:attr:`LogSource.missing_start`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,15 +27,32 @@ from typing import Any
 
 import attrs
 
-from tracker.config import TrackerConfig
+from tracker.config import ConfigError, TrackerConfig
 from tracker.events import Event
-from tracker.log import Frame, LogFormatError, LogReader, RawFrame, StopInfo
+from tracker.log import ENDINGS, Frame, LogFormatError, LogReader, RawFrame, StopInfo
 
-__all__ = ["LogFormatError", "LogSource", "StopInfo", "open_log", "split_config"]
+__all__ = [
+    "LogSource",
+    "LogUnreadable",
+    "PathArg",
+    "damage_dict",
+    "open_log",
+    "split_config",
+]
 
 PathArg = str | os.PathLike[str]
+LogPath = PathArg | Sequence[PathArg]
 
 _TRACKER_FIELDS = frozenset(f.name for f in attrs.fields(TrackerConfig))
+
+
+class LogUnreadable(Exception):
+    """Nothing at all could be read from the log: the message says which file and why;
+    :attr:`stop` says where, when the first header was damaged."""
+
+    def __init__(self, message: str, stop: StopInfo | None = None) -> None:
+        super().__init__(message)
+        self.stop = stop
 
 
 def split_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -53,70 +76,148 @@ def split_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
 class LogSource:
     """One log opened for reading. Build it with :func:`open_log`.
 
-    - :attr:`paths`: the segment files, in order.
-    - :attr:`header`: the first segment's header (``None`` when it is damaged; :attr:`stop`
-      then says why).
+    - :attr:`name`: how to name the log in a message; :attr:`paths`: its segment files.
+    - :attr:`header`: the first segment's header.
     - :attr:`tracker_config` / :attr:`run_info`: the header's ``config`` split into the
       ``TrackerConfig`` fields and the rest (``vllm_version``, ``slot_bytes``, ...).
-    - :attr:`stop`: where and why the last read stopped early (``None`` after a clean end).
-    - :attr:`total_bytes`: the size of all segments, for progress reports.
+    - :meth:`config`: the ``TrackerConfig`` the run used.
+    - after a pass: :attr:`damage`, :attr:`ending`, :attr:`last_step`, :attr:`gaps`,
+      :attr:`missing_start` (see the module docstring).
     """
 
-    def __init__(self, reader: LogReader) -> None:
+    def __init__(self, reader: LogReader, name: str, header: dict[str, Any]) -> None:
         self._reader = reader
+        self.name = name
         self.paths: list[Path] = list(reader.paths)
-        self.header: dict[str, Any] | None = reader.header
-        cfg = self.header.get("config") if self.header is not None else None
-        self.tracker_config, self.run_info = split_config(cfg)
-        self.total_bytes = sum(p.stat().st_size for p in self.paths if p.is_file())
+        self.header = header
+        self.tracker_config, self.run_info = split_config(header.get("config"))
+        self.damage: StopInfo | None = None
 
     @property
     def stop(self) -> StopInfo | None:
-        return self._reader.stop
+        """The damage of the last pass (the reader's name for it)."""
+        return self.damage
+
+    @property
+    def ending(self) -> str | None:
+        """How the last pass ended without damage: ``closed``, ``open``, ``rotated`` or
+        ``unknown`` (``tracker.log.ENDINGS`` says what each means); None after damage."""
+        return self._reader.ending
+
+    @property
+    def last_step(self) -> int | None:
+        return self._reader.last_step
+
+    @property
+    def gaps(self) -> list[dict[str, int]]:
+        return self._reader.gaps
+
+    @property
+    def missing_start(self) -> int | None:
+        return self._reader.missing_start
+
+    def describe_ending(self) -> str:
+        """The ending in words, for a report (empty before a pass or after damage)."""
+        ending = self.ending
+        if ending is None:
+            return ""
+        return ENDINGS[ending].format(last_step=self.last_step)
+
+    def config(self) -> TrackerConfig:
+        """The run's ``TrackerConfig``, strictly read (a bad header value raises
+        ``ConfigError`` naming it)."""
+        return TrackerConfig.from_dict({**self.tracker_config, "strict": False})
+
+    def lenient_config(self) -> tuple[TrackerConfig, str | None]:
+        """The run's ``TrackerConfig``, or the defaults with the reason when the header's
+        values are unusable: a view shows what it can."""
+        try:
+            return self.config(), None
+        except (ConfigError, TypeError) as e:
+            return TrackerConfig(), f"header config unusable ({e}); using the default configuration"
+
+    def file_bytes(self) -> int:
+        total = 0
+        for p in self.paths:
+            with contextlib.suppress(OSError):
+                total += p.stat().st_size
+        return total
 
     def frames(self) -> Iterator[Frame]:
-        """Decoded frames, in order, until the end or the first damage."""
-        return iter(self._reader)
+        """Every readable frame, in order; sets :attr:`damage` when the pass ends."""
+        self.damage = None
+        try:
+            yield from self._reader
+        except LogFormatError as e:
+            # A later segment that is not a kvledger log at all (zero-filled after a crash,
+            # say): LogReader raises instead of stopping; it is damage like any other.
+            self.damage = self._format_damage(e)
+            return
+        self.damage = self._reader.stop
 
     def raw_frames(self) -> Iterator[RawFrame]:
-        """Verified frames with their raw records (no event objects): the fast path."""
-        return self._reader.iter_raw()
+        """Like :meth:`frames`, as raw records (``LogReader.iter_raw``: no event objects)."""
+        self.damage = None
+        try:
+            yield from self._reader.iter_raw()
+        except LogFormatError as e:
+            self.damage = self._format_damage(e)
+            return
+        self.damage = self._reader.stop
 
     def __iter__(self) -> Iterator[tuple[Event, Frame]]:
-        for frame in self._reader:
+        for frame in self.frames():
             for event in frame.events:
                 yield event, frame
 
-    def describe(self) -> str:
-        return ", ".join(str(p) for p in self.paths) or "(no files)"
+    def _format_damage(self, e: LogFormatError) -> StopInfo:
+        text = str(e)
+        path = text.split(": offset", 1)[0] if ": offset" in text else self.name
+        return StopInfo(path, 0, text, "bad_header")
 
 
-def open_log(
-    source: PathArg | Sequence[PathArg],
-    *,
-    max_frame_bytes: int | None = None,
-) -> LogSource:
-    """Open a log: a file, a list of segment files (in order), or a directory holding the
-    segments of one log. Reads the header now.
+def open_log(source: LogPath | LogSource) -> LogSource:
+    """Open a log (a file, a list of segment files in order, or a directory holding one
+    log's segments) and read its header. A :class:`LogSource` is returned as it is.
 
-    Raises ``FileNotFoundError`` for a missing path, ``ValueError`` for a directory holding no
-    log or the segments of several logs, :class:`tracker.log.LogFormatError` for a file that is
-    not a kvledger log or whose major format version this library cannot read.
-    """
+    Raises :class:`LogUnreadable`, naming the file and why, when nothing can be read."""
+    if isinstance(source, LogSource):
+        return source
     if isinstance(source, (str, os.PathLike)):
         paths: list[PathArg] = [source]
     else:
         paths = list(source)
         if not paths:
-            raise ValueError("no log file given")
+            raise LogUnreadable("no log file given")
+    name = _name_of(paths)
     for p in paths:
         if not os.path.exists(p):
-            raise FileNotFoundError(f"{os.fspath(p)}: no such file or directory")
+            raise LogUnreadable(f"{os.fspath(p)}: no such file or directory")
     if len(paths) > 1 and any(os.path.isdir(p) for p in paths):
-        raise ValueError("pass one directory, or the segment files of one log")
-    arg: Any = paths[0] if len(paths) == 1 else paths
-    kw = {} if max_frame_bytes is None else {"max_frame_bytes": max_frame_bytes}
-    reader = LogReader(arg, **kw)
+        raise LogUnreadable("pass one directory, or the segment files of one log")
+    try:
+        reader = LogReader(paths[0] if len(paths) == 1 else paths)
+        header = reader.header
+    except LogFormatError as e:
+        raise LogUnreadable(str(e)) from None
+    except (OSError, ValueError) as e:
+        raise LogUnreadable(f"{name}: {e}") from None
     if not reader.paths:
-        raise ValueError(f"{os.fspath(paths[0])}: no *.kvlog segment in this directory")
-    return LogSource(reader)
+        raise LogUnreadable(f"{name}: no *.kvlog segment in this directory")
+    if header is None:
+        stop = reader.stop
+        why = stop.describe() if stop is not None else "no header"
+        raise LogUnreadable(f"unreadable header: {why}", stop)
+    return LogSource(reader, name, header)
+
+
+def _name_of(paths: Sequence[PathArg]) -> str:
+    items = [os.fspath(p) for p in paths]
+    return items[0] if len(items) == 1 else f"{items[0]} (+{len(items) - 1} segments)"
+
+
+def damage_dict(d: StopInfo | None) -> dict[str, Any] | None:
+    """A stop as plain values (for ``--json``)."""
+    if d is None:
+        return None
+    return {"file": d.path, "offset": d.offset, "kind": d.kind, "reason": d.reason}

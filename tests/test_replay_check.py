@@ -26,7 +26,7 @@ import pytest
 import replay
 from replay.cli import main
 from replay.replayer import CheckResult, check, parse_overrides
-from replay.source import open_log
+from replay.source import LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
 from tracker.log import LogReader, LogWriter
@@ -648,11 +648,11 @@ def test_open_reads_files_lists_and_directories(synthetic: Path, tmp_path: Path)
     assert source.run_info == {"vllm_version": "test"}
     assert [e for e, _ in replay.open(synthetic.parent)] == [e for e, _ in pairs]
     assert [e for e, _ in replay.open([synthetic])] == [e for e, _ in pairs]
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(LogUnreadable, match="no such file"):
         open_log(tmp_path / "missing.kvlog")
     empty = tmp_path / "empty-dir"
     empty.mkdir()
-    with pytest.raises(ValueError, match="no"):
+    with pytest.raises(LogUnreadable, match="no"):
         open_log(empty)
 
 
@@ -811,3 +811,16 @@ def test_logs_are_not_ignored_by_git() -> None:
     if res.returncode == 128:
         pytest.skip("not a git checkout")
     assert res.returncode == 1, "tests/data/*.kvlog must not be ignored"
+
+
+def test_version_names_the_release_and_where_each_package_runs_from(capsys) -> None:
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"kvledger {importlib.metadata.version('kvledger')} (")
+    for name in ("tracker", "connector", "replay"):
+        here = Path(__file__).resolve().parent.parent / name
+        assert f"{name} from {here}" in out

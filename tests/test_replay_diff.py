@@ -13,8 +13,10 @@ import pytest
 from _logfiles import torn_copy
 from _replay_logs import copy_log, real_logs, suffixed, write_log
 
-from replay import views, views_cli
-from replay.diff import diff
+import replay
+from replay import cli
+from replay.divergence import diff
+from replay.source import open_log
 from tracker import events as ev
 
 
@@ -43,7 +45,7 @@ def test_a_log_against_itself_is_identical(base: Path) -> None:
     r = diff(base, base)
     assert r.identical and r.first is None and r.per_request == {}
     assert r.unmatched_a == r.unmatched_b == ()
-    assert r.events_a == r.events_b == views.stats(base).events
+    assert r.events_a == r.events_b == replay.stats(base).events
     assert r.aligned_by == {"id": 4, "prompt": 0, "suffix": 0}
     assert r.config_changes == {}
 
@@ -82,7 +84,7 @@ def test_one_altered_event_is_found_at_its_step_and_request(base: Path, tmp_path
     assert isinstance(d.a.event, ev.LookupAnswered) and d.a.event.hit == 64
     assert d.b.event.hit == 48
     # Its place among the request's events, and the events both logs agree on before it.
-    rows = views.show(base, "req-b")
+    rows = replay.show(base, "req-b")
     assert rows[d.position].index == d.a.index == d.b.index
     assert [c.index for c in d.context] == [r.index for r in rows[d.position - 3 : d.position]]
 
@@ -130,7 +132,7 @@ def test_the_earliest_divergence_comes_first(base: Path, tmp_path: Path) -> None
 
 def test_a_decode_step_missing_from_step_decoded_is_found(base: Path, tmp_path: Path) -> None:
     """StepDecoded names requests by number: diff compares it as each request's own event."""
-    late = [e for f in views.open_log(base).frames() for e in f.events if e.step == 9]
+    late = [e for f in open_log(base).frames() for e in f.events if e.step == 9]
     step9 = next(e for e in late if isinstance(e, ev.StepDecoded))
     c_num = 0  # req-c took number 0 when req-a retired
 
@@ -213,7 +215,7 @@ def test_alignment_reads_raw_records_as_it_reads_events(
     """The alignment pass reads raw records when the log's RequestAdded schema is this
     version's; it must name the same lives as the decoded events: a reused id, a request
     never added, the pool's own events."""
-    diff_module = sys.modules["replay.diff"]
+    diff_module = sys.modules["replay.divergence"]
 
     def rewrite(e: ev.Event) -> ev.Event | None:
         if e.req_id == "req-c":
@@ -226,7 +228,7 @@ def test_alignment_reads_raw_records_as_it_reads_events(
 
     path = tmp_path / "odd.kvlog"
     copy_log(base, path, rewrite)
-    src = views.open_log(path)
+    src = open_log(path)
     assert diff_module._raw_request_added(src.header)
     raw = diff_module._lives(src)
     monkeypatch.setattr(diff_module, "_raw_request_added", lambda header: False)
@@ -245,12 +247,12 @@ def test_diff_reports_read_damage(base: Path, tmp_path: Path) -> None:
     r = diff(base, torn)
     assert r.damage_a is None and r.damage_b is not None and r.damage_b.kind == "torn_tail"
     assert r.first is not None and r.first.kind == "missing" and r.first.step_a == 10
-    assert views_cli.main(["diff", str(base), str(torn)]) == 2  # compared, but incomplete
-    assert views_cli.main(["diff", str(base), str(base)]) == 0
+    assert cli.main(["diff", str(base), str(torn)]) == 2  # compared, but incomplete
+    assert cli.main(["diff", str(base), str(base)]) == 0
 
 
 def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) -> None:
-    assert views_cli.main(["diff", str(base), str(base)]) == 0
+    assert cli.main(["diff", str(base), str(base)]) == 0
     assert "identical" in capsys.readouterr().out
 
     def alter(e: ev.Event) -> ev.Event:
@@ -259,11 +261,11 @@ def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) 
         return e
 
     changed = other(tmp_path, alter=alter)
-    assert views_cli.main(["diff", str(base), str(changed)]) == 1
+    assert cli.main(["diff", str(base), str(changed)]) == 1
     out = capsys.readouterr().out
     assert "first divergence: step 7, request req-c" in out
     assert "block_ids differ" in out
-    assert views_cli.main(["diff", str(base), str(changed), "--json"]) == 1
+    assert cli.main(["diff", str(base), str(changed), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["identical"] is False
     first = doc["first"]
@@ -274,7 +276,7 @@ def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) 
 
     junk = tmp_path / "junk.kvlog"
     junk.write_bytes(b"not a log")
-    assert views_cli.main(["diff", str(base), str(junk)]) == 2
+    assert cli.main(["diff", str(base), str(junk)]) == 2
     assert "cannot read the log" in capsys.readouterr().err
 
 
@@ -306,7 +308,7 @@ def test_real_runs_with_another_chunk_size_diverge_at_the_first_save(
     # The first save plan: the same prefill, saved as one 32-token chunk or two of 16.
     saves = [
         (f.step, e)
-        for f in views.open_log(real["base"]).frames()
+        for f in open_log(real["base"]).frames()
         for e in f.events
         if isinstance(e, ev.SavePlanned) and e.keys
     ]
@@ -332,7 +334,7 @@ def test_real_run_with_suffixed_ids_aligns_by_prompt(real: dict[str, Path], tmp_
     assert r.matched == {rid: rename(rid) for rid in r.matched}
 
     # Now perturb one event of the renamed copy at a known step: found there.
-    events = [(f.step, e) for f in views.open_log(real["base"]).frames() for e in f.events]
+    events = [(f.step, e) for f in open_log(real["base"]).frames() for e in f.events]
     step, target = next((s, e) for s, e in events if isinstance(e, ev.Allocated) and s > 0)
     perturbed = tmp_path / "perturbed.kvlog"
 

@@ -1,4 +1,4 @@
-"""``replay.views`` (show, stats, timeline, export) and their commands, on synthetic logs written
+"""``replay.show``, ``stats``, ``timeline`` and ``export`` and their commands, on synthetic logs written
 by a real Tracker and LogWriter, on damaged and split logs, and on logs of vLLM's real
 scheduler."""
 
@@ -15,7 +15,11 @@ import pytest
 from _logfiles import torn_copy
 from _replay_logs import copy_log, real_logs, write_log
 
-from replay import views, views_cli
+import replay
+from replay import cli, tables
+from replay.extras import MissingExtra, Output
+from replay.lives import RequestNotFound, Row
+from replay.source import LogUnreadable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.log import LogReader, segment_paths
@@ -48,7 +52,7 @@ def truncated_copy(src: Path, dst: Path, cut: int) -> Path:
 # --- show ---------------------------------------------------------------------------------
 
 
-def _row_view(row: views.Row) -> tuple:
+def _row_view(row: Row) -> tuple:
     return (row.tokens_known, row.num_tokens, row.num_computed, row.block_ids, row.saved)
 
 
@@ -71,7 +75,7 @@ def assert_rows_match_a_tracker_replay(path: Path) -> int:
     fields = {f.name for f in attrs.fields(TrackerConfig)}
     config = TrackerConfig(**{k: v for k, v in header["config"].items() if k in fields})
     ids = sorted({e.req_id for f in reader for e in f.events if e.req_id})
-    rows = {rid: views.show(path, rid) for rid in ids}
+    rows = {rid: replay.show(path, rid) for rid in ids}
     tracker = Tracker(config)
     compared = 0
     for frame in reader:
@@ -101,7 +105,7 @@ def test_show_rows_follow_the_tracker(tmp_path: Path, fast: bool) -> None:
 def test_show_counts_steady_decode_steps(log: Path) -> None:
     """A StepDecoded names requests by number; show gives the request its own row, one more
     token each, and numbers freed by a retired request go to the next one added."""
-    c = views.show(log, "req-c")
+    c = replay.show(log, "req-c")
     decoded = [r for r in c if r.event == "StepDecoded"]
     assert [r.step for r in decoded] == [8, 9]
     assert [r.num_tokens for r in decoded] == [41, 42]
@@ -111,7 +115,7 @@ def test_show_counts_steady_decode_steps(log: Path) -> None:
 
 
 def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) -> None:
-    life = views.show(log, "req-b")
+    life = replay.show(log, "req-b")
     preempted = [r for r in life if r.event == "Preempted"]
     assert len(preempted) == 1 and preempted[0].step == 3
     assert preempted[0].preempted and preempted[0].blocks == 0 and preempted[0].num_tokens == 0
@@ -133,7 +137,7 @@ def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) 
 
 
 def test_show_marks_violations_and_recompute_only(log: Path) -> None:
-    life = views.show(log, "req-d")
+    life = replay.show(log, "req-d")
     v = [r for r in life if r.violation]
     assert [(r.step, r.violation) for r in v] == [(7, "accepted_equals_answer")]
     after = life[life.index(v[0]) :]
@@ -143,13 +147,13 @@ def test_show_marks_violations_and_recompute_only(log: Path) -> None:
 def test_show_finds_a_request_by_part_of_its_id(tmp_path: Path) -> None:
     path = tmp_path / "x.kvlog"
     write_log(path, rename=lambda rid: f"cmpl-{rid}-0a1b2c3d" if rid else rid)
-    life = views.show(path, "req-b")
+    life = replay.show(path, "req-b")
     assert life.request == "cmpl-req-b-0a1b2c3d"
-    with pytest.raises(views.RequestNotFound) as info:
-        views.show(path, "req-")
+    with pytest.raises(RequestNotFound) as info:
+        replay.show(path, "req-")
     assert len(info.value.candidates) == 4
-    with pytest.raises(views.RequestNotFound, match="no request 'nope'"):
-        views.show(path, "nope")
+    with pytest.raises(RequestNotFound, match="no request 'nope'"):
+        replay.show(path, "nope")
 
 
 def test_show_numbers_the_lives_of_a_reused_id(tmp_path: Path) -> None:
@@ -157,7 +161,7 @@ def test_show_numbers_the_lives_of_a_reused_id(tmp_path: Path) -> None:
     src, dst = tmp_path / "a.kvlog", tmp_path / "b.kvlog"
     write_log(src)
     copy_log(src, dst, lambda e: attrs.evolve(e, req_id="req-a") if e.req_id == "req-c" else e)
-    life = views.show(dst, "req-a")
+    life = replay.show(dst, "req-a")
     assert {r.life for r in life} == {"req-a", "req-a#2"}
     second = [r for r in life if r.life == "req-a#2"]
     assert second[0].event == "RequestAdded" and second[0].step == 7
@@ -169,7 +173,7 @@ def test_show_numbers_the_lives_of_a_reused_id(tmp_path: Path) -> None:
 
 def test_stats_counts_match_the_events(log: Path) -> None:
     events = all_events(log)
-    st = views.stats(log)
+    st = replay.stats(log)
     assert st.events == len(events)
     assert st.events_by_type == dict(Counter(type(e).__name__ for _, e in events))
     assert st.decision_events == sum(isinstance(e, ev.DecisionEvent) for _, e in events)
@@ -207,13 +211,13 @@ def test_stats_over_a_split_log_equal_the_single_file(tmp_path: Path) -> None:
     write_log(split, rotate_bytes=400)
     segments = segment_paths(split.parent)
     assert len(segments) > 2
-    a, b = views.stats(single), views.stats(split.parent)
+    a, b = replay.stats(single), replay.stats(split.parent)
     assert b.files == [str(p) for p in segments]
     for field in ("events", "events_by_type", "requests", "preemptions", "tokens_loaded"):
         assert getattr(a, field) == getattr(b, field)
-    assert views.stats([str(p) for p in segments]).events == a.events
-    assert [r.event for r in views.show(split.parent, "req-b")] == [
-        r.event for r in views.show(single, "req-b")
+    assert replay.stats([str(p) for p in segments]).events == a.events
+    assert [r.event for r in replay.show(split.parent, "req-b")] == [
+        r.event for r in replay.show(single, "req-b")
     ]
 
 
@@ -222,17 +226,17 @@ def test_stats_over_a_split_log_equal_the_single_file(tmp_path: Path) -> None:
 
 def test_views_read_up_to_a_torn_tail_and_report_it(log: Path, tmp_path: Path) -> None:
     torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
-    full = views.stats(log)
-    st = views.stats(torn)
+    full = replay.stats(log)
+    st = replay.stats(torn)
     assert st.damage is not None and st.damage.kind == "torn_tail"
     assert st.damage.path == str(torn) and 0 < st.damage.offset < torn.stat().st_size
     assert 0 < st.events < full.events
     assert st.events_by_type["Finished"] < full.events_by_type["Finished"]
-    life = views.show(torn, "req-b")
-    assert life.damage == st.damage and 0 < len(life) < len(views.show(log, "req-b"))
-    out = views.export(torn, tmp_path / "torn.jsonl")
+    life = replay.show(torn, "req-b")
+    assert life.damage == st.damage and 0 < len(life) < len(replay.show(log, "req-b"))
+    out = replay.export(torn, tmp_path / "torn.jsonl")
     assert out.rows == st.events and out.damage == st.damage
-    res = views.timeline(torn, tmp_path / "torn.html")
+    res = replay.timeline(torn, tmp_path / "torn.html")
     assert res.damage == st.damage
     assert "Read stopped early" in (tmp_path / "torn.html").read_text()
 
@@ -242,7 +246,7 @@ def test_views_report_a_corrupt_frame(log: Path, tmp_path: Path) -> None:
     data[len(data) - 60] ^= 0xFF  # inside one of the last frames
     bad = tmp_path / "bad.kvlog"
     bad.write_bytes(bytes(data))
-    st = views.stats(bad)
+    st = replay.stats(bad)
     assert st.damage is not None and st.damage.kind == "corrupt"
     assert "checksum" in st.damage.reason
 
@@ -253,7 +257,7 @@ def test_a_later_segment_that_is_not_a_log_is_damage_not_a_crash(tmp_path: Path)
     write_log(path, rotate_bytes=400)
     last = segment_paths(path.parent)[-1]
     last.write_bytes(b"\0" * 64)  # zero-filled after a crash
-    st = views.stats(path.parent)
+    st = replay.stats(path.parent)
     assert st.damage is not None and st.damage.kind == "bad_header"
     assert str(last) in st.damage.path and st.events > 0
 
@@ -268,11 +272,11 @@ def test_unreadable_logs_raise_and_exit_2(tmp_path: Path, what: str, capsys) -> 
         path.mkdir()
     else:
         path = tmp_path / "nothing.kvlog"
-    with pytest.raises(views.LogUnreadable):
-        views.stats(path)
+    with pytest.raises(LogUnreadable):
+        replay.stats(path)
     for cmd in (["stats", str(path)], ["show", str(path), "-r", "x"]):
-        assert views_cli.main(cmd) == 2
-    assert views_cli.main(["export", str(path), "-o", str(tmp_path / "o.jsonl")]) == 2
+        assert cli.main(cmd) == 2
+    assert cli.main(["export", str(path), "-o", str(tmp_path / "o.jsonl")]) == 2
     assert "cannot read the log" in capsys.readouterr().err
 
 
@@ -299,7 +303,7 @@ def _event_from_row(row: dict) -> ev.Event:
 
 def test_export_jsonl_round_trips_every_event(log: Path, tmp_path: Path) -> None:
     out = tmp_path / "events.jsonl"
-    result = views.export(log, out)
+    result = replay.export(log, out)
     events = all_events(log)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert result.rows == len(rows) == len(events)
@@ -313,22 +317,22 @@ def test_export_jsonl_round_trips_every_event(log: Path, tmp_path: Path) -> None
 
 
 def test_export_to_stdout(log: Path, capsys) -> None:
-    assert views_cli.main(["export", str(log), "--format", "jsonl", "-o", "-"]) == 0
+    assert cli.main(["export", str(log), "--format", "jsonl", "-o", "-"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    assert len(lines) == views.stats(log).events
+    assert len(lines) == replay.stats(log).events
     assert "wrote" in captured.err
 
 
 def test_export_parquet(log: Path, tmp_path: Path) -> None:
     pq = pytest.importorskip("pyarrow.parquet")
     out = tmp_path / "events.parquet"
-    result = views.export(log, out, "parquet", batch_rows=10)
+    result = replay.export(log, out, "parquet", batch_rows=10)
     table = pq.read_table(out)
-    assert table.num_rows == result.rows == views.stats(log).events
-    assert table.column_names == [name for name, _ in views.EXPORT_COLUMNS]
+    assert table.num_rows == result.rows == replay.stats(log).events
+    assert table.column_names == [name for name, _ in tables.EXPORT_COLUMNS]
     types = Counter(table.column("type").to_pylist())
-    assert types == Counter(views.stats(log).events_by_type)
+    assert types == Counter(replay.stats(log).events_by_type)
     rows = table.to_pylist()
     blocks = [r["block_ids"] for r in rows if r["type"] == "Allocated"]
     assert blocks[0] == [1, 2, 3]
@@ -340,14 +344,14 @@ def test_missing_extras_say_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(views.MissingExtra, match=re.escape("pip install kvledger[parquet]")):
-        views.export(log, tmp_path / "x.parquet", "parquet")
-    with pytest.raises(views.MissingExtra, match=re.escape("pip install kvledger[timeline]")):
-        views.timeline(log, tmp_path / "x.png")
-    assert views_cli.main(["timeline", str(log), "-o", str(tmp_path / "x.png")]) == 2
+    with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[parquet]")):
+        replay.export(log, tmp_path / "x.parquet", "parquet")
+    with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[timeline]")):
+        replay.timeline(log, tmp_path / "x.png")
+    assert cli.main(["timeline", str(log), "-o", str(tmp_path / "x.png")]) == 2
     assert "pip install kvledger[timeline]" in capsys.readouterr().err
     # The html timeline needs nothing extra.
-    views.timeline(log, tmp_path / "x.html")
+    replay.timeline(log, tmp_path / "x.html")
 
 
 # --- timeline -------------------------------------------------------------------------------
@@ -355,7 +359,7 @@ def test_missing_extras_say_what_to_install(
 
 def test_timeline_html_has_one_series_per_top_request(log: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.html"
-    result = views.timeline(log, out, top=3)
+    result = replay.timeline(log, out, top=3)
     text = out.read_text()
     assert (
         text.count("<svg") == 1
@@ -376,7 +380,7 @@ def test_timeline_html_has_one_series_per_top_request(log: Path, tmp_path: Path)
 
 
 def test_timeline_series_follow_the_fold(log: Path, tmp_path: Path) -> None:
-    result = views.timeline(log, tmp_path / "t.html", top=8)
+    result = replay.timeline(log, tmp_path / "t.html", top=8)
     b = next(s for s in result.series if s.label == "req-b")
     assert b.steps == list(range(11))
     assert b.computed[:3] == [70, 71, 72] and b.computed[3:5] == [0, 0]
@@ -389,21 +393,21 @@ def test_timeline_series_follow_the_fold(log: Path, tmp_path: Path) -> None:
 def test_timeline_png(log: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "t.png"
-    views.timeline(log, out, top=4)
+    replay.timeline(log, out, top=4)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_timeline_rejects_an_unknown_suffix(log: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\.html or \.png"):
-        views.timeline(log, tmp_path / "t.txt")
-    assert views_cli.main(["timeline", str(log), "-o", str(tmp_path / "t.txt")]) == 2
+        replay.timeline(log, tmp_path / "t.txt")
+    assert cli.main(["timeline", str(log), "-o", str(tmp_path / "t.txt")]) == 2
 
 
 # --- the commands ---------------------------------------------------------------------------
 
 
 def test_show_command_plain_and_json(log: Path, capsys) -> None:
-    assert views_cli.main(["show", str(log), "--request", "req-b"]) == 0
+    assert cli.main(["show", str(log), "--request", "req-b"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("req-b: ")
     assert "\x1b[" not in out  # piped: no terminal codes
@@ -412,34 +416,34 @@ def test_show_command_plain_and_json(log: Path, capsys) -> None:
     assert any(
         line.split()[:3] == ["3", line.split()[1], "Preempted"] for line in out.splitlines()[2:]
     )
-    assert views_cli.main(["show", str(log), "-r", "req-b", "--json"]) == 0
+    assert cli.main(["show", str(log), "-r", "req-b", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["request"] == "req-b" and doc["damage"] is None
-    assert [r["event"] for r in doc["rows"]] == [r.event for r in views.show(log, "req-b")]
-    assert views_cli.main(["show", str(log), "-r", "nope"]) == 2
+    assert [r["event"] for r in doc["rows"]] == [r.event for r in replay.show(log, "req-b")]
+    assert cli.main(["show", str(log), "-r", "nope"]) == 2
     assert "no request 'nope'" in capsys.readouterr().err
 
 
 def test_stats_command(log: Path, capsys) -> None:
-    assert views_cli.main(["stats", str(log)]) == 0
+    assert cli.main(["stats", str(log)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^events\s+\d+ \(", out, re.M)
     assert "accepted_equals_answer" in out
-    assert views_cli.main(["stats", str(log), "--json"]) == 0
+    assert cli.main(["stats", str(log), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["events"] == views.stats(log).events
+    assert doc["events"] == replay.stats(log).events
     assert doc["violations"] == {"accepted_equals_answer": 1}
     assert doc["first_lookup"]["hit_rate"] == pytest.approx(32 / 170)
 
 
 def test_commands_warn_about_damage_on_stderr(log: Path, tmp_path: Path, capsys) -> None:
     torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
-    assert views_cli.main(["stats", str(torn)]) == 2  # shown, but not read to its end
+    assert cli.main(["stats", str(torn)]) == 2  # shown, but not read to its end
     captured = capsys.readouterr()
     assert "read stopped early" in captured.err and "torn_tail" in captured.err
     assert str(torn) in captured.err
     assert re.search(r"^damage\s+.*torn_tail", captured.out, re.M)
-    assert views_cli.main(["show", str(torn), "-r", "req-b", "--json"]) == 2
+    assert cli.main(["show", str(torn), "-r", "req-b", "--json"]) == 2
     assert json.loads(capsys.readouterr().out)["damage"]["kind"] == "torn_tail"
 
 
@@ -452,7 +456,7 @@ def test_rich_tables_on_a_terminal(log: Path) -> None:
             return True
 
     stream = Tty()
-    out = views_cli._Out(stream)
+    out = Output(stream)
     assert out.console is not None
     out.table(["a", "b"], [[1, 2]], title="t")
     assert "┃" in stream.getvalue() or "│" in stream.getvalue()
@@ -463,14 +467,14 @@ def test_rich_tables_on_a_terminal(log: Path) -> None:
 
 @pytest.mark.vllm
 def test_real_log_stats_and_show(real: dict[str, Path]) -> None:
-    st = views.stats(real["base"])
+    st = replay.stats(real["base"])
     events = [e for f in LogReader(real["base"]) for e in f.events]
     assert st.events == len(events) and st.damage is None
     assert st.requests == 6 and st.finished == 6  # 4 requests + 2 repeated prompts
     assert st.preemptions >= 1
     assert st.config["chunk_size"] == 32
     preempted = next(e.req_id for e in events if isinstance(e, ev.Preempted))
-    life = views.show(real["base"], preempted)
+    life = replay.show(real["base"], preempted)
     assert any(r.preempted for r in life)
     readmit = [
         r for r in life if r.event == "Scheduled" and r.detail.split()[0] in ("NEW", "RESUMED")
@@ -490,13 +494,13 @@ def test_real_log_rows_follow_the_tracker(real: dict[str, Path], name: str) -> N
 
 @pytest.mark.vllm
 def test_real_log_with_loads_exports_and_draws(real: dict[str, Path], tmp_path: Path) -> None:
-    st = views.stats(real["loads"])
+    st = replay.stats(real["loads"])
     assert st.tokens_loaded > 0
-    out = views.export(real["loads"], tmp_path / "e.jsonl")
+    out = replay.export(real["loads"], tmp_path / "e.jsonl")
     assert out.rows == st.events
     types = Counter(json.loads(line)["type"] for line in (tmp_path / "e.jsonl").open())
     assert types == Counter(st.events_by_type)
-    result = views.timeline(real["loads"], tmp_path / "t.html", top=8)
+    result = replay.timeline(real["loads"], tmp_path / "t.html", top=8)
     text = (tmp_path / "t.html").read_text()
     assert text.count('<g class="request"') == len(result.series) == min(8, st.requests)
     assert 'class="loaded"' in text

@@ -34,22 +34,10 @@ from typing import Any
 
 import attrs
 
-from replay.views import (
-    _GLOBAL_TYPES,
-    POOL,
-    LogPath,
-    LogSource,
-    _labelled,
-    _Lives,
-    _walk,
-    damage_dict,
-    describe_event,
-    event_content,
-    event_fields,
-    field_names,
-    open_log,
-)
+from replay.format import describe_event, event_content, event_fields, field_names
+from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
+from tracker.history import GLOBAL_TYPES, POOL, Lives, labelled, walk
 from tracker.log import StopInfo
 
 __all__ = ["DiffResult", "Divergence", "EventAt", "diff"]
@@ -220,7 +208,8 @@ def _lives(src: LogSource) -> list[_Life]:
     if _raw_request_added(src.header):
         return _lives_raw(src)
     out: list[_Life] = []
-    for _, _, e, label, new in _labelled(src):
+    for item in labelled(src.frames()):
+        e, label, new = item.event, item.life, item.new
         if new:
             prompt = (
                 _prompt_hash(e.prompt_token_ids, e.cache_salt)
@@ -244,10 +233,10 @@ def _raw_request_added(header: dict[str, Any]) -> bool:
 
 
 def _lives_raw(src: LogSource) -> list[_Life]:
-    lives = _Lives()
+    lives = Lives()
     live = lives.live
     added, finished = ev.RequestAdded.TAG, ev.Finished.TAG
-    pool = {cls.TAG for cls in _GLOBAL_TYPES}
+    pool = {cls.TAG for cls in GLOBAL_TYPES}
     out: list[_Life] = []
     for frame in src.raw_frames():
         for rec in frame.records:
@@ -341,7 +330,7 @@ def _differing_fields(x: ev.Event, y: ev.Event) -> tuple[str, ...]:
 def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
     """The first divergence between logs ``a`` and ``b`` (files, directories of one log's
     segments, or lists of segment files), overall and per request; see the module's text.
-    Raises :class:`replay.views.LogUnreadable` when either log cannot be read at all."""
+    Raises :class:`replay.source.LogUnreadable` when either log cannot be read at all."""
     src_a, src_b = open_log(a), open_log(b)
     lives_a, lives_b = _lives(src_a), _lives(src_b)
     matched, how = _align(lives_a, lives_b)
@@ -396,7 +385,10 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
     decoded = ev.StepDecoded
     counts = [0, 0]  # items read (a StepDecoded is one item per request it names, and one)
     events = [0, 0]
-    streams = (_walk(src_a), _walk(src_b))
+    streams = (
+        walk(src_a.frames(), src_a.lenient_config()[0]),
+        walk(src_b.frames(), src_b.lenient_config()[0]),
+    )
     done = [False, False]
     # Read both logs side by side, always advancing the one that has read fewer events, so
     # that agreeing logs never queue more than a few events.
@@ -407,7 +399,7 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
             done[side] = True
             continue
         counts[side] += 1
-        index, frame, e, rid, label, _, _, _ = item
+        index, frame, e, rid, label = item.pos, item.frame, item.event, item.req_id, item.life
         events[side] = index + 1
         if not rid and e.__class__ is decoded:
             continue  # compared through its requests

@@ -1,0 +1,127 @@
+"""The optional extras, guarded in one place: rich (``cli``), matplotlib (``timeline``) and
+pyarrow (``parquet``). Nothing else in ``replay`` imports them at module level; each use asks
+:func:`require` first, or :func:`optional` for a nicety that has a plain fallback."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import IO, Any, Literal
+
+__all__ = ["MissingExtra", "Output", "optional", "progress_bar", "require", "write_atomic"]
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed: the message says which extra to install."""
+
+
+def require(module: str, extra: str, what: str) -> None:
+    """Raise :class:`MissingExtra` naming the extra unless ``module`` imports."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(
+            f"{what} needs {module}, which is not installed: pip install kvledger[{extra}]"
+        ) from None
+
+
+def optional(module: str) -> ModuleType | None:
+    """``module`` if it is installed, else None (the caller falls back to plain output)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+def write_atomic(out: str, data: bytes) -> None:
+    """Write ``out`` whole or not at all (aside, then renamed)."""
+    tmp = out + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, out)
+
+
+def progress_bar(stream: IO[str], label: str, *, unit: Literal["bytes", "requests"]) -> Any:
+    """A rich progress bar on a terminal; None (silent) when piped or rich is missing.
+    ``unit="bytes"``: a download-style count (``check``); ``"requests"``: requests finished
+    and the step, with the time taken (``demo``)."""
+    if not stream.isatty():
+        return None
+    progress = optional("rich.progress")
+    console = optional("rich.console")
+    if progress is None or console is None:
+        return None
+    if unit == "bytes":
+        columns = [progress.DownloadColumn()]
+    else:
+        columns = [
+            progress.TextColumn(
+                "{task.completed}/{task.total} requests finished, step {task.fields[step]}"
+            ),
+            progress.TimeElapsedColumn(),
+        ]
+    return progress.Progress(
+        progress.TextColumn(f"[bold]{label}"),
+        progress.BarColumn(),
+        *columns,
+        console=console.Console(file=stream),
+        transient=True,
+    )
+
+
+class Output:
+    """Tables and lines: rich on a terminal, plain text otherwise."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stdout
+        self.console: Any = None
+        rich = optional("rich.console") if self.stream.isatty() else None
+        if rich is not None:
+            self.console = rich.Console(file=self.stream, highlight=False, soft_wrap=True)
+
+    def line(self, text: str = "", style: str = "") -> None:
+        if self.console is not None:
+            from rich.text import Text
+
+            self.console.print(Text(text, style=style))
+        else:
+            self.stream.write(text + "\n")
+
+    def table(
+        self,
+        columns: Sequence[str],
+        rows: Sequence[Sequence[Any]],
+        title: str = "",
+        right: Sequence[str] = (),
+        styles: Sequence[str] | None = None,
+    ) -> None:
+        cells = [["" if v is None else str(v) for v in row] for row in rows]
+        if self.console is not None:
+            from rich.table import Table
+
+            t = Table(title=title or None, title_justify="left", header_style="bold")
+            for c in columns:
+                t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+            for i, row in enumerate(cells):
+                t.add_row(*row, style=(styles[i] if styles else None) or None)
+            self.console.print(t)
+            return
+        if title:
+            self.stream.write(title + "\n")
+        widths = [len(c) for c in columns]
+        for row in cells:
+            widths = [max(w, len(v)) for w, v in zip(widths, row, strict=True)]
+
+        def fmt(values: Sequence[str]) -> str:
+            parts = [
+                v.rjust(w) if c in right else v.ljust(w)
+                for c, v, w in zip(columns, values, widths, strict=True)
+            ]
+            return "  ".join(parts).rstrip()
+
+        self.stream.write(fmt(list(columns)) + "\n")
+        for row in cells:
+            self.stream.write(fmt(row) + "\n")

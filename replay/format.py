@@ -1,0 +1,167 @@
+"""Events as text and as plain values: the one formatter every command and view uses.
+
+- :func:`event_fields` / :func:`event_dict`: an event as JSON values (bytes as hex, enums by
+  name, tuples as lists), its own fields or all of them;
+- :func:`event_content`: what two runs must agree on (``diff``);
+- :func:`describe_event`: one short line for a table cell (``show``, ``diff``);
+- :func:`format_event`: the event as a line of ``name=value`` (``check``'s problems).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from tracker import events as ev
+
+__all__ = [
+    "describe_event",
+    "event_content",
+    "event_dict",
+    "event_fields",
+    "field_names",
+    "format_event",
+    "jsonable",
+]
+
+_FIELDS: dict[type[ev.Event], tuple[str, ...]] = {
+    cls: tuple(f.name for f in attrs.fields(cls))[2:] for cls in ev.EVENT_TYPES
+}
+
+
+def field_names(cls: type[ev.Event]) -> tuple[str, ...]:
+    """An event type's own fields (after ``step`` and ``req_id``), in wire order."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in attrs.fields(cls))[2:]
+    return names
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, tuple):
+        if value and isinstance(value[0], bytes):
+            return [v.hex() for v in value]
+        return list(value)
+    return value
+
+
+def event_fields(e: ev.Event) -> dict[str, Any]:
+    """The event's own fields as JSON values: bytes as hex, enums by name, tuples as lists."""
+    return {name: _plain(getattr(e, name)) for name in field_names(type(e))}
+
+
+def event_content(e: ev.Event) -> tuple[Any, ...]:
+    """What two runs must agree on: the type and every field but ``step`` and ``req_id``."""
+    return (type(e), *(getattr(e, name) for name in field_names(type(e))))
+
+
+def _short_ints(values: Sequence[int], limit: int = 6) -> str:
+    if len(values) <= limit:
+        return "[" + " ".join(map(str, values)) + "]"
+    head = " ".join(map(str, values[: limit - 2]))
+    return f"[{head} … {values[-1]}]({len(values)})"
+
+
+def describe_event(e: ev.Event) -> str:
+    """One short line for a table: the fields that say something, sequences abridged."""
+    if isinstance(e, ev.RequestAdded):
+        salt = f" salt={e.cache_salt}" if e.cache_salt else ""
+        return f"prompt {len(e.prompt_token_ids)} tokens{salt}"
+    if isinstance(e, ev.StepDecoded):
+        n = len(e.nums)
+        return f"+1 token for each of {n} request{'s' if n != 1 else ''} nums={_short_ints(e.nums)}"
+    parts: list[str] = []
+    cls = type(e)
+    for f in attrs.fields(cls)[2:]:
+        value = getattr(e, f.name)
+        name = f.name
+        if isinstance(value, enum.Enum):
+            parts.insert(0, value.name)
+        elif isinstance(value, bool):
+            if value:
+                parts.append(name)
+        elif isinstance(value, bytes):
+            parts.append(f"{name}={value.hex()[:8]}")
+        elif isinstance(value, tuple):
+            if name == "token_ids":
+                if value:
+                    parts.append(f"+{len(value)} ids")
+            elif value and isinstance(value[0], bytes):
+                parts.append(f"{name}={len(value)}")
+            elif value or f.default is attrs.NOTHING:
+                parts.append(f"{name}={_short_ints(value)}")
+        elif name == "token_start":
+            continue  # where the new ids go: noise in a table
+        elif isinstance(value, str):
+            if value:
+                parts.append(f"{name}={value}")
+        elif f.default is attrs.NOTHING or value != f.default:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+def jsonable(value: Any) -> Any:
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, enum.Enum):
+        return value.name.lower()
+    if isinstance(value, (tuple, list)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    return value
+
+
+def event_dict(event: ev.Event | None) -> dict[str, Any] | None:
+    """An event as plain JSON-able values: ``{"type": name, field: value, ...}`` (bytes as
+    hex, enums by name)."""
+    if event is None:
+        return None
+    out: dict[str, Any] = {"type": type(event).__name__}
+    for f in attrs.fields(type(event)):
+        out[f.name] = jsonable(getattr(event, f.name))
+    return out
+
+
+def _value(name: str, v: Any) -> str:
+    if isinstance(v, bytes):
+        return v.hex()[:8]
+    if isinstance(v, enum.Enum):
+        return v.name.lower()
+    if isinstance(v, tuple):
+        if name in ("prompt_token_ids", "token_ids") and len(v) > 8:
+            return f"({len(v)} ids: {', '.join(map(str, v[:4]))}, ...)"
+        items = [_value(name, x) for x in v[:12]]
+        more = f", ... ({len(v)} in all)" if len(v) > 12 else ""
+        return "[" + ", ".join(items) + more + "]"
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def _is_default(field: Any, value: Any) -> bool:
+    default = field.default
+    if default is attrs.NOTHING:
+        return False
+    if field.converter is not None and callable(field.converter):
+        default = field.converter(default)
+    return bool(value == default) and type(value) is type(default)
+
+
+def format_event(event: Any) -> str:
+    """``Scheduled num_computed=0 num_scheduled=49 ... admission=resumed``: the fields but
+    ``step``, ``req_id`` and those at their default; chunk keys as their first 8 hex digits,
+    long token lists cut."""
+    if event is None:
+        return "-"
+    fields = [
+        f"{f.name}={_value(f.name, getattr(event, f.name))}"
+        for f in attrs.fields(type(event))
+        if f.name not in ("step", "req_id") and not _is_default(f, getattr(event, f.name))
+    ]
+    return " ".join([type(event).__name__, *fields])
