@@ -1,6 +1,6 @@
 # Two entry points, both safe on a fresh clone:
 #   make demo   set everything up, then run vLLM's real scheduler with the kvledger connector
-#   make test   set everything up, then run ruff, mypy, pytest and the docs build
+#   make test   set everything up, then run ruff, the import contracts, mypy, pytest and the docs build
 # Everything lives in .venv; nothing is installed outside it.
 
 PY ?= python3
@@ -37,9 +37,11 @@ demo: setup-vllm
 lint: setup
 	$(BIN)/ruff check tracker connector replay tests bench
 	$(BIN)/ruff format --check tracker connector replay tests bench
+	$(BIN)/lint-imports --no-cache
 
+# tracker/ strictly (pyproject); connector/ and replay/ checked too.
 typecheck: setup
-	$(BIN)/mypy tracker
+	$(BIN)/mypy tracker connector replay
 
 pytest: setup-vllm
 	$(BIN)/python -m pytest -q
