@@ -113,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- check ----------------------------------------------------------------------------------
 
 _EPILOG = """\
-exit status: 0 clean, 1 problems, 2 the log could not be read to its end
+exit status: 0 clean, 1 problems, 2 the log could not be read to its end,
+  3 incomplete (no end record: the engine is still writing it or died; steps dropped)
 examples:
   kvledger check kvledger-1234.kvlog
   kvledger check logs/ --first                  # a directory holding one log's segments
@@ -307,6 +308,11 @@ def render(result: Any, out: TextIO, *, limit: int = 20) -> None:
         )
     if result.error is not None:
         w(f"  ERROR     {result.error}\n")
+    if result.incomplete is not None:
+        w(f"  INCOMPLETE {result.incomplete}\n")
+    elif result.ending == "unknown":
+        w("  ending    written before end records existed (format 1.0): whether the log is "
+          "complete cannot be told\n")  # fmt: skip
     code = result.exit_code
     if code == 0 and result.what_if is not None:
         verdict = "what-if replayed: no rule broken under the changed config"
@@ -314,6 +320,8 @@ def render(result: Any, out: TextIO, *, limit: int = 20) -> None:
         verdict = "clean: every decision re-derived identically, no rule broken"
     elif code == 1:
         verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
+    elif code == 3:
+        verdict = "incomplete: no problem in what the log holds, but it is not the whole run"
     else:
         verdict = "the log could not be read to its end" + (
             f"; {result.problems_total} problems before that" if result.problems_total else ""

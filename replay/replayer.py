@@ -244,7 +244,8 @@ class CheckResult:
     - :attr:`what_if`: the plan comparison under a changed configuration, else ``None``.
 
     :attr:`exit_code`: 0 clean, 1 problems, 2 the log could not be read to its end (damage or
-    an error; whatever was readable was still checked and reported).
+    an error; whatever was readable was still checked and reported), 3 no problem in what the
+    log holds, but it is not the whole run (:attr:`incomplete` says why).
     """
 
     paths: list[str]
@@ -258,6 +259,11 @@ class CheckResult:
     recorded_violations: list[RecordedViolation] = attrs.field(factory=list)
     stop: StopInfo | None = None
     error: str | None = None
+    # Why the log is not the whole run, when it was read without damage: no end record (the
+    # engine still writing it, or dead), a segment missing after a rotation, a gap of steps
+    # the writer dropped. None: complete (or too old to tell: ``ending`` is "unknown").
+    incomplete: str | None = None
+    ending: str | None = None
     stopped_early: bool = False
     counts: dict[str, Any] = attrs.field(factory=dict)
     totals: dict[str, dict[str, int]] = attrs.field(
@@ -268,14 +274,21 @@ class CheckResult:
 
     @property
     def clean(self) -> bool:
-        """No problem, and the whole log was read."""
-        return self.problems_total == 0 and self.stop is None and self.error is None
+        """No problem, and the whole log, complete, was read."""
+        return (
+            self.problems_total == 0
+            and self.stop is None
+            and self.error is None
+            and self.incomplete is None
+        )
 
     @property
     def exit_code(self) -> int:
         if self.error is not None or self.stop is not None:
             return 2
-        return 1 if self.problems_total else 0
+        if self.problems_total:
+            return 1
+        return 3 if self.incomplete is not None else 0
 
     @property
     def first_problem(self) -> Problem | None:
@@ -291,6 +304,8 @@ class CheckResult:
             "clean": self.clean,
             "error": self.error,
             "stop": None if self.stop is None else attrs.asdict(self.stop),
+            "ending": self.ending,
+            "incomplete": self.incomplete,
             "request": self.request,
             "first": self.first,
             "stopped_early": self.stopped_early,
@@ -653,7 +668,18 @@ class _Checker:
         ViolationRecorded = ev.ViolationRecorded
         StepDecoded = ev.StepDecoded
         steady = 0
+        gaps = source.gaps  # filled as the reader meets loss records
         for frame in source.frames():
+            if gaps:
+                # The writer dropped steps here (the disk fell behind): what follows was
+                # decided on facts the log lacks, so a replay cannot judge it.
+                gap = gaps[0]
+                result.incomplete = (
+                    f"steps {gap['first_step']} to {gap['last_step']} were not recorded (the "
+                    f"disk fell behind: {gap['frames']} frames, {gap['records']} records "
+                    f"dropped); checked up to step {last_step}"
+                )
+                break
             frames += 1
             events = frame.events
             count_types(map(type, events))
@@ -740,6 +766,9 @@ class _Checker:
         if progress is not None and not self.done:
             progress(total_bytes, total_bytes)
         result.stop = source.stop
+        result.ending = source.ending
+        if result.incomplete is None and source.ending in ("open", "rotated"):
+            result.incomplete = source.describe_ending()
         result.counts = {
             "events": index,
             "inputs": inputs,
@@ -816,6 +845,14 @@ def _check_into(
     source = open_log(path)
     result.paths = [str(p) for p in source.paths]
     header = source.header
+    if header.get("segment", 0):
+        first = header["segment"]
+        result.error = (
+            f"the log starts at segment {first}: segments 0 to {first - 1} are missing "
+            "(deleted?), and a replay needs the log from its start to rebuild every state; "
+            "kvledger show and stats still read what is there"
+        )
+        return
     result.run_info = {
         **source.run_info,
         **{

@@ -49,7 +49,7 @@ def run(data: bytes, name: str = "fuzz.kvlog") -> CheckResult:
     path.write_bytes(data)
     result = check(path)  # must not raise, whatever the bytes
     assert isinstance(result, CheckResult)
-    assert result.exit_code in (0, 1, 2)
+    assert result.exit_code in (0, 1, 2, 3)
     assert not [p for p in result.problems if p.kind == "error"], "the tracker raised"
     return result
 
@@ -104,7 +104,8 @@ def test_every_bit_flip_is_noticed_where_it_is(bit: int) -> None:
     result = run(bytes(data))
     pos = bit // 8
     if pos in (10, 11):  # the minor version: not checksummed, any minor of 1.x reads
-        assert result.exit_code == 0 and result.run_info["minor"] != 0
+        # (a 1.0 log read as 1.1 or later lacks the end record 1.1 writes: incomplete)
+        assert result.exit_code in (0, 3) and result.run_info["minor"] != 0
         return
     assert result.exit_code == 2
     if pos < HEADER_END:

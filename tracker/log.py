@@ -868,7 +868,7 @@ class LogReader:
         self.ending = None
         self.missing_start = None
         self.last_step = None
-        self.gaps = []
+        self.gaps.clear()  # in place: a caller may hold the list while it reads
         prev: tuple[dict[str, Any], str, str] | None = None  # header, digest, path
         expect_seq: int | None = None
         try:

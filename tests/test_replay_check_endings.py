@@ -1,0 +1,94 @@
+"""``kvledger check`` never calls an incomplete log clean: a log that ended without closing,
+a log with steps its writer dropped, and a log missing its start are each named for what they
+are, with their own exit status (docs/debugging.md, "Exit status")."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _logfiles import step_frames_end
+from test_replay_check import CONFIG, drive, write_log
+
+from replay.cli import main
+from replay.replayer import check
+from tracker import log
+from tracker.log import LogWriter
+from tracker.tracker import Tracker
+
+
+def test_a_closed_log_is_clean_and_complete(tmp_path: Path) -> None:
+    path = tmp_path / "run.kvlog"
+    write_log(path)
+    result = check(path)
+    assert result.exit_code == 0 and result.ending == "closed" and result.incomplete is None
+
+
+def test_a_log_cut_at_a_frame_boundary_is_incomplete(tmp_path: Path, capsys: Any) -> None:
+    full = tmp_path / "run.kvlog"
+    write_log(full)
+    data = full.read_bytes()
+    cut = tmp_path / "cut.kvlog"
+    cut.write_bytes(data[: step_frames_end(data)])  # every step, no end record
+    result = check(cut)
+    assert result.exit_code == 3 and result.problems == [] and result.stop is None
+    assert result.ending == "open" and result.incomplete is not None
+    assert "still writing it, or died after step" in result.incomplete
+    assert result.counts["events"] == check(full).counts["events"]
+    assert main(["check", str(cut)]) == 3
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and "(exit 3)" in out
+
+
+def test_a_log_of_a_running_engine_reads_to_its_last_step(tmp_path: Path) -> None:
+    path = tmp_path / "live.kvlog"
+    t = Tracker(CONFIG, log=LogWriter(path, {**CONFIG.to_dict()}, fsync="never"))
+    drive(t, 3)
+    result = check(path)  # the writer is still open
+    assert result.exit_code == 3 and result.problems == []
+    assert f"died after step {t.step - 1}" in (result.incomplete or "")
+    t.close()
+    assert check(path).exit_code == 0
+
+
+def test_steps_the_writer_dropped_end_the_check_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real = log._BackgroundOutput._do
+
+    def hung(out: Any, op: str, arg: Any) -> None:  # the disk hangs, then comes back
+        if op == "write" and threading.current_thread().name == "kvledger-log":
+            release.wait(60)
+        real(out, op, arg)
+
+    monkeypatch.setattr(log._BackgroundOutput, "_do", hung)
+    path = tmp_path / "run.kvlog"
+    writer = LogWriter(path, CONFIG.to_dict(), background=True, max_queue_bytes=3000)
+    t = Tracker(CONFIG, log=writer)
+    drive(t, 8)
+    assert writer.lost_frames > 0
+    release.set()
+    drive(t, 2, start=8)
+    t.close()
+    result = check(path)
+    assert result.exit_code == 3 and result.problems == []
+    assert result.incomplete is not None and "were not recorded (the disk fell behind" in (
+        result.incomplete
+    )
+
+
+def test_a_log_missing_its_start_says_so_and_invents_no_problem(tmp_path: Path) -> None:
+    path = tmp_path / "run.kvlog"
+    writer = LogWriter(path, {**CONFIG.to_dict()}, rotate_bytes=2000, fsync="never")
+    t = Tracker(CONFIG, log=writer)
+    drive(t, 8)
+    t.close()
+    assert len(writer.paths) >= 3
+    writer.paths[0].unlink()
+    result = check(tmp_path)
+    assert result.exit_code == 2 and result.problems == []
+    assert result.error is not None and "the log starts at segment 1" in result.error
+    assert main(["check", str(tmp_path)]) == 2
