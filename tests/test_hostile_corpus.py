@@ -1,0 +1,124 @@
+"""Every ``kvledger`` command over a corpus of hostile files: no traceback, a documented exit
+status, a message on stderr, and bounded memory. Seeded: the same corpus every run.
+
+The corpus starts from a real log (vLLM's scheduler with the connector) and breaks it the ways
+files break: random bytes, single-bit flips, garbage overwrites, truncations, a frame claiming
+gigabytes, msgpack bombs behind valid checksums, hostile header values, an empty file, a
+directory that holds no log, a missing path.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+
+import msgpack
+import pytest
+from test_replay_fuzz import _BOMBS, BYTES, FRAMES, frame
+
+from replay.cli import main
+from tracker.config import TrackerConfig
+from tracker.log import LogWriter
+
+EXITS = {0, 1, 2, 3}
+
+
+def _corpus(tmp: Path) -> dict[str, Path]:
+    rng = random.Random(1124)
+    files: dict[str, bytes] = {
+        "empty": b"",
+        "random bytes": rng.randbytes(3000),
+        "preamble only": BYTES[:12],
+        "a frame claiming 3 GiB": BYTES[: FRAMES[3][0]]
+        + struct.pack("<I", 3 << 30)
+        + struct.pack("<I", 0),
+    }
+    for i in range(6):
+        data = bytearray(BYTES)
+        bit = rng.randrange(12 * 8, len(BYTES) * 8)
+        data[bit // 8] ^= 1 << (bit % 8)
+        files[f"bit flip {i}"] = bytes(data)
+        pos = rng.randrange(12, len(BYTES))
+        data = bytearray(BYTES)
+        data[pos : pos + 40] = rng.randbytes(40)
+        files[f"garbage {i}"] = bytes(data[: len(BYTES)])
+        files[f"truncated {i}"] = BYTES[: rng.randrange(len(BYTES))]
+    offset = FRAMES[len(FRAMES) // 3][0]
+    for name, bomb in _BOMBS.items():
+        files[f"bomb: {name}"] = BYTES[:offset] + frame(bomb)
+    out = {}
+    for name, data in files.items():
+        path = tmp / (name.replace(" ", "_").replace(":", "") + ".kvlog")
+        path.write_bytes(data)
+        out[name] = path
+    for name, config in (
+        ("header num_slots 2**64-1", {"num_slots": 2**64 - 1}),
+        ("header flag 'no'", {"discard_partial_chunks": "no"}),
+        ("header salt 5", {"salt": 5}),
+        ("header config not a map", None),
+    ):
+        path = tmp / (name.replace(" ", "_").replace("'", "") + ".kvlog")
+        header = {**TrackerConfig().to_dict(), **config} if config is not None else {}
+        with LogWriter(path, header, fsync="never") as w:
+            w.end_step(0)
+        if config is None:  # a header whose config is a list: rewrite it by hand
+            data = path.read_bytes()
+            path.write_bytes(
+                data.replace(msgpack.packb("config") + b"\x80", msgpack.packb("config") + b"\x90")
+            )
+        out[name] = path
+    (tmp / "no-log-here").mkdir()
+    out["a directory without a log"] = tmp / "no-log-here"
+    out["a missing path"] = tmp / "missing.kvlog"
+    return out
+
+
+COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
+    "check": lambda log, tmp: ["check", str(log)],
+    "check --json": lambda log, tmp: ["check", "--json", str(log)],
+    "show": lambda log, tmp: ["show", str(log), "-r", "req-1"],
+    "stats": lambda log, tmp: ["stats", str(log)],
+    "stats --json": lambda log, tmp: ["stats", "--json", str(log)],
+    "diff": lambda log, tmp: ["diff", str(log), str(log)],
+    "timeline": lambda log, tmp: ["timeline", str(log), "-o", str(tmp / "t.html")],
+    "export": lambda log, tmp: ["export", str(log), "-o", str(tmp / "e.jsonl")],
+}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_every_command_survives_the_hostile_corpus(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    corpus = _corpus(tmp_path)
+    failures = []
+    tracemalloc.start()
+    try:
+        for name, path in corpus.items():
+            try:
+                code = main(COMMANDS[command](path, tmp_path))
+            except SystemExit as e:  # argparse errors only
+                code = e.code if isinstance(e.code, int) else 2
+            except Exception as e:  # the defect this test exists for
+                failures.append(f"{name}: raised {type(e).__name__}: {e}")
+                continue
+            out, err = capsys.readouterr()
+            if code not in EXITS:
+                failures.append(f"{name}: exit {code}")
+            elif code == 2 and not (
+                err.strip()
+                or '"error"' in out
+                or "ERROR" in out
+                or "DAMAGED" in out
+                or "error" in out
+            ):
+                failures.append(f"{name}: exit 2 with nothing said")
+            if "Traceback" in out + err:
+                failures.append(f"{name}: a traceback")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert failures == [], f"{len(failures)} of {len(corpus)}: {failures[:6]}"
+    assert peak < 256 << 20, f"peak {peak >> 20} MiB"
