@@ -39,8 +39,9 @@ lint: setup
 	$(BIN)/ruff format --check tracker connector replay tests bench
 	$(BIN)/lint-imports --no-cache
 
-# tracker/ strictly (pyproject); connector/ and replay/ checked too.
-typecheck: setup
+# tracker/ strictly (pyproject); connector/ and replay/ checked too, against vLLM's real
+# types (so the result is the same on every machine).
+typecheck: setup-vllm
 	$(BIN)/mypy tracker connector replay
 
 pytest: setup-vllm

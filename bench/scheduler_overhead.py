@@ -9,7 +9,8 @@ only if the run itself went wrong: a preemption, an adapter error, a violation).
   null   a connector that does nothing (defined here): vLLM's own cost of having a connector,
          i.e. the floor for any connector                         (skip with --no-null)
   conn   KVLedgerConnector, kv_connector_extra_config {"chunk_size": 256}, no event log
-  log    the same, writing the event log to a temp dir                 (only with --log)
+  log    the same, writing the event log to a temp dir, on the log's own thread (only with --log)
+  logsync  the same, writing the log on the scheduler thread (log_background off; with --log)
 
 Each gets ``--requests`` prompts of ``--prompt-len`` distinct random tokens, enough GPU blocks and
 batch budget for all of them to run at once without preemption, and prefix caching on.
@@ -314,7 +315,11 @@ def token_bytes(harness: SchedulerHarness) -> int:
 
 
 def connector_spec(
-    args: argparse.Namespace, token_bytes: int, log_dir: str | None, null: bool = False
+    args: argparse.Namespace,
+    token_bytes: int,
+    log_dir: str | None,
+    null: bool = False,
+    background: bool = True,
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"chunk_size": args.chunk_size}
     # Slots for every full chunk of every prompt, twice over: nothing is evicted.
@@ -322,6 +327,7 @@ def connector_spec(
     extra["host_pool_bytes"] = slots * token_bytes * args.chunk_size
     if log_dir is not None:
         extra["log_dir"] = log_dir
+        extra["log_background"] = background
     if null:
         return {
             "kv_connector": "NullConnector",
@@ -560,6 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, tmp.name))
             variants.append(Variant("log", cfg, tmp.name))
+            sync_dir = os.path.join(tmp.name, "sync")
+            spec = connector_spec(args, tb, sync_dir, background=False)
+            variants.append(Variant("logsync", base_cfg.with_(kv_connector=spec), sync_dir))
         for v in variants:
             prefill_steps = warm_up(v, args)
         print(
@@ -567,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
             f"step(s)); connector methods wrapped: {len(conn.wrapped)}"
         )
         if tmp is not None:
-            print(f"log variant writes {variants[-1].connector.scheduler_side.log_path}")
+            print(f"log variant writes {variants[-2].connector.scheduler_side.log_path}")
 
         for v in variants:  # count the timed phase only
             for stat in v.timer.per_method.values():
