@@ -622,17 +622,27 @@ class _DirectOutput:
 class _BackgroundOutput:
     """Writes on a thread of its own, through a queue bounded in bytes, so a slow or hung
     disk never stalls the caller (vLLM's scheduler): the caller asks :meth:`room` before each
-    frame and drops the frame when there is none. The first file is created on the caller's
-    thread (a log that cannot start says so at once); after that an error is kept in
-    :attr:`failure`, which the writer checks before each step, and what is queued after it is
-    discarded."""
+    frame and drops the frame when there is none. The first file is created, and its header
+    written, on the caller's thread (a log that cannot start says so at once); after that an
+    error is kept in :attr:`failure`, which the writer checks before each step, and what is
+    queued after it is discarded.
+
+    The caller's side costs a deque append per write: the thread wakes on its own every
+    ``_WAKE_S``, or at once for anything but a write (an ``fsync``, a rotation, the stop) and
+    when ``_WAKE_BYTES`` are waiting, and writes what it finds in one call. Each counter is
+    written by one thread only (``_enqueued`` by the caller, ``_written`` by the thread), so
+    neither needs a lock."""
+
+    _WAKE_S = 0.05
+    _WAKE_BYTES = 1 << 20
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.failure: str | None = None
-        self._queued = 0  # bytes waiting (read without the lock: a bound, not an account)
+        self._enqueued = 0  # bytes handed over (the caller's thread only)
+        self._written = 0  # bytes taken off the queue (the writer thread only)
         self._ops: collections.deque[tuple[str, Any]] = collections.deque()
-        self._ready = threading.Condition()
+        self._wake = threading.Event()
         self._file: IO[bytes] | None = None
         self._path: Path | None = None
         self._thread: threading.Thread | None = None
@@ -653,7 +663,10 @@ class _BackgroundOutput:
             self._thread = threading.Thread(target=self._run, name="kvledger-log", daemon=True)
             self._thread.start()
             return
-        self._put("write", data, len(data))
+        self._ops.append(("write", data))
+        self._enqueued += len(data)
+        if self._enqueued - self._written >= self._WAKE_BYTES:
+            self._wake.set()
 
     def fsync(self) -> None:
         self._put("fsync", None)
@@ -662,7 +675,7 @@ class _BackgroundOutput:
         self._put("close", None)
 
     def room(self, size: int) -> bool:
-        return self._queued + size <= self.max_bytes
+        return self._enqueued - self._written + size <= self.max_bytes
 
     def finish(self, timeout: float) -> str | None:
         """Stop the thread once the queue is written; the failure, if any."""
@@ -673,34 +686,36 @@ class _BackgroundOutput:
         if self._thread.is_alive() and self.failure is None:
             self.failure = (
                 f"the log thread did not finish writing {self._path} within {timeout:.0f} s "
-                f"({self._queued} bytes still queued): is the disk hung?"
+                f"({self._enqueued - self._written} bytes still queued): is the disk hung?"
             )
         return self.failure
 
-    def _put(self, op: str, arg: Any, size: int = 0) -> None:
-        with self._ready:
-            self._ops.append((op, arg))
-            self._queued += size
-            self._ready.notify()
+    def _put(self, op: str, arg: Any) -> None:
+        self._ops.append((op, arg))
+        self._wake.set()
 
     def _run(self) -> None:
-        ops, ready = self._ops, self._ready
+        ops, wake = self._ops, self._wake
         while True:
-            with ready:
-                while not ops:
-                    ready.wait()
+            wake.wait(self._WAKE_S)
+            wake.clear()
+            while ops:
                 op, arg = ops.popleft()
-            if op == "stop":
-                return
-            try:
-                if self.failure is None:
-                    self._do(op, arg)
-            except OSError as e:
-                self.failure = f"{op} of {self._path} failed: {e}"
-            finally:
-                if op == "write":
-                    with ready:
-                        self._queued -= len(arg)
+                if op == "stop":
+                    return
+                if op == "write":  # with every write queued behind it: one call
+                    parts = [arg]
+                    while ops and ops[0][0] == "write":
+                        parts.append(ops.popleft()[1])
+                    arg = b"".join(parts)
+                try:
+                    if self.failure is None:
+                        self._do(op, arg)
+                except OSError as e:
+                    self.failure = f"{op} of {self._path} failed: {e}"
+                finally:
+                    if op == "write":
+                        self._written += len(arg)
 
     def _do(self, op: str, arg: Any) -> None:
         if op == "write":
