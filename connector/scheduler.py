@@ -97,6 +97,51 @@ def _status_name(request: Any) -> str:
     return str(getattr(status, "name", status) or "").lower()
 
 
+# Reads one entry of a report field whole: (request id, its items), or raises.
+_Reader = Callable[[Any], tuple[str, tuple[Any, ...]]]
+
+
+def _read_req_id(entry: Any) -> tuple[str, tuple[()]]:
+    """A ``loads_done`` entry: the request id alone."""
+    if not isinstance(entry, str):
+        raise TypeError(f"expected a request id, got {entry!r}")
+    return entry, ()
+
+
+def _read_pair(entry: Any) -> tuple[str, tuple[Any, ...]]:
+    req_id, items = entry
+    if not isinstance(req_id, str):
+        raise TypeError(f"expected a request id, got {req_id!r}")
+    if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)):
+        raise TypeError(f"expected a sequence for {req_id!r}, got {items!r}")
+    return req_id, tuple(items)
+
+
+def _read_keys(entry: Any) -> tuple[str, tuple[bytes, ...]]:
+    """A ``saves_done``/``saves_failed`` entry: (request id, chunk keys), checked whole."""
+    req_id, keys = _read_pair(entry)
+    if not all(isinstance(k, bytes) for k in keys):
+        raise TypeError(f"chunk keys of {req_id!r} must be bytes, got {keys!r}")
+    return req_id, keys
+
+
+def _read_blocks(entry: Any) -> tuple[str, tuple[int, ...]]:
+    """A ``loads_failed`` entry: (request id, block ids), checked whole."""
+    req_id, blocks = _read_pair(entry)
+    if not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+        raise TypeError(f"block ids of {req_id!r} must be ints, got {blocks!r}")
+    return req_id, blocks
+
+
+def _named_req_id(entry: Any) -> str | None:
+    """The request an unreadable entry still names, if any."""
+    if isinstance(entry, str):
+        return entry
+    if isinstance(entry, (tuple, list)) and entry and isinstance(entry[0], str):
+        return entry[0]
+    return None
+
+
 class SchedulerSide:
     """Owns the Tracker; one instance per engine, called on the engine-core thread."""
 
@@ -149,6 +194,11 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._delayed_free: list[str] = []
         self._allocated_this_step: set[str] = set()
+        # Allocations of requests the tracker does not know: external tokens vLLM counts as
+        # loaded, refused in this step's plan (vLLM schedules a sync-load admission in the
+        # step that allocates it). Emptied at every step's end.
+        self._unlooked: dict[str, int] = {}
+        self._unlooked_refused: list[int] = []
         # Worker ranks that must confirm every transfer (tensor x pipeline parallel size).
         self.world_size = max(1, int(world_size))
         self._save_acks: dict[tuple[str, bytes], _Ack] = {}
@@ -207,9 +257,21 @@ class SchedulerSide:
 
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        req_id = self._see(request)
+        """vLLM allocated the request's blocks and counts ``num_external_tokens`` as ours to
+        load. A request the tracker does not know (never added, or already retired) is not
+        taken in here: the tracker records ``unknown_request`` and keeps nothing, and the
+        external tokens, which nobody looked up, are refused when vLLM schedules it."""
+        req_id = str(request.request_id)
+        num_external = int(num_external_tokens)
+        block_ids = first_group(blocks)
+        if self.tracker.state(req_id) is None:
+            self.tracker.allocated(req_id, block_ids, num_external)  # recorded; nothing kept
+            if num_external > 0:
+                self._unlooked[req_id] = num_external
+            return
+        self._see(request)
         self._allocated_this_step.add(req_id)
-        self.tracker.allocated(req_id, first_group(blocks), int(num_external_tokens))
+        self.tracker.allocated(req_id, block_ids, num_external)
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Fold the step into the tracker and return the worker's plan. Whatever fails, the
@@ -310,6 +372,13 @@ class SchedulerSide:
     ) -> list[ev.DecisionEvent]:
         try:
             facts = read()
+            external = self._unlooked.pop(req_id, 0)
+            if external:
+                # Nobody looked these tokens up, so nobody loads them: vLLM must recompute.
+                nc = facts["num_computed"]
+                self._unlooked_refused += blocks_covering(
+                    facts["block_ids"], self.tracker_config.block_size, max(0, nc - external), nc
+                )
             request = self._requests.get(req_id)
             fallback = facts.pop("fallback_tokens")
             tokens = request.all_token_ids if request is not None else (fallback or ())
@@ -342,6 +411,9 @@ class SchedulerSide:
                 if plan is not None:
                     (loads if plan.kind == "load" else saves).append(plan)
         refused.extend(self._refuse_unprocessed_admissions())
+        refused.extend(self._unlooked_refused)
+        self._unlooked_refused = []
+        self._unlooked.clear()
         delayed, self._delayed_free = tuple(self._delayed_free), []
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
 
@@ -363,56 +435,134 @@ class SchedulerSide:
 
     @_guarded(lambda: None)
     def update_connector_output(self, connector_output: Any) -> None:
-        meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        reports = getattr(meta, "reports", None)
-        if reports is None and meta is not None:  # a single report, bare or wrapped
-            reports = (getattr(meta, "report", meta),)
-        if reports is None:
-            # vLLM < 0.18 has no worker metadata: the reports ride in the connector stats.
-            stats = getattr(connector_output, "kv_connector_stats", None)
-            plain = getattr(stats, "data", None)
-            if isinstance(plain, dict) and "kvledger_reports" in plain:
-                reports = tuple(WorkerReport.from_plain(r) for r in plain["kvledger_reports"])
-        for report in reports or ():
+        """Apply every worker report of the step. Each report, and each entry of a report, is
+        judged on its own: one that cannot be read is a recorded violation (``adapter_error``,
+        about the request it names, else about no request) and costs only itself."""
+        for report in self._reports_of(connector_output):
             if isinstance(report, WorkerReport):
                 self.apply_report(report)
+            else:
+                self._unreadable_result(
+                    None, "WorkerReport", TypeError(f"not a report: {report!r}")
+                )
+
+    def _reports_of(self, connector_output: Any) -> list[Any]:
+        """The worker reports in vLLM's ``KVConnectorOutput``: our worker metadata (one report
+        per rank, or a bare or wrapped single report), else (vLLM < 0.18) the plain reports in
+        the connector stats. Anything else there is not ours and is ignored."""
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        reports = getattr(meta, "reports", None)
+        if reports is not None:
+            return list(reports)
+        if meta is not None:  # a single report, bare or wrapped; not ours unless a report
+            single = getattr(meta, "report", meta)
+            return [single] if isinstance(single, WorkerReport) else []
+        # vLLM < 0.18 has no worker metadata: the reports ride in the connector stats.
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        plain = getattr(stats, "data", None)
+        if not isinstance(plain, dict) or "kvledger_reports" not in plain:
+            return []
+        parsed: list[Any] = []
+        for item in plain["kvledger_reports"]:
+            try:
+                parsed.append(WorkerReport.from_plain(item))
+            except Exception as exc:
+                self._unreadable_result(None, "WorkerReport", exc)
+        return parsed
 
     def apply_report(self, report: WorkerReport) -> None:
         """One rank's results. A failure on any rank wins at once; a success counts only once
-        every rank reported it (each rank holds its share of every chunk's bytes)."""
-        tracker, world = self.tracker, self.world_size
-        for req_id, blocks in report.loads_failed:
-            ack = self._load_acks.setdefault(req_id, _Ack())
-            if not ack.failed:
-                tracker.load_failed(req_id, blocks)
-            ack.failed.add(report.rank)
-            ack.settle(self._load_acks, req_id, world)
-        for req_id in report.loads_done:
-            ack = self._load_acks.setdefault(req_id, _Ack())
-            ack.done.add(report.rank)
-            if len(ack.done) == world and not ack.failed:
-                tracker.load_done(req_id)
-            ack.settle(self._load_acks, req_id, world)
-        for req_id, keys in report.saves_failed:
-            first: list[bytes] = []
-            for key in keys:
-                sack = self._save_acks.setdefault((req_id, key), _Ack())
-                if not sack.failed:
-                    first.append(key)
-                sack.failed.add(report.rank)
-                sack.settle(self._save_acks, (req_id, key), world)
-            if first:
-                tracker.save_failed(req_id, first)
-        for req_id, keys in report.saves_done:
-            confirmed: list[bytes] = []
-            for key in keys:
-                sack = self._save_acks.setdefault((req_id, key), _Ack())
-                sack.done.add(report.rank)
-                if len(sack.done) == world and not sack.failed:
-                    confirmed.append(key)
-                sack.settle(self._save_acks, (req_id, key), world)
-            if confirmed:
-                tracker.save_done(req_id, confirmed)
+        every rank reported it (each rank holds its share of every chunk's bytes).
+
+        Each entry is read whole before anything is applied; one that cannot be read is a
+        recorded violation, and the request it names gives up its transfers on this rank (its
+        load, if one is in flight, and its pending saves fail), so that nothing it holds waits
+        for a result that will never come. Every other entry is applied."""
+        rank = report.rank
+        unreadable: list[str] = []
+        # (field, its event, the reader of one entry, what applies it), in the order applied.
+        fields: tuple[tuple[str, str, _Reader, Callable[[str, Any, int], None]], ...] = (
+            ("loads_failed", "LoadFailed", _read_blocks, self._load_failed),
+            ("loads_done", "LoadDone", _read_req_id, self._load_done),
+            ("saves_failed", "SaveFailed", _read_keys, self._save_failed),
+            ("saves_done", "SaveDone", _read_keys, self._save_done),
+        )
+        for field, event, read, apply in fields:
+            try:
+                entries = tuple(getattr(report, field))
+            except Exception as exc:
+                self._unreadable_result(None, event, exc)
+                continue
+            for entry in entries:
+                try:
+                    req_id, items = read(entry)
+                except Exception as exc:
+                    named = _named_req_id(entry)
+                    self._unreadable_result(named, event, exc)
+                    if named is not None:
+                        unreadable.append(named)
+                    continue
+                apply(req_id, items, rank)
+        for req_id in unreadable:
+            self._give_up_transfers(req_id, rank)
+
+    def _load_failed(self, req_id: str, blocks: tuple[int, ...], rank: int) -> None:
+        ack = self._load_acks.setdefault(req_id, _Ack())
+        if not ack.failed:
+            self.tracker.load_failed(req_id, blocks)
+        ack.failed.add(rank)
+        ack.settle(self._load_acks, req_id, self.world_size)
+
+    def _load_done(self, req_id: str, _: tuple[()], rank: int) -> None:
+        ack = self._load_acks.setdefault(req_id, _Ack())
+        ack.done.add(rank)
+        if len(ack.done) == self.world_size and not ack.failed:
+            self.tracker.load_done(req_id)
+        ack.settle(self._load_acks, req_id, self.world_size)
+
+    def _save_failed(self, req_id: str, keys: tuple[bytes, ...], rank: int) -> None:
+        first: list[bytes] = []
+        for key in keys:
+            sack = self._save_acks.setdefault((req_id, key), _Ack())
+            if not sack.failed:
+                first.append(key)
+            sack.failed.add(rank)
+            sack.settle(self._save_acks, (req_id, key), self.world_size)
+        if first:
+            self.tracker.save_failed(req_id, first)
+
+    def _save_done(self, req_id: str, keys: tuple[bytes, ...], rank: int) -> None:
+        confirmed: list[bytes] = []
+        for key in keys:
+            sack = self._save_acks.setdefault((req_id, key), _Ack())
+            sack.done.add(rank)
+            if len(sack.done) == self.world_size and not sack.failed:
+                confirmed.append(key)
+            sack.settle(self._save_acks, (req_id, key), self.world_size)
+        if confirmed:
+            self.tracker.save_done(req_id, confirmed)
+
+    def _give_up_transfers(self, req_id: str, rank: int) -> None:
+        """A result of ``req_id`` from ``rank`` could not be read: count its transfers still
+        in flight as failed on that rank (a failure on any rank wins at once)."""
+        state = self.tracker.state(req_id)
+        if state is None:
+            return
+        if state.load is not None and not state.load.done:
+            self._load_failed(req_id, (), rank)
+            state = self.tracker.state(req_id)
+        if state is not None and state.save.pending:
+            self._save_failed(req_id, tuple(key for key, _ in state.save.pending), rank)
+
+    def _unreadable_result(self, req_id: str | None, event: str, exc: Exception) -> None:
+        """A worker result that cannot be read: strict mode raises; otherwise it is counted and
+        recorded as the violation ``adapter_error`` about the request it names (which falls
+        back to recompute), or about no request (an empty id) when it names none."""
+        if self.config.strict:
+            raise exc
+        self.adapter_errors += 1
+        _log.error("kvledger.unreadable_report", req_id=req_id, event_type=event, error=repr(exc))
+        self.tracker.mark_violation(req_id or "", "adapter_error", event, error=repr(exc))
 
     @_guarded(_free_now)
     def request_finished(

@@ -100,11 +100,14 @@ class HostChunkPool:
         i: int,
         slot_mapping: torch.Tensor | Sequence[int],
         offset: int = 0,
+        *,
+        after: Sequence[Any] = (),
     ) -> TransferHandle:
-        """Save the tokens at ``slot_mapping`` into slot ``i`` at ``offset``, and track it."""
+        """Save the tokens at ``slot_mapping`` into slot ``i`` at ``offset``, and track it
+        (``after``: see ``TransferBackend.save``)."""
         self._check_backend(backend)
         self._claim(i, "write")
-        handle = backend.save(self._buffer[i], slot_mapping, offset)
+        handle = backend.save(self._buffer[i], slot_mapping, offset, after=after)
         self._pending[i].append(("write", handle))
         return handle
 
@@ -114,11 +117,14 @@ class HostChunkPool:
         i: int,
         slot_mapping: torch.Tensor | Sequence[int],
         offset: int = 0,
+        *,
+        after: Sequence[Any] = (),
     ) -> TransferHandle:
-        """Load slot ``i`` from ``offset`` into the cache at ``slot_mapping``, and track it."""
+        """Load slot ``i`` from ``offset`` into the cache at ``slot_mapping``, and track it
+        (``after``: see ``TransferBackend.load``)."""
         self._check_backend(backend)
         self._claim(i, "read")
-        handle = backend.load(self._buffer[i], slot_mapping, offset)
+        handle = backend.load(self._buffer[i], slot_mapping, offset, after=after)
         self._pending[i].append(("read", handle))
         return handle
 

@@ -15,6 +15,14 @@ the host slot. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCa
 ``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side
 stream ordered after the compute stream is what vLLM's CPU offloading worker does
 (``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
+
+Ordering on CUDA is explicit, against streams the caller names (``after``): a transfer starts
+only after the work issued so far on each of them (an event recorded there, waited on by the
+side stream), and ``TransferHandle.wait(stream)`` makes a named stream wait for the transfer
+(an event recorded on the side stream). ``compute_stream()`` is the stream current on the
+calling thread; the worker reads it when vLLM calls it for a step, which is the stream vLLM
+runs that step's forward pass on (see ``connector.worker``). Named nothing, a transfer orders
+against the current stream. On CPU every transfer is synchronous and there is no stream.
 """
 
 from __future__ import annotations
@@ -202,12 +210,15 @@ class TransferHandle:
             self._keepalive = ()
         return self._event is None
 
-    def wait(self) -> None:
-        """Make the current (compute) stream wait for the transfer; does not block the host."""
+    def wait(self, stream: Any = None) -> None:
+        """Make ``stream`` (the compute stream; default: the current one) wait for the transfer:
+        work issued there afterwards sees its bytes. Does not block the host."""
         if self._event is None:
             return
         if self._device is not None and self._device.type == "cuda":
-            self._event.wait(torch.cuda.current_stream(self._device))
+            self._event.wait(
+                stream if stream is not None else torch.cuda.current_stream(self._device)
+            )
         else:  # not a CUDA transfer: the event orders itself
             self._event.wait()
 
@@ -272,30 +283,54 @@ class TransferBackend:
 
     # -- public API ---------------------------------------------------------------------------
 
+    def compute_stream(self) -> Any:
+        """The CUDA stream current on the calling thread (where the caller's compute is
+        issued now); None on CPU, where transfers are synchronous."""
+        if not self._is_cuda:
+            return None
+        return torch.cuda.current_stream(self.spec.device)
+
     def save(
         self,
         dst_slot: torch.Tensor,
         slot_mapping: torch.Tensor | Sequence[int],
         dst_offset: int = 0,
+        *,
+        after: Sequence[Any] = (),
     ) -> TransferHandle:
-        """Copy K and V of every layer at ``slot_mapping`` into ``dst_slot[:, :, dst_offset:+n]``."""
+        """Copy K and V of every layer at ``slot_mapping`` into ``dst_slot[:, :, dst_offset:+n]``.
+
+        On CUDA the copy reads the caches only after the work issued so far on each stream in
+        ``after`` (the forward pass that wrote these tokens; default: the current stream)."""
         slots = self._check(dst_slot, slot_mapping, dst_offset, "dst_slot", "dst_offset")
-        return self._transfer(dst_slot, slots, dst_offset, save=True)
+        return self._transfer(dst_slot, slots, dst_offset, save=True, after=after)
 
     def load(
         self,
         src_slot: torch.Tensor,
         slot_mapping: torch.Tensor | Sequence[int],
         src_offset: int = 0,
+        *,
+        after: Sequence[Any] = (),
     ) -> TransferHandle:
-        """Copy ``src_slot[:, :, src_offset:+n]`` into every layer's cache at ``slot_mapping``."""
+        """Copy ``src_slot[:, :, src_offset:+n]`` into every layer's cache at ``slot_mapping``.
+
+        On CUDA the copy writes the caches only after the work issued so far on each stream in
+        ``after`` (compute that may still read the blocks' previous contents; default: the
+        current stream). The forward pass must then wait for it: ``handle.wait(stream)``."""
         slots = self._check(src_slot, slot_mapping, src_offset, "src_slot", "src_offset")
         if torch.unique(slots).numel() != slots.numel():
             raise ValueError("slot_mapping of a load names the same cache slot twice")
-        return self._transfer(src_slot, slots, src_offset, save=False)
+        return self._transfer(src_slot, slots, src_offset, save=False, after=after)
 
     def _transfer(
-        self, host: torch.Tensor, slots: torch.Tensor, offset: int, *, save: bool
+        self,
+        host: torch.Tensor,
+        slots: torch.Tensor,
+        offset: int,
+        *,
+        save: bool,
+        after: Sequence[Any] = (),
     ) -> TransferHandle:
         n = slots.numel()
         if n == 0:
@@ -308,7 +343,11 @@ class TransferBackend:
         stream = self._stream
         # Save: the forward pass that wrote these tokens was issued on the compute stream.
         # Load: compute issued earlier may still use these blocks (their previous owner).
-        stream.wait_stream(torch.cuda.current_stream(self.spec.device))
+        # Either way the side stream waits for an event recorded on each stream named.
+        for compute in after or (torch.cuda.current_stream(self.spec.device),):
+            ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            ready.record(compute)
+            stream.wait_event(ready)
         with torch.cuda.stream(stream):
             # Allocated on the side stream, so the caching allocator recycles it in its order.
             index_dev = index.to(self.spec.device, non_blocking=True)

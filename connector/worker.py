@@ -6,7 +6,50 @@ names, and reports back what happened in a ``WorkerReport``. It does not import 
 
 Order within one step, as vLLM calls it: ``handle_preemptions`` (flush saves before preempted
 blocks are reused) -> ``bind`` -> ``start_load_kv`` -> forward -> ``wait_for_save`` ->
-``get_finished`` -> ``get_block_ids_with_load_errors`` -> ``build_report``.
+``get_finished`` -> ``get_block_ids_with_load_errors`` -> ``build_report`` -> ``clear``.
+
+With speculative decoding vLLM defers ``wait_for_save`` (``defer_finalize``): the connector
+output is collected right after the target forward, and ``wait_for_save`` and ``clear`` run
+after the draft forward (vLLM 0.33: ``KVConnectorModelRunnerMixin._get_kv_connector_output``
+and ``finalize_kv_connector``, called from ``GPUModelRunner.sample_tokens``; MRV2:
+``ActiveKVConnector.post_forward`` and ``finalize_step``). So the order is ... forward ->
+``get_finished`` -> ``get_block_ids_with_load_errors`` -> ``build_report`` -> draft forward ->
+``wait_for_save`` -> ``clear``. The worker therefore keeps what ``wait_for_save`` needs apart
+from the report (which loads failed in this step), counts a request with saves in the bound
+plan not yet issued as busy in ``get_finished``, and reports the step's saves in the next
+report. Should ``wait_for_save`` not come at all before the next step (vLLM 0.33 skips
+``finalize_kv_connector`` on a pipeline stage that is not the last), the saves are issued when
+the next step starts, before its loads and forward can overwrite their blocks.
+
+Streams (CUDA). Transfers run on the backend's side stream, ordered explicitly against the
+stream vLLM runs the step's forward pass on, which the worker records when vLLM binds the step
+and calls ``start_load_kv``: the stream current then. That this is the forward's stream is
+vLLM's code, not an assumption (vLLM 0.33):
+
+- ``vllm/v1/worker/kv_connector_model_runner_mixin.py``,
+  ``KVConnectorModelRunnerMixin._get_kv_connector_output``: ``bind_connector_metadata``, then
+  ``start_load_kv`` (a step with synchronous loads, which every step with ours is), then
+  ``yield``, then ``wait_for_save`` in its ``finally`` (or, deferred, ``finalize_kv_connector``);
+  no stream is switched in between.
+- ``vllm/v1/worker/gpu_model_runner.py``, ``GPUModelRunner.execute_model``: the forward
+  (``self._model_forward``) runs inside ``with ... self.maybe_get_kv_connector_output(...)``
+  on the calling thread's current stream; ``GPUModelRunner.sample_tokens`` runs the drafter
+  and then ``finalize_kv_connector`` on that same thread and stream.
+- ``vllm/utils/torch_utils.py``, ``current_stream``: a vLLM worker replaces the default stream
+  by a dedicated one (``torch.cuda.set_stream``), on which ``vllm/compilation/cuda_graph.py``
+  (``CUDAGraphWrapper.__call__``) captures and replays CUDA graphs. So the forward does run
+  on a non-default stream, the one current at those calls. Model Runner V2 does the same:
+  ``vllm/v1/worker/gpu/kv_connector.py`` (``ActiveKVConnector.pre_forward``,
+  ``post_forward``, ``finalize_step``) around the forward on ``GPUModelRunner.main_stream``
+  (``torch.cuda.current_stream()``); dual-batch overlap (``vllm/v1/worker/gpu_ubatch_wrapper.py``,
+  ``UBatchWrapper.__call__``) runs its micro-batches' compute on the stream current at the call.
+
+The order, with that stream named ``compute``: a load starts after the work issued on
+``compute`` so far (the blocks' previous users), and ``compute`` waits on the load's event
+before the forward is issued; the step's forward waits likewise for every save still reading
+blocks (``bind``); a save starts after an event recorded on ``compute`` once the forward (and
+the drafter) was issued, and also after the stream current at ``wait_for_save`` should that be
+another. On CPU there is no stream and every transfer is synchronous.
 """
 
 from __future__ import annotations
@@ -49,6 +92,12 @@ class WorkerSide:
         self.backend: TransferBackend | None = None
         self.pool: HostChunkPool | None = None
         self._plan: StepPlan | None = None
+        # Saves of the bound plan not issued yet (wait_for_save issues them), and the requests
+        # whose load failed in that plan's step (their saves are refused).
+        self._to_save: tuple[TransferPlan, ...] = ()
+        self._step_failed_loads: set[str] = set()
+        # The stream the bound step's forward runs on (None on CPU); see the module docstring.
+        self._compute: Any = None
         # (req_id, key, handle) of saves not yet known to be complete.
         self._saves_in_flight: list[tuple[str, bytes, TransferHandle]] = []
         self._awaiting_free: set[str] = set()
@@ -81,24 +130,62 @@ class WorkerSide:
     def handle_preemptions(self, plan: StepPlan | None) -> None:
         """Before the forward pass reuses preempted blocks, every save reading them must be
         finished: vLLM frees a preempted request's blocks without telling the connector."""
+        self._issue_late_saves()
         if plan is not None and plan.preempted:
             self._drain_saves(block=True)
 
     def bind(self, plan: StepPlan) -> None:
+        self._issue_late_saves()
+        self._compute = self._current_stream()
         # Order this step's forward pass after every save still reading blocks: a block freed
         # by a preemption may be reused right now, and vLLM before 0.14 never calls
         # handle_preemptions. The compute stream waits; the host does not block.
         for _, _, handle in self._saves_in_flight:
-            handle.wait()
+            handle.wait(self._compute)
         self._plan = plan
+        self._to_save = plan.saves
+        self._step_failed_loads = set()
         self._awaiting_free.update(plan.delayed_free)
         self._load_errors.update(plan.refused_blocks)
+
+    def _issue_late_saves(self) -> None:
+        """The previous step's saves, if vLLM never called ``wait_for_save`` for them: issued
+        now, while their blocks still hold that step's KV (this step's loads and forward come
+        later)."""
+        if not self._to_save:
+            return
+        _log.warning(
+            "kvledger.saves_issued_late",
+            step=self._plan.step if self._plan is not None else None,
+            saves=len(self._to_save),
+        )
+        if self.backend is None or self.pool is None:  # nothing to save with: they failed
+            saves, self._to_save = self._to_save, ()
+            failed = tuple((s.req_id, tuple(c.key for c in s.chunks)) for s in saves)
+            self._report = self._report.merged(WorkerReport(saves_failed=failed, rank=self.rank))
+            return
+        self.wait_for_save()
+
+    def _current_stream(self) -> Any:
+        """The stream current on this thread now (None on CPU, or before register_kv_caches)."""
+        return self.backend.compute_stream() if self.backend is not None else None
+
+    def _save_after(self) -> tuple[Any, ...]:
+        """What a save must follow: the step's forward stream, and the stream current now if
+        it is another one (empty on CPU)."""
+        streams: list[Any] = []
+        for stream in (self._compute, self._current_stream()):
+            if stream is not None and stream not in streams:
+                streams.append(stream)
+        return tuple(streams)
 
     def start_load_kv(self) -> None:
         plan = self._plan
         if plan is None or not plan.loads:
             return
         backend, _ = self._ready()
+        # vLLM calls this on the stream its forward will run on (module docstring).
+        self._compute = self._current_stream()
         block_size = backend.spec.block_size
         failed: list[tuple[str, tuple[int, ...]]] = []
         done: list[str] = []
@@ -106,6 +193,7 @@ class WorkerSide:
             bad = self._load_one(load, block_size)
             if bad:
                 failed.append((load.req_id, bad))
+                self._step_failed_loads.add(load.req_id)
                 self._load_errors.update(bad)
             else:
                 done.append(load.req_id)
@@ -140,8 +228,10 @@ class WorkerSide:
             load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
         )
         pool.wait_slot(chunk.slot)  # a save into this slot may still be running
-        handle = pool.load(backend, chunk.slot, mapping, chunk.slot_offset)
-        handle.wait()  # the forward pass (compute stream) reads these blocks next
+        compute = self._compute
+        after = (compute,) if compute is not None else ()
+        handle = pool.load(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
+        handle.wait(compute)  # the forward pass (compute stream) reads these blocks next
         self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
         self.stats["chunks_loaded"] += 1
 
@@ -154,15 +244,18 @@ class WorkerSide:
         """Saves gather all layers at once in ``wait_for_save``; nothing per layer."""
 
     def wait_for_save(self) -> None:
-        plan = self._plan
-        if plan is None or not plan.saves:
+        """Issue the bound plan's saves (once: a second call finds none left). With
+        ``defer_finalize`` this runs after the step's report was built: the results go in the
+        next report."""
+        saves, self._to_save = self._to_save, ()
+        if not saves:
             return
         backend, pool = self._ready()
         block_size = backend.spec.block_size
-        failed_loads = {req for req, _ in self._report.loads_failed}
+        after = self._save_after()  # everything the forward and the drafter wrote
         refused: list[tuple[str, tuple[bytes, ...]]] = []
-        for save in plan.saves:
-            if save.req_id in failed_loads:
+        for save in saves:
+            if save.req_id in self._step_failed_loads:
                 # This step computed over a prefix that failed to load: its KV is wrong.
                 refused.append((save.req_id, tuple(ch.key for ch in save.chunks)))
                 continue
@@ -172,7 +265,7 @@ class WorkerSide:
                         save.block_ids, block_size, chunk.token_start, chunk.token_end
                     )
                     pool.wait_slot(chunk.slot)  # the slot's previous chunk may still be read
-                    handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset)
+                    handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
@@ -207,9 +300,12 @@ class WorkerSide:
         self, finished_req_ids: set[str] | None = None
     ) -> tuple[set[str] | None, set[str] | None]:
         """(finished sending, finished receiving). A request whose freeing was delayed is
-        reported once no save of it is in flight; loads are synchronous, so none are pending."""
+        reported once no save of it is in flight or still to be issued (with
+        ``defer_finalize``, vLLM asks before ``wait_for_save``); loads are synchronous, so none
+        are pending."""
         self._drain_saves(block=False)
         busy = {req for req, _, _ in self._saves_in_flight}
+        busy.update(save.req_id for save in self._to_save)
         ready = {req for req in self._awaiting_free if req not in busy}
         self._awaiting_free -= ready
         return (ready or None), None
@@ -227,4 +323,5 @@ class WorkerSide:
         self._plan = None
 
     def shutdown(self) -> None:
+        self._issue_late_saves()
         self._drain_saves(block=True)

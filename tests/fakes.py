@@ -26,6 +26,12 @@ Nothing here imports vLLM. The shapes follow vLLM 0.33's
     request_finished(...) for the requests finishing in this step
     update_connector_output(KVConnectorOutput)
 
+With ``defer_finalize`` (vLLM with a drafter: speculative decoding) the worker part runs in
+vLLM 0.33's deferred order instead: the fake target forward writes every layer but the last,
+then ``get_finished -> get_block_ids_with_load_errors -> build_report``, then the fake draft
+forward writes the last layer (standing for the drafter's own layer), then
+``wait_for_save -> clear``.
+
 and admissions (``get_num_new_matched_tokens -> allocate -> update_state_after_alloc``) happen
 before it through ``FakeEngine.admit`` / ``FakeEngine.lookup``. Under async scheduling the
 output of step N (sampled tokens, finishes, connector output) is applied after step N+1 was
@@ -287,11 +293,13 @@ class FakeEngine:
         async_scheduling: bool = False,
         announce: bool = True,
         sampler: Callable[[str, int], int] = token_at,
+        defer_finalize: bool = False,
     ) -> None:
         assert shape in SHAPES and preempt_signal in PREEMPT_SIGNALS
         self.scheduler = scheduler
         self.worker = worker
         self.oracle = oracle
+        self.defer_finalize = defer_finalize
         self.shape = shape
         self.preempt_signal = preempt_signal
         self.async_scheduling = async_scheduling
@@ -537,6 +545,7 @@ class FakeEngine:
             before_forward(plan)
         bad = worker.failed_load_requests()
         refused = set(plan.refused_blocks)
+        writes: list[tuple[str, list[int], list[int], int, int]] = []
         for req_id, n in out.num_scheduled_tokens.items():
             req = self.requests[req_id]
             start = req.num_computed_tokens
@@ -544,13 +553,29 @@ class FakeEngine:
             if refused & set(table):
                 bad.add(req_id)
             if self.oracle is not None:
-                tokens = self.tokens(req_id, start + n)
-                self.oracle.write(req_id, tokens, table, start, start + n, poisoned=req_id in bad)
+                writes.append((req_id, self.tokens(req_id, start + n), table, start, start + n))
         self.poisoned = bad
-        worker.wait_for_save()
-        sending, _ = worker.get_finished(set(out.finished_req_ids))
-        errors = worker.get_block_ids_with_load_errors()
-        record.report = worker.build_report()
+
+        def forward(layers: Sequence[int] | None) -> None:
+            for req_id, tokens, table, start, end in writes:
+                self.oracle.write(
+                    req_id, tokens, table, start, end, poisoned=req_id in bad, layers=layers
+                )
+
+        if self.defer_finalize:
+            num_layers = len(self.oracle.caches) if self.oracle is not None else 1
+            forward(range(num_layers - 1))  # the target model
+            sending, _ = worker.get_finished(set(out.finished_req_ids))
+            errors = worker.get_block_ids_with_load_errors()
+            record.report = worker.build_report()
+            forward([num_layers - 1])  # the drafter, after the connector output
+            worker.wait_for_save()
+        else:
+            forward(None)
+            worker.wait_for_save()
+            sending, _ = worker.get_finished(set(out.finished_req_ids))
+            errors = worker.get_block_ids_with_load_errors()
+            record.report = worker.build_report()
         worker.clear()
         record.finished_sending = set(sending or ())
         record.load_errors = set(errors)

@@ -27,6 +27,7 @@ from fakes import (
     FakeEngine,
     FakeRequest,
     KVConnectorOutput,
+    ManualEvent,
     NewRequestData,
     RequestStatus,
     SchedulerOutput,
@@ -39,6 +40,7 @@ from connector.messages import StepPlan, WorkerReport
 from connector.scheduler import SchedulerSide
 from connector.testing.faults import FaultyWorkerSide
 from connector.testing.oracle import KVOracle
+from connector.transfer import TransferHandle
 from tracker.invariants import InvariantViolation
 from tracker.state import LookupResult, Phase
 
@@ -73,6 +75,7 @@ def make_engine(
     shape: str = "v0.11.1",
     preempt_signal: str = "set",
     async_scheduling: bool = False,
+    defer_finalize: bool = False,
     **cfg: Any,
 ) -> FakeEngine:
     """A scheduler side; with ``num_blocks`` also a worker over oracle-owned CPU caches."""
@@ -98,6 +101,7 @@ def make_engine(
         shape=shape,
         preempt_signal=preempt_signal,
         async_scheduling=async_scheduling,
+        defer_finalize=defer_finalize,
     )
 
 
@@ -1170,3 +1174,253 @@ def test_worker_meta_is_read_from_the_report_attribute() -> None:
     )
     assert side.tracker.state("R").saved == 32
     assert not side.tracker.violations
+
+
+# --- worker reports: each one is judged on its own ----------------------------------------------
+
+
+def _three_saving(side: SchedulerSide) -> dict[str, tuple[bytes, ...]]:
+    """A, B and C (40 tokens each, nothing shared) prefilled in one step, each saving two
+    chunks; all three finish at once (their blocks held until the saves are confirmed)."""
+    new, keys = [], {}
+    for i, req_id in enumerate("ABC"):
+        r = FakeRequest(req_id, prompt(40, seed=10 + i))
+        side.get_num_new_matched_tokens(r, 0)
+        table = [1 + 3 * i, 2 + 3 * i, 3 + 3 * i]
+        side.update_state_after_alloc(r, FakeBlocks(table), 0)
+        new.append(NewRequestData(req_id, r.prompt_token_ids, (table,), 0))
+    plan = side.build_connector_meta(
+        SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=dict.fromkeys("ABC", 40))
+    )
+    for save in plan.saves:
+        keys[save.req_id] = tuple(c.key for c in save.chunks)
+    assert sorted(keys) == ["A", "B", "C"] and all(len(k) == 2 for k in keys.values())
+    for req_id in "ABC":
+        finished = FakeRequest(req_id, [], status=RequestStatus.FINISHED_STOPPED)
+        assert side.request_finished(finished, []) == (True, None)
+    assert side.tracker.index.stats()["writing"] == 6
+    return keys
+
+
+# One rank's report for B that cannot be read, and whether it still names B.
+MALFORMED: dict[str, tuple[Any, str]] = {
+    "keys-not-a-sequence": (WorkerReport(saves_done=(("B", None),)), "B"),
+    "load-blocks-unreadable": (WorkerReport(loads_failed=(("B", 7),)), "B"),
+    "entry-not-a-pair": (WorkerReport(saves_done=(None,)), ""),
+    "field-not-a-sequence": (WorkerReport(saves_done=7), ""),  # type: ignore[arg-type]
+    "not-a-report": ("garbage", ""),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+def test_a_malformed_report_costs_only_itself(kind: str) -> None:
+    """Audit: one malformed worker report discarded every report in the same batch (slots
+    "writing" forever, requests held forever, no violation). Each report, and each entry of
+    one, is judged on its own: the others are applied, the bad one is a recorded violation."""
+    from connector.vllm import KVLedgerWorkerMetadata
+
+    side = make_side()
+    keys = _three_saving(side)
+    bad, about = MALFORMED[kind]
+    batch = KVLedgerWorkerMetadata(
+        bad,  # first: before the fix, nothing after it was applied
+        WorkerReport(saves_done=(("A", keys["A"]),)),
+        WorkerReport(saves_done=(("C", keys["C"]),)),
+    )
+    side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=batch))
+    states = side.tracker.states
+    assert "A" not in states and "C" not in states  # confirmed, finished: retired
+    assert [(v.req_id, v.rule) for v in side.tracker.violations] == [(about, "adapter_error")]
+    assert side.adapter_errors == 1
+    stats = side.tracker.index.stats()
+    assert stats["stored"] == 4  # A's and C's chunks
+    if about:  # the request it names falls back: its saves are given up, its blocks freed
+        assert "B" not in states and stats["writing"] == 0
+    # A and C's chunks are offered to the next request with their prompt.
+    assert side.get_num_new_matched_tokens(FakeRequest("A2", prompt(40, seed=10)), 0) == (
+        32,
+        False,
+    )
+
+
+def test_a_malformed_report_in_the_connector_stats_costs_only_itself() -> None:
+    """vLLM 0.11-0.17 (reports in the connector stats, as plain data): one plain report that
+    does not parse leaves the others applied."""
+    side = make_side()
+    keys = _three_saving(side)
+    plain = [
+        WorkerReport(saves_done=(("A", keys["A"]),)).to_plain(),
+        ["not", "a", "report"],
+        WorkerReport(saves_done=(("C", keys["C"]),)).to_plain(),
+    ]
+    out = SimpleNamespace(kv_connector_stats=SimpleNamespace(data={"kvledger_reports": plain}))
+    side.update_connector_output(out)
+    assert "A" not in side.tracker.states and "C" not in side.tracker.states
+    assert [(v.req_id, v.rule) for v in side.tracker.violations] == [("", "adapter_error")]
+
+
+def test_a_malformed_entry_costs_only_that_entry() -> None:
+    """Inside one report: A's entry is unreadable, C's (after it) is still applied."""
+    side = make_side()
+    keys = _three_saving(side)
+    report = WorkerReport(
+        saves_done=(("A", None), ("B", keys["B"]), ("C", keys["C"])),  # type: ignore[arg-type]
+    )
+    side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report))
+    assert side.tracker.states == {}
+    assert [(v.req_id, v.rule) for v in side.tracker.violations] == [("A", "adapter_error")]
+    stats = side.tracker.index.stats()
+    assert (stats["stored"], stats["writing"]) == (4, 0)
+
+
+def test_a_malformed_report_raises_in_strict_mode() -> None:
+    from connector.vllm import KVLedgerWorkerMetadata
+
+    side = make_side(strict=True)
+    keys = _three_saving(side)
+    batch = KVLedgerWorkerMetadata(
+        WorkerReport(saves_done=(("B", None),)), WorkerReport(saves_done=(("A", keys["A"]),))
+    )
+    with pytest.raises(TypeError):
+        side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=batch))
+
+
+# --- update_state_after_alloc for a request the connector never saw ----------------------------
+
+
+@pytest.mark.parametrize("external", [0, 32])
+def test_alloc_of_a_request_never_added_holds_nothing(external: int) -> None:
+    """Audit: ``update_state_after_alloc`` for a request that was never added (no
+    on_new_request, no lookup) created a tracker state for it (and pinned the chunks a load
+    would read) that nothing ever released. It is recorded (``unknown_request``) and nothing
+    is kept for it: no state, no pin, no admission to process."""
+    eng = make_engine(block=16, chunk=16)
+    p = prompt(50)
+    _pool_with(eng, p)  # the pool holds p's first 48 tokens: U's allocation could pin them
+    side = eng.scheduler
+    u = FakeRequest("U", p)
+    side.update_state_after_alloc(u, FakeBlocks([5, 6, 7, 8]), external)
+    assert [(v.req_id, v.rule) for v in side.tracker.violations] == [("U", "unknown_request")]
+    assert "U" not in side.tracker.states
+    assert side.tracker.index.stats()["pinned"] == 0
+    plan = side.build_connector_meta(SchedulerOutput())  # vLLM did not schedule it
+    assert plan.refused_blocks == () and plan.loads == ()
+    assert side.tracker.states == {} and side.summary()["live_requests"] == 0
+    stats = side.tracker.index.stats()
+    assert (stats["pinned"], stats["writing"], stats["stored"]) == (0, 0, 3)
+    assert side.adapter_errors == 0
+    # Its finish is harmless (nothing to forget), and a later life of the id starts clean.
+    u.status = RequestStatus.FINISHED_ABORTED
+    assert side.request_finished(u, [5, 6, 7, 8]) == (False, None)
+    assert side.get_num_new_matched_tokens(FakeRequest("U", p), 0) == (48, False)
+
+
+def test_alloc_of_a_request_never_added_with_external_tokens_is_recomputed() -> None:
+    """vLLM counts the external tokens of the allocation as computed, but nobody looked them
+    up, so nobody loads them: their blocks are refused in the step that schedules it, and vLLM
+    recomputes them (the KV is right, and nothing of the request stays held after it)."""
+    eng = make_engine(block=16, chunk=16, num_blocks=16)
+    p = prompt(50)
+    _pool_with(eng, p)
+    u = FakeRequest("U", p)
+    eng.requests["U"] = u  # vLLM's request; the connector was never told of it
+    eng.admit(u, [5, 6, 7, 8], external=32, lookup=False)
+    rec = eng.step({"U": 18})
+    assert set(rec.plan.refused_blocks) == {5, 6} and rec.load_of("U") is None
+    assert rec.load_errors == {5, 6}
+    assert u.num_computed_tokens == 0  # rolled back by vLLM's recompute policy
+    _finish_prefill(eng, "U", 50)
+    ok_kv(eng, "U")
+    eng.finish("U")
+    eng.step({})
+    assert eng.scheduler.tracker.states == {}
+    assert eng.scheduler.tracker.index.stats()["pinned"] == 0
+    assert {v.rule for v in eng.violations} == {"unknown_request"}
+    assert {v.req_id for v in eng.violations} == {"U"}
+
+
+# --- speculative decoding: wait_for_save deferred past the connector output ----------------------
+
+
+class SaveWatch:
+    """The truth about every save of ``worker``, kept apart from the worker: which requests have
+    saves bound but not issued, and the completion event of every chunk issued (held in flight
+    until ``complete_all``). Every ``get_finished`` answer is checked against it."""
+
+    def __init__(self, worker: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.unissued: list[Any] = []
+        self.events: dict[str, list[ManualEvent]] = {}
+        self.reported: list[str] = []
+        issuing: list[str] = []
+        real_bind, real_wait = worker.bind, worker.wait_for_save
+        real_save, real_finished = worker.backend.save, worker.get_finished
+
+        def bind(plan: StepPlan) -> None:
+            real_bind(plan)
+            self.unissued = list(plan.saves)
+
+        def wait_for_save() -> None:
+            issuing[:] = [s.req_id for s in self.unissued for _ in s.chunks]
+            self.unissued = []
+            real_wait()
+
+        def save(*args: Any, **kwargs: Any) -> Any:
+            real_save(*args, **kwargs)
+            event = ManualEvent()
+            self.events.setdefault(issuing.pop(0), []).append(event)
+            return TransferHandle(event)
+
+        def get_finished(ids: set[str]) -> Any:
+            sending, recving = real_finished(ids)
+            for req_id in sending or ():
+                assert req_id not in {s.req_id for s in self.unissued}, f"{req_id}: not issued"
+                assert self.events.get(req_id), f"{req_id}: reported with no save issued"
+                assert all(e.completed for e in self.events[req_id]), f"{req_id}: in flight"
+                self.reported.append(req_id)
+            return sending, recving
+
+        monkeypatch.setattr(worker, "bind", bind)
+        monkeypatch.setattr(worker, "wait_for_save", wait_for_save)
+        monkeypatch.setattr(worker.backend, "save", save)
+        monkeypatch.setattr(worker, "get_finished", get_finished)
+
+    def complete_all(self) -> None:
+        for events in self.events.values():
+            for event in events:
+                event.completed = True
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_deferred_finalize_reports_sent_only_after_the_saves_completed(
+    async_scheduling: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33 with a drafter calls get_finished (and builds the report) before the step's
+    wait_for_save, which runs after the draft forward. A request finishing with saves planned
+    is reported finished-sending only once they were issued and completed; the saved chunks
+    hold every layer (the drafter's, written after get_finished, included): a second request
+    with the prompt loads KV the oracle finds right."""
+    eng = make_engine(
+        block=16, chunk=16, num_blocks=16, defer_finalize=True, async_scheduling=async_scheduling
+    )
+    watch = SaveWatch(eng.worker, monkeypatch)
+    p = prompt(40)
+    a = eng.add("A", p)
+    eng.admit(a, [1, 2, 3])
+    rec = eng.step({"A": 40}, finish=["A"])
+    assert rec.saved_ranges("A") == [(0, 16), (16, 32)]
+    for _ in range(3):
+        eng.step({})
+    assert "A" in eng.delayed_free and "A" not in eng.freed  # its saves are still in flight
+    assert watch.reported == []
+    watch.complete_all()
+    eng.step({})
+    eng.drain()
+    assert watch.reported == ["A"] and eng.freed == ["A"]
+    b = eng.add("B", p)
+    assert eng.admit(b, [4, 5, 6]) == 32
+    rec = eng.step({"B": 8})
+    assert rec.loaded_ranges("B") == [(0, 16), (16, 32)]
+    eng.drain()
+    ok_kv(eng, "B")
+    no_violations(eng)
+    assert eng.scheduler.tracker.index.stats()["writing"] == 0

@@ -425,3 +425,64 @@ def test_handle_tracks_its_event():
     handle = TransferHandle(other)
     handle.synchronize()
     assert handle.done()
+
+
+# -- ordering against the forward pass's stream (CUDA) ---------------------------------------
+
+# GPU cycles a stream is kept busy for (about 0.1 s): long enough that an unordered transfer or
+# read would run first.
+_SPIN = 200_000_000
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_load_lands_before_a_forward_on_another_stream(layout: str):
+    """vLLM runs the forward pass on a non-default stream. A load ordered against that stream
+    (``after``, then ``handle.wait(stream)``) is visible to the work issued there next, even
+    while the transfer stream is held back."""
+    caches = make_caches(layout, "cuda")
+    backend = TransferBackend(caches, C)
+    slot = host_slot(backend)
+    fill_random(slot, 99)
+    mapping = slot_mapping_for([3, 8], BS, 0, 8)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        compute = backend.compute_stream()
+        assert compute == forward
+        with torch.cuda.stream(backend._stream):
+            torch.cuda._sleep(_SPIN)  # the transfer stream is busy for a while
+        handle = backend.load(slot, mapping, after=(compute,))
+        handle.wait(compute)
+        seen = snapshot(caches)  # the forward pass reads the blocks
+    torch.cuda.synchronize()
+    for layer, cache in enumerate(seen):
+        for kv in range(2):
+            for i, s in enumerate(mapping):
+                assert torch.equal(
+                    bits(token(cache, layout, kv, s).cpu()), bits(slot[layer, kv, i])
+                )
+
+
+@pytest.mark.cuda
+@CUDA
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_save_reads_what_a_forward_on_another_stream_wrote(layout: str):
+    """A save ordered after the forward's stream reads the KV the forward wrote, though it is
+    issued from another stream (the default one, which knows nothing of the forward) and the
+    forward is still running when it is issued."""
+    caches = make_caches(layout, "cuda")
+    backend = TransferBackend(caches, C)
+    slot = host_slot(backend, fill=0)
+    mapping = slot_mapping_for([5, 9], BS, 0, 2 * BS)
+    forward = torch.cuda.Stream()
+    with torch.cuda.stream(forward):
+        compute = backend.compute_stream()
+        torch.cuda._sleep(_SPIN)  # a long forward pass...
+        for cache in caches.values():  # ...that writes the KV of blocks 5 and 9
+            block_of(cache, layout, 5).fill_(1.5)
+            block_of(cache, layout, 9).fill_(-2.5)
+    handle = backend.save(slot, mapping, after=(compute,))
+    handle.synchronize()
+    assert (slot[:, :, :BS] == 1.5).all()
+    assert (slot[:, :, BS : 2 * BS] == -2.5).all()

@@ -308,7 +308,7 @@ def test_binding_a_step_orders_its_forward_pass_after_saves_in_flight() -> None:
             self.waited = 0
             self.synchronized = 0
 
-        def wait(self) -> None:
+        def wait(self, stream: Any = None) -> None:
             self.waited += 1
 
         def synchronize(self) -> None:
@@ -323,3 +323,277 @@ def test_binding_a_step_orders_its_forward_pass_after_saves_in_flight() -> None:
     side.bind(StepPlan(step=1))
     assert [h.waited for h in held] == [1, 1]
     assert [h.synchronized for h in held] == [0, 0]  # the host did not block
+
+
+# --- speculative decoding: vLLM defers wait_for_save past the connector output ------------------
+
+
+def run_step_deferred(
+    worker: WorkerSide,
+    step_plan: StepPlan,
+    forward: Any = None,
+    draft: Any = None,
+) -> tuple[WorkerReport, set[str] | None]:
+    """vLLM 0.33's order with a drafter (``defer_finalize``: ``execute_model`` collects the
+    connector output right after the target forward, and ``sample_tokens`` calls
+    ``finalize_kv_connector`` -> ``wait_for_save``, ``clear_connector_metadata`` after the
+    draft forward; kv_connector_model_runner_mixin.py, gpu_model_runner.py). Returns the
+    step's report and finished-sending set."""
+    worker.handle_preemptions(step_plan)
+    worker.bind(step_plan)
+    worker.start_load_kv()
+    if forward is not None:
+        forward()
+    sending, _ = worker.get_finished(set())
+    worker.get_block_ids_with_load_errors()
+    report = worker.build_report()
+    if draft is not None:
+        draft()
+    worker.wait_for_save()
+    worker.clear()
+    return report, sending
+
+
+def test_deferred_a_request_is_not_reported_sent_before_its_saves_are_issued(
+    monkeypatch,
+) -> None:
+    """With ``defer_finalize`` get_finished runs before the step's saves are issued. A request
+    whose freeing waits (delayed_free) and that has a save in the bound plan must not be
+    reported finished-sending then: vLLM would free blocks the save has yet to read."""
+    worker, oracle = make("flash_attn")
+    events = hold_saves(worker, monkeypatch)
+    oracle.write("R", tokens(16), [1, 2, 3, 4], 0, 16)
+    save = plan("R", "save", [1, 2, 3, 4], 0, 16, [0, 1])
+    report, sending = run_step_deferred(
+        worker, StepPlan(step=0, saves=(save,), delayed_free=("R",))
+    )
+    assert sending is None  # the save was not even issued yet
+    assert len(events) == 2 and not report
+    report, sending = run_step_deferred(worker, StepPlan(step=1))
+    assert sending is None  # issued, still in flight
+    for event in events:
+        event.completed = True
+    report, sending = run_step_deferred(worker, StepPlan(step=2))
+    assert sending == {"R"}
+    assert report.saves_done == (("R", (key(0), key(1))),)
+
+
+def test_deferred_saves_of_a_request_whose_load_failed_are_refused() -> None:
+    """With ``defer_finalize`` the step's report (carrying the failed load) is built before
+    wait_for_save: the saves of the request whose load failed in this step must still be
+    refused, not stored from KV computed over a wrong prefix."""
+    worker, oracle = make("flash_attn", load_fault=lambda req, ch: req == "B")
+    toks = tokens(16)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4])
+    table = [9, 10, 11, 12, 13, 14]
+    sentinel = worker.pool.slot(2).clone().fill_(-7.0)
+    worker.pool.slot(2).copy_(sentinel)
+    load = plan("B", "load", table, 0, 8, [0])
+    save_b = plan("B", "save", table, 16, 24, [2])
+    save_o = plan("O", "save", [7, 8], 0, 8, [3])
+
+    def forward() -> None:
+        oracle.write("B", toks + tokens(8, 1), table, 8, 24, poisoned=True)
+        oracle.write("O", tokens(8, 2), [7, 8], 0, 8)
+
+    report, _ = run_step_deferred(
+        worker, StepPlan(step=1, loads=(load,), saves=(save_b, save_o)), forward
+    )
+    assert report.loads_failed == (("B", (9, 10)),)
+    nxt, _ = run_step_deferred(worker, StepPlan(step=2))
+    assert nxt.saves_failed == (("B", (key(2),)),)
+    assert nxt.saves_done == (("O", (key(3),)),)
+    assert torch.equal(worker.pool.slot(2), sentinel)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deferred_saves_read_the_kv_the_drafter_wrote(layout: str) -> None:
+    """The draft forward runs between the connector output and wait_for_save, and writes its
+    own layers' KV for the step (here: layer 1 stands for the drafter's layer). The saves
+    must hold it: loaded into other blocks, every layer of every token is right."""
+    worker, oracle = make(layout)
+    toks = tokens(16)
+    table = [1, 2, 3, 4]
+    save = plan("R", "save", table, 0, 16, [0, 1])
+    report, _ = run_step_deferred(
+        worker,
+        StepPlan(step=0, saves=(save,)),
+        forward=lambda: oracle.write("R", toks, table, 0, 16, layers=[0]),
+        draft=lambda: oracle.write("R", toks, table, 0, 16, layers=[1]),
+    )
+    assert not report  # confirmed in the next step's report
+    report, _ = run_step_deferred(worker, StepPlan(step=1))
+    assert report.saves_done == (("R", (key(0), key(1))),)
+    other = [9, 10, 11, 12]
+    run_step_deferred(worker, StepPlan(step=2, loads=(plan("Q", "load", other, 0, 16, [0, 1]),)))
+    assert oracle.verify("Q", toks, other, 16) is None
+
+
+def test_a_skipped_wait_for_save_issues_the_saves_before_the_next_step(monkeypatch) -> None:
+    """vLLM 0.33 never calls finalize_kv_connector on a pipeline stage that is not the last
+    one when a drafter is configured (sample_tokens returns early there): the bound plan's
+    saves are issued when the next step binds, before its loads or forward can overwrite the
+    blocks, and the request is reported sent only after they completed."""
+    worker, oracle = make("flash_attn")
+    oracle.write("R", tokens(16), [1, 2, 3, 4], 0, 16)
+    save = plan("R", "save", [1, 2, 3, 4], 0, 16, [0, 1])
+    worker.handle_preemptions(StepPlan(step=0, saves=(save,)))
+    worker.bind(StepPlan(step=0, saves=(save,)))
+    worker.start_load_kv()
+    assert worker.get_finished(set()) == (None, None)
+    assert not worker.build_report()
+    # No wait_for_save, no clear: the next step comes.
+    worker.bind(StepPlan(step=1, delayed_free=("R",)))
+    assert worker.get_finished(set()) == ({"R"}, None)
+    report = worker.build_report()
+    assert report.saves_done == (("R", (key(0), key(1))),)
+    run_step(worker, StepPlan(step=2, loads=(plan("Q", "load", [9, 10, 11, 12], 0, 16, [0, 1]),)))
+    assert oracle.verify("Q", tokens(16), [9, 10, 11, 12], 16) is None
+
+
+# --- stream ordering (the CUDA path's logic, with stand-ins for streams and events) -------------
+
+
+class FakeStream:
+    """Stands in for a torch.cuda.Stream: compared by identity, named for messages."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"FakeStream({self.name})"
+
+
+class StreamEvent:
+    """Stands in for the torch.cuda.Event of one transfer: records the streams made to wait on
+    it; finished when the test says so."""
+
+    def __init__(self) -> None:
+        self.completed = False
+        self.waited_by: list[Any] = []
+
+    def query(self) -> bool:
+        return self.completed
+
+    def synchronize(self) -> None:
+        self.completed = True
+
+    def wait(self, stream: Any = None) -> None:
+        self.waited_by.append(stream)
+
+
+def test_transfers_are_ordered_against_the_stream_the_forward_runs_on(monkeypatch) -> None:
+    """vLLM runs the forward pass on the stream current when it calls bind / start_load_kv (a
+    dedicated, non-default stream in a vLLM worker). The worker records that stream: the step
+    waits there for the saves still reading blocks, and for every load; the step's saves
+    start after the work issued on it (and, if wait_for_save is called with another stream
+    current, after that stream's work too)."""
+    from connector.transfer import TransferHandle
+
+    worker, oracle = make("flash_attn")
+    stored(worker, oracle, "A", tokens(16), [1, 2, 3, 4])  # slots 0, 1 hold A's chunks
+    backend = worker.backend
+    current = [FakeStream("previous step")]
+    monkeypatch.setattr(backend, "compute_stream", lambda: current[0])
+    issued: list[tuple[str, tuple[Any, ...], StreamEvent]] = []
+    real = {"save": backend.save, "load": backend.load}
+
+    def recording(kind: str) -> Any:
+        def transfer(*args: Any, after: Any = (), **kwargs: Any) -> TransferHandle:
+            real[kind](*args, **kwargs)  # CPU: the bytes move at once
+            event = StreamEvent()
+            issued.append((kind, tuple(after), event))
+            return TransferHandle(event, torch.device("cuda"))  # a CUDA transfer's handle
+
+        return transfer
+
+    monkeypatch.setattr(backend, "save", recording("save"))
+    monkeypatch.setattr(backend, "load", recording("load"))
+
+    # A save of the previous step, still in flight.
+    oracle.write("R", tokens(8, 3), [5, 6], 0, 8)
+    run_step(worker, StepPlan(step=1, saves=(plan("R", "save", [5, 6], 0, 8, [2]),)))
+    assert [(k, a) for k, a, _ in issued] == [("save", (current[0],))]
+    in_flight = issued[0][2]
+
+    forward = FakeStream("forward")
+    current[0] = forward  # vLLM's current stream while it runs this step
+    worker.bind(StepPlan(step=2, loads=(plan("B", "load", [9, 10, 11, 12], 0, 16, [0, 1]),)))
+    assert in_flight.waited_by == [forward]  # the forward waits for the save reading blocks
+    worker.start_load_kv()
+    loads = [(a, e) for k, a, e in issued if k == "load"]
+    assert [a for a, _ in loads] == [(forward,), (forward,)]  # after the blocks' last users
+    assert all(e.waited_by == [forward] for _, e in loads)  # and the forward after the loads
+    worker.get_finished(set())
+    worker.build_report()
+    worker.clear()
+
+    # The next step saves; vLLM calls wait_for_save while another stream is current.
+    oracle.write("S", tokens(8, 4), [13, 14], 0, 8)
+    worker.bind(StepPlan(step=3, saves=(plan("S", "save", [13, 14], 0, 8, [3]),)))
+    worker.start_load_kv()
+    current[0] = FakeStream("elsewhere")
+    worker.wait_for_save()
+    kind, after, _ = issued[-1]
+    assert kind == "save" and after == (forward, current[0])
+
+
+def test_a_cuda_handle_makes_the_named_stream_wait() -> None:
+    """``TransferHandle.wait(stream)`` orders exactly the stream it is given (no CUDA needed:
+    the stream is named, so the current one is never asked for)."""
+    from connector.transfer import TransferHandle
+
+    event, stream = StreamEvent(), FakeStream("forward")
+    TransferHandle(event, torch.device("cuda")).wait(stream)
+    assert event.waited_by == [stream]
+    cpu_event = StreamEvent()
+    TransferHandle(cpu_event).wait(stream)  # not a CUDA transfer: the event orders itself
+    assert cpu_event.waited_by == [None]
+
+
+def test_on_cpu_there_is_no_stream_to_order_against() -> None:
+    worker, _ = make("flashinfer")
+    assert worker.backend.compute_stream() is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_worker_orders_its_transfers_against_the_forward_stream() -> None:
+    """The worker driven as vLLM drives it, with the forward pass on a non-default stream (as
+    in a vLLM worker): the step's save reads the KV the (slow) forward wrote, and the next
+    step's load, held back on the transfer stream, has landed when the forward reads it."""
+    spin = 200_000_000  # GPU cycles, about 0.1 s
+    caches = {
+        name: torch.zeros((2, 16, B, 2, 4), dtype=torch.float32, device="cuda") for name in LAYERS
+    }
+    worker = WorkerSide(ConnectorConfig(chunk_size=C), num_slots=4, layout="flash_attn")
+    worker.register_kv_caches(caches)
+    assert worker.backend is not None
+    forward = torch.cuda.Stream()
+    save = plan("R", "save", [1, 2], 0, 8, [0])
+    with torch.cuda.stream(forward):
+        worker.handle_preemptions(StepPlan(step=0, saves=(save,)))
+        worker.bind(StepPlan(step=0, saves=(save,)))
+        worker.start_load_kv()
+        torch.cuda._sleep(spin)  # the forward pass, slow...
+        for cache in caches.values():
+            cache[:, 1:3].fill_(3.0)  # ...writes R's KV in blocks 1 and 2
+        worker.wait_for_save()
+        worker.get_finished(set())
+        worker.build_report()
+        worker.clear()
+    load = plan("Q", "load", [5, 6], 0, 8, [0])
+    with torch.cuda.stream(forward):
+        worker.handle_preemptions(StepPlan(step=1, loads=(load,)))
+        worker.bind(StepPlan(step=1, loads=(load,)))
+        with torch.cuda.stream(worker.backend._stream):
+            torch.cuda._sleep(spin)  # the transfer stream is busy for a while
+        worker.start_load_kv()
+        seen = [cache[:, 5:7].clone() for cache in caches.values()]  # the forward reads Q's KV
+        worker.wait_for_save()
+        worker.get_finished(set())
+        report = worker.build_report()
+        worker.clear()
+    torch.cuda.synchronize()
+    assert report.loads_done == ("Q",)
+    assert all(bool((s == 3.0).all()) for s in seen)

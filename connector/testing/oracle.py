@@ -124,13 +124,15 @@ class KVOracle:
         end: int,
         *,
         poisoned: bool = False,
+        layers: Sequence[int] | None = None,
     ) -> None:
         """The forward pass computed tokens ``[start, end)``; ``poisoned`` when it did so over
-        a prefix that is not in the cache (a failed load)."""
+        a prefix that is not in the cache (a failed load). ``layers``: only these layers (by
+        index; default all), as when a draft model writes its own layers after the target."""
         if end <= start:
             return
         slots = self._slots(block_ids, start, end)
-        for layer in range(len(self._layers)):
+        for layer in range(len(self._layers)) if layers is None else layers:
             for kv in (0, 1):
                 values = self.expected(req_id, tokens, start, end, layer, kv)
                 if poisoned:
