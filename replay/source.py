@@ -8,7 +8,8 @@ One error model, for ``check``, ``diff``, ``show``, ``stats``, ``timeline`` and 
 - a log that cannot be read at all (a missing path, a file that is not a kvledger log, a newer
   major format, a damaged first header, a directory with no log or with several) raises
   :class:`LogUnreadable`, whose message names the file and why (and :attr:`LogUnreadable.stop`
-  says where, when damage was the cause);
+  says where, when damage was the cause); a missing path raises its subclass
+  :class:`LogNotFound`;
 - damage part-way is data, not an exception: each pass (:meth:`LogSource.frames`) yields every
   complete frame before it, and then :attr:`LogSource.damage` says where (file, byte offset)
   and why (a torn tail after a crash, a checksum mismatch, a broken segment chain, ...);
@@ -32,6 +33,7 @@ from tracker.events import Event
 from tracker.log import ENDINGS, Frame, LogFormatError, LogReader, RawFrame, StopInfo
 
 __all__ = [
+    "LogNotFound",
     "LogSource",
     "LogUnreadable",
     "PathArg",
@@ -46,13 +48,18 @@ LogPath = PathArg | Sequence[PathArg]
 _TRACKER_FIELDS = frozenset(f.name for f in attrs.fields(TrackerConfig))
 
 
-class LogUnreadable(Exception):
+class LogUnreadable(ValueError):
     """Nothing at all could be read from the log: the message says which file and why;
-    :attr:`stop` says where, when the first header was damaged."""
+    :attr:`stop` says where, when the first header was damaged. (A ``ValueError``, as the
+    opener's errors always were; a missing file is also a ``FileNotFoundError``.)"""
 
     def __init__(self, message: str, stop: StopInfo | None = None) -> None:
         super().__init__(message)
         self.stop = stop
+
+
+class LogNotFound(LogUnreadable, FileNotFoundError):
+    """The log's path does not exist."""
 
 
 def split_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -192,7 +199,7 @@ def open_log(source: LogPath | LogSource) -> LogSource:
     name = _name_of(paths)
     for p in paths:
         if not os.path.exists(p):
-            raise LogUnreadable(f"{os.fspath(p)}: no such file or directory")
+            raise LogNotFound(f"{os.fspath(p)}: no such file or directory")
     if len(paths) > 1 and any(os.path.isdir(p) for p in paths):
         raise LogUnreadable("pass one directory, or the segment files of one log")
     try:
