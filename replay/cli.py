@@ -21,16 +21,19 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import Any, TextIO
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
 
 from replay import charts, demo, lives, summary, tables
-from replay.divergence import DiffResult, diff
+from replay.divergence import DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
-from replay.replayer import check, parse_overrides
 from replay.source import LogUnreadable
 from tracker.config import ConfigError
 from tracker.log import StopInfo
+
+if TYPE_CHECKING:  # imported when ``check`` runs: the Tracker (and structlog) cost startup
+    from replay.replayer import CheckResult, Problem
 
 __all__ = ["build_parser", "main"]
 
@@ -42,15 +45,16 @@ EXIT_UNREADABLE = 2
 
 
 def version() -> str:
-    """The installed kvledger's version, and which files answer to its three packages (a
-    distribution of the same import name installed beside it would show here)."""
+    """The installed kvledger's version (the ``pyproject.toml`` beside the packages when it
+    is not installed), and which files answer to its three packages (a distribution of the
+    same import name installed beside it would show here)."""
     import importlib.metadata
     import importlib.util
 
     try:
         number = importlib.metadata.version("kvledger")
     except importlib.metadata.PackageNotFoundError:
-        number = "0+unknown (not installed)"
+        number = _pyproject_version() or "unknown"
     places = []
     for name in ("tracker", "connector", "replay"):  # found, not imported (no torch, no vLLM)
         spec = importlib.util.find_spec(name)
@@ -58,6 +62,24 @@ def version() -> str:
         places.append(f"{name} from {found[0] if found else '?'}")
     where = ", ".join(places)
     return f"kvledger {number} ({where})"
+
+
+def _pyproject_version() -> str | None:
+    """``version`` of the ``[project]`` table of the source checkout's ``pyproject.toml``."""
+    try:
+        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text("utf-8")
+    except OSError:
+        return None
+    table = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            table = line
+        elif table == "[project]":
+            key, sep, value = line.partition("=")
+            if sep and key.strip() == "version":
+                return value.strip().strip("\"'")
+    return None
 
 
 class _Version(argparse.Action):
@@ -152,6 +174,8 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    from replay.replayer import check, parse_overrides
+
     try:
         overrides = parse_overrides(args.overrides)
     except ConfigError as e:
@@ -195,11 +219,11 @@ def _state_change(before: dict[str, Any] | None, after: dict[str, Any] | None) -
     return ", ".join(changed) if changed else "(unchanged)"
 
 
-def _fmt_decisions(ds: tuple[Any, ...]) -> list[str]:
+def _fmt_decisions(ds: Sequence[Any]) -> list[str]:
     return [format_event(d) for d in ds] or ["(nothing)"]
 
 
-def render_problem(n: int, p: Any, out: TextIO) -> None:
+def render_problem(n: int, p: Problem, out: TextIO) -> None:
     w = out.write
     w(f"problem {n}: step {p.step}, request {p.req_id or '-'}: {p.headline()}\n")
     if p.event is not None:
@@ -226,7 +250,7 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
-def render(result: Any, out: TextIO, *, limit: int = 20) -> None:
+def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     """The human report of a CheckResult."""
     w = out.write
     if result.error is not None and not result.counts:
@@ -329,8 +353,9 @@ def render(result: Any, out: TextIO, *, limit: int = 20) -> None:
     w(f"result: {verdict} (exit {code})\n")
 
 
-def _render_what_if(result: Any, out: TextIO, limit: int) -> None:
+def _render_what_if(result: CheckResult, out: TextIO, limit: int) -> None:
     wi = result.what_if
+    assert wi is not None
     w = out.write
     changes = ", ".join(
         f"{k} {wi.recorded_config.get(k)} -> {v}"
@@ -571,7 +596,7 @@ def _print_diff(r: DiffResult, out: Output) -> None:
     )
 
 
-def _brief(at: Any, fields: Sequence[str]) -> str:
+def _brief(at: EventAt | None, fields: Sequence[str]) -> str:
     if at is None:
         return "-"
     e = at.event
@@ -762,10 +787,6 @@ def _export(args: argparse.Namespace) -> int:
     where = "standard output" if args.out == "-" else result.out
     print(f"wrote {result.rows} rows to {where} ({result.format})", file=sys.stderr)
     return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 
 if __name__ == "__main__":

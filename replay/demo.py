@@ -16,7 +16,6 @@ import tempfile
 from typing import Any
 
 from replay.extras import progress_bar
-from replay.replayer import check
 
 __all__ = ["add_arguments", "main"]
 
@@ -108,8 +107,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check_log(path: str | None) -> int | None:
-    """Problems found re-checking the written log offline (None: replay not available)."""
+    """Problems found re-checking the written log offline (None: no log was written)."""
     if path is None or not os.path.exists(path):
         return None
+    from replay.replayer import check
+
     result = check(path)
     return len(result.problems)

@@ -824,3 +824,22 @@ def test_version_names_the_release_and_where_each_package_runs_from(capsys) -> N
     for name in ("tracker", "connector", "replay"):
         here = Path(__file__).resolve().parent.parent / name
         assert f"{name} from {here}" in out
+
+
+def test_version_falls_back_to_the_pyproject_version_when_not_installed(
+    capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    pyproject = Path(__file__).resolve().parent.parent / "pyproject.toml"
+    expected = tomllib.loads(pyproject.read_text())["project"]["version"]
+    assert capsys.readouterr().out.startswith(f"kvledger {expected} (tracker from ")
