@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from replay.extras import require, write_atomic
+from replay.extras import pyplot, write_atomic
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.history import POOL, walk
@@ -130,9 +130,11 @@ def timeline(path: LogPath | LogSource, out: PathLike, top: int = 8) -> Timeline
     out_s = os.fspath(out)
     fmt = Path(out_s).suffix.lower().lstrip(".")
     if fmt not in ("html", "htm", "png", "svg", "pdf"):
-        raise ValueError(f"timeline output must end in .html or .png (got {out_s!r})")
+        raise ValueError(f"timeline output must end in .html, .png, .svg or .pdf (got {out_s!r})")
+    if os.path.isdir(out_s):
+        raise ValueError(f"{out_s} is a directory: name the file to write")
     if fmt != "html" and fmt != "htm":
-        require("matplotlib", "timeline", f"a .{fmt} timeline (or write .html instead)")
+        plt = pyplot(f"a .{fmt} timeline (or write .html instead)")  # missing: say so first
     if top < 1:
         raise ValueError(f"top must be at least 1, got {top}")
     src = open_log(path)
@@ -144,7 +146,7 @@ def timeline(path: LogPath | LogSource, out: PathLike, top: int = 8) -> Timeline
     if fmt in ("html", "htm"):
         write_atomic(out_s, _timeline_html(series, title, src.damage).encode())
     else:
-        _timeline_matplotlib(series, title, src.damage, out_s)
+        _timeline_matplotlib(plt, series, title, src.damage, out_s)
     return TimelineResult(out_s, fmt, tuple(series), n, src.damage)
 
 
@@ -302,13 +304,8 @@ def _ticks(x0: int, x1: int, n: int = 8) -> list[int]:
 
 
 def _timeline_matplotlib(
-    series: Sequence[Series], title: str, damage: StopInfo | None, out: str
+    plt: Any, series: Sequence[Series], title: str, damage: StopInfo | None, out: str
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
     n = max(1, len(series))
     height = 1.0 + 1.35 * n  # inches: title and legend, then one panel per request
     fig, axes = plt.subplots(n, 1, sharex=True, figsize=(11, height), squeeze=False)
@@ -332,8 +329,7 @@ def _timeline_matplotlib(
         ax.tick_params(labelsize=8)
         ax.grid(axis="x", color="#eee")
     axes[-1, 0].set_xlabel("step")
-    from matplotlib.lines import Line2D
-
+    Line2D = plt.Line2D
     handles = [
         Line2D([], [], color=_COLORS["computed"], lw=1.5, label="tokens computed"),
         Line2D([], [], color=_COLORS["saved"], lw=1.5, label="saved watermark"),

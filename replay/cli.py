@@ -471,7 +471,12 @@ def _add_views(sub: Any) -> None:
         "(pip install kvledger[parquet]).",
     )
     _log_argument(p)
-    p.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl")
+    p.add_argument(
+        "--format",
+        choices=("jsonl", "parquet"),
+        default=None,
+        help="jsonl or parquet (default: from the output's extension; jsonl for -)",
+    )
     p.add_argument(
         "-o", "--out", required=True, metavar="OUT", help="output file ('-': stdout, jsonl only)"
     )
@@ -507,17 +512,21 @@ def _json(obj: Any) -> None:
 
 
 def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
+    """Every error a command can meet: a message on stderr naming what was wrong, exit 2, no
+    traceback; with ``--json``, the same error as a JSON document on stdout too."""
+
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
         except LogUnreadable as e:
-            return _fail(f"cannot read the log: {e}")
-        except lives.RequestNotFound as e:
-            return _fail(str(e))
-        except MissingExtra as e:
-            return _fail(str(e))
-        except ValueError as e:
-            return _fail(str(e))
+            message = f"cannot read the log: {e}"
+        except (lives.RequestNotFound, MissingExtra, ValueError) as e:
+            message = str(e)
+        except OSError as e:  # an output path that cannot be written (no such directory, ...)
+            message = f"cannot write {e.filename or 'the output'}: {e.strerror or e}"
+        if getattr(args, "json", False):
+            _json({"error": message, "exit_code": EXIT_UNREADABLE})
+        return _fail(message)
 
     run.__name__ = fn.__name__
     return run
@@ -780,7 +789,7 @@ def _timeline(args: argparse.Namespace) -> int:
 
 @_guard
 def _export(args: argparse.Namespace) -> int:
-    if args.out == "-" and args.format != "jsonl":
+    if args.out == "-" and args.format not in (None, "jsonl"):
         return _fail("--out - (standard output) is for --format jsonl only")
     result = tables.export(args.log, args.out, args.format)
     status = _warn_damage(args.log, result.damage)

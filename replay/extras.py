@@ -1,6 +1,9 @@
 """The optional extras, guarded in one place: rich (``cli``), matplotlib (``timeline``) and
-pyarrow (``parquet``). Nothing else in ``replay`` imports them at module level; each use asks
-:func:`require` first, or :func:`optional` for a nicety that has a plain fallback."""
+pyarrow (``parquet``). Nothing else in ``replay`` imports them: a use that needs one gets it
+from :func:`require` (or :func:`pyplot`), which names the extra to install when it is
+missing; a nicety with a plain fallback (rich's tables and progress bars) asks
+:func:`optional`. Also the small output helpers the commands share (:class:`Output`,
+:func:`progress_bar`, :func:`write_atomic`)."""
 
 from __future__ import annotations
 
@@ -11,21 +14,36 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import IO, Any, Literal
 
-__all__ = ["MissingExtra", "Output", "optional", "progress_bar", "require", "write_atomic"]
+__all__ = [
+    "MissingExtra",
+    "Output",
+    "optional",
+    "progress_bar",
+    "pyplot",
+    "require",
+    "write_atomic",
+]
 
 
 class MissingExtra(ImportError):
     """An optional dependency is not installed: the message says which extra to install."""
 
 
-def require(module: str, extra: str, what: str) -> None:
-    """Raise :class:`MissingExtra` naming the extra unless ``module`` imports."""
+def require(module: str, extra: str, what: str) -> ModuleType:
+    """``module``, imported; :class:`MissingExtra` naming the extra when it is not installed."""
     try:
-        importlib.import_module(module)
+        return importlib.import_module(module)
     except ImportError:
         raise MissingExtra(
             f"{what} needs {module}, which is not installed: pip install kvledger[{extra}]"
         ) from None
+
+
+def pyplot(what: str) -> ModuleType:
+    """matplotlib's ``pyplot``, drawing to files only (the ``timeline`` extra)."""
+    matplotlib = require("matplotlib", "timeline", what)
+    matplotlib.use("Agg", force=True)
+    return require("matplotlib.pyplot", "timeline", what)
 
 
 def optional(module: str) -> ModuleType | None:

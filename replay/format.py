@@ -1,7 +1,10 @@
 """Events as text and as plain values: the one formatter every command and view uses.
 
-- :func:`event_fields` / :func:`event_dict`: an event as JSON values (bytes as hex, enums by
-  name, tuples as lists), its own fields or all of them;
+- :func:`plain_fields`: how each field of an event type becomes a plain value (its kind, and
+  the conversion: bytes as hex, enums by name, tuples as lists), for ``export``'s columns and
+  rows and for :func:`event_fields`;
+- :func:`event_fields` / :func:`event_dict`: an event as JSON values, its own fields or all of
+  them;
 - :func:`event_content`: what two runs must agree on (``diff``);
 - :func:`describe_event`: one short line for a table cell (``show``, ``diff``);
 - :func:`format_event`: the event as a line of ``name=value`` (``check``'s problems).
@@ -10,14 +13,16 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import attrs
 
 from tracker import events as ev
 
 __all__ = [
+    "PlainField",
     "describe_event",
     "event_content",
     "event_dict",
@@ -25,6 +30,7 @@ __all__ = [
     "field_names",
     "format_event",
     "jsonable",
+    "plain_fields",
 ]
 
 _FIELDS: dict[type[ev.Event], tuple[str, ...]] = {
@@ -40,21 +46,56 @@ def field_names(cls: type[ev.Event]) -> tuple[str, ...]:
     return names
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, bytes):
-        return value.hex()
-    if isinstance(value, enum.Enum):
-        return value.name
-    if isinstance(value, tuple):
-        if value and isinstance(value[0], bytes):
-            return [v.hex() for v in value]
-        return list(value)
-    return value
+class PlainField(NamedTuple):
+    """One field of an event type as a plain value."""
+
+    name: str
+    kind: str  # int, bool, str, hex (bytes), int_list or hex_list
+    convert: Callable[[Any], Any] | None  # value -> plain value; None: it is one already
+
+
+def _enum_name(value: enum.Enum) -> str:
+    return value.name
+
+
+def _hex_list(values: Sequence[bytes]) -> list[str]:
+    return [v.hex() for v in values]
+
+
+def _plain_field(name: str, hint: Any) -> PlainField:
+    if hint is bool or hint is int or hint is str:
+        return PlainField(name, hint.__name__, None)
+    if hint is bytes:
+        return PlainField(name, "hex", bytes.hex)
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return PlainField(name, "str", _enum_name)
+    if typing.get_origin(hint) is tuple:
+        if typing.get_args(hint)[0] is bytes:
+            return PlainField(name, "hex_list", _hex_list)
+        return PlainField(name, "int_list", list)
+    raise TypeError(f"no plain value for {name}: {hint!r}")
+
+
+_PLAIN: dict[type[ev.Event], tuple[PlainField, ...]] = {}
+
+
+def plain_fields(cls: type[ev.Event]) -> tuple[PlainField, ...]:
+    """An event type's own fields (:func:`field_names`), each with the kind of its plain
+    value and the conversion to it. Raises ``TypeError`` for a field type it cannot convert."""
+    out = _PLAIN.get(cls)
+    if out is None:
+        hints = typing.get_type_hints(cls)
+        out = _PLAIN[cls] = tuple(_plain_field(n, hints[n]) for n in field_names(cls))
+    return out
 
 
 def event_fields(e: ev.Event) -> dict[str, Any]:
     """The event's own fields as JSON values: bytes as hex, enums by name, tuples as lists."""
-    return {name: _plain(getattr(e, name)) for name in field_names(type(e))}
+    out: dict[str, Any] = {}
+    for name, _, convert in plain_fields(type(e)):
+        value = getattr(e, name)
+        out[name] = value if convert is None else convert(value)
+    return out
 
 
 def event_content(e: ev.Event) -> tuple[Any, ...]:

@@ -393,6 +393,7 @@ class _Checker:
         self.result = result
         self.tracker = Tracker(config, logger=_NullLogger())
         self.request = request
+        self.request_seen = False
         self.first = first
         self.progress = progress
         self.max_problems = max_problems
@@ -668,6 +669,7 @@ class _Checker:
         ViolationRecorded = ev.ViolationRecorded
         StepDecoded = ev.StepDecoded
         steady = 0
+        wanted = self.request
         gaps = source.gaps  # filled as the reader meets loss records
         for frame in source.frames():
             if gaps:
@@ -709,6 +711,8 @@ class _Checker:
                     if e.__class__ is StepDecoded:
                         steady += len(e.nums)
                     rid = e.req_id
+                    if rid == wanted:
+                        self.request_seen = True
                     before = state_of(rid)
                     if what_if is not None:
                         rewritten = self._rewrite(e, before, admissions)
@@ -897,3 +901,6 @@ def _check_into(
         # A later segment that cannot be read at all: what came before was checked.
         result.error = str(e)
         result.stop = source.stop
+    if request is not None and not checker.request_seen and result.error is None:
+        # Never "clean" for a request that is not there (a typo, another log).
+        result.error = f"no request {request!r} in the log"

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import sys
-import typing
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
@@ -15,7 +13,7 @@ from typing import IO, Any
 import attrs
 
 from replay.extras import require
-from replay.format import field_names
+from replay.format import plain_fields
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.history import walk
@@ -37,33 +35,22 @@ _BASE_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 
-def _column_kind(hint: Any) -> str:
-    if hint is bool:
-        return "bool"
-    if hint is int:
-        return "int"
-    if hint is str:
-        return "str"
-    if hint is bytes:
-        return "hex"
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return "str"
-    if typing.get_origin(hint) is tuple:
-        (elem, *_rest) = typing.get_args(hint)
-        return "hex_list" if elem is bytes else "int_list"
-    raise TypeError(f"no export column type for {hint!r}")
+_BASE_NAMES = frozenset(name for name, _ in _BASE_COLUMNS)
+
+
+def _column(name: str) -> str:
+    """An event field's column: its name, unless a base column has it."""
+    return name if name not in _BASE_NAMES else f"field_{name}"
 
 
 def _export_columns() -> tuple[tuple[str, str], ...]:
     cols: dict[str, str] = dict(_BASE_COLUMNS)
     for cls in ev.EVENT_TYPES:
-        hints = typing.get_type_hints(cls)
-        for name in field_names(cls):
-            kind = _column_kind(hints[name])
-            col = name if name not in dict(_BASE_COLUMNS) else f"field_{name}"
-            if cols.get(col, kind) != kind:
-                raise TypeError(f"export column {col!r} has two types: {cols[col]}, {kind}")
-            cols[col] = kind
+        for field in plain_fields(cls):
+            col = _column(field.name)
+            if cols.get(col, field.kind) != field.kind:
+                raise TypeError(f"export column {col!r} has two types: {cols[col]}, {field.kind}")
+            cols[col] = field.kind
     return tuple(cols.items())
 
 
@@ -71,8 +58,6 @@ EXPORT_COLUMNS: tuple[tuple[str, str], ...] = _export_columns()
 """``(column, kind)`` of an export: the base columns, then every event field of every type
 (a field absent from an event type is null in its rows). Kinds: int, bool, str, hex (bytes as
 hex), int_list, hex_list, str_list."""
-
-_BASE_NAMES = frozenset(name for name, _ in _BASE_COLUMNS)
 
 
 @attrs.frozen
@@ -85,32 +70,11 @@ class ExportResult:
 
 
 def _row_makers() -> dict[type[ev.Event], tuple[tuple[str, str, Callable[[Any], Any] | None], ...]]:
-    """Per event type: (attribute, column, converter or None) for each field. Tuples of ints
-    need no converter (JSON and pyarrow take them as arrays)."""
-    out: dict[type[ev.Event], tuple[tuple[str, str, Callable[[Any], Any] | None], ...]] = {}
-    convert: dict[str, Callable[[Any], Any] | None] = {
-        "int": None,
-        "bool": None,
-        "str": None,
-        "hex": bytes.hex,
-        "int_list": None,
-        "hex_list": lambda keys: [k.hex() for k in keys],
+    """Per event type: (attribute, column, conversion to a plain value or None) per field."""
+    return {
+        cls: tuple((f.name, _column(f.name), f.convert) for f in plain_fields(cls))
+        for cls in ev.EVENT_TYPES
     }
-    for cls in ev.EVENT_TYPES:
-        hints = typing.get_type_hints(cls)
-        fields = []
-        for name in field_names(cls):
-            hint = hints[name]
-            fn = convert[_column_kind(hint)]
-            if isinstance(hint, type) and issubclass(hint, enum.Enum):
-                fn = _enum_name
-            fields.append((name, name if name not in _BASE_NAMES else f"field_{name}", fn))
-        out[cls] = tuple(fields)
-    return out
-
-
-def _enum_name(value: enum.Enum) -> str:
-    return value.name
 
 
 def _export_rows(src: LogSource) -> Iterator[dict[str, Any]]:
@@ -147,7 +111,11 @@ def _export_rows(src: LogSource) -> Iterator[dict[str, Any]]:
 
 
 def export(
-    path: LogPath | LogSource, out: PathLike, fmt: str = "jsonl", *, batch_rows: int = 65536
+    path: LogPath | LogSource,
+    out: PathLike,
+    fmt: str | None = None,
+    *,
+    batch_rows: int = 65536,
 ) -> ExportResult:
     """One row per event: ``index, seq, step, wall_ns, type, kind, request`` and the event's
     fields as columns (bytes as hex, enums by name), for DuckDB or pandas; a ``StepDecoded``
@@ -156,8 +124,7 @@ def export(
     output); ``fmt="parquet"`` writes every column of :data:`EXPORT_COLUMNS` (pyarrow, the
     ``parquet`` extra), in row groups of ``batch_rows``. The file appears complete or not at
     all (written aside, then renamed)."""
-    if fmt not in ("jsonl", "parquet"):
-        raise ValueError(f"export format must be 'jsonl' or 'parquet', got {fmt!r}")
+    fmt = _format_of(os.fspath(out), fmt)
     if fmt == "parquet":
         require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     src = open_log(path)
@@ -180,6 +147,32 @@ def export(
     return ExportResult(out_s, fmt, n, dict(counts.most_common()), src.damage)
 
 
+_EXTENSIONS = {".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
+
+
+def _format_of(out: str, fmt: str | None) -> str:
+    """The format the output's extension names; ``fmt``, when given, must agree with it (a
+    ``.parquet`` file of JSON lines is a silent wrong answer)."""
+    if fmt is not None and fmt not in ("jsonl", "parquet"):
+        raise ValueError(f"export format must be 'jsonl' or 'parquet', got {fmt!r}")
+    if out == "-":
+        return fmt or "jsonl"
+    if os.path.isdir(out):
+        raise ValueError(f"{out} is a directory: name the file to write")
+    ext = os.path.splitext(out)[1].lower()
+    named = _EXTENSIONS.get(ext)
+    if fmt is None:
+        if named is None:
+            raise ValueError(
+                f"cannot tell the format from {out!r}: end it in .jsonl or .parquet, or pass "
+                "--format"
+            )
+        return named
+    if named is not None and named != fmt:
+        raise ValueError(f"{out!r} names {named}, but the format asked for is {fmt}")
+    return fmt
+
+
 def _write_jsonl(src: LogSource, f: IO[str], counts: Counter[str]) -> int:
     n = 0
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -194,8 +187,9 @@ def _write_jsonl(src: LogSource, f: IO[str], counts: Counter[str]) -> int:
 
 
 def _write_parquet(src: LogSource, out: str, counts: Counter[str], batch_rows: int) -> int:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    what = "a parquet export (or use --format jsonl)"
+    pa = require("pyarrow", "parquet", what)
+    pq = require("pyarrow.parquet", "parquet", what)
 
     types = {
         "int": pa.int64(),

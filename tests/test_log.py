@@ -614,7 +614,7 @@ def test_magic_and_versions(sample: tuple[Path, bytes], tmp_path: Path) -> None:
     target.write_bytes(b"")
     frames, reader = read_all(target)
     assert frames == [] and reader.stop == StopInfo(
-        str(target), 0, "the data ends inside the preamble (0 bytes)", "torn_tail"
+        str(target), 0, "empty file", "torn_tail"
     )
 
 

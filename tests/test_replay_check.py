@@ -612,7 +612,7 @@ def test_a_corrupt_frame_stops_the_check_there(tmp_path: Path) -> None:
         (b"definitely not a log", "not a kvledger log"),
         (b"KVLEDGER" + struct.pack("<HH", 9, 0) + b"\0" * 40, "9.x"),
         (b"KVLEDGER\x01\x00", "preamble"),
-        (b"", "preamble"),
+        (b"", "empty file"),
     ],
     ids=["not-a-log", "unknown-major", "short-preamble", "empty"],
 )

@@ -398,7 +398,7 @@ def test_timeline_png(log: Path, tmp_path: Path) -> None:
 
 
 def test_timeline_rejects_an_unknown_suffix(log: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"\.html or \.png"):
+    with pytest.raises(ValueError, match=r"\.html, \.png, \.svg or \.pdf"):
         replay.timeline(log, tmp_path / "t.txt")
     assert cli.main(["timeline", str(log), "-o", str(tmp_path / "t.txt")]) == 2
 

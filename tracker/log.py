@@ -979,11 +979,11 @@ class LogReader:
                 f"found {bytes(pre[:8])!r}"
             )
         if len(pre) < PREAMBLE_SIZE:
-            raise _Stop(
-                StopInfo(
-                    path, 0, f"the data ends inside the preamble ({len(pre)} bytes)", "torn_tail"
-                )
+            # An empty file is what a writer leaves if it died before its first byte.
+            why = (
+                "empty file" if not pre else f"the data ends inside the preamble ({len(pre)} bytes)"
             )
+            raise _Stop(StopInfo(path, 0, why, "torn_tail"))
         _, major, minor = _PREAMBLE.unpack(pre)
         if major != MAJOR:
             newer = "written by a newer kvledger" if major > MAJOR else "an unknown format"

@@ -1,0 +1,80 @@
+"""Rough edges of the command line that used to give silent wrong answers or tracebacks: each
+now gives a clear message on stderr naming what was wrong, exit 2 (and a JSON error with
+``--json``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replay.cli import main
+from replay.replayer import check
+
+DATA = Path(__file__).resolve().parent / "data"
+LOG = DATA / "replay-clean.kvlog"
+
+
+def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_check_of_a_request_not_in_the_log_is_not_clean(capsys: Any) -> None:
+    result = check(LOG, request="nosuch")
+    assert result.exit_code == 2 and result.error == "no request 'nosuch' in the log"
+    code, out, _ = _run(capsys, "check", str(LOG), "--request", "nosuch")
+    assert code == 2 and "no request 'nosuch' in the log" in out
+    assert check(LOG, request="req-1").exit_code == 0
+
+
+def test_export_takes_the_format_from_the_extension(capsys: Any, tmp_path: Path) -> None:
+    code, _, _ = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.jsonl"))
+    assert code == 0 and (tmp_path / "rows.jsonl").read_text().startswith("{")
+    # .parquet is parquet (or a clear "install the extra"), never JSON lines in a .parquet file
+    code, _, err = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.parquet"))
+    assert (tmp_path / "rows.parquet").exists() == (code == 0)
+    if code:
+        assert code == 2 and "pip install kvledger[parquet]" in err
+    code, _, err = _run(
+        capsys, "export", str(LOG), "-o", str(tmp_path / "x.parquet"), "--format", "jsonl"
+    )
+    assert code == 2 and "names parquet, but the format asked for is jsonl" in err
+    assert not (tmp_path / "x.parquet").exists()
+    code, _, err = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.txt"))
+    assert code == 2 and "cannot tell the format" in err
+
+
+@pytest.mark.parametrize("command", ["export", "timeline"])
+def test_an_output_that_cannot_be_written_is_a_clear_error(
+    capsys: Any, tmp_path: Path, command: str
+) -> None:
+    ext = "jsonl" if command == "export" else "html"
+    for out in (tmp_path / "missing-dir" / f"x.{ext}", tmp_path):
+        code, _, err = _run(capsys, command, str(LOG), "-o", str(out))
+        assert code == 2 and err.startswith("kvledger: ") and str(out) in err
+
+
+def test_timeline_names_every_format_it_writes(capsys: Any, tmp_path: Path) -> None:
+    code, _, err = _run(capsys, "timeline", str(LOG), "-o", str(tmp_path / "x.jpg"))
+    assert code == 2 and ".html, .png, .svg or .pdf" in err
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["show", "-r", "req-1"]])
+def test_json_commands_print_a_json_error(capsys: Any, tmp_path: Path, argv: list[str]) -> None:
+    missing = tmp_path / "missing.kvlog"
+    code, out, err = _run(capsys, argv[0], str(missing), *argv[1:], "--json")
+    assert code == 2 and "no such file" in err
+    doc = json.loads(out)
+    assert doc["exit_code"] == 2 and "no such file" in doc["error"]
+
+
+def test_an_empty_file_is_called_empty(capsys: Any, tmp_path: Path) -> None:
+    empty = tmp_path / "empty.kvlog"
+    empty.write_bytes(b"")
+    code, out, _ = _run(capsys, "check", str(empty))
+    assert code == 2 and "empty file" in out
