@@ -8,13 +8,14 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import attrs
 
 from replay.extras import pyplot, write_atomic
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
+from tracker.config import TrackerConfig
 from tracker.history import POOL, walk
 from tracker.log import Frame, StopInfo
 from tracker.state import RequestState
@@ -48,37 +49,54 @@ class TimelineResult:
     damage: StopInfo | None
 
 
-def _rank(src: LogSource, config: Any) -> tuple[list[tuple[str, str]], int]:
+class _Score:
+    """How telling one request life is: its violations, preemptions and tokens scheduled."""
+
+    __slots__ = ("arrival", "preemptions", "req_id", "tokens", "violations")
+
+    def __init__(self, req_id: str, arrival: int) -> None:
+        self.req_id = req_id
+        self.arrival = arrival  # lives seen before it
+        self.violations = 0
+        self.preemptions = 0
+        self.tokens = 0
+
+    def rank(self) -> tuple[int, int, int, int]:
+        return (-self.violations, -self.preemptions, -self.tokens, self.arrival)
+
+
+def _rank(src: LogSource, config: TrackerConfig) -> tuple[list[tuple[str, str]], int]:
     """The requests worth a picture first: with violations, then preempted ones, then by
     tokens computed; ties by arrival. Returns ((label, req_id) in that order, request lives)."""
-    # label -> [violations, preemptions, tokens scheduled, arrival, req_id]
-    score: dict[str, list[Any]] = {}
+    scores: dict[str, _Score] = {}  # by life label
     scheduled, decoded = ev.Scheduled, ev.StepDecoded
     for item in walk(src.frames(), config):
         e, rid, label, before, after = item.event, item.req_id, item.life, item.before, item.after
         if label is POOL and not rid:
             continue
-        entry = score.get(label)
-        if entry is None:
-            entry = score[label] = [0, 0, 0, len(score), rid]
+        score = scores.get(label)
+        if score is None:
+            score = scores[label] = _Score(rid, len(scores))
         cls = e.__class__
         if cls is scheduled:
-            entry[2] += e.num_scheduled  # type: ignore[attr-defined]
+            score.tokens += e.num_scheduled  # type: ignore[attr-defined]
         elif cls is decoded:
-            entry[2] += 1
+            score.tokens += 1
         elif cls is ev.ViolationRecorded:
-            entry[0] += 1
+            score.violations += 1
         if (
             before is not None
             and after is not None
             and after.life.num_preemptions > before.life.num_preemptions
         ):
-            entry[1] += 1
-    ranked = sorted(score, key=lambda k: (-score[k][0], -score[k][1], -score[k][2], score[k][3]))
-    return [(label, score[label][4]) for label in ranked], len(score)
+            score.preemptions += 1
+    ranked = sorted(scores, key=lambda label: scores[label].rank())
+    return [(label, scores[label].req_id) for label in ranked], len(scores)
 
 
-def _collect(src: LogSource, config: Any, chosen: Sequence[tuple[str, str]]) -> list[Series]:
+def _collect(
+    src: LogSource, config: TrackerConfig, chosen: Sequence[tuple[str, str]]
+) -> list[Series]:
     wanted = {label: Series(label) for label, _ in chosen}
     ids = {rid for _, rid in chosen}
     touched: dict[str, RequestState] = {}
@@ -304,7 +322,7 @@ def _ticks(x0: int, x1: int, n: int = 8) -> list[int]:
 
 
 def _timeline_matplotlib(
-    plt: Any, series: Sequence[Series], title: str, damage: StopInfo | None, out: str
+    plt: ModuleType, series: Sequence[Series], title: str, damage: StopInfo | None, out: str
 ) -> None:
     n = max(1, len(series))
     height = 1.0 + 1.35 * n  # inches: title and legend, then one panel per request

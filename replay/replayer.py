@@ -42,7 +42,7 @@ from typing import Any
 import attrs
 
 from replay.format import event_dict, jsonable
-from replay.source import LogSource, LogUnreadable, open_log
+from replay.source import LogPath, LogSource, LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
 from tracker.log import LogFormatError, StopInfo
@@ -72,7 +72,6 @@ DIVERGENT_ADMISSION_RULES = frozenset({"accepted_equals_answer", "admission_matc
 # Decision types compared one by one (violations are compared separately).
 _COMPARED: tuple[type[ev.DecisionEvent], ...] = (ev.LookupAnswered, ev.LoadPlanned, ev.SavePlanned)
 _WORKER_RESULTS = (ev.SaveDone, ev.SaveFailed, ev.LoadDone, ev.LoadFailed)
-_PathArg = str | os.PathLike[str]
 _UNBOUNDED_LAG = 1 << 30
 Progress = Callable[[int, int], None]
 
@@ -804,7 +803,7 @@ def _type_order(item: tuple[type, int]) -> int:
 
 
 def check(
-    path: _PathArg | Sequence[_PathArg],
+    path: LogPath,
     *,
     request: str | None = None,
     first: bool = False,
@@ -839,7 +838,7 @@ def check(
 
 def _check_into(
     result: CheckResult,
-    path: Any,
+    path: LogPath,
     request: str | None,
     first: bool,
     progress: Progress | None,
@@ -866,7 +865,7 @@ def _check_into(
         },
     }
     try:
-        recorded = TrackerConfig.from_dict({**source.tracker_config, "strict": False})
+        recorded = source.config()
     except (ConfigError, TypeError) as e:
         result.error = f"the log header's tracker config cannot be used: {e}"
         return

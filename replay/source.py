@@ -34,6 +34,7 @@ from tracker.log import ENDINGS, Frame, LogFormatError, LogReader, RawFrame, Sto
 
 __all__ = [
     "LogNotFound",
+    "LogPath",
     "LogSource",
     "LogUnreadable",
     "PathArg",
