@@ -152,12 +152,11 @@ def stats(path: LogPath | LogSource) -> Stats:
     last_pos = -1
     decoded = 0
     for item in walk(src.frames(), config):
-        pos, frame, e, new, before, after = (
-            item.pos, item.frame, item.event, item.new, item.before, item.after
-        )  # fmt: skip
+        pos = item.pos
         if pos == last_pos:
             continue  # StepDecoded again, for one of its requests: counted once
         last_pos = pos
+        frame, e, new, before, after = item.frame, item.event, item.new, item.before, item.after
         if frame is not last_frame:
             last_frame = frame
             st.frames += 1

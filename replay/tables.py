@@ -83,14 +83,15 @@ def _export_rows(src: LogSource) -> Iterator[dict[str, Any]]:
     last_pos = -1
     config, _ = src.lenient_config()
     for item in walk(src.frames(), config):
-        pos, frame, e, rid = item.pos, item.frame, item.event, item.req_id
+        pos = item.pos
         if pos == last_pos:  # StepDecoded, once more for each request it names
             assert row is not None
-            row["requests"].append(rid)
+            row["requests"].append(item.req_id)
             continue
         if row is not None:
             yield row
         last_pos = pos
+        frame, e = item.frame, item.event
         cls = e.__class__
         row = {
             "index": pos,
