@@ -613,9 +613,7 @@ def test_magic_and_versions(sample: tuple[Path, bytes], tmp_path: Path) -> None:
         list(LogReader(target, strict=True))
     target.write_bytes(b"")
     frames, reader = read_all(target)
-    assert frames == [] and reader.stop == StopInfo(
-        str(target), 0, "empty file", "torn_tail"
-    )
+    assert frames == [] and reader.stop == StopInfo(str(target), 0, "empty file", "torn_tail")
 
 
 def test_strict_mode_raises_after_yielding_the_good_frames(
