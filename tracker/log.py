@@ -619,7 +619,7 @@ class _DirectOutput:
         return None
 
 
-class _BackgroundOutput:
+class _BackgroundOutput(_DirectOutput):
     """Writes on a thread of its own, through a queue bounded in bytes, so a slow or hung
     disk never stalls the caller (vLLM's scheduler): the caller asks :meth:`room` before each
     frame and drops the frame when there is none. The first file is created, and its header
@@ -649,9 +649,8 @@ class _BackgroundOutput:
 
     def open(self, path: Path, *, sync_dir: bool) -> None:
         if self._path is None:  # the first segment: on the caller's thread
-            self._file, self._path = _create(path), path
-            if sync_dir:
-                _fsync_dir(path.parent)
+            super().open(path, sync_dir=sync_dir)
+            self._path = path
         else:
             self._put("open", (path, sync_dir))
 
@@ -718,22 +717,17 @@ class _BackgroundOutput:
                         self._written += len(arg)
 
     def _do(self, op: str, arg: Any) -> None:
+        """One queued operation, done as the direct output does it."""
         if op == "write":
-            assert self._file is not None
-            self._file.write(arg)
-            self._file.flush()
+            _DirectOutput.write(self, arg)
         elif op == "fsync":
-            assert self._file is not None
-            os.fsync(self._file.fileno())
+            _DirectOutput.fsync(self)
         elif op == "close":
-            f, self._file = self._file, None
-            if f is not None:
-                f.close()
+            _DirectOutput.close(self)
         elif op == "open":
             path, sync_dir = arg
-            self._file, self._path = _create(path), path
-            if sync_dir:
-                _fsync_dir(path.parent)
+            _DirectOutput.open(self, path, sync_dir=sync_dir)
+            self._path = path
 
 
 def _fsync_dir(path: Path) -> None:
