@@ -95,9 +95,9 @@ def _load_failed(
     config: TrackerConfig,
 ) -> None:
     assert isinstance(e, ev.LoadFailed)
+    _load_done(index, e, before, after, config)  # like any load result: unpin first
     if _load_in_flight(before):
-        assert before is not None and before.load is not None
-        index.unpin(before.load.keys)
+        assert before is not None
         # The pool could not serve these chunks: never offer them again; the recomputed KV
         # is saved anew.
         index.drop_unread(failed_load_keys(before, e.block_ids, config))
