@@ -65,21 +65,18 @@ def version() -> str:
 
 
 def _pyproject_version() -> str | None:
-    """``version`` of the ``[project]`` table of the source checkout's ``pyproject.toml``."""
+    """``version`` of the ``[project]`` table of the source checkout's ``pyproject.toml``
+    (read with the standard library's TOML parser; None on Python 3.10, which has none)."""
     try:
-        text = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text("utf-8")
-    except OSError:
+        import tomllib
+    except ImportError:  # Python 3.10
         return None
-    table = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if line.startswith("["):
-            table = line
-        elif table == "[project]":
-            key, sep, value = line.partition("=")
-            if sep and key.strip() == "version":
-                return value.strip().strip("\"'")
-    return None
+    try:
+        with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+            version = tomllib.load(f).get("project", {}).get("version")
+    except (OSError, tomllib.TOMLDecodeError):
+        return None
+    return version if isinstance(version, str) else None
 
 
 class _Version(argparse.Action):
