@@ -11,11 +11,12 @@
     replay.show("run.kvlog", "req-3")                      # one request's life, state by state
     replay.stats("run.kvlog")                              # what the log holds
     replay.timeline("run.kvlog", "t.html")                 # a picture of the telling requests
-    replay.export("run.kvlog", "events.jsonl")             # one row per event
+    replay.export("run.kvlog", "tables/")                  # the tidy tables, for SQL
 
 One module per job: ``source`` (opening a log), ``format`` (events as text and plain values),
 ``replayer`` (check and what-if), ``divergence`` (diff), ``lives`` (show), ``summary``
-(stats), ``charts`` (timeline), ``tables`` (export), ``extras`` (the optional dependencies),
+(stats), ``charts`` (timeline), ``tables`` (the tidy tables), ``writers`` (export),
+``perfetto`` (the trace), ``sql``, ``extras`` (the optional dependencies),
 ``cli`` (the command line), ``demo``. The names above are functions; importing this package is
 cheap: nothing is loaded until a name is used (no torch, no vLLM).
 """
@@ -34,7 +35,7 @@ _LAZY = {
     "show": ("replay.lives", "show"),
     "stats": ("replay.summary", "stats"),
     "timeline": ("replay.charts", "timeline"),
-    "export": ("replay.tables", "export"),
+    "export": ("replay.writers", "export"),
 }
 
 

@@ -1,7 +1,7 @@
 """The ``kvledger`` command: the one command-line entry point.
 
 ``demo`` runs vLLM's real scheduler with the connector (the test rigs); ``check``, ``diff``,
-``show``, ``stats``, ``timeline`` and ``export`` read captured logs. Every subcommand parses its
+``show``, ``stats``, ``timeline``, ``export`` and ``sql`` read captured logs. Every subcommand parses its
 arguments, calls one function of the library (``replay.check``, ``replay.diff``,
 ``replay.lives.show``, ...), and turns its result into text: tables with rich on a terminal
 (the ``cli`` extra, through ``replay.extras``), plain text when piped, one JSON document with
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -24,7 +25,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from replay import charts, demo, lives, summary, tables
+from replay import charts, demo, lives, summary
 from replay.divergence import DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
@@ -462,22 +463,94 @@ def _add_views(sub: Any) -> None:
 
     p = sub.add_parser(
         "export",
-        help="one row per event, as JSON lines or parquet, for DuckDB or pandas",
-        description="Write one row per event: index, seq, step, wall_ns, type, kind, request "
-        "and the event's fields (bytes as hex). parquet needs pyarrow "
-        "(pip install kvledger[parquet]).",
+        help="the tidy tables (parquet or JSON lines), a Hive tree of many logs, or a "
+        "Perfetto trace",
+        description="Write the log's tidy tables (requests, admissions, saves, steps, events "
+        "and one table per event type, problems: docs/sql.md), one file per table, into "
+        "a directory; one table (--table) into one file; the tables of several logs into one "
+        "Hive-partitioned tree (--partition run); or a Chrome / Perfetto trace (.json). "
+        "The format follows the output: a directory holds parquet unless --format jsonl; "
+        "OUT.parquet, OUT.jsonl, OUT.json name theirs, and --format must agree. parquet "
+        "needs pyarrow (pip install kvledger[parquet]).",
+        epilog=_EXPORT_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _log_argument(p)
+    p.add_argument(
+        "logs",
+        nargs="+",
+        metavar="LOG",
+        help="a log file, or a directory of one log's segments; several with --partition run",
+    )
     p.add_argument(
         "--format",
-        choices=("jsonl", "parquet"),
+        choices=("parquet", "jsonl", "perfetto"),
         default=None,
-        help="jsonl or parquet (default: from the output's extension; jsonl for -)",
+        help="default: from the output (a directory: parquet; .parquet, .jsonl, .json)",
     )
     p.add_argument(
-        "-o", "--out", required=True, metavar="OUT", help="output file ('-': stdout, jsonl only)"
+        "-o",
+        "--out",
+        required=True,
+        metavar="OUT",
+        help="DIR, TABLE.parquet / TABLE.jsonl with --table ('-': standard output), "
+        "TRACE.json, or TREE with --partition run",
     )
+    p.add_argument("--table", metavar="NAME", help="write only this table, to one file")
+    p.add_argument(
+        "--partition",
+        choices=("run",),
+        help="one Hive-partitioned tree for many logs: TREE/<table>/run=<name>/",
+    )
+    p.add_argument(
+        "--no-problems",
+        dest="problems",
+        action="store_false",
+        help="leave the problems table empty (it costs a replay, as kvledger check does)",
+    )
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
     p.set_defaults(handler=_export)
+
+    p = sub.add_parser(
+        "sql",
+        help="run SQL (DuckDB) over the tidy tables of logs, an export or a Hive tree",
+        description="Run one SQL query with DuckDB, embedded, over the tidy tables (views "
+        "named requests, admissions, saves, steps, events, ev_<type>, problems: docs/sql.md). "
+        "SOURCE is a log, several logs (a run column is added), an export directory, or a "
+        "Hive tree (kvledger export ... --partition run). Needs duckdb and pyarrow "
+        "(pip install kvledger[sql]).",
+        epilog=_SQL_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a log, an export directory or a tree (one or more), then the query",
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as a JSON list")
+    p.add_argument(
+        "--tables", action="store_true", help="list the tables and their columns (no query)"
+    )
+    p.set_defaults(handler=_sql)
+
+
+_EXPORT_EPILOG = """\
+examples:
+  kvledger export run.kvlog -o tables/                      # tables/requests.parquet, ...
+  kvledger export run.kvlog -o tables/ --format jsonl       # tables/requests.jsonl, ...
+  kvledger export run.kvlog --table admissions -o admissions.parquet
+  kvledger export run.kvlog --table events -o -             # JSON lines on standard output
+  kvledger export a.kvlog b.kvlog -o fleet/ --partition run # fleet/requests/run=a/part-0.parquet
+  kvledger export run.kvlog -o run.perfetto.json            # open in ui.perfetto.dev
+"""
+
+_SQL_EPILOG = """\
+examples:
+  kvledger sql run.kvlog "SELECT step, sum(hit) / sum(asked) AS hit_rate
+                          FROM admissions GROUP BY step ORDER BY step"
+  kvledger sql fleet/ "SELECT run, count(*) FROM requests GROUP BY run" --json
+  kvledger sql run.kvlog --tables
+"""
 
 
 # --- output ---------------------------------------------------------------------------------
@@ -786,13 +859,91 @@ def _timeline(args: argparse.Namespace) -> int:
 
 @_guard
 def _export(args: argparse.Namespace) -> int:
-    if args.out == "-" and args.format not in (None, "jsonl"):
-        return _fail("--out - (standard output) is for --format jsonl only")
-    result = tables.export(args.log, args.out, args.format)
-    status = _warn_damage(args.log, result.damage)
-    where = "standard output" if args.out == "-" else result.out
-    print(f"wrote {result.rows} rows to {where} ({result.format})", file=sys.stderr)
+    from replay import writers
+
+    if args.partition is not None:
+        result = writers.export_runs(args.logs, args.out, args.format, problems=args.problems)
+    elif len(args.logs) > 1:
+        return _fail(
+            "export: several logs go into one tree: add --partition run (the segments of one "
+            "log: pass their directory)"
+        )
+    else:
+        try:
+            result = writers.export(
+                args.logs[0], args.out, args.format, table=args.table, problems=args.problems
+            )
+        except BrokenPipeError:  # `kvledger export LOG --table events -o - | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_OK
+    status = _warn_damage(", ".join(args.logs), *result.damage)
+    if result.check_error:
+        print(f"kvledger: export: problems table incomplete: {result.check_error}", file=sys.stderr)
+    where = "standard output" if result.form == "stdout" else result.out
+    if args.json:
+        _json(
+            {
+                "out": result.out,
+                "format": result.format,
+                "form": result.form,
+                "rows": result.rows,
+                "runs": list(result.runs),
+                "damage": [d.describe() for d in result.damage],
+                "check_error": result.check_error,
+                "exit_code": status,
+            }
+        )
+    elif result.form == "trace":
+        shown = ", ".join(f"{n} {k}" for k, n in result.rows.items())
+        print(f"wrote {where} (a Chrome trace, for ui.perfetto.dev): {shown}", file=sys.stderr)
+    else:
+        what = f"{len(result.rows)} tables" if len(result.rows) > 1 else "1 table"
+        runs = f", runs {', '.join(result.runs)}" if result.runs else ""
+        print(
+            f"wrote {result.total} rows in {what} to {where} ({result.format}{runs})",
+            file=sys.stderr,
+        )
     return status
+
+
+@_guard
+def _sql(args: argparse.Namespace) -> int:
+    from replay import sql
+
+    if args.tables:
+        return _print_tables(args)
+    if len(args.sources) < 2:
+        return _fail('sql: give a source and a query: kvledger sql LOG "SELECT ..."')
+    *sources, query = args.sources
+    result = sql.query(sources, query)
+    status = _warn_damage(", ".join(sources), *result.damage)
+    if args.json:
+        _json(result.to_dicts())
+        return status
+    numeric = ("INTEGER", "BIGINT", "DOUBLE", "FLOAT", "HUGEINT", "DECIMAL", "SMALLINT")
+    right = [c for c, t in zip(result.columns, result.types, strict=True) if t.startswith(numeric)]
+    rows = [[_cell(v) for v in row] for row in result.rows]
+    Output().table(result.columns, rows, right=right)
+    return status
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e6 else f"{value:.6g}"
+    return value
+
+
+def _print_tables(args: argparse.Namespace) -> int:
+    from replay.tables import TABLES
+
+    if args.json:
+        _json({t: [c._asdict() for c in cols] for t, cols in TABLES.items()})
+        return EXIT_OK
+    out = Output()
+    for table, columns in TABLES.items():
+        out.table(["column", "type", "meaning"], [list(c) for c in columns], title=table)
+        out.line()
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -33,19 +33,20 @@ def test_check_of_a_request_not_in_the_log_is_not_clean(capsys: Any) -> None:
 
 
 def test_export_takes_the_format_from_the_extension(capsys: Any, tmp_path: Path) -> None:
-    code, _, _ = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.jsonl"))
+    argv = ["export", str(LOG), "--table", "events", "-o"]
+    code, _, _ = _run(capsys, *argv, str(tmp_path / "rows.jsonl"))
     assert code == 0 and (tmp_path / "rows.jsonl").read_text().startswith("{")
     # .parquet is parquet (or a clear "install the extra"), never JSON lines in a .parquet file
-    code, _, err = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.parquet"))
+    code, _, err = _run(capsys, *argv, str(tmp_path / "rows.parquet"))
     assert (tmp_path / "rows.parquet").exists() == (code == 0)
     if code:
         assert code == 2 and "pip install kvledger[parquet]" in err
-    code, _, err = _run(
-        capsys, "export", str(LOG), "-o", str(tmp_path / "x.parquet"), "--format", "jsonl"
-    )
+    else:
+        assert (tmp_path / "rows.parquet").read_bytes()[:4] == b"PAR1"
+    code, _, err = _run(capsys, *argv, str(tmp_path / "x.parquet"), "--format", "jsonl")
     assert code == 2 and "names parquet, but the format asked for is jsonl" in err
     assert not (tmp_path / "x.parquet").exists()
-    code, _, err = _run(capsys, "export", str(LOG), "-o", str(tmp_path / "rows.txt"))
+    code, _, err = _run(capsys, *argv, str(tmp_path / "rows.txt"))
     assert code == 2 and "cannot tell the format" in err
 
 
@@ -54,8 +55,9 @@ def test_an_output_that_cannot_be_written_is_a_clear_error(
     capsys: Any, tmp_path: Path, command: str
 ) -> None:
     ext = "jsonl" if command == "export" else "html"
+    table = ["--table", "events"] if command == "export" else []
     for out in (tmp_path / "missing-dir" / f"x.{ext}", tmp_path):
-        code, _, err = _run(capsys, command, str(LOG), "-o", str(out))
+        code, _, err = _run(capsys, command, str(LOG), *table, "-o", str(out))
         assert code == 2 and err.startswith("kvledger: ") and str(out) in err
 
 

@@ -84,7 +84,9 @@ COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "stats --json": lambda log, tmp: ["stats", "--json", str(log)],
     "diff": lambda log, tmp: ["diff", str(log), str(log)],
     "timeline": lambda log, tmp: ["timeline", str(log), "-o", str(tmp / "t.html")],
-    "export": lambda log, tmp: ["export", str(log), "-o", str(tmp / "e.jsonl")],
+    "export": lambda log, tmp: ["export", str(log), "-o", str(tmp / "tables"), "--format", "jsonl"],
+    "export perfetto": lambda log, tmp: ["export", str(log), "-o", str(tmp / "trace.json")],
+    "sql": lambda log, tmp: ["sql", str(log), "SELECT count(*) FROM steps"],
 }
 
 

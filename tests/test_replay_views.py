@@ -16,7 +16,7 @@ from _logfiles import torn_copy
 from _replay_logs import copy_log, real_logs, write_log
 
 import replay
-from replay import cli, tables
+from replay import cli
 from replay.extras import MissingExtra, Output
 from replay.lives import RequestNotFound, Row
 from replay.source import LogUnreadable
@@ -234,8 +234,8 @@ def test_views_read_up_to_a_torn_tail_and_report_it(log: Path, tmp_path: Path) -
     assert st.events_by_type["Finished"] < full.events_by_type["Finished"]
     life = replay.show(torn, "req-b")
     assert life.damage == st.damage and 0 < len(life) < len(replay.show(log, "req-b"))
-    out = replay.export(torn, tmp_path / "torn.jsonl")
-    assert out.rows == st.events and out.damage == st.damage
+    out = replay.export(torn, tmp_path / "torn", "jsonl", problems=False)
+    assert out.rows["events"] == st.events and out.damage == [st.damage]
     res = replay.timeline(torn, tmp_path / "torn.html")
     assert res.damage == st.damage
     assert "Read stopped early" in (tmp_path / "torn.html").read_text()
@@ -276,67 +276,11 @@ def test_unreadable_logs_raise_and_exit_2(tmp_path: Path, what: str, capsys) -> 
         replay.stats(path)
     for cmd in (["stats", str(path)], ["show", str(path), "-r", "x"]):
         assert cli.main(cmd) == 2
-    assert cli.main(["export", str(path), "-o", str(tmp_path / "o.jsonl")]) == 2
+    assert cli.main(["export", str(path), "-o", str(tmp_path / "o"), "--format", "jsonl"]) == 2
     assert "cannot read the log" in capsys.readouterr().err
 
 
-# --- export --------------------------------------------------------------------------------
-
-
-def _event_from_row(row: dict) -> ev.Event:
-    """Rebuild an event from an export row (the round trip an auditor relies on)."""
-    cls = {c.__name__: c for c in ev.EVENT_TYPES}[row["type"]]
-    kwargs = {}
-    for f in attrs.fields(cls)[2:]:
-        value = row[f.name]
-        if f.name in ("keys", "evicted"):
-            value = tuple(bytes.fromhex(v) for v in value)
-        elif f.name == "key":
-            value = bytes.fromhex(value)
-        elif f.name == "admission":
-            value = ev.Admission[value]
-        elif isinstance(value, list):
-            value = tuple(value)
-        kwargs[f.name] = value
-    return cls(row["step"], row["request"], **kwargs)
-
-
-def test_export_jsonl_round_trips_every_event(log: Path, tmp_path: Path) -> None:
-    out = tmp_path / "events.jsonl"
-    result = replay.export(log, out)
-    events = all_events(log)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert result.rows == len(rows) == len(events)
-    assert result.rows_by_type == dict(Counter(type(e).__name__ for _, e in events))
-    assert [r["index"] for r in rows] == list(range(len(rows)))
-    assert [_event_from_row(r) for r in rows] == [e for _, e in events]
-    save = next(r for r in rows if r["type"] == "SavePlanned" and r["keys"])
-    assert re.fullmatch(r"[0-9a-f]{32}", save["keys"][0])
-    assert {r["kind"] for r in rows} == {"input", "decision"}
-    assert not list(tmp_path.glob("*.tmp"))
-
-
-def test_export_to_stdout(log: Path, capsys) -> None:
-    assert cli.main(["export", str(log), "--format", "jsonl", "-o", "-"]) == 0
-    captured = capsys.readouterr()
-    lines = captured.out.splitlines()
-    assert len(lines) == replay.stats(log).events
-    assert "wrote" in captured.err
-
-
-def test_export_parquet(log: Path, tmp_path: Path) -> None:
-    pq = pytest.importorskip("pyarrow.parquet")
-    out = tmp_path / "events.parquet"
-    result = replay.export(log, out, "parquet", batch_rows=10)
-    table = pq.read_table(out)
-    assert table.num_rows == result.rows == replay.stats(log).events
-    assert table.column_names == [name for name, _ in tables.EXPORT_COLUMNS]
-    types = Counter(table.column("type").to_pylist())
-    assert types == Counter(replay.stats(log).events_by_type)
-    rows = table.to_pylist()
-    blocks = [r["block_ids"] for r in rows if r["type"] == "Allocated"]
-    assert blocks[0] == [1, 2, 3]
-    assert rows[0]["prompt_token_ids"] and rows[0]["keys"] is None  # other types' fields: null
+# --- export: tests/test_replay_tables.py (the tidy tables and every output form) -------------
 
 
 def test_missing_extras_say_what_to_install(
@@ -345,7 +289,7 @@ def test_missing_extras_say_what_to_install(
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[parquet]")):
-        replay.export(log, tmp_path / "x.parquet", "parquet")
+        replay.export(log, tmp_path / "x.parquet", table="steps")
     with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[timeline]")):
         replay.timeline(log, tmp_path / "x.png")
     assert cli.main(["timeline", str(log), "-o", str(tmp_path / "x.png")]) == 2
@@ -496,8 +440,8 @@ def test_real_log_rows_follow_the_tracker(real: dict[str, Path], name: str) -> N
 def test_real_log_with_loads_exports_and_draws(real: dict[str, Path], tmp_path: Path) -> None:
     st = replay.stats(real["loads"])
     assert st.tokens_loaded > 0
-    out = replay.export(real["loads"], tmp_path / "e.jsonl")
-    assert out.rows == st.events
+    out = replay.export(real["loads"], tmp_path / "e.jsonl", table="events")
+    assert out.rows == {"events": st.events}
     types = Counter(json.loads(line)["type"] for line in (tmp_path / "e.jsonl").open())
     assert types == Counter(st.events_by_type)
     result = replay.timeline(real["loads"], tmp_path / "t.html", top=8)

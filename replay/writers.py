@@ -1,0 +1,390 @@
+"""``export``: the tidy tables (``replay.tables``) written out, or a Perfetto trace.
+
+The output's form and extension say what is written, and ``fmt`` (``--format``), when given,
+must agree:
+
+- a directory (one that exists, or a path with no extension): every table, one file each,
+  ``DIR/<table>.parquet`` (the default: pyarrow, the ``parquet`` extra) or
+  ``DIR/<table>.jsonl`` (``fmt="jsonl"``);
+- one file, ``OUT.parquet`` or ``OUT.jsonl`` (``.ndjson``): one table, named by ``table``
+  (``--table requests``); ``-`` writes it to standard output as JSON lines;
+- ``OUT.json`` or ``OUT.perfetto.json``: a Chrome / Perfetto trace (``replay.perfetto``);
+- many logs (a fleet of engines): :func:`export_runs` writes one Hive-partitioned tree,
+  ``TREE/<table>/run=<name>/part-0.parquet``, which DuckDB reads with ``hive_partitioning``
+  and Spark or Trino read as partitioned tables.
+
+Every file appears complete or not at all (written aside, then renamed into place). A
+mismatch between the form and ``fmt``, a missing parent directory, a file where a directory
+is needed (or the reverse) raise :class:`ExportError` (a ``ValueError``) naming what was
+wrong, before anything is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+
+from replay.extras import require
+from replay.source import LogPath, open_log
+from replay.tables import TABLES, Column, Row, table_rows
+from tracker.log import StopInfo
+
+__all__ = ["FORMATS", "ExportError", "ExportResult", "export", "export_runs", "run_name"]
+
+PathLike = str | os.PathLike[str]
+
+FORMATS = ("parquet", "jsonl", "perfetto")
+
+# The extension of a one-file output, and the format it names.
+_EXTENSIONS = {
+    ".parquet": "parquet",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".json": "perfetto",
+}
+_FILE_EXT = {"parquet": ".parquet", "jsonl": ".jsonl"}
+
+
+class ExportError(ValueError):
+    """The output cannot be written as asked: the message says what was wrong."""
+
+
+@attrs.frozen
+class ExportResult:
+    out: str
+    format: str
+    form: str  # directory, file, stdout, tree, trace
+    rows: dict[str, int]  # rows written per table (a trace: its events per phase type)
+    damage: list[StopInfo] = attrs.field(factory=list)
+    runs: tuple[str, ...] = ()
+    check_error: str | None = None
+
+    @property
+    def total(self) -> int:
+        return sum(self.rows.values())
+
+
+def _named_format(out: str) -> str | None:
+    name = out.lower()
+    if name.endswith(".perfetto.json"):
+        return "perfetto"
+    return _EXTENSIONS.get(os.path.splitext(name)[1])
+
+
+def _resolve(out: str, fmt: str | None, table: str | None, tree: bool = False) -> tuple[str, str]:
+    """(form, format) of an output, or :class:`ExportError`."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ExportError(f"export format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if table is not None and table not in TABLES:
+        raise ExportError(f"no table {table!r}: the tables are {', '.join(TABLES)}")
+    if out == "-":
+        if table is None or tree:
+            raise ExportError("-o - (standard output) holds one table: pick it with --table")
+        if fmt not in (None, "jsonl"):
+            raise ExportError("-o - (standard output) is for JSON lines only")
+        return "stdout", "jsonl"
+    named = None if os.path.isdir(out) else _named_format(out)
+    if named is not None and fmt is not None and named != fmt:
+        raise ExportError(f"{out!r} names {named}, but the format asked for is {fmt}")
+    fmt = fmt or named
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ExportError(f"cannot write {out}: no such directory {parent}")
+    if fmt == "perfetto":
+        if named is None:
+            raise ExportError(f"a Perfetto trace is one file: name it {out}.json, not a directory")
+        if table is not None or tree:
+            raise ExportError("a Perfetto trace holds no tables: drop --table and --partition")
+        return "trace", fmt
+    if named is not None:  # one file
+        if tree:
+            raise ExportError(
+                f"{out!r} names one file, but --partition writes a tree: name a directory"
+            )
+        if table is None:
+            raise ExportError(
+                f"{out!r} names one file, but the export is {len(TABLES)} tables: name a "
+                "directory (-o DIR), or pick one table (--table requests)"
+            )
+        return "file", named
+    if not os.path.isdir(out) and os.path.splitext(out)[1]:
+        raise ExportError(
+            f"cannot tell the format from {out!r}: name a directory (no extension), or a "
+            "file ending in .parquet, .jsonl or .json (a Perfetto trace)"
+        )
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ExportError(
+            f"{out} is a file: name a directory, or end the name in .parquet or .jsonl"
+        )
+    if table is not None:
+        raise ExportError(
+            f"{out!r} is a directory: name the file for --table {table} ({table}.parquet or "
+            f"{table}.jsonl)"
+        )
+    return ("tree" if tree else "directory"), fmt or "parquet"
+
+
+def export(
+    log: LogPath,
+    out: PathLike,
+    fmt: str | None = None,
+    *,
+    table: str | None = None,
+    problems: bool = True,
+    batch_rows: int = 65536,
+) -> ExportResult:
+    """Write the tidy tables of one log (or one of them, or a Perfetto trace) to ``out``; see
+    the module docstring for the forms. ``problems=False`` leaves the ``problems`` table empty
+    (it costs a replay of the log, as ``kvledger check`` does)."""
+    out_s = os.fspath(out)
+    form, fmt = _resolve(out_s, fmt, table)
+    if fmt == "perfetto":
+        from replay.perfetto import write_trace
+
+        result: ExportResult = write_trace(log, out_s, problems=problems)
+        return result
+    if fmt == "parquet":
+        require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
+    src = open_log(log)  # unreadable: raise before anything is written
+    if form == "stdout":
+        sink: _Sink = _JsonlSink(None, only=table, stream=sys.stdout)
+        info = table_rows(src, sink.add, problems=problems and table == "problems")
+        sink.close()
+        return ExportResult(
+            out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error
+        )
+    with _Staging(out_s, form) as stage:
+        sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows, file=form == "file")
+        want = problems and (table is None or table == "problems")
+        info = table_rows(src, sink.add, problems=want)
+        sink.close()
+    return ExportResult(out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error)
+
+
+def run_name(log: LogPath) -> str:
+    """The partition name of a log: its file or directory name without ``.kvlog``, with any
+    character outside ``[A-Za-z0-9._-]`` replaced by ``_`` (a Hive path segment)."""
+    first = log if isinstance(log, (str, os.PathLike)) else next(iter(log))
+    name = Path(os.fspath(first)).resolve().name
+    if name.endswith(".kvlog"):
+        name = name[: -len(".kvlog")]
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) or "run"
+
+
+def export_runs(
+    logs: Sequence[LogPath],
+    out: PathLike,
+    fmt: str | None = None,
+    *,
+    names: Sequence[str] | None = None,
+    problems: bool = True,
+    batch_rows: int = 65536,
+) -> ExportResult:
+    """Write the tables of many logs as one Hive-partitioned tree:
+    ``OUT/<table>/run=<name>/part-0.parquet`` (``names``: the runs' names, by default
+    :func:`run_name` of each log; they must differ). A tree that exists already keeps its
+    other runs: a fleet's tree grows run by run."""
+    out_s = os.fspath(out)
+    _, fmt = _resolve(out_s, fmt, None, tree=True)
+    names = list(names) if names is not None else [run_name(log) for log in logs]
+    if len(names) != len(logs):
+        raise ExportError("give one name per log")
+    twice = [n for n, k in Counter(names).items() if k > 1]
+    if twice:
+        raise ExportError(f"two logs would be run={twice[0]}: rename one of them")
+    if fmt == "parquet":
+        require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
+    sources = [open_log(log) for log in logs]  # every log readable before anything is written
+    counts: Counter[str] = Counter()
+    damage: list[StopInfo] = []
+    errors: list[str] = []
+    with _Staging(out_s, "tree") as stage:
+        for name, src in zip(names, sources, strict=True):
+            part = os.path.join(stage.path, "{table}", f"run={name}")
+            sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, file=False, part=True)
+            info = table_rows(src, sink.add, problems=problems)
+            sink.close()
+            counts.update(sink.counts)
+            damage += _damage(info.damage)
+            if info.check_error:
+                errors.append(f"run={name}: {info.check_error}")
+    return ExportResult(
+        out_s, fmt, "tree", dict(counts), damage, tuple(names), "; ".join(errors) or None
+    )
+
+
+def _damage(d: StopInfo | None) -> list[StopInfo]:
+    return [] if d is None else [d]
+
+
+class _Staging:
+    """A directory beside ``out`` to write into; on success its files are renamed into
+    ``out`` (a file output: the one file is), on failure it is removed."""
+
+    def __init__(self, out: str, form: str) -> None:
+        self.out = out
+        self.form = form
+        parent = os.path.dirname(os.path.abspath(out))
+        self.path = tempfile.mkdtemp(prefix=".kvledger-export-", dir=parent)
+
+    def __enter__(self) -> _Staging:
+        return self
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        try:
+            if kind is None:
+                self._commit()
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def _commit(self) -> None:
+        if self.form == "file":
+            (only,) = os.listdir(self.path)
+            os.replace(os.path.join(self.path, only), self.out)
+            return
+        for root, _, files in os.walk(self.path):
+            rel = os.path.relpath(root, self.path)
+            target = os.path.normpath(os.path.join(self.out, rel))
+            os.makedirs(target, exist_ok=True)
+            for f in files:
+                os.replace(os.path.join(root, f), os.path.join(target, f))
+
+
+# --- sinks: rows in, files out --------------------------------------------------------------
+
+
+class _Sink:
+    """Receives ``add(table, row)``; writes each table (or the one asked for) on its way."""
+
+    def __init__(self, only: str | None) -> None:
+        self.only = only
+        self.counts: Counter[str] = Counter({t: 0 for t in self.tables()})
+
+    def add(self, table: str, row: Row) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def tables(self) -> list[str]:
+        return [self.only] if self.only is not None else list(TABLES)
+
+
+def _file_of(directory: str, table: str, ext: str, part: bool) -> str:
+    if part:  # a Hive partition: DIR/<table>/run=<name>/part-0.<ext>
+        d = directory.replace("{table}", table)
+        os.makedirs(d, exist_ok=True)
+        return os.path.join(d, "part-0" + ext)
+    return os.path.join(directory, table + ext)
+
+
+class _JsonlSink(_Sink):
+    def __init__(
+        self,
+        directory: str | None,
+        *,
+        only: str | None,
+        stream: IO[str] | None = None,
+        part: bool = False,
+    ) -> None:
+        super().__init__(only)
+        self.files: dict[str, IO[str]] = {}
+        self.dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+        for table in self.tables():
+            if stream is not None:
+                self.files[table] = stream
+            else:
+                assert directory is not None
+                path = _file_of(directory, table, ".jsonl", part)
+                self.files[table] = open(path, "w", encoding="utf-8")  # noqa: SIM115
+        self.stream = stream
+
+    def add(self, table: str, row: Row) -> None:
+        f = self.files.get(table)
+        if f is not None:
+            f.write(self.dumps(row))
+            f.write("\n")
+            self.counts[table] += 1
+
+    def close(self) -> None:
+        for f in self.files.values():
+            if f is self.stream:
+                f.flush()
+            else:
+                f.close()
+
+
+def arrow_schema(columns: Sequence[Column]) -> Any:
+    """The pyarrow schema of a table's columns."""
+    pa = require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
+    types = {
+        "int": pa.int64(),
+        "float": pa.float64(),
+        "bool": pa.bool_(),
+        "str": pa.string(),
+        "int_list": pa.list_(pa.int64()),
+        "str_list": pa.list_(pa.string()),
+    }
+    return pa.schema([pa.field(c.name, types[c.kind]) for c in columns])
+
+
+def arrow_table(table: str, rows: Sequence[Row]) -> Any:
+    """Rows of one of :data:`TABLES` as a pyarrow table of its schema."""
+    pa = require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
+    columns = TABLES[table]
+    data = {c.name: [row.get(c.name) for row in rows] for c in columns}
+    return pa.Table.from_pydict(data, schema=arrow_schema(columns))
+
+
+class _ParquetSink(_Sink):
+    def __init__(
+        self, directory: str, *, only: str | None, batch_rows: int, part: bool = False
+    ) -> None:
+        super().__init__(only)
+        self.pq = require("pyarrow.parquet", "parquet", "a parquet export")
+        self.directory = directory
+        self.batch_rows = batch_rows
+        self.part = part
+        self.batches: dict[str, list[Row]] = {t: [] for t in self.tables()}
+        self.writers: dict[str, Any] = {}
+
+    def _flush(self, table: str) -> None:
+        writer = self.writers.get(table)
+        if writer is None:
+            path = _file_of(self.directory, table, ".parquet", self.part)
+            writer = self.writers[table] = self.pq.ParquetWriter(path, arrow_schema(TABLES[table]))
+        writer.write_table(arrow_table(table, self.batches[table]))
+        self.batches[table] = []
+
+    def add(self, table: str, row: Row) -> None:
+        batch = self.batches.get(table)
+        if batch is not None:
+            batch.append(row)
+            self.counts[table] += 1
+            if len(batch) >= self.batch_rows:
+                self._flush(table)
+
+    def close(self) -> None:
+        for table, batch in self.batches.items():
+            if batch or table not in self.writers:  # an empty table still has its schema
+                self._flush(table)
+        for writer in self.writers.values():
+            writer.close()
+
+
+def _make_sink(
+    fmt: str, directory: str, *, only: str | None, batch_rows: int, file: bool, part: bool = False
+) -> _Sink:
+    if fmt == "jsonl":
+        return _JsonlSink(directory, only=only, part=part)
+    return _ParquetSink(directory, only=only, batch_rows=batch_rows, part=part)

@@ -1,0 +1,220 @@
+"""``kvledger sql`` and the ready queries of docs/sql.md.
+
+Each documented query is run as it is written, and its output compared with the page; then the
+same query runs over every test log (``tests/data``, a synthetic log, logs of vLLM's real
+scheduler) and must give ``kvledger stats``'s numbers (and ``kvledger check``'s problems). The
+sources (a log, several logs, an export directory of parquet or JSON lines, a Hive tree) must
+all give the same answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _replay_logs import real_logs, write_log
+
+import replay
+from replay import sql, writers
+from replay.cli import main
+from replay.extras import MissingExtra
+from replay.replayer import check
+from replay.tables import markdown_reference
+
+pytest.importorskip("duckdb")
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "tests" / "data"
+CLEAN = DATA / "replay-clean.kvlog"
+SHORT = DATA / "replay-short-load.kvlog"
+PAGE = ROOT / "docs" / "sql.md"
+
+
+def documented_queries() -> dict[str, tuple[str, str, str]]:
+    """name -> (log, query, output) of each ``<!-- query: name -->`` block of docs/sql.md."""
+    text = PAGE.read_text()
+    out = {}
+    for m in re.finditer(r"<!-- query: (\S+) -->\n```console\n(.*?)```", text, re.S):
+        block = m.group(2)
+        head = re.match(r'\$ kvledger sql (\S+) "(.*?)"\n(.*)', block, re.S)
+        assert head is not None, m.group(1)
+        out[m.group(1)] = (head.group(1), head.group(2), head.group(3))
+    return out
+
+
+QUERIES = documented_queries()
+
+
+def run(log: Any, name: str) -> list[dict[str, Any]]:
+    return sql.query([str(log)], QUERIES[name][1]).to_dicts()
+
+
+def test_the_page_documents_these_queries() -> None:
+    assert set(QUERIES) == {
+        "hit-rate",
+        "hit-rate-per-step",
+        "naive-hit-rate",
+        "first-admissions",
+        "short-loads",
+        "pool-pressure",
+        "problems",
+    }
+
+
+@pytest.mark.parametrize("name", sorted(QUERIES))
+def test_each_documented_query_prints_what_the_page_shows(name: str, capsys: Any) -> None:
+    log, query, shown = QUERIES[name]
+    assert main(["sql", str(ROOT / log), query]) == 0
+    assert capsys.readouterr().out == shown
+
+
+def test_the_reference_is_the_code() -> None:
+    text = PAGE.read_text()
+    block = text.split("<!-- BEGIN generated: tables -->\n", 1)[1].split("<!-- END", 1)[0]
+    assert block == markdown_reference(), (
+        "docs/sql.md's reference is stale: paste replay.tables.markdown_reference() in it"
+    )
+
+
+def assert_queries_agree_with_stats(log: Any) -> None:
+    st = replay.stats(log)
+    every, first = st.all_lookups, st.first_lookup
+    (total,) = run(log, "hit-rate")
+    assert (total["admissions"], total["asked"] or 0, total["hit"] or 0) == (
+        every.admissions,
+        every.tokens,
+        every.hit,
+    )
+    if every.tokens:
+        assert total["hit_rate"] == round(every.hit / every.tokens, 3)
+        assert total["accepted_rate"] == round(every.external / every.tokens, 3)
+    per_step = run(log, "hit-rate-per-step")
+    assert sum(r["admissions"] for r in per_step) == every.admissions
+    assert sum(r["asked"] or 0 for r in per_step) == every.tokens
+    assert sum(r["hit"] or 0 for r in per_step) == every.hit
+    assert [r["step"] for r in per_step] == sorted({r["step"] for r in per_step})
+    (naive,) = run(log, "naive-hit-rate")
+    assert naive["lookups"] == st.events_by_type.get("LookupAsked", 0)
+    if naive["lookups"] > every.admissions:  # somebody waited: the naive sum counts it again
+        assert (naive["asked"] or 0) > every.tokens
+    (firsts,) = run(log, "first-admissions")
+    assert (firsts["admissions"], firsts["asked"] or 0, firsts["hit"] or 0) == (
+        first.admissions,
+        first.tokens,
+        first.hit,
+    )
+    pool = run(log, "pool-pressure")
+    assert sum(r["saved"] for r in pool) == st.chunks_saved
+    assert all(r["peak_used"] <= r["slots"] for r in pool)
+    assert run(log, "problems") == [
+        {"problem": n, "step": p.step, "request": p.req_id or None, "headline": p.headline()}
+        for n, p in enumerate(check(log).problems, 1)
+    ]
+
+
+@pytest.mark.parametrize("log", [CLEAN, SHORT], ids=["clean", "short-load"])
+def test_the_queries_give_the_numbers_of_stats_on_the_data_logs(log: Path) -> None:
+    assert_queries_agree_with_stats(log)
+
+
+def test_the_short_load_query_names_the_requests_the_fault_changed() -> None:
+    truth = json.loads((DATA / "replay-short-load.json").read_text())
+    rows = run(SHORT, "short-loads")
+    assert sorted(r["request"] for r in rows) == sorted(truth["requests_changed"])
+    assert all(r["accepted"] - r["loaded"] == 16 for r in rows)  # one block short each
+    assert run(CLEAN, "short-loads") == []
+
+
+def test_the_queries_on_a_synthetic_log(tmp_path: Path) -> None:
+    log = tmp_path / "run.kvlog"
+    write_log(log)
+    assert_queries_agree_with_stats(log)
+    # req-b: preempted, back with a load of everything it was offered.
+    assert run(log, "short-loads") == []
+
+
+@pytest.mark.vllm
+def test_the_queries_on_logs_of_vllms_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
+    for name, log in real_logs(tmp_path_factory).items():
+        assert_queries_agree_with_stats(log)
+        assert run(log, "short-loads") == [], name
+
+
+# --- sources ------------------------------------------------------------------------------------
+
+
+def test_every_source_gives_the_same_answer(tmp_path: Path) -> None:
+    query = QUERIES["hit-rate-per-step"][1]
+    expected = sql.query([str(SHORT)], query).rows
+    replay.export(SHORT, tmp_path / "parquet")
+    replay.export(SHORT, tmp_path / "jsonl", "jsonl")
+    assert sql.query([str(tmp_path / "parquet")], query).rows == expected
+    assert sql.query([str(tmp_path / "jsonl")], query).rows == expected
+    writers.export_runs([CLEAN, SHORT], tmp_path / "tree")
+    writers.export_runs([CLEAN, SHORT], tmp_path / "jtree", "jsonl")
+    runs = "SELECT run, count(*) AS n, sum(hit) AS hit FROM admissions GROUP BY run ORDER BY run"
+    by_run = [
+        ("replay-clean", 21, replay.stats(CLEAN).all_lookups.hit),
+        ("replay-short-load", 21, replay.stats(SHORT).all_lookups.hit),
+    ]
+    for source in ([str(tmp_path / "tree")], [str(tmp_path / "jtree")], [str(CLEAN), str(SHORT)]):
+        assert sql.query(source, runs).rows == by_run, source
+    # Empty tables are views too, typed: a query over them is not an error.
+    none = "SELECT count(*), sum(len(keys)) FROM ev_save_failed"
+    for source in ("parquet", "jsonl", "tree", "jtree"):
+        assert sql.query([str(tmp_path / source)], none).rows == [(0, None)], source
+
+
+def _cli(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_errors_are_exit_2_with_a_message(tmp_path: Path, capsys: Any) -> None:
+    log = str(SHORT)
+    code, _, err = _cli(capsys, "sql", log, "SELECT nosuch FROM requests")
+    assert code == 2 and err.startswith("kvledger: Binder Error") and '"nosuch"' in err
+    code, _, err = _cli(capsys, "sql", log, "SELEC 1")
+    assert code == 2 and "Parser Error" in err
+    code, out, err = _cli(capsys, "sql", log, "SELECT * FROM nosuch", "--json")
+    assert code == 2 and "nosuch" in err and json.loads(out)["exit_code"] == 2
+    code, _, err = _cli(capsys, "sql", log)
+    assert code == 2 and "give a source and a query" in err
+    code, _, err = _cli(capsys, "sql", str(tmp_path / "missing.kvlog"), "SELECT 1")
+    assert code == 2 and "no such file" in err
+    replay.export(SHORT, tmp_path / "tables", "jsonl", problems=False)
+    code, _, err = _cli(capsys, "sql", str(tmp_path / "tables"), log, "SELECT 1")
+    assert code == 2 and "several sources must all be logs" in err
+
+
+def test_json_and_the_table_list(capsys: Any) -> None:
+    code, out, _ = _cli(capsys, "sql", str(SHORT), "SELECT request, admissions FROM requests "
+                        "WHERE preemptions > 1 ORDER BY request", "--json")  # fmt: skip
+    assert code == 0 and json.loads(out) == [{"request": "req-8", "admissions": 3}]
+    code, out, _ = _cli(capsys, "sql", str(SHORT), "--tables")
+    assert code == 0 and "admissions" in out and "preempted_before" in out
+
+
+def test_a_damaged_log_is_queried_up_to_the_damage_and_said(tmp_path: Path, capsys: Any) -> None:
+    from _logfiles import torn_copy
+
+    torn = torn_copy(SHORT, tmp_path / "torn.kvlog", 200)
+    code, out, err = _cli(capsys, "sql", str(torn), "SELECT count(*) AS n FROM events")
+    assert code == 2 and "read stopped early" in err
+    assert out.split() == ["n", str(replay.stats(torn).events)]
+
+
+def test_without_duckdb_it_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "duckdb", None)
+    with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[sql]")):
+        sql.query([str(SHORT)], "SELECT 1")
+    code, _, err = _cli(capsys, "sql", str(SHORT), "SELECT 1")
+    assert code == 2 and "pip install kvledger[sql]" in err
