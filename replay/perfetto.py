@@ -36,37 +36,40 @@ _TABLES = ("requests", "admissions", "saves", "steps", "problems", "ev_load_plan
 
 
 class _Clock:
-    """Step -> microseconds since the first frame, strictly increasing."""
+    """Step -> whole microseconds since the first frame, strictly increasing (integers: a
+    slice's end, ts + dur, is then exactly the next slice's start, as nesting needs)."""
 
     def __init__(self, steps: list[Row]) -> None:
         self.steps: list[int] = []
-        self.us: list[float] = []
+        self.us: list[int] = []
         first = steps[0]["wall_ns"] if steps else 0
-        last = -1.0
+        last = -1
         for s in sorted(steps, key=lambda s: s["step"]):
-            t = max((s["wall_ns"] - first) / 1000.0, last + 1.0)
+            t = max((s["wall_ns"] - first) // 1000, last + 1)
             self.steps.append(s["step"])
             self.us.append(t)
             last = t
 
-    def __call__(self, step: int) -> float:
+    def __call__(self, step: int) -> int:
         i = bisect.bisect_left(self.steps, step)
         if i < len(self.steps) and self.steps[i] == step:
             return self.us[i]
         if not self.us:
-            return float(step)
+            return max(step, 0)
         if i >= len(self.us):  # after the last frame: one step per µs
             return self.us[-1] + (step - self.steps[-1])
-        return self.us[i] - 0.5  # a step with no frame: just before the next one
+        return max(self.us[i] - 1, 0)  # a step with no frame: just before the next one
 
     @property
-    def end(self) -> float:
-        return self.us[-1] + 1.0 if self.us else 1.0
+    def end(self) -> int:
+        return self.us[-1] + 1 if self.us else 1
+
+
+Interval = tuple[float, float, str, dict[str, Any]]
 
 
 def _segments(
-    phases: list[tuple[float, float, str, dict[str, Any]]],
-    transfers: list[tuple[float, float, str]],
+    phases: list[Interval], transfers: list[tuple[float, float, str]]
 ) -> list[tuple[float, float, str, list[str]]]:
     """The nested level: each phase cut where a transfer starts or ends; each piece named by
     what is in flight over it; neighbours with the same name merged. Pieces never cross a
@@ -78,13 +81,14 @@ def _segments(
         if not inside:
             continue
         cuts = sorted({p0, p1, *(t[0] for t in inside), *(t[1] for t in inside)})
+        first = len(out)  # this phase's pieces start here: merge none across the boundary
         for a, b in itertools.pairwise(cuts):
             active = [what for t0, t1, what in inside if t0 <= a and t1 >= b]
             if not active:
                 continue
             kinds = [k for k in ("loading", "saving") if any(w.startswith(k) for w in active)]
             name = ", ".join(kinds)
-            if out and out[-1][1] == a and out[-1][2] == name:
+            if len(out) > first and out[-1][1] == a and out[-1][2] == name:
                 prev = out[-1]
                 out[-1] = (prev[0], b, name, prev[3] + [w for w in active if w not in prev[3]])
             else:
@@ -174,7 +178,7 @@ def _slice(tid: int, t0: float, t1: float, name: str, args: dict[str, Any]) -> d
         "pid": _PID,
         "tid": tid,
         "ts": t0,
-        "dur": max(t1 - t0, 0.0),
+        "dur": max(t1 - t0, 0),
         "name": name,
         "cat": "request",
         "args": args,
