@@ -22,7 +22,8 @@ The tables (:data:`TABLES` lists every column with its type and meaning):
 Keys: ``request`` (the life label) links ``requests``, ``admissions``, ``saves``, ``events``,
 the ``ev_`` tables and ``problems``; ``(request, admission)`` links ``admissions`` and
 ``saves``; ``step`` links everything to ``steps``; ``event`` links ``events``, the ``ev_``
-tables and ``problems``.
+tables and ``problems``, and an admission to its events (``lookup_event``, ``answer_event``,
+``allocated_event``, ``event`` for its ``Scheduled``, ``load_event``).
 
 Writing the tables (parquet, JSON lines, a Hive tree of many logs) is ``replay.writers``;
 querying them is ``replay.sql``.
@@ -110,14 +111,21 @@ ADMISSIONS: tuple[Column, ...] = (
     _c("preempted_before", "bool", "a preemption came before it (a re-admission)"),
     _c("waiting_since", "int", "step the wait began: added, or preempted"),
     _c("lookups", "int", "LookupAsked events during that wait (one per step it waited)"),
+    _c("lookup_event", "int", "the last LookupAsked before the admission (null: none)"),
+    _c("lookup_step", "int", "its step"),
+    _c("answer_event", "int", "the LookupAnswered that answered it"),
     _c("asked", "int", "tokens the admission's lookup asked about (null: no lookup)"),
     _c("local_hit", "int", "of them, in vLLM's own prefix cache"),
     _c("hit", "int", "of them, in the pool (a prefix of chunks)"),
     _c("offered", "int", "tokens offered to vLLM (LookupAnswered.external)"),
     _c("accepted", "int", "tokens vLLM accepted from the pool (Allocated.num_external)"),
+    _c("allocated_event", "int", "the Allocated event (null: none)"),
+    _c("allocated_step", "int", "its step"),
     _c("num_computed", "int", "vLLM's num_computed at admission (local hit + accepted)"),
     _c("num_scheduled", "int", "tokens scheduled in the admission step"),
     _c("blocks", "int", "blocks of the table at admission"),
+    _c("load_event", "int", "the admission's LoadPlanned (null: none)"),
+    _c("load_step", "int", "its step"),
     _c("load_start", "int", "first token of the planned load (null: no load)"),
     _c("load_end", "int", "end of the planned load"),
     _c("loaded", "int", "tokens the load plan loads (0: none)"),
@@ -297,6 +305,8 @@ class _Builder:
         self.admissions: dict[str, list[Row]] = {}
         self.saves: dict[str, dict[bytes, Row]] = {}  # request -> key -> its latest save
         self.wait: dict[str, list[int]] = {}  # request -> [waiting since, lookups]
+        # request -> the events the coming admission links to (its lookup, answer, allocation)
+        self.links: dict[str, Row] = {}
         self.last: dict[str, RequestState] = {}  # request -> its latest state
         self.phase_counts = {p: 0 for p in Phase}
         self.index = ChunkIndex(config.num_slots)
@@ -450,6 +460,7 @@ class _Builder:
             assert before is not None
             self._end_admission(request, step, "preempted", before.num_tokens)
             self.wait[request] = [step, 0]
+            self.links.pop(request, None)
         handler = _HANDLERS.get(cls)
         if handler is not None:
             handler(self, pos, e, request, before, after, srow, r)
@@ -493,6 +504,14 @@ class _Builder:
             r["lookups"] += 1
         wait = self.wait.setdefault(request, [e.step, 0])
         wait[1] += 1
+        links = self.links.setdefault(request, {})
+        links.update(lookup_event=pos, lookup_step=e.step, answer_event=None)
+
+    def _lookup_answered(self, pos: int, e: Any, request: str, *rest: Any) -> None:
+        self.links.setdefault(request, {})["answer_event"] = pos
+
+    def _allocated(self, pos: int, e: Any, request: str, *rest: Any) -> None:
+        self.links.setdefault(request, {}).update(allocated_event=pos, allocated_step=e.step)
 
     def _scheduled(
         self,
@@ -515,6 +534,7 @@ class _Builder:
         rows = self.admissions.setdefault(request, [])
         lookup = before.lookup  # what the admission's lookup asked and found (the fold's)
         since, lookups = self.wait.pop(request, [e.step, 0])
+        links = self.links.pop(request, {})
         rows.append(
             {
                 "request": request,
@@ -526,14 +546,21 @@ class _Builder:
                 "preempted_before": after.life.num_preemptions > 0,
                 "waiting_since": since,
                 "lookups": lookups,
+                "lookup_event": links.get("lookup_event"),
+                "lookup_step": links.get("lookup_step"),
+                "answer_event": links.get("answer_event"),
                 "asked": None if lookup is None else lookup.num_tokens,
                 "local_hit": None if lookup is None else lookup.local_hit,
                 "hit": None if lookup is None else lookup.hit,
                 "offered": None if lookup is None else lookup.external,
                 "accepted": before.accepted,
+                "allocated_event": links.get("allocated_event"),
+                "allocated_step": links.get("allocated_step"),
                 "num_computed": e.num_computed,
                 "num_scheduled": e.num_scheduled,
                 "blocks": len(after.block_ids),
+                "load_event": None,
+                "load_step": None,
                 "load_start": None,
                 "load_end": None,
                 "loaded": 0,
@@ -559,6 +586,7 @@ class _Builder:
                 r["loads_refused"] += 1
         a = self._open_admission(request)
         if a is not None:
+            a.update(load_event=pos, load_step=e.step)
             if tokens:
                 a.update(load_start=e.start, load_end=e.end, loaded=tokens)
             a["refused_blocks"] += len(e.refused_blocks)
@@ -681,6 +709,8 @@ class _Builder:
 
 _HANDLERS: dict[type[ev.Event], Callable[..., None]] = {
     ev.LookupAsked: _Builder._lookup_asked,
+    ev.LookupAnswered: _Builder._lookup_answered,
+    ev.Allocated: _Builder._allocated,
     ev.Scheduled: _Builder._scheduled,
     ev.LoadPlanned: _Builder._load_planned,
     ev.LoadDone: _Builder._load_result,

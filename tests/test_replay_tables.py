@@ -103,6 +103,27 @@ def assert_tables_agree_with_stats_and_check(log: Any) -> dict[str, list[dict[st
     for table in TABLES:
         if table.startswith("ev_") and table != "ev_step_decoded":
             assert all(by_type[r["event"]] for r in rows[table])
+    # An admission's keys lead to its lookup, its answer, its allocation and its load.
+    typed = {t: {r["event"]: r for r in rows[t]} for t in TABLES if t.startswith("ev_")}
+    for a in admissions:
+        if a["asked"] is not None:
+            asked = typed["ev_lookup_asked"][a["lookup_event"]]
+            answer = typed["ev_lookup_answered"][a["answer_event"]]
+            assert asked["request"] == answer["request"] == a["request"]
+            assert (asked["step"], asked["num_tokens"]) == (a["lookup_step"], a["asked"])
+            assert (answer["hit"], answer["external"]) == (a["hit"], a["offered"])
+        if a["allocated_event"] is not None:
+            allocated = typed["ev_allocated"][a["allocated_event"]]
+            assert (allocated["request"], allocated["step"]) == (a["request"], a["allocated_step"])
+            assert allocated["num_external"] == a["accepted"]
+        assert typed["ev_scheduled"][a["event"]]["admission"] == a["how"].upper()
+        if a["load_event"] is not None:
+            load = typed["ev_load_planned"][a["load_event"]]
+            assert load["request"] == a["request"] and load["step"] == a["load_step"]
+            assert max(0, load["end"] - load["start"]) == a["loaded"]
+            assert len(load["refused_blocks"]) == a["refused_blocks"]
+        else:
+            assert a["loaded"] == a["refused_blocks"] == 0
     # problems: exactly what check reports, in its order.
     result = check(log)
     assert [(p["kind"], p["name"], p["step"], p["req_id"] or "") for p in rows["problems"]] == [
