@@ -307,7 +307,11 @@ class _Builder:
         self.wait: dict[str, list[int]] = {}  # request -> [waiting since, lookups]
         # request -> the events the coming admission links to (its lookup, answer, allocation)
         self.links: dict[str, Row] = {}
-        self.last: dict[str, RequestState] = {}  # request -> its latest state
+        self.tokens: dict[str, int] = {}  # request -> its num_tokens after its latest event
+        # Requests the walk retired in this step: their rows go out when the step closes (a
+        # violation recorded about the retiring event still counts), and are forgotten, so
+        # memory follows the live requests, as the walk's does.
+        self.retiring: list[str] = []
         self.phase_counts = {p: 0 for p in Phase}
         self.index = ChunkIndex(config.num_slots)
         self.step_row: Row | None = None
@@ -401,7 +405,7 @@ class _Builder:
             r["tokens_computed"] += 1
             r["last_step"] = e.step
         if after is not None:
-            self.last[label] = after
+            self.tokens[label] = after.num_tokens
 
     def _pool_event(self, e: ev.Event, srow: Row) -> None:
         if e.__class__ in _POOL_TYPES:
@@ -449,7 +453,9 @@ class _Builder:
                 r["recompute_only"] = r["recompute_only"] or after.recompute_only
                 r["phase"] = _PHASES[after.phase]
         if after is not None:
-            self.last[request] = after
+            self.tokens[request] = after.num_tokens
+            if retires(after):
+                self.retiring.append(request)
         preempted = (
             before is not None
             and after is not None
@@ -681,6 +687,9 @@ class _Builder:
     # --- closing -------------------------------------------------------------------------
 
     def _close_step(self, srow: Row) -> None:
+        for request in self.retiring:
+            self._emit_request(request)
+        self.retiring.clear()
         counts = self.phase_counts
         stats = self.index.stats()
         srow.update(
@@ -693,18 +702,25 @@ class _Builder:
         )
         self.emit("steps", srow)
 
-    def finish(self) -> None:
-        for request, row in self.requests.items():
+    def _emit_request(self, request: str) -> None:
+        row = self.requests.pop(request, None)
+        if row is not None:
             self.emit("requests", row)
-            rows = self.admissions.get(request, [])
-            if rows and rows[-1]["ended_by"] is None:
-                last = self.last.get(request)
-                rows[-1]["tokens_at_end"] = None if last is None else last.num_tokens
-            for a in rows:
-                self.emit("admissions", a)
-        for saves in self.saves.values():  # no result in the log
-            for row in saves.values():
-                self.emit("saves", row)
+        rows = self.admissions.pop(request, [])
+        if rows and rows[-1]["ended_by"] is None:
+            rows[-1]["tokens_at_end"] = self.tokens.get(request)
+        for a in rows:
+            self.emit("admissions", a)
+        for save in self.saves.pop(request, {}).values():  # no result in the log
+            self.emit("saves", save)
+        self.tokens.pop(request, None)
+        self.wait.pop(request, None)
+        self.links.pop(request, None)
+
+    def finish(self) -> None:
+        """The requests still alive (or never retired) at the end of the log."""
+        for request in [*self.requests, *self.admissions, *self.saves]:
+            self._emit_request(request)
 
 
 _HANDLERS: dict[type[ev.Event], Callable[..., None]] = {

@@ -395,3 +395,60 @@ def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic: Path, capsys: A
     }
     with pytest.raises(writers.ExportError, match="two logs would be run=replay-clean"):
         writers.export_runs([CLEAN, CLEAN], tmp_path / "twice")
+
+
+def _many_requests(path: Path, n: int) -> None:
+    """``n`` requests one after another (two live at a time), each saved and finished."""
+    from tracker import events as ev
+    from tracker.log import LogWriter
+
+    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=16)
+    with LogWriter(path, config.to_dict(), fsync="never") as w:
+        tracker = Tracker(config, log=w)
+        saved: list[ev.SaveDone] = []
+        for i in range(n):
+            step = tracker.step
+            rid = f"req-{i}"
+            prompt = tuple((i * 7 + k) % 1000 for k in range(64))
+            for done in saved:
+                tracker.apply(done)
+            saved = []
+            tracker.apply(ev.RequestAdded(step, rid, prompt))
+            tracker.apply(ev.LookupAsked(step, rid, 0, 64))
+            tracker.apply(ev.Allocated(step, rid, (1, 2, 3, 4), 0))
+            plans = tracker.apply(
+                ev.Scheduled(step, rid, 0, 64, 0, prompt, (1, 2, 3, 4), ev.Admission.NEW)
+            )
+            saved += [
+                ev.SaveDone(step + 1, rid, d.keys) for d in plans if isinstance(d, ev.SavePlanned)
+            ]
+            if i:
+                tracker.apply(ev.Finished(step, f"req-{i - 1}", "stopped"))
+            tracker.end_step()
+
+
+def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
+    """A request's rows go out when the walk retires it: four times the requests, about the
+    same peak."""
+    import tracemalloc
+
+    from replay.tables import table_rows
+
+    peaks = []
+    for n in (300, 1200):
+        path = tmp_path / f"many-{n}.kvlog"
+        _many_requests(path, n)
+        seen: Counter[str] = Counter()
+
+        def count(table: str, row: Any, seen: Counter[str] = seen) -> None:
+            seen[table] += 1
+
+        tracemalloc.start()
+        try:
+            table_rows(path, count, problems=False)
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert seen["requests"] == seen["admissions"] == n
+        assert seen["saves"] == 2 * n
+    assert peaks[1] < 1.5 * peaks[0], peaks
