@@ -295,8 +295,8 @@ def _new_step(step: int, frame: Any, config: TrackerConfig) -> Row:
 
 
 class _Builder:
-    """One pass over the walk: rows for every table. Requests and admissions are kept until
-    the end (a late save result still belongs to them); steps and events stream out."""
+    """One pass over the walk: rows for every table. Events and steps stream out; a request's
+    rows (its admissions, its saves) go out when the walk retires it, or at the end."""
 
     def __init__(self, config: TrackerConfig, emit: Emit) -> None:
         self.config = config
@@ -333,10 +333,10 @@ class _Builder:
             last_pos = pos
             step = e.step
             srow = self.step_row
-            if srow is None or srow["step"] != step:
+            if srow is None or srow["step"] != frame.step:  # a step's events: one frame
                 if srow is not None:
                     self._close_step(srow)
-                srow = self.step_row = _new_step(step, frame, self.config)
+                srow = self.step_row = _new_step(frame.step, frame, self.config)
             srow["events"] += 1
             cls = e.__class__
             request = None if label == POOL else label

@@ -128,8 +128,8 @@ def _resolve(out: str, fmt: str | None, table: str | None, tree: bool = False) -
         )
     if table is not None:
         raise ExportError(
-            f"{out!r} is a directory: name the file for --table {table} ({table}.parquet or "
-            f"{table}.jsonl)"
+            f"{out!r} names a directory: name the file for --table {table} "
+            f"({table}.parquet or {table}.jsonl)"
         )
     return ("tree" if tree else "directory"), fmt or "parquet"
 

@@ -334,7 +334,8 @@ def test_a_missing_or_wrong_output_place_is_a_clear_error(tmp_path: Path, capsys
         (["--table", "steps", "-o", str(tmp_path / "missing" / "s.jsonl")], "no such directory"),
         (["-o", str(tmp_path / "missing" / "t.json")], "no such directory"),
         (["-o", str(tmp_path / "afile")], "is a file"),
-        (["--table", "steps", "-o", str(tmp_path / "adir")], "is a directory"),
+        (["--table", "steps", "-o", str(tmp_path / "adir")], "names a directory"),
+        (["--table", "steps", "-o", str(tmp_path / "nodir")], "names a directory"),
     ):
         code, out, err = _cli(capsys, "export", log, *argv, "--json")
         assert code == 2 and err.startswith("kvledger: ") and message in err, (argv, err)
