@@ -453,3 +453,21 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
         assert seen["requests"] == seen["admissions"] == n
         assert seen["saves"] == 2 * n
     assert peaks[1] < 1.5 * peaks[0], peaks
+
+
+def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
+    """A log split into segments (a directory) gives the tables of the whole run."""
+    from tracker.log import segment_paths
+
+    whole, rotated = tmp_path / "whole.kvlog", tmp_path / "rotated" / "run.kvlog"
+    rotated.parent.mkdir()
+    write_log(whole)
+    write_log(rotated, rotate_bytes=600)
+    assert len(segment_paths(rotated.parent)) > 2
+    rows = assert_tables_agree_with_stats_and_check(rotated.parent)
+    expected, _ = collect(whole)
+    for table in ("requests", "admissions", "saves", "problems"):
+        assert rows[table] == expected[table], table
+    assert [{**s, "wall_ns": 0, "seq": 0} for s in rows["steps"]] == [
+        {**s, "wall_ns": 0, "seq": 0} for s in expected["steps"]
+    ]
