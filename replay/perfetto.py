@@ -133,11 +133,18 @@ def _build(log: LogPath, problems: bool) -> tuple[dict[str, Any], TableRows]:
         )
         phases = _phases(r, admissions[name], saves[name], clock, last_step)
         transfers = _transfers(admissions[name], saves[name], clock, last_step)
-        for t0, t1, what, args in phases:
-            if t1 > t0:  # admitted in the step it arrived: no waiting to show
-                events.append(_slice(tid, t0, t1, what, args))
-        for t0, t1, what, active in _segments(phases, transfers):
-            events.append(_slice(tid, t0, t1, what, {"in flight": active}))
+        slices = [
+            _slice(tid, t0, t1, what, args)
+            for t0, t1, what, args in phases
+            if t1 > t0  # admitted in the step it arrived: no waiting to show
+        ]
+        slices += [
+            _slice(tid, t0, t1, what, {"in flight": active})
+            for t0, t1, what, active in _segments(phases, transfers)
+        ]
+        # A parent before its children, also where they start together (a load starts with
+        # its admission): importers that sort by time alone keep this order.
+        events += sorted(slices, key=lambda e: (e["ts"], -e["dur"]))
 
     events += _flows(rows, tids, clock)
     for p in rows["problems"]:

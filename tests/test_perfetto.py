@@ -77,6 +77,8 @@ def validate(doc: dict[str, Any], log: Any) -> dict[str, Any]:
     assert set(by_tid) <= set(names)
     for slices in by_tid.values():
         assert_nested(slices)
+        # In the file, each parent comes before its children (same start: longer first).
+        assert slices == sorted(slices, key=lambda e: (e["ts"], -e["dur"]))
     # The phases: one running slice per admission, a preempted one after each preemption.
     admissions: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for a in rows["admissions"]:
