@@ -116,7 +116,10 @@ def assert_queries_agree_with_stats(log: Any) -> None:
     ]
 
 
-@pytest.mark.parametrize("log", [CLEAN, SHORT], ids=["clean", "short-load"])
+DATA_LOGS = sorted(DATA.glob("*.kvlog"))
+
+
+@pytest.mark.parametrize("log", DATA_LOGS, ids=[p.stem for p in DATA_LOGS])
 def test_the_queries_give_the_numbers_of_stats_on_the_data_logs(log: Path) -> None:
     assert_queries_agree_with_stats(log)
 
