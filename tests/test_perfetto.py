@@ -122,7 +122,10 @@ def validate(doc: dict[str, Any], log: Any) -> dict[str, Any]:
     problems = check(log).problems
     assert [i["args"]["headline"] for i in instants] == [p.headline() for p in problems]
     for i, p in zip(instants, problems, strict=True):
-        assert names.get(i.get("tid", -1)) == (p.req_id or None)
+        if p.req_id in tid_of:  # on its request's track; else (a request never added) global
+            assert (i["s"], i["tid"]) == ("t", tid_of[p.req_id])
+        else:
+            assert i["s"] == "p" and "tid" not in i
     # Counters: the last values are the last step's counts.
     last = {e["name"]: e["args"] for e in events if e["ph"] == "C"}
     if rows["steps"]:
@@ -166,6 +169,11 @@ def test_the_clean_trace_and_the_format_choices(tmp_path: Path, capsys: Any) -> 
     capsys.readouterr()
     assert main(["export", str(CLEAN), "--format", "perfetto", "-o", str(tmp_path / "t")]) == 2
     assert "a Perfetto trace is one file" in capsys.readouterr().err
+
+
+def test_a_trace_of_a_log_about_requests_it_never_added() -> None:
+    log = DATA / "finished_v1.kvlog"
+    assert validate(trace(log), log) == {"flows": 0, "instants": 1, "tracks": 0}
 
 
 def test_a_synthetic_trace(tmp_path: Path) -> None:
