@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 
@@ -37,6 +38,34 @@ def _pos_int(name: str, value: Any) -> int:
     return value
 
 
+def _redis_url(value: Any) -> str:
+    """A Redis URL redis-py accepts, checked without importing it (the password is never
+    echoed back)."""
+    if not isinstance(value, str) or not value:
+        raise ConnectorConfigError(f"remote_url must be a Redis URL string, got {value!r}")
+    parts = urlsplit(value)
+    shown = value if parts.password is None else value.replace(parts.password, "***")
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ConnectorConfigError(
+            f"remote_url must start with redis://, rediss:// or unix://, got {shown!r}"
+        )
+    try:
+        port = parts.port
+    except ValueError:
+        raise ConnectorConfigError(f"remote_url has a bad port: {shown!r}") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConnectorConfigError(f"remote_url names no socket path: {shown!r}")
+    elif not parts.hostname:
+        raise ConnectorConfigError(f"remote_url names no host: {shown!r}")
+    db = parts.path.lstrip("/") if parts.scheme != "unix" else ""
+    if db and not db.isdigit():
+        raise ConnectorConfigError(
+            f"remote_url's database must be a number (redis://host:{port or 6379}/0), got {shown!r}"
+        )
+    return value
+
+
 @attrs.frozen
 class ConnectorConfig:
     """The connector's settings (see docs/using-with-vllm.md for each one)."""
@@ -58,6 +87,17 @@ class ConnectorConfig:
     # a log; with log_required, the connector refuses to start, naming the directory.
     log_required: bool = False
     strict: bool = False
+    # The remote chunk tier (connector/remote.py, docs/remote.md): a Redis URL
+    # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://); None: no remote tier.
+    remote_url: str | None = None
+    # Bounds: every command of the worker's client; every lookup on the scheduler thread (a
+    # lookup that waits longer counts the server as down); the first back-off after a failure
+    # (doubling, at most 30 s); a chunk larger than remote_max_chunk_bytes refuses to start.
+    remote_timeout_ms: int = 2000
+    remote_lookup_timeout_ms: int = 50
+    remote_retry_ms: int = 500
+    remote_ttl_s: int = 0  # expire chunks after this long (0: never; the server's policy)
+    remote_max_chunk_bytes: int = 512 << 20  # Redis's default proto-max-bulk-len
 
     @classmethod
     def from_extra_config(
@@ -73,7 +113,16 @@ class ConnectorConfig:
                 f"{sorted(known)}"
             )
         values: dict[str, Any] = {}
-        for name in ("chunk_size", "host_pool_bytes", "log_rotate_bytes", "log_queue_bytes"):
+        for name in (
+            "chunk_size",
+            "host_pool_bytes",
+            "log_rotate_bytes",
+            "log_queue_bytes",
+            "remote_timeout_ms",
+            "remote_lookup_timeout_ms",
+            "remote_retry_ms",
+            "remote_max_chunk_bytes",
+        ):
             if name in extra:
                 values[name] = _pos_int(name, extra[name])
         for name in (
@@ -91,6 +140,15 @@ class ConnectorConfig:
                     f"log_fsync must be 'close', 'step' or 'never', got {extra['log_fsync']!r}"
                 )
             values["log_fsync"] = extra["log_fsync"]
+        if "remote_ttl_s" in extra:
+            ttl = extra["remote_ttl_s"]
+            if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
+                raise ConnectorConfigError(
+                    f"remote_ttl_s must be a non-negative integer, got {ttl!r}"
+                )
+            values["remote_ttl_s"] = ttl
+        if extra.get("remote_url") is not None:
+            values["remote_url"] = _redis_url(extra["remote_url"])
         log_dir = extra.get("log_dir", environ.get(ENV_LOG_DIR) or None)
         if log_dir is not None and not isinstance(log_dir, str):
             raise ConnectorConfigError(f"log_dir must be a path string, got {log_dir!r}")

@@ -48,6 +48,9 @@ class WorkerReport:
     loads_done: tuple[str, ...] = ()
     loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
     rank: int = 0
+    # The remote tier's results (connector/remote.py): (what, req id, chunk keys, reason),
+    # what being "saved" (the server confirmed the writes), "save_failed" or "load_failed".
+    remote: tuple[tuple[str, str, tuple[bytes, ...], str], ...] = ()
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """This rank's results of two moments, in order."""
@@ -57,10 +60,17 @@ class WorkerReport:
             self.loads_done + other.loads_done,
             self.loads_failed + other.loads_failed,
             self.rank,
+            self.remote + other.remote,
         )
 
     def __bool__(self) -> bool:
-        return bool(self.saves_done or self.saves_failed or self.loads_done or self.loads_failed)
+        return bool(
+            self.saves_done
+            or self.saves_failed
+            or self.loads_done
+            or self.loads_failed
+            or self.remote
+        )
 
     def to_plain(self) -> list[Any]:
         """Lists, strings, bytes and ints only: travels through any serialiser vLLM uses for
@@ -71,15 +81,20 @@ class WorkerReport:
             list(self.loads_done),
             [[r, list(b)] for r, b in self.loads_failed],
             self.rank,
+            [[w, r, list(k), why] for w, r, k, why in self.remote],
         ]
 
     @classmethod
     def from_plain(cls, data: Any) -> WorkerReport:
-        saves_done, saves_failed, loads_done, loads_failed, rank = data
+        saves_done, saves_failed, loads_done, loads_failed, rank, *rest = data
+        remote = rest[0] if rest else ()
         return cls(
             tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_done),
             tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_failed),
             tuple(str(r) for r in loads_done),
             tuple((str(r), tuple(int(x) for x in b)) for r, b in loads_failed),
             int(rank),
+            tuple(
+                (str(w), str(r), tuple(bytes(x) for x in k), str(why)) for w, r, k, why in remote
+            ),
         )

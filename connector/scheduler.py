@@ -24,10 +24,12 @@ import structlog
 
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
+from connector.remote import RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.log import LogWriteError
 from tracker.plans import blocks_covering, transfer_plan
+from tracker.remote import lookup_keys
 from tracker.tracker import Tracker
 
 __all__ = ["SchedulerSide", "first_group"]
@@ -203,6 +205,16 @@ class SchedulerSide:
         self.world_size = max(1, int(world_size))
         self._save_acks: dict[tuple[str, bytes], _Ack] = {}
         self._load_acks: dict[str, _Ack] = {}
+        # The remote tier (connector/remote.py): every answer it gives is recorded as a fact
+        # before the tracker counts on it; a write counts once every rank confirmed it.
+        self.remote: RemoteStore | None = None
+        self._remote_down = False
+        self._remote_acks: dict[bytes, _Ack] = {}
+        if config.remote_url is not None:
+            self.remote = RemoteStore.from_config(config, scheduler=True)
+            down = self.remote.check()  # bad credentials raise ConnectorConfigError
+            if down is not None:
+                self._remote_outage(down)
 
     def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
         from tracker.log import LogWriter  # the only file I/O, and only when asked for
@@ -247,6 +259,8 @@ class SchedulerSide:
     @_guarded(lambda: (0, False))
     def _lookup(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         req_id = self._see(request)
+        if self.remote is not None:
+            self._ask_remote(req_id, request.all_token_ids)
         external = self.tracker.lookup(
             req_id,
             int(num_computed_tokens),
@@ -254,6 +268,40 @@ class SchedulerSide:
             preempted=_status_name(request) == "preempted",
         )
         return external, False
+
+    def _ask_remote(self, req_id: str, all_token_ids: Any) -> None:
+        """Ask the server which of the chunks the host pool misses it holds, and record the
+        answer (``RemoteFound``) for the lookup to count on. Bounded by
+        ``remote_lookup_timeout_ms``; while the server is down (backing off) nothing is asked
+        and nothing remote is offered."""
+        assert self.remote is not None
+        state = self.tracker.state(req_id)
+        if state is None or not self.remote.available():
+            return
+        c = self.tracker_config.chunk_size
+        keys = lookup_keys(state, all_token_ids, len(all_token_ids), c)
+        local = self.tracker.index.prefix_hit(keys)
+        ask = tuple(keys[local:])
+        if not ask:
+            return
+        try:
+            found = self.remote.exists(ask)
+        except RemoteUnavailable as exc:
+            self._remote_outage(str(exc))
+            return
+        if self._remote_down:
+            self._remote_down = False
+            self.tracker.apply(ev.RemoteRestored(self.tracker.step, ""))
+            _log.warning("kvledger.remote_restored")
+        self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
+
+    def _remote_outage(self, error: str) -> None:
+        """The server stopped answering: recorded once, until a lookup gets an answer."""
+        if self._remote_down:
+            return
+        self._remote_down = True
+        self.tracker.apply(ev.RemoteOutage(self.tracker.step, "", error))
+        _log.warning("kvledger.remote_outage", error=error)
 
     @_guarded(lambda: None)
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -505,6 +553,44 @@ class SchedulerSide:
                 apply(req_id, items, rank)
         for req_id in unreadable:
             self._give_up_transfers(req_id, rank)
+        try:
+            remote = tuple(report.remote)
+        except Exception as exc:
+            self._unreadable_result(None, "RemoteSaveDone", exc)
+            remote = ()
+        for entry in remote:
+            try:
+                self._remote_result(entry, rank)
+            except Exception as exc:
+                self._unreadable_result(_named_req_id(entry[1:]), "RemoteSaveDone", exc)
+
+    def _remote_result(self, entry: Any, rank: int) -> None:
+        """One remote result of one rank: a confirmed write counts once every rank confirmed
+        it; a failed read or write counts at once."""
+        what, req_id, keys, why = entry
+        keys = _read_keys((req_id, keys))[1]
+        step = self.tracker.step
+        if what == "load_failed":
+            self.tracker.apply(ev.RemoteLoadFailed(step, req_id, keys, str(why)))
+        elif what == "save_failed":
+            for key in keys:
+                self._remote_acks.setdefault(key, _Ack()).failed.add(rank)
+                self._remote_acks[key].settle(self._remote_acks, key, self.world_size)
+            self.tracker.apply(ev.RemoteSaveFailed(step, req_id, keys, str(why)))
+        elif what == "saved":
+            confirmed: list[bytes] = []
+            for key in keys:
+                ack = self._remote_acks.setdefault(key, _Ack())
+                ack.done.add(rank)
+                if len(ack.done) == self.world_size and not ack.failed:
+                    confirmed.append(key)
+                ack.settle(self._remote_acks, key, self.world_size)
+            if confirmed:
+                self.tracker.apply(ev.RemoteSaveDone(step, req_id, tuple(confirmed)))
+        else:
+            raise TypeError(f"unknown remote result {what!r}")
+        if why == "unavailable":
+            self._remote_outage(f"worker rank {rank}: the server did not answer")
 
     def _load_failed(self, req_id: str, blocks: tuple[int, ...], rank: int) -> None:
         ack = self._load_acks.setdefault(req_id, _Ack())
@@ -591,6 +677,8 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.tracker.close()
+        if self.remote is not None:
+            self.remote.close()
 
     def summary(self) -> dict[str, Any]:
         t = self.tracker

@@ -54,16 +54,19 @@ another. On CPU there is no stream and every transfer is synchronous.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import structlog
 import torch
 
-from connector.config import ConnectorConfig
+from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
+from connector.remote import RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
 from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
+from tracker.chunks import REMOTE_SLOT
 from tracker.plans import blocks_covering
 
 __all__ = ["WorkerSide"]
@@ -104,6 +107,18 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report = WorkerReport(rank=rank)
         self.stats = {"tokens_loaded": 0, "tokens_saved": 0, "chunks_loaded": 0, "chunks_saved": 0}
+        # The remote tier (connector/remote.py): chunks fetched for this step's loads (payload,
+        # or why not), and saves done locally whose bytes go to the server at the report.
+        self.remote: RemoteStore | None = None
+        self._fetched: dict[bytes, memoryview | str] = {}
+        self._upload_slot: dict[tuple[str, bytes], int] = {}
+        self._to_upload: list[tuple[str, bytes, int]] = []
+        if config.remote_url is not None:
+            self.remote = RemoteStore.from_config(config, rank=rank, scheduler=False)
+            down = self.remote.check()  # bad credentials raise; a server down is served around
+            if down is not None:
+                _log.warning("kvledger.remote_unavailable", rank=rank, error=down)
+        self.stats.update(remote_chunks_loaded=0, remote_chunks_saved=0)
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -118,6 +133,12 @@ class WorkerSide:
         else:
             self.pool = HostChunkPool.from_bytes_budget(
                 self.config.host_pool_bytes, backend.spec, self.config.chunk_size
+            )
+        if self.remote is not None and self.pool.slot_bytes > self.config.remote_max_chunk_bytes:
+            raise ConnectorConfigError(
+                f"remote_max_chunk_bytes ({self.config.remote_max_chunk_bytes}) is smaller than "
+                f"one chunk ({self.pool.slot_bytes} bytes): raise it (and the server's "
+                f"proto-max-bulk-len) or lower chunk_size"
             )
 
     def _ready(self) -> tuple[TransferBackend, HostChunkPool]:
@@ -189,6 +210,7 @@ class WorkerSide:
         block_size = backend.spec.block_size
         failed: list[tuple[str, tuple[int, ...]]] = []
         done: list[str] = []
+        self._fetch_remote(plan.loads)
         for load in plan.loads:
             bad = self._load_one(load, block_size)
             if bad:
@@ -197,9 +219,55 @@ class WorkerSide:
                 self._load_errors.update(bad)
             else:
                 done.append(load.req_id)
+        self._fetched = {}
         self._report = self._report.merged(
             WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
         )
+
+    def _fetch_remote(self, loads: tuple[TransferPlan, ...]) -> None:
+        """Read every chunk this step loads from the remote store, in one round trip."""
+        keys = list(
+            dict.fromkeys(ch.key for load in loads for ch in load.chunks if ch.slot == REMOTE_SLOT)
+        )
+        if not keys:
+            return
+        _, pool = self._ready()
+        if self.remote is None or not self.remote.available():
+            self._fetched = dict.fromkeys(keys, "unavailable")
+            return
+        try:
+            got = self.remote.get(keys, pool.slot_bytes)
+        except RemoteUnavailable as exc:
+            _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
+            got = ["unavailable"] * len(keys)
+        self._fetched = dict(zip(keys, got, strict=True))
+
+    def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Fill one chunk from the bytes fetched from the remote store; a key gone, a short or
+        corrupt value is reported (the tracker forgets the key) and fails the load."""
+        backend, pool = self._ready()
+        payload = self._fetched.get(chunk.key, "unavailable")
+        if isinstance(payload, str):
+            self._report = self._report.merged(
+                WorkerReport(
+                    rank=self.rank, remote=(("load_failed", load.req_id, (chunk.key,), payload),)
+                )
+            )
+            raise OSError(f"remote chunk {chunk.key.hex()}: {payload}")
+        with warnings.catch_warnings():  # read-only bytes from the client: only read here
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        src = raw.view(pool.spec.dtype).view(pool.chunk_shape)
+        mapping = slot_mapping_for(
+            load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
+        )
+        compute = self._compute
+        after = (compute,) if compute is not None else ()
+        handle = backend.load(src, mapping, chunk.slot_offset, after=after)
+        handle.synchronize()  # src is pageable memory that goes away with this call
+        self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
+        self.stats["chunks_loaded"] += 1
+        self.stats["remote_chunks_loaded"] += 1
 
     def _load_one(self, load: TransferPlan, block_size: int) -> tuple[int, ...]:
         """Load every chunk; returns the blocks that could not be filled (empty: success)."""
@@ -223,6 +291,9 @@ class WorkerSide:
 
         Subclasses may override it, calling this one to move the bytes; the test rigs make
         chosen chunks fail this way (as a lost or corrupt remote chunk would)."""
+        if chunk.slot == REMOTE_SLOT:
+            self._load_remote(load, chunk)
+            return
         backend, pool = self._ready()
         mapping = slot_mapping_for(
             load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
@@ -267,6 +338,8 @@ class WorkerSide:
                     pool.wait_slot(chunk.slot)  # the slot's previous chunk may still be read
                     handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
+                    if self.remote is not None:
+                        self._upload_slot[(save.req_id, chunk.key)] = chunk.slot
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
                 except Exception as exc:
@@ -286,6 +359,9 @@ class WorkerSide:
                 handle.synchronize()
             if handle.done():
                 done.setdefault(req_id, []).append(key)
+                slot = self._upload_slot.pop((req_id, key), None)
+                if slot is not None:
+                    self._to_upload.append((req_id, key, slot))
             else:
                 still.append((req_id, key, handle))
         self._saves_in_flight = still
@@ -314,8 +390,40 @@ class WorkerSide:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def _upload(self) -> None:
+        """Write the chunks saved locally since the last report to the remote store, from
+        their host slots (which no plan reuses before the next step), in one round trip;
+        report what the server confirmed and what it did not."""
+        items, self._to_upload = self._to_upload, []
+        if not items or self.remote is None or self.pool is None:
+            return
+        pool = self.pool
+        by_req: dict[str, list[bytes]] = {}
+        for req_id, key, _ in items:
+            by_req.setdefault(req_id, []).append(key)
+        what, why = "saved", ""
+        if not self.remote.available():
+            what, why = "save_failed", "unavailable"
+        else:
+            try:
+                self.remote.put([(key, _bytes_of(pool.slot(slot))) for _, key, slot in items])
+                self.stats["remote_chunks_saved"] += len(items)
+            except RemoteUnavailable as exc:
+                _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
+                what, why = "save_failed", "unavailable"
+            except Exception as exc:  # a server error (out of memory, say): these chunks only
+                _log.warning("kvledger.remote_save_failed", rank=self.rank, error=repr(exc))
+                what, why = "save_failed", type(exc).__name__
+        self._report = self._report.merged(
+            WorkerReport(
+                rank=self.rank,
+                remote=tuple((what, r, tuple(keys), why) for r, keys in by_req.items()),
+            )
+        )
+
     def build_report(self) -> WorkerReport:
         self._drain_saves(block=False)
+        self._upload()
         report, self._report = self._report, WorkerReport(rank=self.rank)
         return report
 
@@ -325,3 +433,11 @@ class WorkerSide:
     def shutdown(self) -> None:
         self._issue_late_saves()
         self._drain_saves(block=True)
+        self._upload()
+        if self.remote is not None:
+            self.remote.close()
+
+
+def _bytes_of(slot: torch.Tensor) -> memoryview:
+    """A host slot's bytes, without a copy."""
+    return slot.reshape(-1).view(torch.uint8).numpy().data

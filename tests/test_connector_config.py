@@ -33,6 +33,12 @@ ACCEPTED = [
     "log_queue_bytes",
     "log_required",
     "log_rotate_bytes",
+    "remote_lookup_timeout_ms",
+    "remote_max_chunk_bytes",
+    "remote_retry_ms",
+    "remote_timeout_ms",
+    "remote_ttl_s",
+    "remote_url",
     "save_decode_cache",
     "strict",
 ]
@@ -56,6 +62,12 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
         "log_queue_bytes": 64 << 20,
         "log_required": False,
         "strict": False,
+        "remote_url": None,
+        "remote_timeout_ms": 2000,
+        "remote_lookup_timeout_ms": 50,
+        "remote_retry_ms": 500,
+        "remote_ttl_s": 0,
+        "remote_max_chunk_bytes": 512 << 20,
     }
     assert sorted(attrs.asdict(config)) == ACCEPTED
 

@@ -20,12 +20,17 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-__all__ = ["ChunkIndex", "chunk_keys", "partial_key", "root_key"]
+__all__ = ["REMOTE_SLOT", "ChunkIndex", "RemoteKeys", "chunk_keys", "partial_key", "root_key"]
 
 _FULL = b"kvledger-full"
 _PART = b"kvledger-part"
 _ROOT = b"kvledger-root"
 KEY_BYTES = 16
+# The slot a load plan names for a chunk read from the remote store rather than the host pool.
+REMOTE_SLOT = -1
+# Keys the remote store is known to hold, remembered at most (the oldest fact is forgotten
+# first; a lookup asks the store again anyway for every key the host pool misses).
+REMOTE_MEMORY = 1 << 18
 
 
 def root_key(salt: str, cache_salt: str = "") -> bytes:
@@ -70,7 +75,7 @@ class ChunkIndex:
     slot when the worker reports back, and are never stored.
     """
 
-    __slots__ = ("_cancelled", "_free", "_readers", "_stored", "_writing", "num_slots")
+    __slots__ = ("_cancelled", "_free", "_readers", "_stored", "_writing", "num_slots", "remote")
 
     # Every operation here is O(chunks involved), never O(num_slots): a 4 GiB pool of small
     # chunks has hundreds of thousands of slots, and plans run on vLLM's scheduler thread.
@@ -84,6 +89,8 @@ class ChunkIndex:
         # Handed out from the end (0, 1, 2, ... at first), deterministically, so a replay
         # assigns the same slots.
         self._free = _FreeSlots(num_slots)
+        # The remote tier's facts (tracker/remote.py folds them); empty without one.
+        self.remote = RemoteKeys()
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -208,6 +215,42 @@ class ChunkIndex:
         slot = self._stored.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+
+
+class RemoteKeys:
+    """What the remote store was last seen to hold: keys a lookup found or a write confirmed,
+    dropped when a lookup or a load found them gone. During an outage it holds nothing and
+    offers nothing. Changed only by ``tracker.remote``'s fold of recorded events."""
+
+    __slots__ = ("_present", "up")
+
+    def __init__(self) -> None:
+        self._present: OrderedDict[bytes, None] = OrderedDict()
+        self.up = True
+
+    def __contains__(self, key: object) -> bool:
+        return self.up and key in self._present
+
+    def __len__(self) -> int:
+        return len(self._present) if self.up else 0
+
+    def add(self, keys: Iterable[bytes]) -> None:
+        present = self._present
+        for key in keys:
+            present[key] = None
+            present.move_to_end(key)
+        while len(present) > REMOTE_MEMORY:
+            present.popitem(last=False)
+
+    def discard(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self._present.pop(key, None)
+
+    def set_up(self, up: bool) -> None:
+        # A store that went away may come back empty (a restart without persistence):
+        # nothing it held before counts until it is seen again.
+        self._present.clear()
+        self.up = up
 
 
 class _FreeSlots:

@@ -36,6 +36,12 @@ __all__ = [
     "LookupAnswered",
     "LookupAsked",
     "Preempted",
+    "RemoteFound",
+    "RemoteLoadFailed",
+    "RemoteOutage",
+    "RemoteRestored",
+    "RemoteSaveDone",
+    "RemoteSaveFailed",
     "RequestAdded",
     "SaveDone",
     "SaveFailed",
@@ -261,6 +267,63 @@ class StepDecoded(InputEvent):
         return grown
 
 
+# --- remote tier (tags 30-39): facts about the shared store (connector/remote.py) ----------
+
+
+@attrs.frozen(slots=True)
+class RemoteFound(InputEvent):
+    """A lookup asked the remote store which of ``keys`` exist: ``found[i]`` is 1 if
+    ``keys[i]`` existed when it asked, else 0. The answer that follows counts on it."""
+
+    TAG: ClassVar[int] = 30
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    found: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+
+@attrs.frozen(slots=True)
+class RemoteSaveDone(InputEvent):
+    """The remote store confirmed these chunks written (after their local save)."""
+
+    TAG: ClassVar[int] = 31
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+
+
+@attrs.frozen(slots=True)
+class RemoteSaveFailed(InputEvent):
+    """These chunks could not be written to the remote store; ``reason`` says why."""
+
+    TAG: ClassVar[int] = 32
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class RemoteLoadFailed(InputEvent):
+    """A load read these chunks from the remote store and could not use them: the key was
+    gone (``missing``), the value had the wrong length (``length``) or the wrong bytes
+    (``checksum``), or the store did not answer (``unavailable``). The load itself is
+    reported as ``LoadFailed``."""
+
+    TAG: ClassVar[int] = 33
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    reason: str = ""
+
+
+@attrs.frozen(slots=True)
+class RemoteOutage(InputEvent):
+    """The remote store stopped answering (recorded once per outage). ``req_id`` is empty."""
+
+    TAG: ClassVar[int] = 34
+    error: str = ""
+
+
+@attrs.frozen(slots=True)
+class RemoteRestored(InputEvent):
+    """The remote store answers again after an outage. ``req_id`` is empty."""
+
+    TAG: ClassVar[int] = 35
+
+
 # --- decision events ----------------------------------------------------------------------
 
 
@@ -328,6 +391,12 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     ChunkStored,
     ChunkEvicted,
     StepDecoded,
+    RemoteFound,
+    RemoteSaveDone,
+    RemoteSaveFailed,
+    RemoteLoadFailed,
+    RemoteOutage,
+    RemoteRestored,
     LookupAnswered,
     LoadPlanned,
     SavePlanned,

@@ -53,7 +53,13 @@ POOL = ""
 
 # Events about no one request (their req_id is empty): the pool's own, and StepDecoded (one
 # steady decode step of several requests, named by their request numbers).
-GLOBAL_TYPES: tuple[type[ev.Event], ...] = (ev.ChunkStored, ev.ChunkEvicted, ev.StepDecoded)
+GLOBAL_TYPES: tuple[type[ev.Event], ...] = (
+    ev.ChunkStored,
+    ev.ChunkEvicted,
+    ev.StepDecoded,
+    ev.RemoteOutage,
+    ev.RemoteRestored,
+)
 
 
 def idle(state: RequestState) -> bool:

@@ -26,8 +26,9 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from tracker import events as ev
-from tracker.chunks import ChunkIndex, partial_key
+from tracker.chunks import REMOTE_SLOT, ChunkIndex, partial_key
 from tracker.config import TrackerConfig
+from tracker.remote import tier_prefix_hit
 from tracker.state import Phase, RequestState, Violation
 
 __all__ = [
@@ -59,7 +60,9 @@ def answer_lookup(
     """(hit, external): tokens the pool holds for this prefix, tokens to offer vLLM."""
     c = config.chunk_size
     n_keys = min(len(state.keys), num_tokens // c)
-    full = index.prefix_hit(state.keys[i] for i in range(n_keys))
+    # Local or remote: a chunk the host pool misses counts if the remote store was seen
+    # holding it (a recorded fact, tracker/remote.py).
+    full = tier_prefix_hit(index, state.keys[:n_keys])
     hit = full * c
     if full == n_keys and num_tokens % c and len(state.token_ids) >= num_tokens:
         # A prompt tail saved as a partial chunk counts only if it is exactly this tail.
@@ -140,6 +143,8 @@ def plan_load(
         else:  # the hit ends in a partial chunk saved at the end of a prefill
             key = _tail_key(state, config, state.lookup.hit)
         slot = index.slot_of(key)
+        if slot is None and key in index.remote:
+            slot = REMOTE_SLOT  # the worker reads it from the remote store
         if slot is None:
             return refuse("load_chunks_present", chunk=chunk)
         keys.append(key)

@@ -28,6 +28,7 @@ from tracker.history import RETIRED_MEMORY, retires
 from tracker.index_fold import apply_decision, apply_input
 from tracker.numbering import RequestNumbers
 from tracker.plans import answer_lookup, plan_load, plan_save
+from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import (
     Phase,
     RequestState,
@@ -120,6 +121,12 @@ class Tracker:
     def _apply_pool_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         """ChunkStored, ChunkEvicted: the index alone changes."""
         apply_input(self.index, event, None, None, self.config)
+        self._record(event, ())
+        return []
+
+    def _apply_remote_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
+        """The remote tier's facts: the index's remote keys alone change (tracker/remote.py)."""
+        apply_remote(self.index, event)
         self._record(event, ())
         return []
 
@@ -446,6 +453,7 @@ class Tracker:
         ev.ChunkStored: _apply_pool_event,
         ev.ChunkEvicted: _apply_pool_event,
         ev.StepDecoded: _apply_step_decoded,
+        **dict.fromkeys(REMOTE_TYPES, _apply_remote_event),
     }
 
     # --- one helper per callback: build the event for the current step, apply it ---------

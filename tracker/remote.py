@@ -1,0 +1,88 @@
+"""The remote tier's fold: how the recorded facts about the shared store change what the
+tracker believes it holds (``ChunkIndex.remote``), and the pure helpers the lookup needs.
+
+A remote store changes under us (another replica writes, the server evicts or restarts), so
+nothing here assumes: the index of remote keys is exactly what the recorded events say, and a
+replay of the log rebuilds it, hence every lookup answer and load plan that counted on it.
+
+- ``RemoteFound``: a lookup asked the store; the keys it found are present, the others not;
+- ``RemoteSaveDone``: a write was confirmed: present. ``RemoteSaveFailed`` changes nothing;
+- ``RemoteLoadFailed``: a load found the key gone, short or corrupt: not present;
+- ``RemoteOutage`` / ``RemoteRestored``: the store is down (nothing is offered from it, and
+  what it held before is forgotten) or back.
+
+No I/O: the connector (``connector/remote.py``) talks to the store and reports these facts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tracker import events as ev
+from tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
+from tracker.state import RequestState
+
+__all__ = ["REMOTE_EFFECTS", "REMOTE_TYPES", "apply_remote", "lookup_keys", "tier_prefix_hit"]
+
+
+def _found(remote: RemoteKeys, e: ev.Event) -> None:
+    assert isinstance(e, ev.RemoteFound)
+    remote.add(k for k, f in zip(e.keys, e.found, strict=False) if f)
+    remote.discard(k for k, f in zip(e.keys, e.found, strict=False) if not f)
+
+
+def _saved(remote: RemoteKeys, e: ev.Event) -> None:
+    assert isinstance(e, ev.RemoteSaveDone)
+    remote.add(e.keys)
+
+
+def _lost(remote: RemoteKeys, e: ev.Event) -> None:
+    assert isinstance(e, ev.RemoteLoadFailed)
+    remote.discard(e.keys)
+
+
+def _nothing(remote: RemoteKeys, e: ev.Event) -> None:
+    pass
+
+
+REMOTE_EFFECTS: dict[type[ev.Event], Callable[[RemoteKeys, ev.Event], None]] = {
+    ev.RemoteFound: _found,
+    ev.RemoteSaveDone: _saved,
+    ev.RemoteSaveFailed: _nothing,
+    ev.RemoteLoadFailed: _lost,
+    ev.RemoteOutage: lambda remote, e: remote.set_up(False),
+    ev.RemoteRestored: lambda remote, e: remote.set_up(True),
+}
+
+# The remote tier's event types: they change the remote index only, never a request's state.
+REMOTE_TYPES: tuple[type[ev.Event], ...] = tuple(REMOTE_EFFECTS)
+
+
+def apply_remote(index: ChunkIndex, event: ev.Event) -> None:
+    """Fold one remote fact into the index's remote keys."""
+    REMOTE_EFFECTS[event.__class__](index.remote, event)
+
+
+def tier_prefix_hit(index: ChunkIndex, keys: Sequence[bytes]) -> int:
+    """How many of ``keys``, from the first, the host pool or the remote store holds."""
+    stored, remote = index.slot_of, index.remote
+    n = 0
+    for key in keys:
+        if stored(key) is None and key not in remote:
+            break
+        n += 1
+    return n
+
+
+def lookup_keys(
+    state: RequestState, all_token_ids: Sequence[int], num_tokens: int, chunk_size: int
+) -> list[bytes]:
+    """The keys of the full chunks of ``all_token_ids[:num_tokens]``, as the lookup's fold
+    will know them: the request's known keys, extended over the tokens it does not know yet
+    (what the connector asks the store about before it asks the tracker)."""
+    known = state.keys
+    n = num_tokens // chunk_size
+    if len(known) >= n:
+        return known[:n]
+    prev = known[-1] if len(known) else state.root
+    return known[:] + chunk_keys(prev, all_token_ids[: n * chunk_size], chunk_size, len(known))
