@@ -40,9 +40,10 @@ from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
-from tracker.history import POOL, retires, walk
+from tracker.history import GLOBAL_TYPES, POOL, retires, walk
 from tracker.index_fold import apply_decision, apply_input
 from tracker.log import StopInfo
+from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import Phase, RequestState
 
 __all__ = [
@@ -179,6 +180,7 @@ STEPS: tuple[Column, ...] = (
     _c("pool_writing", "int", "chunks being written (planned, not confirmed)"),
     _c("pool_used", "int", "slots in use (stored + writing)"),
     _c("pool_slots", "int", "slots in the pool (the config's num_slots)"),
+    _c("remote_chunks", "int", "chunks the remote store was last seen to hold (0: none, or down)"),
 )
 
 EVENTS: tuple[Column, ...] = (
@@ -221,7 +223,8 @@ def event_table(cls: type[ev.Event]) -> str:
 
 _KINDS = {"int": "int", "bool": "bool", "str": "str", "hex": "str", "int_list": "int_list"}
 _KINDS["hex_list"] = "str_list"
-_POOL_TYPES = (ev.ChunkStored, ev.ChunkEvicted)
+# The events about no one request but StepDecoded: the pool's and the remote store's own.
+_POOL_TYPES = tuple(t for t in GLOBAL_TYPES if t is not ev.StepDecoded)
 
 
 def _event_columns(cls: type[ev.Event]) -> tuple[Column, ...]:
@@ -408,9 +411,12 @@ class _Builder:
             self.tokens[label] = after.num_tokens
 
     def _pool_event(self, e: ev.Event, srow: Row) -> None:
-        if e.__class__ in _POOL_TYPES:
+        cls = e.__class__
+        if cls in REMOTE_TYPES:
+            apply_remote(self.index, e)
+        elif cls in _POOL_TYPES:
             apply_input(self.index, e, None, None, self.config)
-            if isinstance(e, ev.ChunkEvicted):
+            if cls is ev.ChunkEvicted:
                 srow["chunks_evicted"] += 1
 
     def _count_phase(self, state: RequestState | None, delta: int) -> None:
@@ -430,8 +436,11 @@ class _Builder:
         cls = e.__class__
         step = e.step
         # The pool: the index folds the recorded events as the Tracker folded them (its own
-        # decisions as they were derived), so its use is the run's.
-        if cls.KIND == "decision":
+        # decisions as they were derived; the remote store's facts whatever the request), so
+        # its use is the run's.
+        if cls in REMOTE_TYPES:
+            apply_remote(self.index, e)
+        elif cls.KIND == "decision":
             apply_decision(self.index, e, self.config)  # type: ignore[arg-type]
         elif after is not None:
             apply_input(self.index, e, before, after, self.config)
@@ -699,6 +708,7 @@ class _Builder:
             pool_stored=stats["stored"],
             pool_writing=stats["writing"],
             pool_used=self.config.num_slots - stats["free"],
+            remote_chunks=len(self.index.remote),
         )
         self.emit("steps", srow)
 

@@ -154,6 +154,7 @@ def assert_steps_follow_a_live_tracker(path: Path, steps: list[dict[str, Any]]) 
             pool["writing"],
             config.num_slots - pool["free"],
         ), frame.step
+        assert row["remote_chunks"] == len(tracker.index.remote)
         assert (row["running"], row["waiting"], row["preempted"]) == (
             phases[Phase.RUNNING],
             phases[Phase.WAITING],
@@ -313,7 +314,7 @@ def test_the_output_names_the_format_and_a_mismatch_is_an_error(
     )
     assert code == 0 and (tmp_path / "s.parquet").read_bytes()[:4] == b"PAR1"
     code, _, err = _cli(capsys, "export", log, "-o", str(tmp_path / "out.parquet"))
-    assert code == 2 and "names one file, but the export is 23 tables" in err
+    assert code == 2 and f"names one file, but the export is {len(TABLES)} tables" in err
     assert not (tmp_path / "out.parquet").exists()
     for argv, message in (
         (["--table", "steps", "-o", "x.parquet", "--format", "jsonl"], "names parquet, but"),
@@ -476,4 +477,37 @@ def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
         assert rows[table] == expected[table], table
     assert [{**s, "wall_ns": 0, "seq": 0} for s in rows["steps"]] == [
         {**s, "wall_ns": 0, "seq": 0} for s in expected["steps"]
+    ]
+
+
+def test_the_remote_stores_facts_have_their_tables_and_count_in_the_steps(tmp_path: Path) -> None:
+    """Remote tier facts (issue 12): typed tables of their own, and the steps' remote_chunks
+    follow the Tracker's remote index (an outage forgets everything)."""
+    from tracker import events as ev
+    from tracker.log import LogWriter
+
+    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
+    path = tmp_path / "remote.kvlog"
+    k1, k2, k3 = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
+    with LogWriter(path, config.to_dict(), fsync="never") as w:
+        tracker = Tracker(config, log=w)
+        tracker.apply(ev.RequestAdded(0, "r", tuple(range(40))))
+        tracker.apply(ev.RemoteFound(0, "r", (k1, k2), (1, 0)))
+        tracker.end_step()
+        tracker.apply(ev.RemoteSaveDone(1, "r", (k2, k3)))
+        tracker.end_step()
+        tracker.apply(ev.RemoteOutage(2, "", "connection refused"))
+        tracker.end_step()
+        tracker.apply(ev.RemoteRestored(3, ""))
+        tracker.apply(ev.RemoteFound(3, "r", (k1,), (1,)))
+        tracker.end_step()
+    rows = assert_tables_agree_with_stats_and_check(path)
+    assert assert_steps_follow_a_live_tracker(path, rows["steps"]) == 4
+    assert [s["remote_chunks"] for s in rows["steps"]] == [1, 3, 0, 1]
+    (outage,) = rows["ev_remote_outage"]
+    assert outage == {"event": 3, "step": 2, "error": "connection refused"}  # no request
+    found = rows["ev_remote_found"]
+    assert [(f["request"], f["keys"], f["found"]) for f in found] == [
+        ("r", [k1.hex(), k2.hex()], [1, 0]),
+        ("r", [k1.hex()], [1]),
     ]
