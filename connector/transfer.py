@@ -11,7 +11,9 @@ How bytes move: each layer is viewed as rows of ``num_kv_heads * head_size`` ele
 per (K or V, token), and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves
 every token of the call at once. On CUDA this runs on a side stream through a device staging
 buffer, so the host side is one large DMA; on CPU it runs synchronously, straight into or out of
-the host slot. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCache's
+the host slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]`` with K and V of a (block, head) in an order of its own kernels
+(``cpu_attn``, below): there every element is moved by its own flat index. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCache's
 ``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side
 stream ordered after the compute stream is what vLLM's CPU offloading worker does
 (``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
@@ -28,6 +30,7 @@ against the current stream. On CPU every transfer is synchronous and there is no
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -35,19 +38,23 @@ from typing import Any, Literal, Protocol
 import torch
 
 __all__ = [
+    "CPU_ISAS",
     "KVCacheLayoutError",
     "PagedKVSpec",
     "TransferBackend",
     "TransferHandle",
+    "cpu_attn_isa",
+    "cpu_attn_offsets",
     "describe_kv_caches",
     "slot_mapping_for",
 ]
 
-Layout = Literal["flash_attn", "flashinfer"]
-LAYOUTS: tuple[Layout, ...] = ("flash_attn", "flashinfer")
+Layout = Literal["flash_attn", "flashinfer", "cpu_attn"]
+LAYOUTS: tuple[Layout, ...] = ("flash_attn", "flashinfer", "cpu_attn")
 _ACCEPTED = (
     "flash_attn [2, num_blocks, block_size, num_kv_heads, head_size] or "
-    "flashinfer [num_blocks, 2, block_size, num_kv_heads, head_size]"
+    "flashinfer [num_blocks, 2, block_size, num_kv_heads, head_size] or, on CPU, "
+    "cpu_attn [num_blocks, num_kv_heads, block_size, 2 * head_size]"
 )
 # Position of the K/V dim and of the block dim in each 5-D layout; dims 2..4 are always
 # (block_size, num_kv_heads, head_size).
@@ -72,6 +79,9 @@ class PagedKVSpec:
     dtype: torch.dtype
     device: torch.device
     layer_names: tuple[str, ...] = ()
+    # cpu_attn only: which of vLLM's CPU kernels wrote the cache ("vec" or "amx"), which fixes
+    # the order of K and V inside a (block, head); see cpu_attn_offsets.
+    cpu_isa: str | None = None
 
     @property
     def element_size(self) -> int:
@@ -111,12 +121,14 @@ def describe_kv_caches(
         raise KVCacheLayoutError(f"no KV cache layers given; expected per-layer {_ACCEPTED}")
     items = list(kv_caches.items())
     first_name, first = items[0]
+    # The CPU backend's caches are 4-D; every other layout we move is 5-D.
+    cpu = layout == "cpu_attn" or (layout is None and first.dim() == 4)
     for name, cache in items:
         if not isinstance(cache, torch.Tensor):
             raise KVCacheLayoutError(
                 f"layer {name!r}: expected a torch.Tensor, got {type(cache).__name__}"
             )
-        if cache.dim() != 5:
+        if cache.dim() != (4 if cpu else 5):
             raise KVCacheLayoutError(
                 f"layer {name!r}: got shape {tuple(cache.shape)}, expected {_ACCEPTED}"
             )
@@ -132,6 +144,8 @@ def describe_kv_caches(
             )
 
     shape = tuple(first.shape)
+    if cpu:
+        return _describe_cpu_attn(items, shape, first)
     resolved: Layout
     if layout is None:
         if shape[0] == 2 and shape[1] != 2:
@@ -149,7 +163,7 @@ def describe_kv_caches(
                 "(a K/V dim of size 2 first or second)"
             )
     else:
-        resolved = layout  # narrowed to a Layout by the check above
+        resolved = layout  # narrowed to a Layout by the checks above
         if shape[_KV_DIM[resolved]] != 2:
             raise KVCacheLayoutError(
                 f"layer {first_name!r}: got shape {shape}, which is not layout {resolved!r}; "
@@ -165,6 +179,110 @@ def describe_kv_caches(
         dtype=first.dtype,
         device=first.device,
         layer_names=tuple(name for name, _ in items),
+    )
+
+
+def cpu_attn_isa(dtype: torch.dtype, block_size: int, head_size: int) -> str:
+    """The CPU attention kernel vLLM picks for these caches, as vLLM 0.32's
+    ``vllm/v1/attention/backends/cpu_attn.py`` (``_get_attn_isa``) picks it on x86: ``amx``
+    for bfloat16 where the CPU has AMX tiles, ``vec16`` for head sizes that are a multiple of
+    16 but not of 32, else ``vec``; other CPUs (ARM ``neon``, POWER, s390x, RISC-V) have kernels
+    of their own, named by the architecture."""
+    machine = platform.machine().lower()
+    if head_size % 32 != 0 and head_size % 16 == 0:
+        return "vec16"
+    if machine not in ("x86_64", "amd64", "i686", "x86"):
+        return f"cpu-{machine}"
+    if dtype == torch.bfloat16 and block_size % 32 == 0 and torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "vec" if block_size % 32 == 0 else "vec16"
+
+
+# The kernels whose order inside a (block, head) we know (cpu_attn_offsets).
+CPU_ISAS = ("vec", "amx")
+
+
+def cpu_attn_offsets(
+    isa: str, block_size: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where K[t, d] and V[t, d] of token ``t`` (in its block) and dim ``d`` sit inside one
+    (block, head) of a ``cpu_attn`` cache: two int64 ``[block_size, head_size]`` tensors of
+    element offsets from the start of that (block, head), whose ``2 * block_size * head_size``
+    elements hold all of K, then all of V (vLLM views it as ``[2 * block_size, head_size]``
+    and splits it in two).
+
+    The order is the one each kernel's ``reshape_and_cache`` writes and its attention reads
+    (vLLM 0.32, ``csrc/cpu/cpu_attn_vec.hpp`` and ``cpu_attn_amx.hpp``); the engine tests
+    check both against ``torch.ops._C.cpu_attn_reshape_and_cache`` itself:
+
+    - ``vec``: K is dim-major, ``[head_size, block_size]`` (a query's dot products with a
+      block's keys read one dim of every key at once); V is token-major ``[block_size,
+      head_size]``.
+    - ``amx`` (bfloat16 tiles of 16 x 32 bytes, pairs of elements packed VNNI-style): K is
+      ``[block_size/16, head_size/16, 8, 16, 2]`` over (t//16, d//16, (d%16)//2, t%16, d%2);
+      V is ``[head_size/16, block_size/2, 16, 2]`` over (d//16, t//2, d%16, t%2).
+    """
+    t = torch.arange(block_size, dtype=torch.int64).view(-1, 1)
+    d = torch.arange(head_size, dtype=torch.int64).view(1, -1)
+    region = block_size * head_size
+    if isa == "vec":
+        k = d * block_size + t
+        v = t * head_size + d
+    elif isa == "amx":
+        if block_size % 16 or head_size % 16:
+            raise KVCacheLayoutError(
+                f"cpu_attn amx: block_size {block_size} and head_size {head_size} must be "
+                "multiples of 16"
+            )
+        k = (t // 16) * (16 * head_size) + (d // 16) * 256 + ((d % 16) // 2) * 32
+        k = k + (t % 16) * 2 + d % 2
+        v = (d // 16) * (16 * block_size) + (t // 2) * 32 + (d % 16) * 2 + t % 2
+    else:
+        raise KVCacheLayoutError(f"no known cpu_attn element order for kernel {isa!r}")
+    return k.expand(block_size, head_size).contiguous(), (v + region).expand(
+        block_size, head_size
+    ).contiguous()
+
+
+def _describe_cpu_attn(
+    items: list[tuple[str, torch.Tensor]], shape: tuple[int, ...], first: torch.Tensor
+) -> PagedKVSpec:
+    """vLLM's CPU attention layout ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
+    contiguous, on the CPU, written by a kernel whose element order we know."""
+    name = items[0][0]
+    if len(shape) != 4 or shape[3] % 2:
+        raise KVCacheLayoutError(f"layer {name!r}: got shape {shape}, expected {_ACCEPTED}")
+    num_blocks, heads, block_size, two_d = shape
+    head_size = two_d // 2
+    if first.device.type != "cpu":
+        raise KVCacheLayoutError(
+            f"layer {name!r}: got shape {shape} on {first.device}; the cpu_attn layout "
+            f"[num_blocks, num_kv_heads, block_size, 2 * head_size] is vLLM's CPU backend's, "
+            f"expected it on the CPU, or {_ACCEPTED}"
+        )
+    for layer, cache in items:
+        if not cache.is_contiguous():
+            raise KVCacheLayoutError(
+                f"layer {layer!r}: cpu_attn cache of shape {shape} is not contiguous "
+                f"(strides {cache.stride()})"
+            )
+    isa = cpu_attn_isa(first.dtype, block_size, head_size)
+    if isa not in CPU_ISAS:
+        raise KVCacheLayoutError(
+            f"layer {name!r}: got cpu_attn shape {shape} {first.dtype}, which vLLM's CPU "
+            f"backend fills with its {isa!r} kernel; only {CPU_ISAS} are supported"
+        )
+    return PagedKVSpec(
+        layout="cpu_attn",
+        num_layers=len(items),
+        num_blocks=num_blocks,
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=head_size,
+        dtype=first.dtype,
+        device=first.device,
+        layer_names=tuple(n for n, _ in items),
+        cpu_isa=isa,
     )
 
 
@@ -263,7 +381,13 @@ class TransferBackend:
         self._caches = list(kv_caches.values())
         self._row = self.spec.num_kv_heads * self.spec.head_size
         self._esize = self.spec.element_size
-        self._row_strides = self._find_row_strides()
+        self._cpu_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
+        if self.spec.layout == "cpu_attn":
+            assert self.spec.cpu_isa is not None
+            self._cpu_offsets = cpu_attn_offsets(
+                self.spec.cpu_isa, self.spec.block_size, self.spec.head_size
+            )
+        self._row_strides = None if self._cpu_offsets else self._find_row_strides()
         # Row views are reinterpreted as a wider dtype; it must divide the row size and where
         # every layer starts in its storage.
         self._cache_align = math.gcd(
@@ -446,7 +570,21 @@ class TransferBackend:
 
     def _index(self, slots: torch.Tensor) -> torch.Tensor:
         """What the per-layer moves index with, the same for every layer: row ids of K then V
-        (``[2 * n]``), or on the advanced-indexing path the slot ids themselves."""
+        (``[2 * n]``); for ``cpu_attn``, flat element ids ``[2, n * H * D]`` of K and of V in
+        the host slot's order (token, head, dim); on the advanced-indexing path the slot ids
+        themselves."""
+        if self._cpu_offsets is not None:
+            spec = self.spec
+            k_off, v_off = self._cpu_offsets
+            bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
+            per_head = 2 * bs * d
+            blk, pos = slots // bs, slots % bs
+            # [n, H, 1]: where each token's (block, head) region starts.
+            start = (blk.view(-1, 1) * heads + torch.arange(heads).view(1, -1)) * per_head
+            start = start.unsqueeze(-1)
+            k = (start + k_off[pos].unsqueeze(1)).reshape(-1)
+            v = (start + v_off[pos].unsqueeze(1)).reshape(-1)
+            return torch.stack([k, v])
         if self._row_strides is None:
             return slots
         s_kv, s_blk, s_off = self._row_strides
@@ -483,6 +621,18 @@ class TransferBackend:
         the copy itself for short ranges.
         """
         num_layers = self.spec.num_layers
+        if self._cpu_offsets is not None:
+            # Each (K or V) piece of the host slot is contiguous over its tokens: one
+            # element-wise gather or scatter per layer and K/V half.
+            for layer, cache in enumerate(self._caches):
+                flat = cache.view(-1)
+                for kv in range(2):
+                    piece = chunk[layer, kv].narrow(0, offset, n).view(-1)
+                    if save:
+                        torch.index_select(flat, 0, index[kv], out=piece)
+                    else:
+                        flat.index_copy_(0, index[kv], piece)
+            return
         if self._row_strides is None:
             region = chunk.narrow(2, offset, n)
             for layer in range(num_layers):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -486,3 +488,132 @@ def test_cuda_save_reads_what_a_forward_on_another_stream_wrote(layout: str):
     handle.synchronize()
     assert (slot[:, :, :BS] == 1.5).all()
     assert (slot[:, :, BS : 2 * BS] == -2.5).all()
+
+
+# --- vLLM's CPU attention layout (cpu_attn) ------------------------------------------------
+# [num_blocks, num_kv_heads, block_size, 2 * head_size]; inside a (block, head) the kernel's own
+# order. The reference below writes tokens with views (transposes and reshapes), not with the
+# offset tables the backend uses; tests/engine/test_cpu_layout.py checks both against vLLM's
+# real kernel and against transformers' K/V.
+CB, CD = 32, 16  # cpu_attn block size (a multiple of 32, as the backend requires) and head size
+
+
+def cpu_token_views(cache: torch.Tensor, isa: str, block: int, head: int, t: int):
+    """K and V of token ``t`` in ``(block, head)``, as views into cache whose flattening
+    (``reshape(-1)``) is in dim order."""
+    region = cache[block, head].view(-1)
+    n = CB * CD
+    k_reg, v_reg = region[:n], region[n:]
+    if isa == "vec":
+        return k_reg.view(CD, CB)[:, t], v_reg.view(CB, CD)[t]
+    # amx: K [bs/16, D/16, 8, 16, 2] over (t//16, d//16, (d%16)//2, t%16, d%2);
+    #      V [D/16, bs/2, 16, 2] over (d//16, t//2, d%16, t%2).
+    k = k_reg.view(CB // 16, CD // 16, 8, 16, 2)[t // 16, :, :, t % 16, :]
+    v = v_reg.view(CD // 16, CB // 2, 16, 2)[:, t // 2, :, t % 2]
+    return k, v
+
+
+def make_cpu_caches(isa: str, num_blocks: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
+    dtype = torch.float32 if isa == "vec" else torch.bfloat16
+    caches = {}
+    for i in range(L):
+        cache = torch.empty(num_blocks, H, CB, 2 * CD, dtype=dtype)
+        fill_random(cache, seed + i)
+        caches[f"model.layers.{i}.self_attn.attn"] = cache
+    return caches
+
+
+def cpu_backend_for(isa: str, caches: dict[str, torch.Tensor], monkeypatch) -> TransferBackend:
+    """A backend on ``caches`` that takes them as written by kernel ``isa`` (on this machine
+    vLLM's pick depends on the CPU: AMX tiles or not)."""
+    import connector.transfer as transfer
+
+    monkeypatch.setattr(transfer, "cpu_attn_isa", lambda dtype, bs, d: isa)
+    backend = TransferBackend(caches, C)
+    assert backend.spec.layout == "cpu_attn" and backend.spec.cpu_isa == isa
+    assert (backend.spec.block_size, backend.spec.head_size) == (CB, CD)
+    return backend
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attn_save_reads_each_token_where_the_kernel_put_it(isa: str, monkeypatch):
+    """A save of a partial chunk across two blocks holds, per layer, token and head, exactly
+    the K and V the kernel's order keeps for that token."""
+    caches = make_cpu_caches(isa, seed=3)
+    backend = cpu_backend_for(isa, caches, monkeypatch)
+    slots = [4 * CB + 30, 4 * CB + 31, 1 * CB + 0, 1 * CB + 1, 1 * CB + 17]  # 5 of 16 tokens
+    slot = host_slot(backend, fill=7)
+    backend.save(slot, slots, dst_offset=3).synchronize()
+    for layer, cache in enumerate(caches.values()):
+        for i, s in enumerate(slots):
+            block, t = divmod(s, CB)
+            for head in range(H):
+                k, v = cpu_token_views(cache, isa, block, head, t)
+                got = slot[layer, :, 3 + i].view(2, H, CD)[:, head]
+                assert torch.equal(bits(got[0]), bits(k.reshape(-1))), (layer, s, head, "K")
+                assert torch.equal(bits(got[1]), bits(v.reshape(-1))), (layer, s, head, "V")
+        # Rows outside [3, 8) kept what they held.
+        assert bool((bits(slot[layer, :, :3]) == 7).all() and (bits(slot[layer, :, 8:]) == 7).all())
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attn_partial_reload_writes_only_its_tokens(isa: str, monkeypatch):
+    """A partial chunk loaded mid-block lands token by token where the kernel reads it, and
+    every other element of every cache (the block's other tokens included) is unchanged."""
+    caches = make_cpu_caches(isa, seed=5)
+    backend = cpu_backend_for(isa, caches, monkeypatch)
+    src = host_slot(backend)
+    fill_random(src, 99)
+    dst = [2 * CB + 9, 2 * CB + 10, 2 * CB + 11, 5 * CB + 31]
+    before = snapshot(caches)
+    backend.load(src, dst, src_offset=6).synchronize()
+    for layer, (cache, old) in enumerate(zip(caches.values(), before, strict=True)):
+        expect = old.clone()
+        for i, s in enumerate(dst):
+            block, t = divmod(s, CB)
+            for head in range(H):
+                k, v = cpu_token_views(expect, isa, block, head, t)
+                row = src[layer, :, 6 + i].view(2, H, CD)[:, head]
+                k.copy_(row[0].view(k.shape))
+                v.copy_(row[1].view(v.shape))
+        assert torch.equal(bits(cache), bits(expect)), layer
+
+
+def test_cpu_attn_round_trip_whole_chunk(monkeypatch):
+    caches = make_cpu_caches("vec", num_blocks=4, seed=8)
+    backend = cpu_backend_for("vec", caches, monkeypatch)
+    slot = host_slot(backend)
+    backend.save(slot, slot_mapping_for([2], CB, 0, C)).synchronize()
+    for cache in caches.values():
+        cache[3].zero_()
+    backend.load(slot, slot_mapping_for([3], CB, 0, C)).synchronize()
+    for cache in caches.values():
+        for head in range(H):
+            for t in range(C):
+                k2, v2 = cpu_token_views(cache, "vec", 2, head, t)
+                k3, v3 = cpu_token_views(cache, "vec", 3, head, t)
+                assert torch.equal(bits(k2), bits(k3)) and torch.equal(bits(v2), bits(v3))
+
+
+@pytest.mark.parametrize(
+    ("caches", "needles"),
+    [
+        ({"a": torch.empty(4, 2, 32, 33)}, ["(4, 2, 32, 33)", "cpu_attn"]),
+        (
+            {"a": torch.empty(4, 2, 32, 64).transpose(0, 1)},
+            ["(2, 4, 32, 64)", "not contiguous"],
+        ),
+        ({"a": torch.empty(4, 2, 32, 160)}, ["(4, 2, 32, 160)", "'vec16'"]),
+    ],
+    ids=["odd-last-dim", "strided", "vec16-kernel"],
+)
+def test_cpu_attn_rejects_what_it_cannot_move(caches, needles):
+    with pytest.raises(KVCacheLayoutError) as err:
+        describe_kv_caches(caches)
+    for needle in needles:
+        assert needle in str(err.value)
+
+
+def test_cpu_attn_layout_named_for_a_5d_cache_is_refused():
+    with pytest.raises(KVCacheLayoutError, match=re.escape("(2, 12, 4, 2, 8)")):
+        describe_kv_caches({"a": torch.empty(2, 12, 4, 2, 8)}, "cpu_attn")

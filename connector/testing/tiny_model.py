@@ -120,9 +120,8 @@ def _write_tokenizer(out: Path, vocab_size: int) -> int:
         vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    )
+    fast_cls: Any = PreTrainedTokenizerFast  # untyped in transformers' annotations
+    fast = fast_cls(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(out))
     return int(tok.get_vocab_size())
 
@@ -132,7 +131,7 @@ def _write_model(out: Path, spec: TinyLlamaSpec, vocab: int) -> None:
     from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
+    config: Any = LlamaConfig(
         vocab_size=vocab,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -145,12 +144,13 @@ def _write_model(out: Path, spec: TinyLlamaSpec, vocab: int) -> None:
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,
-        torch_dtype="float32",
+        dtype="float32",
     )
     config.architectures = ["LlamaForCausalLM"]
     gen = torch.Generator().manual_seed(spec.seed)
     torch.manual_seed(spec.seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model_cls: Any = LlamaForCausalLM  # untyped in transformers' annotations
+    model = model_cls(config)
     state: dict[str, Any] = {}
     with torch.no_grad():
         for name, param in model.state_dict().items():
