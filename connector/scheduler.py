@@ -289,11 +289,28 @@ class SchedulerSide:
         except RemoteUnavailable as exc:
             self._remote_outage(str(exc))
             return
+        self._remote_back()
+        self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
+
+    def _probe_remote(self) -> None:
+        """Once per step while the server is down, when its back-off allows: one bounded
+        PING, so that the tier comes back even when no lookup needs it."""
+        assert self.remote is not None
+        if not self.remote.available():
+            return
+        try:
+            down = self.remote.check()
+        except ConnectorConfigError as exc:  # credentials changed under us: stay down
+            _log.error("kvledger.remote_refused", error=str(exc))
+            return
+        if down is None:
+            self._remote_back()
+
+    def _remote_back(self) -> None:
         if self._remote_down:
             self._remote_down = False
             self.tracker.apply(ev.RemoteRestored(self.tracker.step, ""))
             _log.warning("kvledger.remote_restored")
-        self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
 
     def _remote_outage(self, error: str) -> None:
         """The server stopped answering: recorded once, until a lookup gets an answer."""
@@ -327,6 +344,8 @@ class SchedulerSide:
         refused), and admissions that could not be processed are refused."""
         tracker = self.tracker
         step = tracker.step
+        if self._remote_down:
+            self._probe_remote()
         decisions: list[ev.DecisionEvent] = []
         preempted: tuple[str, ...] = ()
         steady: list[int] = []

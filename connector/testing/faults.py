@@ -49,6 +49,12 @@ class FaultyWorkerSide(WorkerSide):
         ``loads_failed`` of the report this step will send."""
         return set(self._failed_loads)
 
+    def load_error_blocks(self) -> set[int]:
+        """Blocks this step failed to load so far: a request whose block table holds one runs
+        its forward over a wrong prefix too (a block vLLM shares through its prefix cache with
+        the request whose load failed), and vLLM reschedules it."""
+        return set(self._load_errors)
+
     @property
     def saves_in_flight(self) -> int:
         """Saves issued and not yet known to be complete (a finished run leaves none)."""

@@ -173,7 +173,7 @@ class _Driver:
         worker.start_load_kv(None)  # must not need the forward context
         side = worker.worker_side
         bad = side.failed_load_requests()
-        refused = set(meta.plan.refused_blocks)
+        refused = set(meta.plan.refused_blocks) | side.load_error_blocks()
         computed = self._scheduled_counts(out)
         for req_id, n in out.num_scheduled_tokens.items():
             start = computed[req_id]

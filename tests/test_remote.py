@@ -1,0 +1,216 @@
+"""The remote tier's store (``connector/remote.py``) against a real ``redis-server``; its
+configuration; the value format (a property: any truncation or flipped byte is refused); and
+the remote facts' fold (``tracker/remote.py``) and the two-tier lookup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from _redis import RedisServer, redis_server, require_redis_server
+from hypothesis import given
+from hypothesis import strategies as st
+
+from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.remote import (
+    MISSING,
+    PIECE_BYTES,
+    RemoteStore,
+    decode_value,
+    encode_header,
+    remote_key,
+)
+from tracker import events as ev
+from tracker.chunks import REMOTE_SLOT
+from tracker.config import TrackerConfig
+from tracker.tracker import Tracker
+
+__all__ = ["redis_server"]  # the fixture, imported for pytest
+
+
+def _store(url: str, **kw: object) -> RemoteStore:
+    return RemoteStore(url, timeout_s=2.0, retry_s=0.05, **kw)  # type: ignore[arg-type]
+
+
+# --- configuration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://127.0.0.1:6379", "must start with redis://"),
+        ("redis://127.0.0.1:notaport", "bad port"),
+        ("redis://:secret@127.0.0.1:6379/zero", "database must be a number"),
+        ("redis://", "names no host"),
+        (6379, "must be a Redis URL string"),
+    ],
+)
+def test_a_bad_remote_url_is_a_startup_error_naming_the_key(url: object, says: str) -> None:
+    with pytest.raises(ConnectorConfigError, match="remote_url") as info:
+        ConnectorConfig.from_extra_config({"remote_url": url}, environ={})
+    assert says in str(info.value)
+    assert "secret" not in str(info.value)  # a password is never echoed
+
+
+@pytest.mark.parametrize("key", ["remote_timeout_ms", "remote_lookup_timeout_ms", "remote_ttl_s"])
+def test_a_bad_remote_bound_is_a_startup_error_naming_the_key(key: str) -> None:
+    with pytest.raises(ConnectorConfigError, match=key):
+        ConnectorConfig.from_extra_config({key: -1}, environ={})
+
+
+def test_no_remote_url_means_no_remote_tier() -> None:
+    from connector.scheduler import SchedulerSide
+
+    side = SchedulerSide(ConnectorConfig(chunk_size=32), block_size=16, num_slots=4)
+    assert side.remote is None
+    assert len(side.tracker.index.remote) == 0
+
+
+# --- the value format --------------------------------------------------------------------------
+
+
+def _value(payload: bytes) -> bytes:
+    return encode_header(memoryview(payload)) + payload
+
+
+@given(st.binary(min_size=1, max_size=512), st.data())
+def test_any_truncation_or_flipped_byte_is_refused(payload: bytes, data: st.DataObject) -> None:
+    value = _value(payload)
+    assert bytes(decode_value(value, len(payload))) == payload  # type: ignore[arg-type]
+    cut = data.draw(st.integers(0, len(value) - 1))
+    assert decode_value(value[:cut], len(payload)) == "length"
+    at = data.draw(st.integers(0, len(value) - 1))
+    flipped = bytearray(value)
+    flipped[at] ^= 1 << data.draw(st.integers(0, 7))
+    assert isinstance(decode_value(bytes(flipped), len(payload)), str)
+    assert decode_value(value, len(payload) + 1) == "length"  # another layout's chunk
+    assert decode_value(None, len(payload)) == MISSING
+
+
+def test_a_payload_of_several_pieces_is_checked_piece_by_piece() -> None:
+    payload = os.urandom(2 * PIECE_BYTES + 17)
+    value = bytearray(_value(payload))
+    assert bytes(decode_value(bytes(value), len(payload))) == payload  # type: ignore[arg-type]
+    value[-1] ^= 0xFF  # the last piece
+    assert decode_value(bytes(value), len(payload)) == "checksum"
+
+
+# --- the store, on a real server -----------------------------------------------------------------
+
+
+@pytest.mark.redis
+def test_put_exists_get_round_trip(redis_server: RedisServer) -> None:
+    store = _store(redis_server.url, rank=1)
+    assert store.check() is None
+    a, b = os.urandom(1000), os.urandom(1000)
+    store.put([(b"k" * 16, memoryview(a)), (b"j" * 16, memoryview(b))])
+    assert store.exists([b"k" * 16, b"x" * 16, b"j" * 16]) == [1, 0, 1]
+    got = store.get([b"j" * 16, b"x" * 16, b"k" * 16], 1000)
+    assert [bytes(g) if not isinstance(g, str) else g for g in got] == [b, MISSING, a]
+    # Keyed by rank: another rank's share is another key.
+    assert _store(redis_server.url, rank=0).exists([b"k" * 16]) == [0]
+    assert redis_server.client().exists(remote_key(b"k" * 16, 1)) == 1
+
+
+@pytest.mark.redis
+def test_wrong_length_and_wrong_bytes_in_the_server_are_refused(redis_server: RedisServer) -> None:
+    store = _store(redis_server.url)
+    payload = os.urandom(4096)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    store.put([(k, memoryview(payload)) for k in keys])
+    raw = redis_server.client()
+    value = raw.get(remote_key(keys[0], 0))
+    raw.set(remote_key(keys[0], 0), value[:-1])  # short
+    raw.setrange(remote_key(keys[1], 0), len(value) - 100, b"\x00garbage")  # wrong bytes
+    got = store.get(keys, 4096)
+    assert got[:2] == ["length", "checksum"]
+    assert bytes(got[2]) == payload  # type: ignore[arg-type]
+
+
+@pytest.mark.redis
+def test_a_password_is_honoured_and_a_wrong_one_is_a_clear_startup_error(tmp_path: Path) -> None:
+    from connector.scheduler import SchedulerSide
+
+    server = RedisServer(require_redis_server(), tmp_path, password="s3cret-pw")
+    server.start()
+    try:
+        assert _store(server.url).check() is None
+        _store(server.url).put([(b"p" * 16, memoryview(b"xyz"))])
+        assert server.client().exists(remote_key(b"p" * 16, 0)) == 1
+        for url in (server.url_with("wrong-pw"), f"redis://127.0.0.1:{server.port}/0"):
+            config = ConnectorConfig.from_extra_config({"remote_url": url, "chunk_size": 32})
+            with pytest.raises(ConnectorConfigError, match="remote_url") as info:
+                SchedulerSide(config, block_size=16, num_slots=4)
+            assert "refused the credentials" in str(info.value)
+            assert "wrong-pw" not in str(info.value) and "s3cret" not in str(info.value)
+    finally:
+        server.stop()
+
+
+@pytest.mark.redis
+def test_a_server_down_backs_off_and_is_not_fatal(tmp_path: Path) -> None:
+    from connector.scheduler import SchedulerSide
+
+    server = RedisServer(require_redis_server(), tmp_path)  # never started: refused
+    config = ConnectorConfig.from_extra_config({"remote_url": server.url, "chunk_size": 32})
+    side = SchedulerSide(config, block_size=16, num_slots=4)  # no crash
+    assert side.remote is not None and not side.remote.available()  # backing off
+    assert not side.tracker.index.remote.up  # the outage is a folded fact
+    side.build_connector_meta(_EmptyStep())  # probes again only after the back-off
+
+
+class _EmptyStep:
+    preempted_req_ids: tuple[str, ...] = ()
+    scheduled_new_reqs: tuple[object, ...] = ()
+    num_scheduled_tokens: dict[str, int] = {}  # noqa: RUF012
+
+    class scheduled_cached_reqs:
+        req_ids: tuple[str, ...] = ()
+        num_computed_tokens: tuple[int, ...] = ()
+        new_block_ids: tuple[object, ...] = ()
+
+
+# --- the fold: remote facts and the two-tier lookup ----------------------------------------------
+
+
+def _tracker() -> Tracker:
+    return Tracker(TrackerConfig(block_size=16, chunk_size=32, num_slots=8))
+
+
+def test_a_lookup_counts_only_what_the_store_was_seen_holding() -> None:
+    t = _tracker()
+    prompt = list(range(100, 200))  # 3 full chunks and a tail
+    t.add_request("a", prompt)
+    keys = t.state("a").keys[:3]  # type: ignore[union-attr]
+    assert t.lookup("a", 0, prompt) == 0
+    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 0)))
+    assert t.lookup("a", 0, prompt) == 64  # the first two chunks; the third was not there
+    t.apply(ev.RemoteLoadFailed(t.step, "a", (keys[1],), "missing"))
+    assert t.lookup("a", 0, prompt) == 32  # the key is gone from our index
+    t.apply(ev.RemoteOutage(t.step, "", "refused"))
+    assert t.lookup("a", 0, prompt) == 0  # a store down offers nothing
+    t.apply(ev.RemoteRestored(t.step, ""))
+    assert t.lookup("a", 0, prompt) == 0  # and what it held before is not assumed back
+    t.apply(ev.RemoteSaveDone(t.step, "", tuple(keys)))
+    assert t.lookup("a", 0, prompt) == 96
+
+
+def test_a_load_plan_names_remote_chunks_by_the_remote_slot() -> None:
+    t = _tracker()
+    prompt = list(range(100, 200))
+    t.add_request("a", prompt)
+    keys = t.state("a").keys[:3]  # type: ignore[union-attr]
+    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
+    assert t.lookup("a", 0, prompt) == 96
+    t.allocated("a", tuple(range(1, 8)), 96)
+    decisions = t.scheduled(
+        "a",
+        num_computed=96,
+        num_scheduled=4,
+        block_ids=tuple(range(1, 8)),
+        admission=ev.Admission.NEW,
+        all_token_ids=prompt,
+    )
+    load = next(d for d in decisions if isinstance(d, ev.LoadPlanned))
+    assert (load.start, load.end, load.slots) == (0, 96, (REMOTE_SLOT,) * 3)

@@ -1,0 +1,236 @@
+"""Engines sharing one real ``redis-server`` through the remote tier, each under vLLM's real
+scheduler with the KV-content oracle checked after every step (``connector.testing.run``).
+
+- sharing: two engines in two processes; the second loads the first one's prefixes from the
+  server in its first admissions;
+- eviction: a key deleted from the server between the lookup that found it and the load;
+- corrupt values: short values and wrong bytes in the server;
+- outage: the server killed mid-run, then restarted empty.
+
+Each time: no crash, no oracle mismatch, no violation, the fact in the log, and
+``kvledger check`` re-derives every decision of every replica's log.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _redis import RedisServer, redis_server
+
+from connector.testing.harness import skip_reason
+from tracker import events as ev
+from tracker.chunks import REMOTE_SLOT
+
+__all__ = ["redis_server"]  # the fixture, imported for pytest
+
+pytestmark = [
+    pytest.mark.redis,
+    pytest.mark.vllm,
+    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+]
+
+# A workload with shared prefixes and preemptions; the same seed gives the same prompts in
+# every replica, so a later replica finds an earlier one's chunks.
+WORKLOAD: dict[str, Any] = dict(
+    num_gpu_blocks=24, num_requests=8, prompt_len=(48, 160), max_tokens=(8, 48), seed=0
+)
+
+
+def _extra(url: str, **more: Any) -> dict[str, Any]:
+    return {"chunk_size": 32, "remote_url": url, "remote_retry_ms": 20, **more}
+
+
+def _run(
+    url: str, log_dir: Path, progress: Callable[[int, int, int], None] | None = None, **kw: Any
+) -> Any:
+    from connector.testing.run import RunSpec, run
+
+    spec = RunSpec(**{**WORKLOAD, **kw, "extra_config": _extra(url)})
+    return run(spec, log_dir=str(log_dir), progress=progress)
+
+
+def _assert_clean(report: Any) -> None:
+    assert [m.describe() for m in report.mismatches] == []
+    assert report.violations == ()
+    assert report.leaks == ()
+    assert report.adapter_errors == 0
+    assert report.finished == report.requests
+
+
+def _events(log_path: str) -> list[ev.Event]:
+    from replay.source import open_log
+
+    return [e for frame in open_log(log_path).frames() for e in frame.events]
+
+
+def _check_clean(log_path: str) -> None:
+    from replay.replayer import check
+
+    result = check(log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]
+
+
+def _remote_tokens(events: list[ev.Event]) -> dict[str, int]:
+    """Tokens each request's first load read from the remote store."""
+    first: dict[str, int] = {}
+    for e in events:
+        if isinstance(e, ev.LoadPlanned) and e.keys and e.req_id not in first:
+            first[e.req_id] = (e.end - e.start) if REMOTE_SLOT in e.slots else 0
+    return first
+
+
+_REPLICA = """
+import json, sys
+from connector.testing.run import RunSpec, run
+spec = RunSpec(**json.loads(sys.argv[1]))
+r = run(spec, log_dir=sys.argv[2])
+print(json.dumps({"mismatches": [m.describe() for m in r.mismatches], "violations": r.violations,
+                  "leaks": r.leaks, "adapter_errors": r.adapter_errors, "log": r.log_path,
+                  "loaded": r.tokens_loaded, "finished": r.finished, "requests": r.requests}))
+"""
+
+
+def _replica_process(url: str, log_dir: Path) -> dict[str, Any]:
+    """One engine in a process of its own."""
+    spec = {**WORKLOAD, "prompt_len": list(WORKLOAD["prompt_len"]), "extra_config": _extra(url)}
+    spec["max_tokens"] = list(WORKLOAD["max_tokens"])
+    done = subprocess.run(
+        [sys.executable, "-c", _REPLICA, json.dumps(spec), str(log_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["mismatches"] == [] and out["violations"] == [] and out["leaks"] == []
+    assert out["adapter_errors"] == 0 and out["finished"] == out["requests"]
+    return out
+
+
+def test_two_replicas_in_two_processes_share_prefixes(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    first = _replica_process(redis_server.url, tmp_path / "a")
+    second = _replica_process(redis_server.url, tmp_path / "b")
+    a, b = _events(first["log"]), _events(second["log"])
+    # The first engine found nothing remote and wrote every chunk it saved.
+    assert sum(_remote_tokens(a).values()) == 0
+    written = {k for e in a if isinstance(e, ev.RemoteSaveDone) for k in e.keys}
+    assert written
+    # The second one loads the first one's prefixes in its first admissions: its first
+    # request's first load, and most of its requests', read from the server.
+    loaded = _remote_tokens(b)
+    assert loaded["req-0"] > 0
+    assert sum(1 for n in loaded.values() if n) >= 4
+    found = {
+        k
+        for e in b
+        if isinstance(e, ev.RemoteFound)
+        for k, f in zip(e.keys, e.found, strict=True)
+        if f
+    }
+    assert found and found <= written
+    assert second["loaded"] > first["loaded"]
+    _check_clean(first["log"])
+    _check_clean(second["log"])
+
+
+def test_a_key_evicted_between_lookup_and_load_is_recomputed(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from connector.remote import remote_key
+    from connector.worker import WorkerSide
+
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    raw = redis_server.client()
+    fetch = WorkerSide._fetch_remote
+    evicted: list[bytes] = []
+
+    def evict_then_fetch(self: WorkerSide, loads: Any) -> None:
+        # The lookup found the chunk; the server loses it before the worker reads it.
+        if not evicted:
+            for load in loads:
+                for chunk in load.chunks:
+                    if chunk.slot == REMOTE_SLOT and not evicted:
+                        raw.delete(remote_key(chunk.key, 0))
+                        evicted.append(chunk.key)
+        fetch(self, loads)
+
+    monkeypatch.setattr(WorkerSide, "_fetch_remote", evict_then_fetch)
+    report = _run(redis_server.url, tmp_path / "b")
+    _assert_clean(report)  # recomputed: the oracle holds at every step
+    assert evicted and report.load_errors > 0
+    events = _events(report.log_path)
+    lost = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
+    assert [(e.keys, e.reason) for e in lost] == [((evicted[0],), "missing")]
+    assert any(isinstance(e, ev.LoadFailed) and e.req_id == lost[0].req_id for e in events)
+    _check_clean(report.log_path)
+
+
+def test_corrupt_values_become_load_failures_never_wrong_kv(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    raw = redis_server.client()
+    names = sorted(raw.keys(b"kvledger:*"))
+    assert len(names) >= 4
+    for i, name in enumerate(names):
+        value = raw.get(name)
+        if i % 2:
+            raw.set(name, value[:-7])  # a short value
+        else:
+            raw.setrange(name, len(value) - 3, b"\xff\x00\xff")  # wrong bytes, right length
+    report = _run(redis_server.url, tmp_path / "b")
+    _assert_clean(report)
+    assert report.load_errors > 0
+    events = _events(report.log_path)
+    reasons = {e.reason for e in events if isinstance(e, ev.RemoteLoadFailed)}
+    assert reasons == {"length", "checksum"}
+    # A corrupt chunk is never loaded: every load that read the server failed.
+    remote_loads: set[str] = set()
+    results: dict[str, type] = {}
+    for e in events:
+        if isinstance(e, ev.LoadPlanned) and REMOTE_SLOT in e.slots:
+            remote_loads.add(e.req_id)
+        elif isinstance(e, (ev.LoadDone, ev.LoadFailed)) and e.req_id in remote_loads:
+            remote_loads.discard(e.req_id)
+            results.setdefault(e.req_id, type(e))
+            assert type(e) is ev.LoadFailed, f"{e.req_id} loaded a corrupt chunk"
+    assert results
+    _check_clean(report.log_path)
+
+
+def test_an_outage_mid_run_is_survived_recorded_once_and_sharing_resumes(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+
+    def outage(step: int, finished: int, total: int) -> None:
+        if step == 6:
+            redis_server.kill()
+        elif step == 30:
+            redis_server.start()  # empty: no persistence
+            time.sleep(0.05)  # past the back-off
+
+    report = _run(redis_server.url, tmp_path / "b", progress=outage, num_requests=12)
+    _assert_clean(report)  # no crash, the oracle held at every step
+    events = _events(report.log_path)
+    kinds = [type(e) for e in events if isinstance(e, (ev.RemoteOutage, ev.RemoteRestored))]
+    assert kinds == [ev.RemoteOutage, ev.RemoteRestored]  # recorded once, then back
+    restored = next(i for i, e in enumerate(events) if isinstance(e, ev.RemoteRestored))
+    assert any(isinstance(e, ev.RemoteSaveDone) for e in events[restored:])
+    _check_clean(report.log_path)
+    # Sharing resumed: the restarted server holds only what was written after it came back,
+    # and a third engine loads from it.
+    third = _run(redis_server.url, tmp_path / "c", num_requests=12)
+    _assert_clean(third)
+    assert sum(_remote_tokens(_events(third.log_path)).values()) > 0
+    _check_clean(third.log_path)
