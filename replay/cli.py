@@ -123,11 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
-        return handler(args)
+        code = handler(args)
+        sys.stdout.flush()  # a reader that went away is seen here, not at interpreter exit
+        return code
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:  # `kvledger show ... | head`
-        return 0
+    except BrokenPipeError:  # `kvledger check ... | head -1`: the reader has what it wanted
+        # Python would report the unflushed rest at exit; point stdout at /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The verdict was decided before the output was written: keep it (check's 1 stays 1).
+        return int(getattr(args, "exit_code", EXIT_OK))
 
 
 # --- check ----------------------------------------------------------------------------------
@@ -164,11 +169,19 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--limit",
-        type=int,
+        type=_count,
         default=20,
         metavar="N",
         help="print at most N problems in full (default 20; the summary counts all)",
     )
+
+
+def _count(text: str) -> int:
+    """A non-negative integer argument (argparse turns the ValueError into exit 2)."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expects 0 or more, got {n}")
+    return n
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -192,9 +205,13 @@ def run_check(args: argparse.Namespace) -> int:
         result = check(
             paths, request=args.request, first=args.first, progress=progress, **overrides
         )
+    args.exit_code = result.exit_code  # kept if the reader of stdout goes away (main)
+    if result.bad_option is not None:
+        # Not the log's fault: the --with value cannot apply to this log's configuration.
+        print(f"kvledger check: --with: {result.bad_option}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
-    else:
+    elif result.bad_option is None:
         render(result, sys.stdout, limit=args.limit)
     return result.exit_code
 
@@ -588,6 +605,8 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
     def run(args: argparse.Namespace) -> int:
         try:
             return fn(args)
+        except BrokenPipeError:  # the reader went away; not an output error (see main)
+            raise
         except LogUnreadable as e:
             message = f"cannot read the log: {e}"
         except (lives.RequestNotFound, MissingExtra, ValueError) as e:
@@ -609,13 +628,13 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
 def _diff(args: argparse.Namespace) -> int:
     result = diff(args.a, args.b)
     damaged = _warn_damage("A", result.damage_a) | _warn_damage("B", result.damage_b)
+    code = EXIT_UNREADABLE if damaged else EXIT_OK if result.identical else EXIT_DIFFER
+    args.exit_code = code  # kept if the reader of stdout goes away (main)
     if args.json:
         _json(result.to_dict())
     else:
         _print_diff(result, Output())
-    if damaged:
-        return EXIT_UNREADABLE
-    return EXIT_OK if result.identical else EXIT_DIFFER
+    return code
 
 
 def _print_diff(r: DiffResult, out: Output) -> None:
@@ -696,7 +715,7 @@ def _brief(at: EventAt | None, fields: Sequence[str]) -> str:
 @_guard
 def _show(args: argparse.Namespace) -> int:
     life = lives.show(args.log, args.request)
-    status = _warn_damage(args.log, life.damage)
+    status = args.exit_code = _warn_damage(args.log, life.damage)
     if args.json:
         _json(life.to_dict())
         return status
@@ -769,7 +788,7 @@ def _pct(x: float | None) -> str:
 @_guard
 def _stats(args: argparse.Namespace) -> int:
     st = summary.stats(args.log)
-    status = _warn_damage(args.log, st.damage)
+    status = args.exit_code = _warn_damage(args.log, st.damage)
     if args.json:
         _json(st.to_dict())
         return status

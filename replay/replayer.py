@@ -258,6 +258,9 @@ class CheckResult:
     recorded_violations: list[RecordedViolation] = attrs.field(factory=list)
     stop: StopInfo | None = None
     error: str | None = None
+    # A --with value this log's configuration refuses (chunk_size=250 with 16-token blocks):
+    # the option is wrong, not the log (exit 2 as a usage error; ``error`` says it too).
+    bad_option: str | None = None
     # Why the log is not the whole run, when it was read without damage: no end record (the
     # engine still writing it, or dead), a segment missing after a rotation, a gap of steps
     # the writer dropped. None: complete (or too old to tell: ``ending`` is "unknown").
@@ -302,6 +305,7 @@ class CheckResult:
             "exit_code": self.exit_code,
             "clean": self.clean,
             "error": self.error,
+            "bad_option": self.bad_option,
             "stop": None if self.stop is None else attrs.asdict(self.stop),
             "ending": self.ending,
             "incomplete": self.incomplete,
@@ -874,6 +878,7 @@ def _check_into(
         config = recorded.with_changes(**overrides)
     except (ConfigError, TypeError) as e:
         result.error = f"what-if configuration: {e}"
+        result.bad_option = str(e)
         return
     result.config = config.to_dict()
     what_if = None

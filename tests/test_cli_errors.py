@@ -5,6 +5,7 @@ now gives a clear message on stderr naming what was wrong, exit 2 (and a JSON er
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,56 @@ def test_an_empty_file_is_called_empty(capsys: Any, tmp_path: Path) -> None:
     empty.write_bytes(b"")
     code, out, _ = _run(capsys, "check", str(empty))
     assert code == 2 and "empty file" in out
+
+
+SHORT = DATA / "replay-short-load.kvlog"
+
+
+def test_a_negative_limit_is_a_usage_error(capsys: Any) -> None:
+    # problems[:-1] printed all but one and then "... 1 more problems", even on a clean log
+    with pytest.raises(SystemExit) as e:
+        main(["check", str(LOG), "--limit", "-1"])
+    assert e.value.code == 2 and "--limit: expects 0 or more, got -1" in capsys.readouterr().err
+    code, out, _ = _run(capsys, "check", str(SHORT), "--limit", "0")
+    assert code == 1 and "problem 1:" not in out and "... 6 more problems" in out
+
+
+def test_a_what_if_the_log_refuses_is_a_bad_option(capsys: Any) -> None:
+    code, out, err = _run(capsys, "check", str(LOG), "--with", "chunk_size=250")
+    assert code == 2 and out == ""
+    assert err == "kvledger check: --with: chunk_size (250) must be a multiple of block_size (16)\n"
+    assert "unreadable" not in out + err
+    code, out, _ = _run(capsys, "check", str(LOG), "--with", "chunk_size=250", "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["bad_option"].startswith("chunk_size (250)")
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["check", str(SHORT)], 1),
+        (["check", str(LOG)], 0),
+        (["check", str(SHORT), "--json"], 1),
+        (["diff", str(LOG), str(SHORT)], 1),
+        (["stats", str(SHORT)], 0),
+        (["show", str(SHORT), "-r", "req-2"], 0),
+    ],
+)
+def test_a_reader_that_goes_away_keeps_the_exit_status(argv: list[str], code: int) -> None:
+    # `kvledger check LOG | head -1`: the pipe breaks while the report is written; the exit
+    # status is still the verdict, and no traceback or "Exception ignored" reaches stderr.
+    import subprocess
+    import sys
+
+    script = "import sys; from replay.cli import main; sys.exit(main(sys.argv[1:]))"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the first write: the break is certain
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *argv], stdout=write_end, stderr=subprocess.PIPE
+        )
+    finally:
+        os.close(write_end)
+    err = proc.stderr.decode()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Exception ignored" not in err and "Broken" not in err
