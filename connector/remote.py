@@ -76,20 +76,40 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
-def _crcs(payload: memoryview) -> list[int]:
+def _pieces(payload: memoryview) -> list[memoryview]:
     n = len(payload)
-    pieces = [payload[i : i + PIECE_BYTES] for i in range(0, n, PIECE_BYTES)] or [payload]
+    return [payload[i : i + PIECE_BYTES] for i in range(0, n, PIECE_BYTES)] or [payload]
+
+
+def _crcs(payload: memoryview) -> list[int]:
+    pieces = _pieces(payload)
     if len(pieces) == 1:
         return [zlib.crc32(pieces[0])]
     return list(_CRC_POOL.map(zlib.crc32, pieces))
 
 
+def _header(length: int, crcs: Sequence[int]) -> bytes:
+    return _HEAD.pack(MAGIC, length, PIECE_BYTES, len(crcs)) + struct.pack(f"<{len(crcs)}I", *crcs)
+
+
 def encode_header(payload: memoryview) -> bytes:
     """The header stored before ``payload``: its length and the CRC-32 of each piece."""
-    crcs = _crcs(payload)
-    return _HEAD.pack(MAGIC, len(payload), PIECE_BYTES, len(crcs)) + struct.pack(
-        f"<{len(crcs)}I", *crcs
-    )
+    return _header(len(payload), _crcs(payload))
+
+
+def _set_command(
+    name: bytes, payload: memoryview, pieces: int, ttl_s: int
+) -> list[bytes | memoryview]:
+    """``SET name <zeroed header><payload> [EX ttl_s]`` in RESP, as buffers sent one after
+    the other: the payload is not copied into one value with its header."""
+    value_len = _HEAD.size + 4 * pieces + len(payload)
+    args: list[bytes] = [b"SET", name]
+    tail: list[bytes] = [b"EX", str(ttl_s).encode()] if ttl_s else []
+    out: list[bytes | memoryview] = [b"*%d\r\n" % (3 + len(tail))]
+    out += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
+    out += [b"$%d\r\n" % value_len, bytes(_HEAD.size + 4 * pieces), payload, b"\r\n"]
+    out += [b"$%d\r\n%s\r\n" % (len(a), a) for a in tail]
+    return out
 
 
 def decode_value(value: bytes | None, expected_len: int) -> memoryview | str:
@@ -226,19 +246,39 @@ class RemoteStore:
 
     def put(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
         """Write every (key, payload), each atomically with its header: one round trip.
-        Returns once the server confirmed them all."""
-        headers = [encode_header(payload) for _, payload in items]
+        Returns once the server confirmed them all.
+
+        The checksums are computed on the CRC threads while the payloads are on the wire,
+        not before: each value goes out as a zeroed header then its payload (one ``SET``,
+        sent from the host slot without a copy), and a ``SETRANGE`` writes the header over
+        the zeros once its checksums are known. ``MULTI``/``EXEC`` makes the two one write:
+        no reader ever sees the zeroed header."""
+        crcs = [[_CRC_POOL.submit(zlib.crc32, p) for p in _pieces(payload)] for _, payload in items]
 
         def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=True)
-            for (key, payload), header in zip(items, headers, strict=True):
-                name = remote_key(key, self.rank)
-                if self.ttl_s:
-                    pipe.set(name, header, ex=self.ttl_s)
-                else:
-                    pipe.set(name, header)
-                pipe.append(name, payload)
-            return list(pipe.execute())
+            pool = self.client.connection_pool
+            conn = pool.get_connection("MULTI")
+            try:
+                conn.send_packed_command(conn.pack_command("MULTI"))
+                for (key, payload), futures in zip(items, crcs, strict=True):
+                    conn.send_packed_command(
+                        _set_command(remote_key(key, self.rank), payload, len(futures), self.ttl_s)
+                    )
+                for (key, payload), futures in zip(items, crcs, strict=True):
+                    header = _header(len(payload), [f.result() for f in futures])
+                    name = remote_key(key, self.rank)
+                    conn.send_packed_command(conn.pack_command("SETRANGE", name, 0, header))
+                conn.send_packed_command(conn.pack_command("EXEC"))
+                replies = [conn.read_response() for _ in range(1 + 2 * len(items))]
+                result = conn.read_response()
+                if isinstance(result, Exception):  # pragma: no cover - EXECABORT raises
+                    raise result
+                return [*replies, result]
+            except BaseException:
+                conn.disconnect()  # a half-read reply stream must not go back to the pool
+                raise
+            finally:
+                pool.release(conn)
 
         self._call(run)
 

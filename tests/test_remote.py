@@ -114,6 +114,26 @@ def test_put_exists_get_round_trip(redis_server: RedisServer) -> None:
 
 
 @pytest.mark.redis
+def test_a_multi_piece_value_with_a_ttl_is_stored_whole_with_its_header(
+    redis_server: RedisServer,
+) -> None:
+    # put() sends a zeroed header and the payload, then writes the header once the CRCs of
+    # its pieces are known: the stored value is exactly encode_header(payload) + payload.
+    store = _store(redis_server.url, ttl_s=100)
+    payload = os.urandom(2 * PIECE_BYTES + 12345)  # three pieces, the last one short
+    store.put([(b"m" * 16, memoryview(payload)), (b"n" * 16, memoryview(payload[:7]))])
+    raw = redis_server.client()
+    name = remote_key(b"m" * 16, 0)
+    assert raw.get(name) == encode_header(memoryview(payload)) + payload
+    assert 0 < raw.ttl(name) <= 100
+    got = store.get([b"n" * 16, b"m" * 16], len(payload))
+    assert got[0] == "length"  # a 7-byte value read as a chunk of the other size
+    assert bytes(got[1]) == payload  # type: ignore[arg-type]
+    # The connection went back to the pool clean: the next command reads its own reply.
+    assert store.exists([b"m" * 16, b"n" * 16]) == [1, 1]
+
+
+@pytest.mark.redis
 def test_wrong_length_and_wrong_bytes_in_the_server_are_refused(redis_server: RedisServer) -> None:
     store = _store(redis_server.url)
     payload = os.urandom(4096)
