@@ -491,6 +491,23 @@ def _add_views(sub: Any) -> None:
         "needs pyarrow (pip install kvledger[parquet]).",
         epilog=_EXPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    p.add_argument(
+        "--collapse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fold a lookup asked again every step with the same answer, and steady decode "
+        "steps, into one row with the count and the steps (the default for text; --json "
+        "gives every row unless --collapse)",
+    )
+    p.add_argument(
+        "--type",
+        action="append",
+        metavar="TYPE[,TYPE]",
+        help="only these event types (a comma list; the option repeats)",
+    )
+    p.add_argument(
+        "--steps", metavar="A:B", help="only these steps: A:B (both included), A:, :B or N"
+    )
     )
     p.add_argument(
         "logs",
@@ -717,23 +734,33 @@ def _show(args: argparse.Namespace) -> int:
     life = lives.show(args.log, args.request)
     status = args.exit_code = _warn_damage(args.log, life.damage)
     if args.json:
-        _json(life.to_dict())
+        doc = life.to_dict()
+        doc["rows"] = [e.to_dict() for e in entries]
+        _json(doc)
         return status
     out = Output()
     c = life.config
     out.line(
-        f"{life.request}: {len(life)} events in {life.log} "
+        f"{life.request}: {len(life)} events{shown} in {life.log} "
         f"(block_size {c.block_size}, chunk_size {c.chunk_size})"
     )
     rows = []
     styles = []
-    for r in life:
+    for e in entries:
+        if isinstance(e, lives.Fold):
+            r = e.last
+            step: Any = f"{e.first.step}-{r.step}"
+            index: Any = f"{e.first.index}-{r.index}"
+            event, detail = f"{e.event} x{e.steps}", e.summary()
+        else:
+            r = e
+            step, index, event, detail = r.step, r.index, r.event, r.detail
         rows.append(
             [
-                r.step,
-                r.index,
-                r.event if r.life == life.request else f"{r.event} ({r.life})",
-                r.detail,
+                step,
+                index,
+                event if r.life == life.request else f"{event} ({r.life})",
+                detail,
                 r.phase,
                 f"{r.tokens_known}/{r.num_tokens}",
                 _blocks(r.block_ids),
@@ -767,13 +794,19 @@ def _show(args: argparse.Namespace) -> int:
     out.line(
         "known/num: token ids known / tokens whose KV exists or is computing; load *: not done"
     )
+    types = lives.parse_types(args.type) if args.type else None
+    steps = lives.parse_steps(args.steps) if args.steps is not None else None
     return status
 
+    chosen = lives.select(life, types, steps)
+    fold = args.collapse if args.collapse is not None else not args.json  # JSON: every row
+    entries: list[lives.Entry] = lives.collapse(chosen) if fold else list(chosen)
 
 def _blocks(ids: Sequence[int]) -> str:
     if not ids:
         return "0"
     if len(ids) <= 6:
+    shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
         return f"{len(ids)} [{' '.join(map(str, ids))}]"
     return f"{len(ids)} [{' '.join(map(str, ids[:4]))} … {ids[-1]}]"
 
@@ -820,6 +853,8 @@ def _stats(args: argparse.Namespace) -> int:
                 f"loaded from pool {lk.external} ({_pct(lk.external_rate)})",
             ]
         )
+    if any(isinstance(e, lives.Fold) for e in entries):
+        out.line("x N: N like steps folded into one row, the state after the last (--no-collapse)")
     rows += [
         [
             "loads",

@@ -20,7 +20,17 @@ from tracker.config import TrackerConfig
 from tracker.history import POOL, Folded, walk
 from tracker.log import StopInfo
 
-__all__ = ["RequestLife", "RequestNotFound", "Row", "show"]
+__all__ = [
+    "Fold",
+    "RequestLife",
+    "RequestNotFound",
+    "Row",
+    "collapse",
+    "parse_steps",
+    "parse_types",
+    "select",
+    "show",
+]
 
 
 class RequestNotFound(LookupError):
@@ -155,3 +165,196 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
     rid = candidates_list[0]
     rows = [_row(s) for s in walk(src.frames(), config, lambda r: r == rid)]
     return RequestLife(rows, rid, config, src.damage or damage, src.name)
+
+
+# --- less noise: select and fold ------------------------------------------------------------
+
+_TYPE_NAMES: dict[str, str] = {cls.__name__.lower(): cls.__name__ for cls in ev.EVENT_TYPES}
+
+
+def parse_types(values: Iterable[str]) -> frozenset[str]:
+    """Event type names from ``--type`` values (each a comma list; any case), or
+    ``ValueError`` naming the unknown ones and every valid name."""
+    names: set[str] = set()
+    unknown: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            name = _TYPE_NAMES.get(part.lower())
+            if name is None:
+                unknown.append(part)
+            else:
+                names.add(name)
+    if unknown:
+        valid = ", ".join(sorted(_TYPE_NAMES.values()))
+        raise ValueError(f"unknown event type {', '.join(map(repr, unknown))}; valid: {valid}")
+    return frozenset(names)
+
+
+def parse_steps(text: str) -> tuple[int | None, int | None]:
+    """``--steps``: ``A:B`` (both ends included), ``A:`` (from A), ``:B`` (to B) or ``N`` (one
+    step), as ``(first, last)`` with ``None`` for an open end; ``ValueError`` otherwise."""
+    first_text, sep, last_text = text.partition(":")
+    try:
+        first = int(first_text) if first_text.strip() else None
+        last = int(last_text) if last_text.strip() else None
+    except ValueError:
+        raise ValueError(f"--steps {text!r}: expected A:B, A:, :B or N (step numbers)") from None
+    if not sep:
+        last = first
+        if first is None:
+            raise ValueError(f"--steps {text!r}: expected A:B, A:, :B or N (step numbers)")
+    if first is not None and last is not None and first > last:
+        raise ValueError(f"--steps {text!r}: the first step {first} is after the last {last}")
+    return first, last
+
+
+def select(
+    rows: Iterable[Row],
+    types: frozenset[str] | None = None,
+    steps: tuple[int | None, int | None] | None = None,
+) -> list[Row]:
+    """The rows of the named event types (``None``: all) within ``steps`` (both ends
+    included, ``None`` for an open end)."""
+    lo, hi = steps if steps is not None else (None, None)
+    return [
+        r
+        for r in rows
+        if (types is None or r.event in types)
+        and (lo is None or r.step >= lo)
+        and (hi is None or r.step <= hi)
+    ]
+
+
+@attrs.frozen
+class Fold:
+    """Consecutive steps that say the same thing, folded into one entry by :func:`collapse`.
+
+    ``kind``: ``"lookup"``, a waiting request asking the same lookup and getting the same
+    answer every step (nothing else happened to it in those steps); ``"decode"``, steady
+    decode steps (one ``StepDecoded`` a step, with no save, load, preemption or phase change
+    in between). ``rows`` are every folded row; the state shown is the last one's."""
+
+    kind: str
+    rows: tuple[Row, ...]
+    steps: int  # how many steps were folded
+
+    @property
+    def first(self) -> Row:
+        return self.rows[0]
+
+    @property
+    def last(self) -> Row:
+        return self.rows[-1]
+
+    @property
+    def event(self) -> str:
+        return self.first.event
+
+    def summary(self) -> str:
+        """``0 hit, each step (hit=0 external=0)`` for a lookup; ``+9 tokens steady decode,
+        num_tokens 31 -> 39`` for decode steps."""
+        if self.kind == "lookup":
+            answers = [r for r in self.rows if r.event == "LookupAnswered"]
+            if not answers:
+                return f"the same lookup each step: {self.first.detail}"
+            return f"{_hit(answers[-1].detail)} hit, each step ({answers[-1].detail})"
+        grown = self.last.num_tokens - self.first.num_tokens + 1
+        return (
+            f"+{grown} token{'s' if grown != 1 else ''} steady decode, "
+            f"num_tokens {self.first.num_tokens} -> {self.last.num_tokens}"
+        )
+
+    def describe(self) -> str:
+        """``LookupAsked x14 (steps 3-16): 0 hit``."""
+        return f"{self.event} x{self.steps} (steps {self.first.step}-{self.last.step}): " + (
+            self.summary()
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = self.last.to_dict()
+        d.update(
+            folded=self.kind,
+            event=self.event,
+            detail=self.summary(),
+            count=self.steps,
+            events=len(self.rows),
+            first_step=self.first.step,
+            last_step=self.last.step,
+            first_index=self.first.index,
+        )
+        return d
+
+
+Entry = Row | Fold
+
+_LOOKUP = frozenset({"LookupAsked", "LookupAnswered"})
+
+
+def _hit(detail: str) -> str:
+    for part in detail.split():
+        if part.startswith("hit="):
+            return part[4:]
+    return "?"
+
+
+def _same_state(a: Row, b: Row, *, decoding: bool) -> bool:
+    """Whether nothing but the decode's own progress (one more token, maybe a new block)
+    changed from ``a`` to ``b``."""
+    if decoding:
+        return (a.life, a.phase, a.saved, a.saves_in_flight, a.load, a.load_done) == (
+            b.life, b.phase, b.saved, b.saves_in_flight, b.load, b.load_done
+        ) and (a.preempted, a.recompute_only, a.violation) == (
+            b.preempted, b.recompute_only, b.violation
+        )  # fmt: skip
+    return attrs.evolve(a, index=0, step=0) == attrs.evolve(b, index=0, step=0)
+
+
+def _signature(step_rows: Sequence[Row]) -> tuple[str, tuple[Any, ...]] | None:
+    """What makes a step foldable with the next one like it: ``("lookup", ...)`` for a step
+    that only asked and answered a lookup, ``("decode", ...)`` for one steady decode step."""
+    events = [r.event for r in step_rows]
+    if all(e in _LOOKUP for e in events):
+        return "lookup", tuple((r.event, r.detail) for r in step_rows)
+    if events == ["StepDecoded"]:
+        return "decode", ()
+    return None
+
+
+def _foldable(prev: Sequence[Row], cur: Sequence[Row]) -> bool:
+    sp, sc = _signature(prev), _signature(cur)
+    if sp is None or sp != sc:
+        return False
+    if sp[0] == "decode":
+        return _same_state(prev[-1], cur[-1], decoding=True)
+    return all(_same_state(x, y, decoding=False) for x, y in zip(prev, cur, strict=True))
+
+
+def collapse(rows: Sequence[Row]) -> list[Entry]:
+    """The rows with runs of two or more like steps folded into one :class:`Fold` each: a
+    lookup asked again and answered the same way every step while the request waits, and
+    steady decode steps. A step that did anything else (an allocation, a save, a new chunk of
+    prompt) is never folded, so what changed stays on its own row."""
+    by_step: list[list[Row]] = []
+    for r in rows:
+        if by_step and by_step[-1][0].step == r.step:
+            by_step[-1].append(r)
+        else:
+            by_step.append([r])
+    out: list[Entry] = []
+    i = 0
+    while i < len(by_step):
+        j = i + 1
+        while j < len(by_step) and _foldable(by_step[j - 1], by_step[j]):
+            j += 1
+        sig = _signature(by_step[i])
+        if j - i >= 2 and sig is not None:
+            folded = tuple(r for group in by_step[i:j] for r in group)
+            out.append(Fold(sig[0], folded, j - i))
+        else:
+            out.extend(by_step[i])
+            j = i + 1
+        i = j
+    return out
