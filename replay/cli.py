@@ -22,8 +22,9 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from replay import charts, demo, lives, summary
 from replay.divergence import DiffResult, EventAt, diff
@@ -80,6 +81,21 @@ def _pyproject_version() -> str | None:
     return version if isinstance(version, str) else None
 
 
+# Whether the command line being parsed asks for --json (set by main around parse_args).
+_JSON_ERRORS: ContextVar[bool] = ContextVar("kvledger_json_errors", default=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands are of the same class), whose usage errors come
+    also as a JSON document on stdout when the command line asks for ``--json``: a script
+    reading stdout gets its error in every case (exit 2 and the message on stderr, as ever)."""
+
+    def error(self, message: str) -> NoReturn:
+        if _JSON_ERRORS.get():
+            _json({"error": f"{self.prog}: {message}", "exit_code": EXIT_UNREADABLE})
+        super().error(message)
+
+
 class _Version(argparse.Action):
     """``--version``, printed as it is (argparse's own action rewraps it)."""
 
@@ -89,7 +105,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvledger",
         description="Event-sourced KV-cache request tracking for vLLM: run the demo, or check, "
         "diff and inspect captured logs.",
@@ -120,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    token = _JSON_ERRORS.set("--json" in argv)
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        _JSON_ERRORS.reset(token)
     handler: Handler = args.handler
     try:
         code = handler(args)
@@ -213,6 +234,13 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     elif result.bad_option is None:
         render(result, sys.stdout, limit=args.limit)
+    if result.bad_option is None:
+        # Exit 2 says on stderr why, as every command does (the report says it on stdout,
+        # which a script may have sent to a file).
+        if result.error is not None:
+            print(f"kvledger check: {result.error}", file=sys.stderr)
+        elif result.stop is not None:
+            _warn_damage(", ".join(args.logs), result.stop)
     return result.exit_code
 
 
@@ -361,6 +389,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
     elif code == 3:
         verdict = "incomplete: no problem in what the log holds, but it is not the whole run"
+    elif result.stop is None and result.error is not None:
+        verdict = result.error  # read to its end, yet not checkable as asked (--request ...)
     else:
         verdict = "the log could not be read to its end" + (
             f"; {result.problems_total} problems before that" if result.problems_total else ""
@@ -461,6 +491,23 @@ def _add_views(sub: Any) -> None:
         "stats",
         help="what a log holds: requests, steps, events, hits, loads, saves, violations",
     )
+    p.add_argument(
+        "--collapse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fold a lookup asked again every step with the same answer, and steady decode "
+        "steps, into one row with the count and the steps (the default for text; --json "
+        "gives every row unless --collapse)",
+    )
+    p.add_argument(
+        "--type",
+        action="append",
+        metavar="TYPE[,TYPE]",
+        help="only these event types (a comma list; the option repeats)",
+    )
+    p.add_argument(
+        "--steps", metavar="A:B", help="only these steps: A:B (both included), A:, :B or N"
+    )
     _log_argument(p)
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(handler=_stats)
@@ -491,23 +538,6 @@ def _add_views(sub: Any) -> None:
         "needs pyarrow (pip install kvledger[parquet]).",
         epilog=_EXPORT_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    p.add_argument(
-        "--collapse",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fold a lookup asked again every step with the same answer, and steady decode "
-        "steps, into one row with the count and the steps (the default for text; --json "
-        "gives every row unless --collapse)",
-    )
-    p.add_argument(
-        "--type",
-        action="append",
-        metavar="TYPE[,TYPE]",
-        help="only these event types (a comma list; the option repeats)",
-    )
-    p.add_argument(
-        "--steps", metavar="A:B", help="only these steps: A:B (both included), A:, :B or N"
-    )
     )
     p.add_argument(
         "logs",
@@ -764,13 +794,19 @@ def _show(args: argparse.Namespace) -> int:
                 r.phase,
                 f"{r.tokens_known}/{r.num_tokens}",
                 _blocks(r.block_ids),
+    types = lives.parse_types(args.type) if args.type else None
+    steps = lives.parse_steps(args.steps) if args.steps is not None else None
                 r.saved,
                 "-"
+    chosen = lives.select(life, types, steps)
+    fold = args.collapse if args.collapse is not None else not args.json  # JSON: every row
+    entries: list[lives.Entry] = lives.collapse(chosen) if fold else list(chosen)
                 if r.load is None
                 else f"[{r.load[0]},{r.load[1]})" + ("" if r.load_done else "*"),
                 "yes" if r.preempted else "",
                 "yes" if r.recompute_only else "",
             ]
+    shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
         )
         styles.append("red" if r.violation else ("yellow" if r.preempted else ""))
     out.table(
@@ -794,19 +830,13 @@ def _show(args: argparse.Namespace) -> int:
     out.line(
         "known/num: token ids known / tokens whose KV exists or is computing; load *: not done"
     )
-    types = lives.parse_types(args.type) if args.type else None
-    steps = lives.parse_steps(args.steps) if args.steps is not None else None
     return status
 
-    chosen = lives.select(life, types, steps)
-    fold = args.collapse if args.collapse is not None else not args.json  # JSON: every row
-    entries: list[lives.Entry] = lives.collapse(chosen) if fold else list(chosen)
 
 def _blocks(ids: Sequence[int]) -> str:
     if not ids:
         return "0"
     if len(ids) <= 6:
-    shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
         return f"{len(ids)} [{' '.join(map(str, ids))}]"
     return f"{len(ids)} [{' '.join(map(str, ids[:4]))} … {ids[-1]}]"
 
@@ -823,6 +853,8 @@ def _stats(args: argparse.Namespace) -> int:
     st = summary.stats(args.log)
     status = args.exit_code = _warn_damage(args.log, st.damage)
     if args.json:
+    if any(isinstance(e, lives.Fold) for e in entries):
+        out.line("x N: N like steps folded into one row, the state after the last (--no-collapse)")
         _json(st.to_dict())
         return status
     out = Output()
@@ -853,8 +885,6 @@ def _stats(args: argparse.Namespace) -> int:
                 f"loaded from pool {lk.external} ({_pct(lk.external_rate)})",
             ]
         )
-    if any(isinstance(e, lives.Fold) for e in entries):
-        out.line("x N: N like steps folded into one row, the state after the last (--no-collapse)")
     rows += [
         [
             "loads",

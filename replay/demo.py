@@ -9,6 +9,7 @@ held its oracle value at every step, no violation, nothing leaked, and the log r
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -33,6 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-dir", default=None, help="where the event log goes (default: a temp dir)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON document (the summary), no prose"
+    )
+
+
+def _error(args: argparse.Namespace, *lines: str) -> int:
+    """A usage or setup error: stderr, the JSON error with --json, exit 2."""
+    for line in lines:
+        print(line, file=sys.stderr)
+    if args.json:
+        print(json.dumps({"error": " ".join(lines), "exit_code": 2}, indent=2))
+    return 2
 
 
 def _progress(enabled: bool) -> Any:
@@ -41,30 +54,32 @@ def _progress(enabled: bool) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    # Refused before vLLM is imported (seconds).
+    if args.blocks < _MIN_BLOCKS or args.requests < 1:
+        # A request of the longest prompt and output needs this many blocks to run at all.
+        return _error(
+            args,
+            f"kvledger demo: --blocks must be at least {_MIN_BLOCKS} (one request of "
+            f"{_MAX_TOKENS} tokens needs {_MIN_BLOCKS - 1} blocks of 16 tokens, plus vLLM's "
+            f"null block) and --requests at least 1; got --blocks {args.blocks} --requests "
+            f"{args.requests}",
+        )
     # vLLM's own startup warnings (hybrid KV cache manager, experimental API) are noise here.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
-        print(f"kvledger demo needs vLLM's scheduler: {reason}", file=sys.stderr)
-        print("install it with: make setup-vllm", file=sys.stderr)
-        return 2
+        return _error(
+            args,
+            f"kvledger demo needs vLLM's scheduler: {reason}",
+            "install it with: make setup-vllm",
+        )
     from connector.testing.run import RunSpec, run, summarize
 
     # The demo is an application: it may quiet vLLM's own logger (a library never would).
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
-    if args.blocks < _MIN_BLOCKS or args.requests < 1:
-        # A request of the longest prompt and output needs this many blocks to run at all.
-        print(
-            f"kvledger demo: --blocks must be at least {_MIN_BLOCKS} (one request of "
-            f"{_MAX_TOKENS} tokens needs {_MIN_BLOCKS - 1} blocks of 16 tokens, plus vLLM's "
-            f"null block) and --requests at least 1; got --blocks {args.blocks} --requests "
-            f"{args.requests}",
-            file=sys.stderr,
-        )
-        return 2
     log_dir = args.log_dir or tempfile.mkdtemp(prefix="kvledger-demo-")
     spec = RunSpec(
         num_requests=args.requests,
@@ -80,13 +95,14 @@ def main(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_num_seqs=_batch_for(args.blocks),
     )
-    print(
+    say = _quiet if args.json else print
+    say(
         f"vLLM scheduler: {args.blocks} blocks of 16 tokens, {args.requests} requests (+3 repeated "
         f"prompts), chunk {args.chunk_size}, prefix caching {'on' if args.prefix_caching else 'off'}, "
         f"{'async' if args.async_scheduling else 'sync'} scheduling, {'MRV1' if args.mrv1 else 'MRV2'}",
         flush=True,
     )
-    bar = _progress(sys.stdout.isatty())
+    bar = _progress(sys.stdout.isatty() and not args.json)
     if bar is None:
         report = run(spec, log_dir=log_dir)
     else:
@@ -103,31 +119,46 @@ def main(args: argparse.Namespace) -> int:
     rows.append(("log replay problems", "unchecked" if log_problems is None else log_problems))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    for line in [
+        say(f"  {key:<{width}}  {value}")
+    notes = [
         *report.violations[:5],
         *(m.describe() for m in report.mismatches[:5]),
         *report.leaks,
-    ]:
-        print(f"  ! {line}")
+    ]
+    for line in notes:
+        say(f"  ! {line}")
     why = _failures(report, log_problems)
-    if why:
+    if args.json:
+        doc = {
+            "ok": not why,
+            "failures": why,
+            "summary": {k.strip(): v for k, v in rows},
+            "notes": notes,
+            "log": report.log_path,
+            "exit_code": 1 if why else 0,
+        }
+        print(json.dumps(doc, indent=2, default=str))
+    elif why:
         print("FAILED: " + "; ".join(why))
     else:
         print("OK: every token matched its oracle value at every step")
     if report.preemptions == 0:
-        print(
+        say(
             f"note: no request was preempted: {args.blocks} blocks held every running request "
             "(fewer --blocks, or more --requests, make the pool run out)"
         )
     if not why and report.log_path:
-        print(f"next: {command_name()} check {report.log_path}")
+        say(f"next: {command_name()} check {report.log_path}")
     return 1 if why else 0
 
 
 # The demo's longest request: a prompt of 90 tokens and 90 generated (RunSpec above).
 _MAX_TOKENS = 180
 _MIN_BLOCKS = -(-_MAX_TOKENS // 16) + 1
+
+
+def _quiet(*args: Any, **kwargs: Any) -> None:
+    """``print`` under ``--json``: the prose is left out."""
 
 
 def _batch_for(blocks: int) -> int:

@@ -214,6 +214,10 @@ def open_log(source: LogPath | LogSource) -> LogSource:
         raise LogUnreadable(f"{name}: no *.kvlog segment in this directory")
     if header is None:
         stop = reader.stop
+        if stop is not None and stop.offset == 0 and stop.reason == "empty file":
+            # Not damage to look into: nothing was ever written (a writer that died before
+            # its first byte, or a file created by hand). Say so plainly.
+            raise LogUnreadable(f"{stop.path}: empty file (0 bytes): not a log yet", stop)
         why = stop.describe() if stop is not None else "no header"
         raise LogUnreadable(f"unreadable header: {why}", stop)
     return LogSource(reader, name, header)

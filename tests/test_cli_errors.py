@@ -28,8 +28,12 @@ def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
 def test_check_of_a_request_not_in_the_log_is_not_clean(capsys: Any) -> None:
     result = check(LOG, request="nosuch")
     assert result.exit_code == 2 and result.error == "no request 'nosuch' in the log"
-    code, out, _ = _run(capsys, "check", str(LOG), "--request", "nosuch")
-    assert code == 2 and "no request 'nosuch' in the log" in out
+    code, out, err = _run(capsys, "check", str(LOG), "--request", "nosuch")
+    assert code == 2 and "ERROR     no request 'nosuch' in the log" in out
+    # the verdict names the cause (it said "the log could not be read to its end"), and
+    # stderr says it too, as for every exit 2
+    assert out.endswith("result: no request 'nosuch' in the log (exit 2)\n")
+    assert err == "kvledger check: no request 'nosuch' in the log\n"
     assert check(LOG, request="req-1").exit_code == 0
 
 
@@ -76,11 +80,26 @@ def test_json_commands_print_a_json_error(capsys: Any, tmp_path: Path, argv: lis
     assert doc["exit_code"] == 2 and "no such file" in doc["error"]
 
 
-def test_an_empty_file_is_called_empty(capsys: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["check"],
+        ["stats"],
+        ["show", "-r", "req-1"],
+        ["export", "--table", "events", "-o", "out.jsonl"],
+        ["diff", "B"],
+    ],
+)
+def test_an_empty_file_is_called_empty(capsys: Any, tmp_path: Path, argv: list[str]) -> None:
+    # It read "unreadable header: ...: offset 0: torn_tail: the data ends inside the preamble
+    # (0 bytes)": damage to investigate, when nothing was ever written.
     empty = tmp_path / "empty.kvlog"
     empty.write_bytes(b"")
-    code, out, _ = _run(capsys, "check", str(empty))
-    assert code == 2 and "empty file" in out
+    rest = [str(LOG) if a == "B" else str(tmp_path / a) if a == "out.jsonl" else a for a in argv]
+    code, out, err = _run(capsys, rest[0], str(empty), *rest[1:])
+    assert code == 2
+    assert f"{empty}: empty file (0 bytes)" in err
+    assert "torn_tail" not in out + err and "header" not in out + err
 
 
 SHORT = DATA / "replay-short-load.kvlog"
@@ -134,3 +153,35 @@ def test_a_reader_that_goes_away_keeps_the_exit_status(argv: list[str], code: in
     err = proc.stderr.decode()
     assert proc.returncode == code, err
     assert "Traceback" not in err and "Exception ignored" not in err and "Broken" not in err
+
+
+def _subcommands() -> dict[str, Any]:
+    import argparse
+
+    from replay.cli import build_parser
+
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["stats", "--json"],  # LOG missing
+        ["check", str(LOG), "--limit", "-1", "--json"],
+        ["show", str(LOG), "--json"],  # --request missing
+        ["demo", "--blocks", "2", "--json"],  # refused before vLLM is imported
+    ],
+)
+def test_a_usage_error_under_json_is_a_json_error(capsys: Any, argv: list[str]) -> None:
+    # argparse's errors went to stderr only: a script reading --json's stdout got nothing.
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    assert code == 2 and "Traceback" not in err
+    doc = json.loads(out)
+    assert doc["exit_code"] == 2 and doc["error"].startswith(f"kvledger {argv[0]}")
+    assert doc["error"].split(": ", 1)[1] in err
