@@ -22,9 +22,8 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from replay import charts, demo, lives, summary
 from replay.divergence import DiffResult, EventAt, diff
@@ -81,21 +80,6 @@ def _pyproject_version() -> str | None:
     return version if isinstance(version, str) else None
 
 
-# Whether the command line being parsed asks for --json (set by main around parse_args).
-_JSON_ERRORS: ContextVar[bool] = ContextVar("kvledger_json_errors", default=False)
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser (its subcommands are of the same class), whose usage errors come
-    also as a JSON document on stdout when the command line asks for ``--json``: a script
-    reading stdout gets its error in every case (exit 2 and the message on stderr, as ever)."""
-
-    def error(self, message: str) -> NoReturn:
-        if _JSON_ERRORS.get():
-            _json({"error": f"{self.prog}: {message}", "exit_code": EXIT_UNREADABLE})
-        super().error(message)
-
-
 class _Version(argparse.Action):
     """``--version``, printed as it is (argparse's own action rewraps it)."""
 
@@ -105,7 +89,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = argparse.ArgumentParser(
         prog="kvledger",
         description="Event-sourced KV-cache request tracking for vLLM: run the demo, or check, "
         "diff and inspect captured logs.",
@@ -136,12 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    token = _JSON_ERRORS.set("--json" in argv)
-    try:
-        args = parser.parse_args(argv)
-    finally:
-        _JSON_ERRORS.reset(token)
+    args = parser.parse_args(argv)
     handler: Handler = args.handler
     try:
         code = handler(args)
@@ -234,13 +213,6 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     elif result.bad_option is None:
         render(result, sys.stdout, limit=args.limit)
-    if result.bad_option is None:
-        # Exit 2 says on stderr why, as every command does (the report says it on stdout,
-        # which a script may have sent to a file).
-        if result.error is not None:
-            print(f"kvledger check: {result.error}", file=sys.stderr)
-        elif result.stop is not None:
-            _warn_damage(", ".join(args.logs), result.stop)
     return result.exit_code
 
 
@@ -389,8 +361,6 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
     elif code == 3:
         verdict = "incomplete: no problem in what the log holds, but it is not the whole run"
-    elif result.stop is None and result.error is not None:
-        verdict = result.error  # read to its end, yet not checkable as asked (--request ...)
     else:
         verdict = "the log could not be read to its end" + (
             f"; {result.problems_total} problems before that" if result.problems_total else ""
@@ -484,13 +454,6 @@ def _add_views(sub: Any) -> None:
     p.add_argument(
         "--request", "-r", required=True, metavar="ID", help="the request id (or part of one)"
     )
-    p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.set_defaults(handler=_show)
-
-    p = sub.add_parser(
-        "stats",
-        help="what a log holds: requests, steps, events, hits, loads, saves, violations",
-    )
     p.add_argument(
         "--collapse",
         action=argparse.BooleanOptionalAction,
@@ -507,6 +470,13 @@ def _add_views(sub: Any) -> None:
     )
     p.add_argument(
         "--steps", metavar="A:B", help="only these steps: A:B (both included), A:, :B or N"
+    )
+    p.add_argument("--json", action="store_true", help="print the rows as JSON")
+    p.set_defaults(handler=_show)
+
+    p = sub.add_parser(
+        "stats",
+        help="what a log holds: requests, steps, events, hits, loads, saves, violations",
     )
     _log_argument(p)
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -761,8 +731,13 @@ def _brief(at: EventAt | None, fields: Sequence[str]) -> str:
 
 @_guard
 def _show(args: argparse.Namespace) -> int:
+    types = lives.parse_types(args.type) if args.type else None
+    steps = lives.parse_steps(args.steps) if args.steps is not None else None
     life = lives.show(args.log, args.request)
     status = args.exit_code = _warn_damage(args.log, life.damage)
+    chosen = lives.select(life, types, steps)
+    fold = args.collapse if args.collapse is not None else not args.json  # JSON: every row
+    entries: list[lives.Entry] = lives.collapse(chosen) if fold else list(chosen)
     if args.json:
         doc = life.to_dict()
         doc["rows"] = [e.to_dict() for e in entries]
@@ -770,6 +745,7 @@ def _show(args: argparse.Namespace) -> int:
         return status
     out = Output()
     c = life.config
+    shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
     out.line(
         f"{life.request}: {len(life)} events{shown} in {life.log} "
         f"(block_size {c.block_size}, chunk_size {c.chunk_size})"
@@ -794,19 +770,13 @@ def _show(args: argparse.Namespace) -> int:
                 r.phase,
                 f"{r.tokens_known}/{r.num_tokens}",
                 _blocks(r.block_ids),
-    types = lives.parse_types(args.type) if args.type else None
-    steps = lives.parse_steps(args.steps) if args.steps is not None else None
                 r.saved,
                 "-"
-    chosen = lives.select(life, types, steps)
-    fold = args.collapse if args.collapse is not None else not args.json  # JSON: every row
-    entries: list[lives.Entry] = lives.collapse(chosen) if fold else list(chosen)
                 if r.load is None
                 else f"[{r.load[0]},{r.load[1]})" + ("" if r.load_done else "*"),
                 "yes" if r.preempted else "",
                 "yes" if r.recompute_only else "",
             ]
-    shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
         )
         styles.append("red" if r.violation else ("yellow" if r.preempted else ""))
     out.table(
@@ -830,6 +800,8 @@ def _show(args: argparse.Namespace) -> int:
     out.line(
         "known/num: token ids known / tokens whose KV exists or is computing; load *: not done"
     )
+    if any(isinstance(e, lives.Fold) for e in entries):
+        out.line("x N: N like steps folded into one row, the state after the last (--no-collapse)")
     return status
 
 
@@ -853,8 +825,6 @@ def _stats(args: argparse.Namespace) -> int:
     st = summary.stats(args.log)
     status = args.exit_code = _warn_damage(args.log, st.damage)
     if args.json:
-    if any(isinstance(e, lives.Fold) for e in entries):
-        out.line("x N: N like steps folded into one row, the state after the last (--no-collapse)")
         _json(st.to_dict())
         return status
     out = Output()
