@@ -22,8 +22,9 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from replay import charts, demo, lives, summary
 from replay.divergence import DiffResult, EventAt, diff
@@ -80,6 +81,21 @@ def _pyproject_version() -> str | None:
     return version if isinstance(version, str) else None
 
 
+# Whether the command line being parsed asks for --json (set by main around parse_args).
+_JSON_ERRORS: ContextVar[bool] = ContextVar("kvledger_json_errors", default=False)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands are of the same class), whose usage errors come
+    also as a JSON document on stdout when the command line asks for ``--json``: a script
+    reading stdout gets its error in every case (exit 2 and the message on stderr, as ever)."""
+
+    def error(self, message: str) -> NoReturn:
+        if _JSON_ERRORS.get():
+            _json({"error": f"{self.prog}: {message}", "exit_code": EXIT_UNREADABLE})
+        super().error(message)
+
+
 class _Version(argparse.Action):
     """``--version``, printed as it is (argparse's own action rewraps it)."""
 
@@ -89,7 +105,7 @@ class _Version(argparse.Action):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvledger",
         description="Event-sourced KV-cache request tracking for vLLM: run the demo, or check, "
         "diff and inspect captured logs.",
@@ -120,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    token = _JSON_ERRORS.set("--json" in argv)
+    try:
+        args = parser.parse_args(argv)
+    finally:
+        _JSON_ERRORS.reset(token)
     handler: Handler = args.handler
     try:
         code = handler(args)
@@ -213,6 +234,13 @@ def run_check(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     elif result.bad_option is None:
         render(result, sys.stdout, limit=args.limit)
+    if result.bad_option is None:
+        # Exit 2 says on stderr why, as every command does (the report says it on stdout,
+        # which a script may have sent to a file).
+        if result.error is not None:
+            print(f"kvledger check: {result.error}", file=sys.stderr)
+        elif result.stop is not None:
+            _warn_damage(", ".join(args.logs), result.stop)
     return result.exit_code
 
 
@@ -361,6 +389,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
     elif code == 3:
         verdict = "incomplete: no problem in what the log holds, but it is not the whole run"
+    elif result.stop is None and result.error is not None:
+        verdict = result.error  # read to its end, yet not checkable as asked (--request ...)
     else:
         verdict = "the log could not be read to its end" + (
             f"; {result.problems_total} problems before that" if result.problems_total else ""
