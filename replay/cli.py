@@ -514,15 +514,31 @@ def _add_views(sub: Any) -> None:
 
     p = sub.add_parser(
         "timeline",
-        help="picture of the top requests over steps (.html, or .png with kvledger[timeline])",
-        description="Draw tokens computed, saved watermark and loads of the most telling "
-        "requests (violations first, then preempted, then by tokens computed) over the "
-        "steps, preemptions and violations marked. .html needs nothing extra; .png needs "
-        "matplotlib (pip install kvledger[timeline]).",
+        help="a picture that shows the bug: requests over the steps, check's problems marked "
+        "(.html; .png, .svg, .pdf with kvledger[timeline])",
+        description="Draw, one lane per request, waiting / running / preempted, what vLLM "
+        "accepted from the pool beside what was loaded (a short load is visibly short), "
+        "tokens computed and saved, and the problems kvledger check finds; above them, "
+        "requests running / waiting / preempted, pool occupancy and hit rate per step. "
+        "Without --request: the most telling requests (with problems first, then preempted, "
+        "then by tokens computed). .html (zoom: wheel, pan: drag) needs nothing extra; "
+        ".png, .svg and .pdf need matplotlib (pip install kvledger[timeline]).",
     )
     _log_argument(p)
-    p.add_argument("-o", "--out", required=True, metavar="FILE", help="FILE.html or FILE.png")
+    p.add_argument(
+        "-o", "--out", required=True, metavar="FILE", help="FILE.html, .png, .svg or .pdf"
+    )
     p.add_argument("--top", type=int, default=8, metavar="N", help="requests to draw (8)")
+    p.add_argument(
+        "--request",
+        "-r",
+        action="append",
+        metavar="ID",
+        help="draw this request (a life like id#2, or an id: all its lives); repeat it, or "
+        "give a comma list",
+    )
+    p.add_argument("--steps", metavar="A:B", help="only steps A to B (both included; A: or :B)")
+    p.add_argument("--json", action="store_true", help="print what was drawn as JSON")
     p.set_defaults(handler=_timeline)
 
     p = sub.add_parser(
@@ -934,10 +950,32 @@ def _short(value: Any) -> str:
 
 @_guard
 def _timeline(args: argparse.Namespace) -> int:
-    result = charts.timeline(args.log, args.out, top=args.top)
+    steps = None if args.steps is None else charts.parse_steps(args.steps)
+    wanted = [r.strip() for arg in args.request or () for r in arg.split(",") if r.strip()]
+    if args.request is not None and not wanted:
+        raise ValueError("--request takes request ids (none given)")
+    result = charts.timeline(args.log, args.out, top=args.top, requests=wanted, steps=steps)
     status = _warn_damage(args.log, result.damage)
+    if result.check_error:
+        print(f"kvledger: timeline: problems incomplete: {result.check_error}", file=sys.stderr)
+    if args.json:
+        _json(result.to_dict() | {"exit_code": status})
+        return status
     names = ", ".join(s.label for s in result.series)
-    print(f"wrote {result.out}: {len(result.series)} of {result.requests} requests ({names})")
+    lo, hi = result.steps
+    print(
+        f"wrote {result.out}: {len(result.series)} of {result.requests} requests ({names}), "
+        f"steps {lo}..{hi}"
+    )
+    names_count = Counter(m.name for s in result.series for m in s.problems)
+    names_count.update(m.name for m in result.run.problems)
+    marked = ", ".join(f"{name} x{n}" for name, n in names_count.most_common())
+    print(
+        f"problems: {result.problems_drawn} marked ({marked or 'none'}) of "
+        f"{result.problems_total} check found"
+    )
+    for label, a in result.short_loads():
+        print(f"short load: {label} at step {a.step}: loaded {a.loaded} of {a.accepted} accepted")
     return status
 
 

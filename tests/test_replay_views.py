@@ -301,25 +301,31 @@ def test_missing_extras_say_what_to_install(
 # --- timeline -------------------------------------------------------------------------------
 
 
-def test_timeline_html_has_one_series_per_top_request(log: Path, tmp_path: Path) -> None:
+def page_data(html_text: str) -> dict:
+    """The data a timeline page draws (its script draws nothing else)."""
+    m = re.search(r'<script id="timeline-data" type="application/json">(.*?)</script>', html_text)
+    assert m is not None
+    return json.loads(m.group(1).replace("<\\/", "</"))
+
+
+def test_timeline_html_has_one_lane_per_top_request(log: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.html"
     result = replay.timeline(log, out, top=3)
     text = out.read_text()
-    assert (
-        text.count("<svg") == 1
-        and "<script" not in text
-        and "http" not in text.replace('xmlns="http://www.w3.org/2000/svg"', "")
-    )
-    groups = re.findall(r'<g class="request" data-request="([^"]+)"', text)
+    # Self-contained: inline script and data, nothing fetched.
+    assert "src=" not in text and "href=" not in text
+    assert "http" not in text.replace("http://www.w3.org/2000/svg", "")
+    lanes = page_data(text)["lanes"]
     # Ranked: the violation first (d), then the preempted request (b), then by tokens.
-    assert groups == [s.label for s in result.series] == ["req-d", "req-b", "req-a"]
-    for label in groups:
-        block = text.split(f'data-request="{label}"', 1)[1].split("</g>", 1)[0]
-        assert 'class="computed"' in block and 'class="saved"' in block
-    b = text.split('data-request="req-b"', 1)[1].split("</g>", 1)[0]
-    assert 'class="preempted"' in b and 'class="loaded"' in b
-    d = text.split('data-request="req-d"', 1)[1].split("</g>", 1)[0]
-    assert 'class="violation"' in d and "accepted_equals_answer" in d
+    assert [lane["label"] for lane in lanes] == [s.label for s in result.series]
+    assert [s.label for s in result.series] == ["req-d", "req-b", "req-a"]
+    d, b = lanes[0], lanes[1]
+    # Admitted in the step it was added (no wait), preempted at 3, re-admitted at 5.
+    assert b["preemptions"] == [3]
+    assert b["phases"] == [[0, 3, "running"], [3, 5, "preempted"], [5, 10, "running"]]
+    resumed = b["admissions"][-1]
+    assert resumed["step"] == 5 and resumed["loaded"] == 64 and resumed["short"] == 0
+    assert any(m["name"] == "accepted_equals_answer" for m in d["problems"])
     assert result.requests == 4
 
 
@@ -445,6 +451,6 @@ def test_real_log_with_loads_exports_and_draws(real: dict[str, Path], tmp_path: 
     types = Counter(json.loads(line)["type"] for line in (tmp_path / "e.jsonl").open())
     assert types == Counter(st.events_by_type)
     result = replay.timeline(real["loads"], tmp_path / "t.html", top=8)
-    text = (tmp_path / "t.html").read_text()
-    assert text.count('<g class="request"') == len(result.series) == min(8, st.requests)
-    assert 'class="loaded"' in text
+    lanes = page_data((tmp_path / "t.html").read_text())["lanes"]
+    assert len(lanes) == len(result.series) == min(8, st.requests)
+    assert any(a["loaded"] for lane in lanes for a in lane["admissions"])
