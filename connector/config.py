@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 import attrs
 
+from tracker.digests import DIGEST_MODES
+
 __all__ = ["ENV_LOG_DIR", "ConnectorConfig", "ConnectorConfigError"]
 
 # Turns the event log on without touching the serving command line.
@@ -98,6 +100,10 @@ class ConnectorConfig:
     remote_retry_ms: int = 500
     remote_ttl_s: int = 0  # expire chunks after this long (0: never; the server's policy)
     remote_max_chunk_bytes: int = 512 << 20  # Redis's default proto-max-bulk-len
+    # KV-content digests (connector/digests.py, tracker/digests.py): "off", "sampled" (one layer
+    # of each block, chosen by its key) or "full" (every layer). Off by default: opt in per
+    # deployment once its cost is measured (docs/performance.md).
+    digests: str = "off"
 
     @classmethod
     def from_extra_config(
@@ -140,6 +146,13 @@ class ConnectorConfig:
                     f"log_fsync must be 'close', 'step' or 'never', got {extra['log_fsync']!r}"
                 )
             values["log_fsync"] = extra["log_fsync"]
+        if "digests" in extra:
+            mode = extra["digests"]
+            if mode not in DIGEST_MODES:
+                raise ConnectorConfigError(
+                    f"digests must be one of {', '.join(map(repr, DIGEST_MODES))}, got {mode!r}"
+                )
+            values["digests"] = mode
         if "remote_ttl_s" in extra:
             ttl = extra["remote_ttl_s"]
             if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:

@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from tracker.digests import DigestPlan, DigestReport
 from tracker.plans import ChunkTransfer, TransferPlan
 
 __all__ = ["ChunkTransfer", "StepPlan", "TransferPlan", "WorkerReport"]
@@ -35,6 +36,8 @@ class StepPlan:
     # request_finished returned True for these: the worker reports each in finished_sending
     # once no save of it is in flight, and only then may vLLM free its blocks.
     delayed_free: tuple[str, ...] = ()
+    # Blocks to digest this step (connector/digests.py); None with digests off.
+    digests: DigestPlan | None = None
 
 
 @attrs.frozen
@@ -51,6 +54,8 @@ class WorkerReport:
     # The remote tier's results (connector/remote.py): (what, req id, chunk keys, reason),
     # what being "saved" (the server confirmed the writes), "save_failed" or "load_failed".
     remote: tuple[tuple[str, str, tuple[bytes, ...], str], ...] = ()
+    # The KV-content digests of this rank (connector/digests.py); None with digests off.
+    digests: DigestReport | None = None
 
     def merged(self, other: WorkerReport) -> WorkerReport:
         """This rank's results of two moments, in order."""
@@ -61,6 +66,7 @@ class WorkerReport:
             self.loads_failed + other.loads_failed,
             self.rank,
             self.remote + other.remote,
+            _merged(self.digests, other.digests),
         )
 
     def __bool__(self) -> bool:
@@ -70,6 +76,7 @@ class WorkerReport:
             or self.loads_done
             or self.loads_failed
             or self.remote
+            or self.digests
         )
 
     def to_plain(self) -> list[Any]:
@@ -82,12 +89,14 @@ class WorkerReport:
             [[r, list(b)] for r, b in self.loads_failed],
             self.rank,
             [[w, r, list(k), why] for w, r, k, why in self.remote],
+            None if self.digests is None else self.digests.to_plain(),
         ]
 
     @classmethod
     def from_plain(cls, data: Any) -> WorkerReport:
         saves_done, saves_failed, loads_done, loads_failed, rank, *rest = data
         remote = rest[0] if rest else ()
+        digests = rest[1] if len(rest) > 1 else None
         return cls(
             tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_done),
             tuple((str(r), tuple(bytes(x) for x in k)) for r, k in saves_failed),
@@ -97,4 +106,11 @@ class WorkerReport:
             tuple(
                 (str(w), str(r), tuple(bytes(x) for x in k), str(why)) for w, r, k, why in remote
             ),
+            None if digests is None else DigestReport.from_plain(digests),
         )
+
+
+def _merged(a: DigestReport | None, b: DigestReport | None) -> DigestReport | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return a.merged(b)

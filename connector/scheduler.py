@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+import attrs
 import structlog
 
 from connector.config import ConnectorConfig, ConnectorConfigError
@@ -27,6 +28,7 @@ from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.remote import RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
+from tracker.digests import DigestPlanner
 from tracker.log import LogWriteError
 from tracker.plans import blocks_covering, transfer_plan
 from tracker.remote import lookup_keys
@@ -207,6 +209,10 @@ class SchedulerSide:
         self._load_acks: dict[str, _Ack] = {}
         # The remote tier (connector/remote.py): every answer it gives is recorded as a fact
         # before the tracker counts on it; a write counts once every rank confirmed it.
+        # KV-content digests (tracker/digests.py): which blocks the worker digests each step.
+        self.digests: DigestPlanner | None = None
+        if config.digests != "off":
+            self.digests = DigestPlanner(block_size)
         self.remote: RemoteStore | None = None
         self._remote_down = False
         self._remote_acks: dict[bytes, _Ack] = {}
@@ -248,6 +254,8 @@ class SchedulerSide:
             prompt = getattr(request, "prompt_token_ids", None) or ()
             salt = getattr(request, "cache_salt", None) or ""
             self.tracker.add_request(req_id, prompt, str(salt))
+            if self.digests is not None:
+                self.digests.added(req_id, str(salt))
         return req_id
 
     def get_num_new_matched_tokens(
@@ -337,6 +345,8 @@ class SchedulerSide:
         self._see(request)
         self._allocated_this_step.add(req_id)
         self.tracker.allocated(req_id, block_ids, num_external)
+        if self.digests is not None:
+            self.digests.allocated(req_id, block_ids, num_external)  # our loads are synchronous
 
     def build_connector_meta(self, scheduler_output: Any) -> StepPlan:
         """Fold the step into the tracker and return the worker's plan. Whatever fails, the
@@ -360,6 +370,8 @@ class SchedulerSide:
             self._adapter_error("build_connector_meta", exc)
         tracker.decoded(steady, grown)
         plan = self._plan(step, decisions, preempted)
+        if self.digests is not None:
+            plan = attrs.evolve(plan, digests=self._plan_digests(step, scheduler_output, preempted))
         tracker.end_step()
         return plan
 
@@ -484,6 +496,49 @@ class SchedulerSide:
         delayed, self._delayed_free = tuple(self._delayed_free), []
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
 
+    def _plan_digests(self, step: int, out: Any, preempted: tuple[str, ...]) -> Any:
+        """This step's digest plan: every scheduled request's blocks that become full, and
+        the blocks of this step's loads. Its own guard: digests never cost a step."""
+        planner = self.digests
+        assert planner is not None
+        try:
+            for req_id in preempted:
+                planner.preempted(req_id)
+            num_scheduled = out.num_scheduled_tokens
+            requests = self._requests
+            for new in out.scheduled_new_reqs:
+                rid = str(new.req_id)
+                request = requests.get(rid)
+                planner.scheduled(
+                    rid,
+                    replace=True,
+                    block_ids=first_group(new.block_ids),
+                    num_computed=int(new.num_computed_tokens),
+                    num_scheduled=int(num_scheduled.get(rid, 0)),
+                    token_ids=request.all_token_ids if request is not None else (),
+                )
+            cached = out.scheduled_cached_reqs
+            resumed_ids = getattr(cached, "resumed_req_ids", None)
+            flags = getattr(cached, "resumed_from_preemption", None)
+            for i, rid in enumerate(cached.req_ids):
+                resumed = (
+                    rid in resumed_ids if resumed_ids is not None else bool(flags and flags[i])
+                )
+                request = requests.get(rid)
+                planner.scheduled(
+                    rid,
+                    replace=resumed,
+                    block_ids=first_group(cached.new_block_ids[i]),
+                    num_computed=int(cached.num_computed_tokens[i]),
+                    num_scheduled=int(num_scheduled.get(rid, 0)),
+                    token_ids=request.all_token_ids if request is not None else (),
+                )
+            return planner.plan(step)
+        except Exception as exc:
+            planner.plan(step)  # drop what was half planned
+            _log.warning("kvledger.digest_plan_failed", step=step, error=repr(exc))
+            return None
+
     def _refuse_unprocessed_admissions(self) -> list[int]:
         """vLLM counts the external tokens of every allocated admission as computed. One whose
         Scheduled we could not process gets no load: refuse its blocks so vLLM recomputes."""
@@ -572,6 +627,12 @@ class SchedulerSide:
                 apply(req_id, items, rank)
         for req_id in unreadable:
             self._give_up_transfers(req_id, rank)
+        if report.digests is not None:
+            try:
+                for digested in report.digests.events(self.tracker.step):
+                    self.tracker.apply(digested)
+            except Exception as exc:
+                self._unreadable_result(None, "BlockDigested", exc)
         try:
             remote = tuple(report.remote)
         except Exception as exc:
@@ -677,6 +738,8 @@ class SchedulerSide:
         reports the request in ``finished_sending``."""
         req_id = str(request.request_id)
         self._requests.pop(req_id, None)
+        if self.digests is not None:
+            self.digests.finished(req_id)
         delay = self.tracker.finished(req_id, _status_name(request) or "finished")
         if delay:
             self._delayed_free.append(req_id)

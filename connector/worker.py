@@ -58,10 +58,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import structlog
 import torch
 
 from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from connector.remote import RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
@@ -111,6 +113,8 @@ class WorkerSide:
         # or why not), and saves done locally whose bytes go to the server at the report.
         self.remote: RemoteStore | None = None
         self._fetched: dict[bytes, memoryview | str] = {}
+        # Keys this step read from the server: their local saves are not written back to it.
+        self._read_remote: set[bytes] = set()
         self._upload_slot: dict[tuple[str, bytes], int] = {}
         self._to_upload: list[tuple[str, bytes, int]] = []
         if config.remote_url is not None:
@@ -119,6 +123,13 @@ class WorkerSide:
             if down is not None:
                 _log.warning("kvledger.remote_unavailable", rank=rank, error=down)
         self.stats.update(remote_chunks_loaded=0, remote_chunks_saved=0)
+        # KV-content digests (connector/digests.py): None when off. The bound plan's digests
+        # are taken once, after the forward (wait_for_save may be called twice).
+        self.digests: WorkerDigests | None = None
+        if config.digests != "off":
+            self.digests = WorkerDigests(config.digests, layout=layout, rank=rank)
+        self._digest_plan: Any = None
+        self._step_load_errors: set[int] = set()
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -128,6 +139,8 @@ class WorkerSide:
         naming the shape it got."""
         backend = TransferBackend(kv_caches, self.config.chunk_size, self._layout)
         self.backend = backend
+        if self.digests is not None:
+            self.digests.register_kv_caches(kv_caches)
         if self._num_slots is not None:
             self.pool = HostChunkPool(backend.spec, self.config.chunk_size, self._num_slots)
         else:
@@ -165,6 +178,8 @@ class WorkerSide:
             handle.wait(self._compute)
         self._plan = plan
         self._to_save = plan.saves
+        self._digest_plan = plan.digests
+        self._step_load_errors = set(plan.refused_blocks)  # and the loads failing below
         self._step_failed_loads = set()
         self._awaiting_free.update(plan.delayed_free)
         self._load_errors.update(plan.refused_blocks)
@@ -202,6 +217,9 @@ class WorkerSide:
 
     def start_load_kv(self) -> None:
         plan = self._plan
+        self._read_remote = set()
+        if self.digests is not None and plan is not None:
+            self.digests.before_load(plan.digests)  # before any load of this step is issued
         if plan is None or not plan.loads:
             return
         backend, _ = self._ready()
@@ -217,8 +235,10 @@ class WorkerSide:
                 failed.append((load.req_id, bad))
                 self._step_failed_loads.add(load.req_id)
                 self._load_errors.update(bad)
+                self._step_load_errors.update(bad)
             else:
                 done.append(load.req_id)
+        self._read_remote = {k for k, got in self._fetched.items() if not isinstance(got, str)}
         self._fetched = {}
         self._report = self._report.merged(
             WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
@@ -318,6 +338,9 @@ class WorkerSide:
         """Issue the bound plan's saves (once: a second call finds none left). With
         ``defer_finalize`` this runs after the step's report was built: the results go in the
         next report."""
+        if self.digests is not None and self._digest_plan is not None:
+            plan, self._digest_plan = self._digest_plan, None
+            self.digests.after_forward(plan, self._step_load_errors)
         saves, self._to_save = self._to_save, ()
         if not saves:
             return
@@ -338,7 +361,7 @@ class WorkerSide:
                     pool.wait_slot(chunk.slot)  # the slot's previous chunk may still be read
                     handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
-                    if self.remote is not None:
+                    if self.remote is not None and chunk.key not in self._read_remote:
                         self._upload_slot[(save.req_id, chunk.key)] = chunk.slot
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
@@ -425,6 +448,10 @@ class WorkerSide:
         self._drain_saves(block=False)
         self._upload()
         report, self._report = self._report, WorkerReport(rank=self.rank)
+        if self.digests is not None:
+            digests = self.digests.report()
+            if digests is not None:
+                report = attrs.evolve(report, digests=digests)
         return report
 
     def clear(self) -> None:

@@ -787,6 +787,9 @@ class _Checker:
             # Steady decode steps, one per request in each StepDecoded record.
             "steady_decode_steps": steady,
             "by_type": {cls.__name__: n for cls, n in sorted(by_type.items(), key=_type_order)},
+            # The KV-content digests (tracker/digests.py): blocks digested, loaded blocks
+            # checked, verified, mismatched, unchanged, unverifiable (no digest for the key).
+            "digests": tracker.digests.stats.to_dict(),
         }
 
 

@@ -25,6 +25,7 @@ from connector.scheduler import SchedulerSide
 
 ACCEPTED = [
     "chunk_size",
+    "digests",
     "discard_partial_chunks",
     "host_pool_bytes",
     "log_background",
@@ -68,6 +69,7 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
         "remote_retry_ms": 500,
         "remote_ttl_s": 0,
         "remote_max_chunk_bytes": 512 << 20,
+        "digests": "off",
     }
     assert sorted(attrs.asdict(config)) == ACCEPTED
 
@@ -135,6 +137,8 @@ def test_booleans_accept_strings(text: str) -> None:
         ("log_background", "on"),
         ("log_queue_bytes", 0),
         ("log_required", 3),
+        ("digests", "on"),
+        ("digests", True),
     ],
 )
 def test_bad_value_names_the_key(key: str, value: Any) -> None:

@@ -24,6 +24,7 @@ from tracker import invariants
 from tracker.chunks import ChunkIndex
 from tracker.codec import EncodeError
 from tracker.config import TrackerConfig
+from tracker.digests import DIGEST_TYPES, DigestBook
 from tracker.history import RETIRED_MEMORY, retires
 from tracker.index_fold import apply_decision, apply_input
 from tracker.numbering import RequestNumbers
@@ -109,6 +110,9 @@ class Tracker:
         # external tokens) until its admission's LoadPlanned pins them itself: in between,
         # another request's save in the same step must not evict them.
         self._reserved: dict[str, tuple[bytes, ...]] = {}
+        # The KV-content digests recorded so far, and the rules that judge a load by them
+        # (tracker/digests.py).
+        self.digests = DigestBook()
 
     # --- the core verb ------------------------------------------------------------------
 
@@ -129,6 +133,21 @@ class Tracker:
         apply_remote(self.index, event)
         self._record(event, ())
         return []
+
+    def _apply_digest_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
+        """The worker's digests (BlockDigested, LoadDigested): the digest book alone changes;
+        a load that broke a digest rule is a violation of its request, which falls back to
+        recompute (its KV is wrong: nothing more of it is saved)."""
+        found = self.digests.apply(event)
+        self._record(event, ())
+        decisions: list[ev.DecisionEvent] = []
+        for v in found:
+            state = self.state(v.req_id)
+            if state is not None and not state.recompute_only:
+                state = state._replace(recompute_only=True)
+                self._store(v.req_id, state)
+            decisions.extend(self._report((v,), state))
+        return decisions
 
     def _apply_request_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         config = self.config
@@ -454,6 +473,7 @@ class Tracker:
         ev.ChunkEvicted: _apply_pool_event,
         ev.StepDecoded: _apply_step_decoded,
         **dict.fromkeys(REMOTE_TYPES, _apply_remote_event),
+        **dict.fromkeys(DIGEST_TYPES, _apply_digest_event),
     }
 
     # --- one helper per callback: build the event for the current step, apply it ---------

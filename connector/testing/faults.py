@@ -11,17 +11,23 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
+
+import torch
 
 from connector.config import ConnectorConfig
 from connector.messages import ChunkTransfer, TransferPlan, WorkerReport
 from connector.worker import WorkerSide
+from tracker.plans import blocks_covering
 
 __all__ = ["FaultyWorkerSide", "LoadFault"]
 
-# (req id, chunk) -> True to make this chunk's load fail, as a lost or corrupt remote chunk would.
-LoadFault = Callable[[str, ChunkTransfer], bool]
+# (req id, chunk) -> True to make this chunk's load fail, as a lost or corrupt remote chunk would;
+# or a silent fault, reported as a successful load: "skip" (nothing is written, as a connector
+# that forgets a load) or "corrupt" (the bytes are loaded, then changed, as a connector that
+# loads the wrong bytes). Only KV-content digests (or the oracle) see a silent fault.
+LoadFault = Callable[[str, ChunkTransfer], "bool | str"]
 
 
 class FaultyWorkerSide(WorkerSide):
@@ -34,15 +40,37 @@ class FaultyWorkerSide(WorkerSide):
         super().__init__(config, **kwargs)
         self.load_fault = load_fault
         self._failed_loads: set[str] = set()
+        self._caches: list[Any] = []
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._caches = list(kv_caches.values())
 
     def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
         try:
-            if self.load_fault is not None and self.load_fault(load.req_id, chunk):
+            fault = self.load_fault(load.req_id, chunk) if self.load_fault is not None else False
+            if fault == "skip":
+                return
+            if fault is True:
                 raise OSError("injected load fault")
             super().load_chunk(load, chunk)
+            if fault == "corrupt":
+                self._corrupt(load, chunk)
         except Exception:
             self._failed_loads.add(load.req_id)
             raise
+
+    def _corrupt(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Change every value of the blocks the chunk filled (all layers)."""
+        assert self.backend is not None
+        spec = self.backend.spec
+        blocks = blocks_covering(
+            load.block_ids, spec.block_size, chunk.token_start, chunk.token_end
+        )
+        ids = torch.tensor(blocks, dtype=torch.int64, device=spec.device)
+        for cache in self._caches:
+            view = cache.transpose(0, 1) if spec.layout == "flash_attn" else cache
+            view[ids] = view[ids] + 1
 
     def failed_load_requests(self) -> set[str]:
         """Requests whose load failed in this step (their forward ran over a wrong prefix): the

@@ -1,0 +1,221 @@
+"""KV-content digests on the worker: a deterministic 64-bit digest of a block's bytes.
+
+The scheduler plans which blocks to digest (``tracker.digests.DigestPlan``); this module
+computes the digests with torch on the device the caches live on and hands back a
+``tracker.digests.DigestReport``. Nothing here decides or judges anything.
+
+The digest of block ``b`` is a weighted sum, modulo 2**64, of the block's bytes read as 64-bit
+words (``view(torch.int64)``: no conversion, no copy beyond gathering the blocks), with fixed
+odd pseudo-random weights, one sum per layer, the layers' sums combined with weights of their
+own, and a final 64-bit mix on the host. A single changed element changes the digest (its
+word changes by ``delta * 2**k``, ``k < 64``, times an odd weight: never 0 mod 2**64);
+integer arithmetic makes it exact and the same on every run and device. It is not
+cryptographic: it catches wrong, stale or missing bytes, not an adversary.
+
+A block's bytes are read in the cache's own order, for every layout ``connector.transfer``
+moves: ``flash_attn`` ``[2, num_blocks, ...]`` (block dim 1), ``flashinfer``
+``[num_blocks, 2, ...]`` and ``cpu_attn`` ``[num_blocks, heads, block_size, 2 * head_size]``
+(block dim 0). Digests compare only within one run's layout, which is all the rule needs.
+
+``full`` digests every layer of a block; ``sampled`` one layer, chosen by the block's key (so
+that the step that computed a prefix and the one that loaded it digest the same layer, and
+over many blocks every layer is looked at): ``1 / num_layers`` of the bytes.
+
+Cost: the blocks are gathered with one ``index_select`` per layer, multiplied and summed on
+the device; the host waits once per step (one ``tolist`` for every digest of the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from connector.transfer import describe_kv_caches
+from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestReport
+
+__all__ = ["BlockDigester", "WorkerDigests"]
+
+_log = structlog.get_logger("kvledger.connector")
+
+_MASK = (1 << 64) - 1
+# Integer dtypes by width, widest first: the block's bytes are read as the widest that divides
+# them (int64 for every real layout).
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: spreads the sum's bits (a digest is compared, never summed)."""
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def _odd_weights(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-(1 << 62), 1 << 62, (n,), generator=g, dtype=torch.int64)
+    return w | 1
+
+
+class BlockDigester:
+    """Digests blocks of vLLM's paged KV caches (``kv_caches``: layer name -> cache, in layer
+    order, as ``register_kv_caches`` gets them). ``mode``: ``full`` or ``sampled``."""
+
+    def __init__(
+        self, kv_caches: Mapping[str, torch.Tensor], mode: str = "full", layout: str | None = None
+    ) -> None:
+        if mode not in DIGEST_MODES or mode == "off":
+            raise ValueError(f"digest mode must be 'sampled' or 'full', got {mode!r}")
+        self.mode = mode
+        self.spec = describe_kv_caches(kv_caches, layout)
+        caches = list(kv_caches.values())
+        # Each layer as [num_blocks, ...] (a view: flash_attn's block dim is the second).
+        self._blocks = [
+            c.transpose(0, 1) if self.spec.layout == "flash_attn" else c for c in caches
+        ]
+        first = self._blocks[0]
+        block_bytes = first[0].numel() * first.element_size()
+        size, self._word = next((s, d) for s, d in _WORDS if block_bytes % s == 0)
+        self.block_bytes = block_bytes
+        device = first.device
+        self._weights = _odd_weights(block_bytes // size, 0x6B766C).to(device)
+        self._layer_weights = _odd_weights(len(caches), 0x6C6179).to(device)
+        self.device = device
+
+    def layer_of(self, key: bytes) -> int:
+        """The layer ``sampled`` digests for the block keyed ``key``."""
+        return int.from_bytes(key[:8], "little") % len(self._blocks)
+
+    def digest(self, blocks: Sequence[DigestBlock]) -> torch.Tensor:
+        """The blocks' raw digests, an int64 tensor on the caches' device (no host wait);
+        :meth:`finish` turns a host copy into the digests."""
+        n = len(blocks)
+        if n == 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        if self.mode == "full":
+            ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int64).to(self.device)
+            total = torch.zeros(n, dtype=torch.int64, device=self.device)
+            for layer, view in enumerate(self._blocks):
+                total += self._sums(view, ids) * self._layer_weights[layer]
+            return total
+        out = torch.zeros(n, dtype=torch.int64, device=self.device)
+        by_layer: dict[int, list[int]] = {}
+        for i, b in enumerate(blocks):
+            by_layer.setdefault(self.layer_of(b.key), []).append(i)
+        for layer, rows in sorted(by_layer.items()):
+            ids = torch.tensor([blocks[i].block_id for i in rows], dtype=torch.int64)
+            where = torch.tensor(rows, dtype=torch.int64).to(self.device)
+            sums = self._sums(self._blocks[layer], ids.to(self.device))
+            out.index_copy_(0, where, sums * self._layer_weights[layer])
+        return out
+
+    def _sums(self, view: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        words = view.index_select(0, ids).reshape(ids.numel(), -1).view(self._word)
+        if self._word is not torch.int64:
+            words = words.to(torch.int64)
+        return (words * self._weights).sum(dim=1)
+
+    @staticmethod
+    def finish(raw: int) -> int:
+        """A raw digest (from the device, as a Python int) as the digest reported."""
+        return _mix64(raw)
+
+
+class WorkerDigests:
+    """The worker's digest hook, per step: :meth:`before_load` in ``start_load_kv`` before any
+    load is issued, :meth:`after_forward` in ``wait_for_save`` after the forward pass,
+    :meth:`report` when the worker's results go to the scheduler. A failure here is logged and
+    costs that step's digests, never the step."""
+
+    def __init__(self, mode: str, *, layout: str | None = None, rank: int = 0) -> None:
+        self.mode = mode
+        self.layout = layout
+        self.rank = rank
+        self.digester: BlockDigester | None = None
+        self._before: tuple[tuple[DigestBlock, ...], torch.Tensor] | None = None
+        # Digests before the load, of loads not verified yet (asynchronous ones wait here).
+        self._before_of: dict[tuple[str, int], int] = {}
+        self._blocks: list[tuple[str, int, bytes, int]] = []
+        self._loads: list[tuple[str, int, bytes, int, int]] = []
+        self.errors = 0
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        self.digester = BlockDigester(kv_caches, self.mode, self.layout)
+
+    def before_load(self, plan: DigestPlan | None) -> None:
+        self._before = None
+        if plan is None or not plan.before or self.digester is None:
+            return
+        try:
+            self._before = (plan.before, self.digester.digest(plan.before))
+        except Exception as exc:
+            self._failed("before_load", exc)
+
+    def after_forward(self, plan: DigestPlan | None, load_errors: Collection[int] = ()) -> None:
+        """Digest the plan's ``full`` and ``verify`` blocks; a loaded block in ``load_errors``
+        (its load failed or was refused: vLLM recomputes it) is not judged."""
+        before, self._before = self._before, None
+        if plan is None or self.digester is None:
+            return
+        if load_errors and plan.verify:
+            plan = attrs.evolve(
+                plan, verify=tuple(b for b in plan.verify if b.block_id not in load_errors)
+            )
+        try:
+            self._after(plan, before)
+        except Exception as exc:
+            self._failed("after_forward", exc)
+
+    def _after(self, plan: DigestPlan, before: tuple[tuple[DigestBlock, ...], Any] | None) -> None:
+        assert self.digester is not None
+        digest = self.digester.digest
+        parts: list[tuple[tuple[DigestBlock, ...], torch.Tensor]] = []
+        if before is not None:
+            parts.append(before)
+        if plan.full:
+            parts.append((plan.full, digest(plan.full)))
+        if plan.verify:
+            parts.append((plan.verify, digest(plan.verify)))
+        if not parts:
+            return
+        # The one host wait of the step.
+        raw = torch.cat([t for _, t in parts]).tolist()
+        finish = self.digester.finish
+        i = 0
+        for k, (blocks, _) in enumerate(parts):
+            values = [finish(v) for v in raw[i : i + len(blocks)]]
+            i += len(blocks)
+            if before is not None and k == 0:
+                for b, v in zip(blocks, values, strict=True):
+                    self._before_of[(b.req_id, b.block_index)] = v
+            elif blocks is plan.full:
+                self._blocks.extend(
+                    (b.req_id, b.block_index, b.key, v) for b, v in zip(blocks, values, strict=True)
+                )
+            else:
+                for b, v in zip(blocks, values, strict=True):
+                    was = self._before_of.pop((b.req_id, b.block_index), None)
+                    if was is not None:
+                        self._loads.append((b.req_id, b.block_index, b.key, was, v))
+
+    def _failed(self, where: str, exc: Exception) -> None:
+        self.errors += 1
+        _log.warning("kvledger.digest_failed", where=where, error=f"{type(exc).__name__}: {exc}")
+
+    def forget(self, req_ids: Sequence[str]) -> None:
+        """Requests that finished: their pending before-digests are dropped."""
+        gone = set(req_ids)
+        for k in [k for k in self._before_of if k[0] in gone]:
+            del self._before_of[k]
+
+    def report(self) -> DigestReport | None:
+        """What was digested since the last report."""
+        if not (self._blocks or self._loads):
+            return None
+        out = DigestReport(tuple(self._blocks), tuple(self._loads), self.rank)
+        self._blocks, self._loads = [], []
+        return out

@@ -1,0 +1,450 @@
+"""KV-content digests: which blocks to digest, and the rule that judges the digests.
+
+What a connector claims to have loaded is only true if the blocks hold the right KV. The
+worker digests blocks (``connector/digests.py``: a deterministic function of a block's bytes,
+computed with torch on the cache's device); this module, pure, decides which blocks and judges
+what comes back.
+
+- **Keys.** A block's key names its token prefix: a hash chain over the token ids of every full
+  block up to and including it (:func:`block_keys`, the chain of ``tracker.chunks`` with one
+  block per link), the same for every request with that prefix, under any connector.
+- **The plan** (:class:`DigestPlanner`, folded from the scheduler's facts, one
+  :class:`DigestPlan` per step): ``full`` are the blocks that became full in this step's
+  forward (digested after it); ``before`` and ``verify`` the blocks vLLM accepted as external
+  (loaded by the connector), digested before the load is issued and after it completed: a
+  synchronous load in the step that schedules it, an asynchronous one once the request was
+  reported in ``finished_recving``.
+- **The book** (:class:`DigestBook`): key -> the digests recorded for it (every one: two
+  requests that computed the same prefix in different batches may differ in the last bits).
+  A loaded block is judged against it: ``digest_mismatch`` when its digest after the load is
+  none of the key's; ``load_unchanged`` when the load left it as it was (``after == before``:
+  nothing was written); a key with no digest recorded is *unverifiable*, counted, not a
+  violation (the prefix was computed before the log began, or by another engine).
+
+Under tensor or pipeline parallelism each rank digests its own share, so the book is keyed by
+(rank, key). Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+import attrs
+
+from tracker import events as ev
+from tracker.chunks import chunk_keys, root_key
+from tracker.state import Violation
+
+__all__ = [
+    "DIGEST_MODES",
+    "DIGEST_RULES",
+    "DIGEST_TYPES",
+    "BookStats",
+    "DigestBlock",
+    "DigestBook",
+    "DigestPlan",
+    "DigestPlanner",
+    "DigestReport",
+    "block_keys",
+]
+
+# `off`: nothing digested; `sampled`: every planned block, one layer of it (chosen by its key,
+# so the saving and the loading side digest the same layer); `full`: every layer.
+DIGEST_MODES = ("off", "sampled", "full")
+DIGEST_RULES = frozenset({"digest_mismatch", "load_unchanged"})
+DIGEST_TYPES: tuple[type[ev.Event], ...] = (ev.BlockDigested, ev.LoadDigested)
+
+# The root of the digest keys' chain: its own, so a block key never equals a chunk key.
+_ROOT = root_key("kvledger-digest")
+# Keys the book remembers (least recently recorded forgotten first: then unverifiable), and
+# digests per key (distinct ones; more than a few means the computation is not deterministic).
+BOOK_KEYS = 1 << 20
+DIGESTS_PER_KEY = 8
+_MASK = (1 << 64) - 1
+
+
+def block_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str = "",
+    *,
+    prev: bytes | None = None,
+    first: int = 0,
+) -> tuple[bytes, ...]:
+    """Keys of the full blocks of ``token_ids`` (from block ``first`` on, chained from
+    ``prev``, the key of block ``first - 1``; by default from the start of the prompt)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if prev is None:
+        if first:
+            raise ValueError("block_keys from a block other than 0 needs the previous key")
+        prev = _ROOT if not cache_salt else root_key("kvledger-digest", cache_salt)
+    return tuple(chunk_keys(prev, token_ids, block_size, first))
+
+
+class DigestBlock(NamedTuple):
+    """One block to digest: block ``block_index`` of ``req_id``'s table is vLLM block ``block_id``."""
+
+    req_id: str
+    block_index: int
+    block_id: int
+    key: bytes
+
+
+@attrs.frozen
+class DigestPlan:
+    """What the worker digests in one step (scheduler -> worker, in the connector metadata).
+
+    ``before``: digested in ``start_load_kv`` before any load is issued; ``full`` and
+    ``verify``: after the forward pass (``wait_for_save``). A ``verify`` block of a synchronous
+    load is in ``before`` of the same step; one of an asynchronous load was in ``before`` of
+    the step that issued it."""
+
+    step: int
+    full: tuple[DigestBlock, ...] = ()
+    before: tuple[DigestBlock, ...] = ()
+    verify: tuple[DigestBlock, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.full or self.before or self.verify)
+
+
+@attrs.frozen
+class DigestReport:
+    """What one worker rank digested (worker -> scheduler): ``blocks`` as
+    (req id, block index, key, digest), ``loads`` as (req id, block index, key, before,
+    after). Digests are unsigned 64-bit ints."""
+
+    blocks: tuple[tuple[str, int, bytes, int], ...] = ()
+    loads: tuple[tuple[str, int, bytes, int, int], ...] = ()
+    rank: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks or self.loads)
+
+    def merged(self, other: DigestReport) -> DigestReport:
+        return DigestReport(self.blocks + other.blocks, self.loads + other.loads, self.rank)
+
+    def to_plain(self) -> list[Any]:
+        return [[list(b) for b in self.blocks], [list(x) for x in self.loads], self.rank]
+
+    @classmethod
+    def from_plain(cls, data: Any) -> DigestReport:
+        blocks, loads, rank = data
+        return cls(
+            tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in blocks),
+            tuple((str(r), int(i), bytes(k), int(b), int(a)) for r, i, k, b, a in loads),
+            int(rank),
+        )
+
+    def events(self, step: int) -> list[ev.Event]:
+        """The report as log events: one ``BlockDigested`` / ``LoadDigested`` per run of
+        consecutive blocks of one request, in report order."""
+        out: list[ev.Event] = []
+        for req_id, start, rows in _runs(self.blocks):
+            out.append(
+                ev.BlockDigested(
+                    step,
+                    req_id,
+                    start,
+                    tuple(r[2] for r in rows),
+                    tuple(r[3] for r in rows),
+                    self.rank,
+                )
+            )
+        for req_id, start, lrows in _runs(self.loads):
+            out.append(
+                ev.LoadDigested(
+                    step,
+                    req_id,
+                    start,
+                    tuple(r[2] for r in lrows),
+                    tuple(r[3] for r in lrows),
+                    tuple(r[4] for r in lrows),
+                    self.rank,
+                )
+            )
+        return out
+
+
+def _runs(rows: Sequence[Any]) -> Iterable[tuple[str, int, list[Any]]]:
+    run: list[Any] = []
+    for row in rows:
+        if run and (row[0] != run[-1][0] or row[1] != run[-1][1] + 1):
+            yield run[0][0], run[0][1], run
+            run = []
+        run.append(row)
+    if run:
+        yield run[0][0], run[0][1], run
+
+
+# --- the plan -----------------------------------------------------------------------------
+
+
+class _Req:
+    __slots__ = ("async_load", "blocks", "keys", "load", "salt", "tokens")
+
+    def __init__(self, salt: str) -> None:
+        self.salt = salt
+        self.blocks: list[int] = []
+        self.keys: list[bytes] = []
+        # The external tokens vLLM accepted for a synchronous load (planned when the request
+        # is scheduled); an asynchronous load's blocks, once issued, until verified.
+        self.load: int | None = None
+        self.async_load: tuple[DigestBlock, ...] = ()
+
+
+class DigestPlanner:
+    """Folds the scheduler's facts into one :class:`DigestPlan` per step (see the module
+    docstring). The caller tells it, in vLLM's order: :meth:`allocated`
+    (``update_state_after_alloc``), :meth:`scheduled` for every scheduled request
+    (``build_connector_meta``), :meth:`finished_recving` (``update_connector_output``),
+    :meth:`finished` (``request_finished``); :meth:`plan` ends the step. Memory: the live
+    requests' block tables and keys."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self._reqs: dict[str, _Req] = {}
+        self._full: list[DigestBlock] = []
+        self._before: list[DigestBlock] = []
+        self._verify: list[DigestBlock] = []
+
+    def _req(self, req_id: str, cache_salt: str = "") -> _Req:
+        r = self._reqs.get(req_id)
+        if r is None:
+            r = self._reqs[req_id] = _Req(cache_salt)
+        return r
+
+    def added(self, req_id: str, cache_salt: str = "") -> None:
+        """A new request (its cache salt starts its keys' chain)."""
+        self._reqs[req_id] = _Req(cache_salt)
+
+    def _keys(self, r: _Req, token_ids: Sequence[int], upto: int) -> list[bytes]:
+        """The keys of blocks ``[0, upto)`` (fewer if the token ids known do not reach)."""
+        have = len(r.keys)
+        if have < upto:
+            bs = self.block_size
+            end = min(upto, len(token_ids) // bs)
+            if end > have:
+                prev = r.keys[-1] if r.keys else None
+                tokens = list(token_ids[: end * bs])
+                r.keys.extend(block_keys(tokens, bs, r.salt, prev=prev, first=have))
+        return r.keys
+
+    def allocated(
+        self,
+        req_id: str,
+        block_ids: Sequence[int],
+        num_external: int,
+        *,
+        load_async: bool = False,
+        local_hit: int = 0,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """vLLM accepted ``num_external`` tokens into ``block_ids`` (the request's whole
+        table). A synchronous load fills ``[num_computed - num_external, num_computed)`` of
+        the step that schedules the request, planned then. An asynchronous one fills
+        ``[local_hit, local_hit + num_external)`` (``local_hit``: vLLM's prefix-cache hit, the
+        lookup's ``num_computed_tokens``): digested ``before`` now, verified once the request
+        is in ``finished_recving`` (``token_ids`` name its keys)."""
+        r = self._req(req_id)
+        r.load = None
+        if num_external <= 0:
+            return
+        if not load_async:
+            r.load = num_external
+            return
+        r.blocks = list(block_ids)
+        r.async_load = self._loaded_blocks(
+            req_id, r, local_hit, local_hit + num_external, token_ids
+        )
+        self._before.extend(r.async_load)
+
+    def _loaded_blocks(
+        self, req_id: str, r: _Req, start: int, end: int, token_ids: Sequence[int]
+    ) -> tuple[DigestBlock, ...]:
+        """The whole blocks of ``[start, end)``: a block the load fills only in part also
+        holds tokens computed here, and has no key to judge it by."""
+        bs = self.block_size
+        first, last = -(-start // bs), end // bs
+        keys = self._keys(r, token_ids, last)
+        table = r.blocks
+        return tuple(
+            DigestBlock(req_id, i, table[i], keys[i])
+            for i in range(first, min(last, len(keys), len(table)))
+        )
+
+    def scheduled(
+        self,
+        req_id: str,
+        *,
+        replace: bool,
+        block_ids: Sequence[int],
+        num_computed: int,
+        num_scheduled: int,
+        token_ids: Sequence[int],
+    ) -> None:
+        """vLLM scheduled ``num_scheduled`` tokens after ``num_computed``; ``block_ids`` are
+        the request's whole table (``replace``: a new or resumed admission) or the blocks
+        appended to it. ``token_ids``: the request's token ids known now (blocks whose tokens
+        are not all known yet, under async scheduling, are not digested)."""
+        r = self._req(req_id)
+        if replace:
+            r.blocks = list(block_ids)
+        else:
+            r.blocks.extend(block_ids)
+        bs = self.block_size
+        load, r.load = r.load, None
+        if load is not None and replace:
+            # A synchronous load fills [num_computed - external, num_computed) in this step.
+            start = max(0, num_computed - load)
+            blocks = self._loaded_blocks(req_id, r, start, num_computed, token_ids)
+            self._before.extend(blocks)
+            self._verify.extend(blocks)
+        first, last = num_computed // bs, (num_computed + num_scheduled) // bs
+        if last <= first:
+            return
+        keys = self._keys(r, token_ids, last)
+        table = r.blocks
+        self._full.extend(
+            DigestBlock(req_id, i, table[i], keys[i])
+            for i in range(first, min(last, len(keys), len(table)))
+        )
+
+    def finished_recving(self, req_ids: Iterable[str]) -> None:
+        """These requests' asynchronous loads completed: their blocks are verified in the
+        next step's plan."""
+        for req_id in req_ids:
+            r = self._reqs.get(req_id)
+            if r is not None and r.async_load:
+                self._verify.extend(r.async_load)
+                r.async_load = ()
+
+    def finished(self, req_id: str) -> None:
+        """The request finished: its blocks may be freed (its pending checks are dropped)."""
+        self._reqs.pop(req_id, None)
+
+    def preempted(self, req_id: str) -> None:
+        """Preempted: vLLM frees its blocks; a resumption brings a whole new table."""
+        r = self._reqs.get(req_id)
+        if r is not None:
+            r.blocks = []
+            r.async_load = ()
+
+    def plan(self, step: int) -> DigestPlan | None:
+        """This step's plan (None when there is nothing to digest); starts the next step."""
+        live = self._reqs
+        full = tuple(b for b in self._full if b.req_id in live)
+        before = tuple(b for b in self._before if b.req_id in live)
+        verify = tuple(b for b in self._verify if b.req_id in live)
+        self._full, self._before, self._verify = [], [], []
+        if not (full or before or verify):
+            return None
+        return DigestPlan(step, full, before, verify)
+
+
+# --- the book and its rules ---------------------------------------------------------------
+
+
+@attrs.define
+class BookStats:
+    """What the book saw: blocks digested (after a forward), loaded blocks checked, of which
+    verified (a recorded digest matched), mismatched, unchanged, and unverifiable (no digest
+    recorded for the key)."""
+
+    digested: int = 0
+    loaded: int = 0
+    verified: int = 0
+    mismatched: int = 0
+    unchanged: int = 0
+    unverifiable: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return attrs.asdict(self)
+
+
+class DigestBook:
+    """The recorded digests, (rank, key) -> the distinct digests seen, and the rules that
+    judge a load against them. ``apply(event)`` takes any event and returns the violations it
+    shows (only ``LoadDigested`` can show any)."""
+
+    def __init__(self, max_keys: int = BOOK_KEYS) -> None:
+        self.max_keys = max_keys
+        self._book: OrderedDict[tuple[int, bytes], tuple[int, ...]] = OrderedDict()
+        self.stats = BookStats()
+
+    def digests_of(self, key: bytes, rank: int = 0) -> tuple[int, ...]:
+        return self._book.get((rank, key), ())
+
+    def apply(self, event: ev.Event) -> list[Violation]:
+        if isinstance(event, ev.BlockDigested):
+            self._record(event)
+            return []
+        if isinstance(event, ev.LoadDigested):
+            return self._judge(event)
+        return []
+
+    def _record(self, e: ev.BlockDigested) -> None:
+        book = self._book
+        for key, digest in zip(e.keys, e.digests, strict=False):
+            self.stats.digested += 1
+            k = (e.rank, key)
+            seen = book.get(k, ())
+            if digest not in seen and len(seen) < DIGESTS_PER_KEY:
+                book[k] = (*seen, digest)
+            else:
+                book[k] = seen
+            book.move_to_end(k)
+        while len(book) > self.max_keys:
+            book.popitem(last=False)
+
+    def _judge(self, e: ev.LoadDigested) -> list[Violation]:
+        out: list[Violation] = []
+        stats = self.stats
+        for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=False)):
+            stats.loaded += 1
+            block = e.start + i
+            if after == before:
+                stats.unchanged += 1
+                out.append(
+                    Violation(
+                        "load_unchanged",
+                        e.step,
+                        e.req_id,
+                        "LoadDigested",
+                        {"block": block, "key": key.hex(), "digest": _hex(after)},
+                    )
+                )
+                continue
+            expected = self._book.get((e.rank, key))
+            if not expected:
+                stats.unverifiable += 1
+                continue
+            if after in expected:
+                stats.verified += 1
+                continue
+            stats.mismatched += 1
+            out.append(
+                Violation(
+                    "digest_mismatch",
+                    e.step,
+                    e.req_id,
+                    "LoadDigested",
+                    {
+                        "block": block,
+                        "key": key.hex(),
+                        "expected": "|".join(map(_hex, expected)),
+                        "found": _hex(after),
+                        **({"rank": e.rank} if e.rank else {}),
+                    },
+                )
+            )
+        return out
+
+
+def _hex(digest: int) -> str:
+    return f"{digest & _MASK:016x}"
