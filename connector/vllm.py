@@ -1,6 +1,7 @@
 """``KVLedgerConnector``: the class vLLM loads. Thin: every method forwards to one side.
 
-Load it with::
+``KVLedgerRecorder`` (connector/recorder.py), the wrapper that records any other connector,
+is loaded from this module the same way. Load ``KVLedgerConnector`` with::
 
     --kv-transfer-config '{"kv_connector": "KVLedgerConnector",
                            "kv_connector_module_path": "connector.vllm",
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from connector.config import ConnectorConfig
 from connector.messages import StepPlan, WorkerReport
+from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
 from connector.scheduler import SchedulerSide
 
 if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
@@ -45,7 +47,7 @@ except ImportError:  # pragma: no cover - older vLLM
 # connector stats (0.11 - 0.17), which vLLM also hands to update_connector_output.
 WORKER_META_CHANNEL = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
 
-__all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerWorkerMetadata"]
+__all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerRecorder", "KVLedgerWorkerMetadata"]
 
 _BASE_TAKES_KV_CACHE_CONFIG = (
     "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters

@@ -24,20 +24,26 @@ __all__ = [
     "EVENT_TYPES",
     "Admission",
     "Allocated",
-    "BlockDigested",
     "ChunkEvicted",
     "ChunkStored",
     "DecisionEvent",
     "Event",
     "Finished",
+    "InnerFinishedAnswered",
+    "InnerLoadErrors",
+    "InnerLookupAnswered",
+    "InnerRaised",
+    "InnerRecvDone",
+    "InnerSendDone",
+    "InnerStats",
     "InputEvent",
-    "LoadDigested",
     "LoadDone",
     "LoadFailed",
     "LoadPlanned",
     "LookupAnswered",
     "LookupAsked",
     "Preempted",
+    "RecordLost",
     "RemoteFound",
     "RemoteLoadFailed",
     "RemoteOutage",
@@ -326,34 +332,91 @@ class RemoteRestored(InputEvent):
     TAG: ClassVar[int] = 35
 
 
-# --- KV-content digests (tags 60-69): what the worker found in the blocks (tracker/digests.py)
+# --- the recorder (tags 40-59): what a wrapped connector answered (connector/recorder.py) ---
+# A recorder's log holds vLLM's facts as the input events above (RequestAdded, LookupAsked,
+# Allocated, Scheduled, Preempted, Finished) and, next to them, what the wrapped ("inner")
+# connector answered. They are facts too (KIND "input"): nothing in a recorder's log was
+# decided by kvledger. Events about no one request have an empty ``req_id``.
 
 
 @attrs.frozen(slots=True)
-class BlockDigested(InputEvent):
-    """After a forward pass, the worker digested the blocks that became full: block
-    ``start + i`` of the request, keyed ``keys[i]`` (its token prefix), held ``digests[i]``
-    (an unsigned 64-bit digest of its bytes, on worker ``rank``)."""
+class InnerLookupAnswered(InputEvent):
+    """The inner's answer to the ``get_num_new_matched_tokens`` recorded just before it (a
+    ``LookupAsked``): ``external`` tokens offered (-1: ``None``, "ask again later") and
+    whether it loads them asynchronously."""
 
-    TAG: ClassVar[int] = 60
-    start: int
-    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
-    digests: tuple[int, ...] = attrs.field(default=(), converter=_ints)
-    rank: int = 0
+    TAG: ClassVar[int] = 40
+    external: int = 0
+    load_async: bool = False
 
 
 @attrs.frozen(slots=True)
-class LoadDigested(InputEvent):
-    """A load into blocks ``start + i`` (keyed ``keys[i]``) completed: the blocks' digests
-    ``before`` the load was issued and ``after`` it completed, on worker ``rank``. Judged
-    against the ``BlockDigested`` of the same keys (``digest_mismatch``, ``load_unchanged``)."""
+class InnerFinishedAnswered(InputEvent):
+    """The inner's answer to ``request_finished`` (recorded after the ``Finished``): ``delay``
+    True keeps ``block_ids`` (group 0) until the worker reports the request in
+    ``finished_sending``; ``params`` names the keys of the ``kv_transfer_params`` it
+    returned (comma-separated, empty for None)."""
 
-    TAG: ClassVar[int] = 61
-    start: int
-    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
-    before: tuple[int, ...] = attrs.field(default=(), converter=_ints)
-    after: tuple[int, ...] = attrs.field(default=(), converter=_ints)
-    rank: int = 0
+    TAG: ClassVar[int] = 41
+    delay: bool = False
+    block_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    params: str = ""
+
+
+@attrs.frozen(slots=True)
+class InnerSendDone(InputEvent):
+    """The worker reported the request in ``finished_sending``: its saves are done and vLLM
+    may free the blocks it kept."""
+
+    TAG: ClassVar[int] = 42
+
+
+@attrs.frozen(slots=True)
+class InnerRecvDone(InputEvent):
+    """The worker reported the request in ``finished_recving`` (an asynchronous load ended);
+    ``failed``: also in ``failed_recving`` (vLLM >= 0.30)."""
+
+    TAG: ClassVar[int] = 43
+    failed: bool = False
+
+
+@attrs.frozen(slots=True)
+class InnerLoadErrors(InputEvent):
+    """The worker's ``get_block_ids_with_load_errors`` (``invalid_block_ids``): blocks whose
+    load failed this step. ``req_id`` is empty: vLLM reports blocks, not requests."""
+
+    TAG: ClassVar[int] = 44
+    block_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+
+
+@attrs.frozen(slots=True)
+class InnerStats(InputEvent):
+    """The inner's connector stats (``kv_connector_stats``, or the scheduler side's own), as
+    JSON cut to a few KiB; ``side`` is ``worker`` or ``scheduler``. ``req_id`` is empty."""
+
+    TAG: ClassVar[int] = 45
+    side: str = "worker"
+    data: str = ""
+
+
+@attrs.frozen(slots=True)
+class InnerRaised(InputEvent):
+    """The inner raised in ``callback`` (the exception went on to vLLM unchanged)."""
+
+    TAG: ClassVar[int] = 46
+    callback: str = ""
+    error: str = ""
+
+
+@attrs.frozen(slots=True)
+class RecordLost(InputEvent):
+    """The recorder failed while recording ``callback`` (a vLLM object it could not read, a
+    value the log cannot hold): that record is missing; vLLM and the inner never saw the
+    failure. The rules do not judge what a lost record would have shown."""
+
+    TAG: ClassVar[int] = 47
+    callback: str = ""
+    error: str = ""
 
 
 # --- decision events ----------------------------------------------------------------------
@@ -429,8 +492,14 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     RemoteLoadFailed,
     RemoteOutage,
     RemoteRestored,
-    BlockDigested,
-    LoadDigested,
+    InnerLookupAnswered,
+    InnerFinishedAnswered,
+    InnerSendDone,
+    InnerRecvDone,
+    InnerLoadErrors,
+    InnerStats,
+    InnerRaised,
+    RecordLost,
     LookupAnswered,
     LoadPlanned,
     SavePlanned,

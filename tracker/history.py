@@ -51,14 +51,21 @@ RETIRED_MEMORY = 65536
 # req_id (and life label) of the events about no one request.
 POOL = ""
 
-# Events about no one request (their req_id is empty): the pool's own, and StepDecoded (one
-# steady decode step of several requests, named by their request numbers).
+# Events about no one request (their req_id is empty): the pool's own, StepDecoded (one
+# steady decode step of several requests, named by their request numbers), and the
+# recorder's global facts.
 GLOBAL_TYPES: tuple[type[ev.Event], ...] = (
     ev.ChunkStored,
     ev.ChunkEvicted,
     ev.StepDecoded,
     ev.RemoteOutage,
     ev.RemoteRestored,
+    # The recorder's (connector/recorder.py): block-level and stats facts, and a raise or a
+    # lost record that concerned no one request.
+    ev.InnerLoadErrors,
+    ev.InnerStats,
+    ev.InnerRaised,
+    ev.RecordLost,
 )
 
 

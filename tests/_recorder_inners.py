@@ -1,0 +1,62 @@
+"""Fault-injected inner connectors for tests/test_recorder.py, loaded by ``KVLedgerRecorder``
+as ``module:Class`` (this directory is on ``sys.path`` under pytest).
+
+Each is a real connector (vLLM's ExampleConnector or our KVLedgerConnector) with one fault
+added by subclassing, so the recorder's checks are tried on misbehaviour they did not write.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+
+from connector.vllm import KVLedgerConnector
+
+
+class InnerBoom(RuntimeError):
+    """Raised by ``RaisingExample``: a test checks that this very object reaches vLLM."""
+
+
+class RaisingExample(ExampleConnector):
+    """Raises ``InnerBoom`` from ``get_num_new_matched_tokens`` for a request whose id
+    contains ``boom``."""
+
+    raised: ClassVar[list[InnerBoom]] = []
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        if "boom" in request.request_id:
+            exc = InnerBoom(f"inner refuses {request.request_id}")
+            RaisingExample.raised.append(exc)
+            raise exc
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+
+class FlakyLookupKVLedger(KVLedgerConnector):
+    """KVLedgerConnector whose lookup answers one block less every other time it is asked
+    about a waiting request with a pool hit: not the same answer for the same question."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._asked = 0
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if n:
+            self._asked += 1
+            if self._asked % 2 == 0:
+                n = max(0, n - 16)
+        return n, load_async
+
+
+class OverclaimingKVLedger(KVLedgerConnector):
+    """KVLedgerConnector that claims one block more than its pool holds for a request that
+    has any hit: it says it will load tokens it does not have (the worker loads only what
+    the tracker planned, so those tokens' KV is garbage)."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        room = len(request.all_token_ids) - 1 - num_computed_tokens - n
+        if n and room >= 16:
+            n += 16
+        return n, load_async
