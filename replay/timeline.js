@@ -31,8 +31,11 @@
       ["waiting", "waiting"], ["running", "running"], ["preempted", "preempted"],
       ["computed", "tokens computed"], ["saved", "saved watermark"],
       ["accepted", "accepted by vLLM (left bar)"], ["loaded", "loaded (right bar)"],
-      ["short", "short load: accepted, not loaded"],
     ];
+    // Shown only when there is one: the clean picture has no red in it.
+    if (D.lanes.some((l) => l.admissions.some((a) => a.short))) {
+      items.push(["short", "short load: accepted, not loaded"]);
+    }
     const box = document.getElementById("legend");
     for (const [key, text] of items) {
       const span = document.createElement("span");
