@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from replay import charts, demo, lives, summary
-from replay.divergence import DiffResult, EventAt, diff
+from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
 from replay.source import LogUnreadable
@@ -470,6 +470,21 @@ def _add_views(sub: Any) -> None:
     )
     p.add_argument("a", metavar="A", help="a log file, or a directory of one log's segments")
     p.add_argument("b", metavar="B", help="the log to compare it with")
+    p.add_argument(
+        "--ignore",
+        action="append",
+        metavar="FIELD[,FIELD]",
+        help="leave these event fields out of the comparison, e.g. block_ids,slots (a comma "
+        "list; the option repeats)",
+    )
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="strict",
+        help="strict (default): every event in its order; async: a run under async scheduling "
+        "against a sync one: the worker's reports compared apart from the request's progress, "
+        "a lookup repeated while waiting counted once (docs/replay-commands.md)",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(handler=_diff)
 
@@ -689,7 +704,8 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
 
 @_guard
 def _diff(args: argparse.Namespace) -> int:
-    result = diff(args.a, args.b)
+    ignore = [f.strip() for arg in args.ignore or () for f in arg.split(",") if f.strip()]
+    result = diff(args.a, args.b, ignore=ignore, order=args.order)
     damaged = _warn_damage("A", result.damage_a) | _warn_damage("B", result.damage_b)
     code = EXIT_UNREADABLE if damaged else EXIT_OK if result.identical else EXIT_DIFFER
     args.exit_code = code  # kept if the reader of stdout goes away (main)
@@ -710,8 +726,15 @@ def _print_diff(r: DiffResult, out: Output) -> None:
         f"requests: {len(r.matched)} matched ({how or 'none'}), "
         f"{len(r.unmatched_a)} only in A, {len(r.unmatched_b)} only in B"
     )
+    if r.ignored or r.order != "strict":
+        out.line(f"compared: {r.order} order, ignoring {', '.join(r.ignored) or 'no field'}")
     if r.identical:
-        out.line("identical: every request has the same events in the same order", style="green")
+        same = (
+            "the same events in the same order"
+            if r.order == "strict"
+            else "the same progress and the same reports (async order)"
+        )
+        out.line(f"identical: every request has {same}", style="green")
         return
     for side, names in (("A", r.unmatched_a), ("B", r.unmatched_b)):
         if names:

@@ -18,6 +18,30 @@ Requests are aligned, in this order:
 
 What is left is unmatched (``unmatched_a``, ``unmatched_b``).
 
+Two relaxations, both off by default:
+
+- ``ignore``: field names left out of the comparison wherever an event type has them
+  (``block_ids`` and ``slots`` differ between runs whose pools were used in another order;
+  ``keys`` between runs with another salt). :func:`ignorable_fields` lists the names.
+- ``order="async"``: compare a run under vLLM's async scheduling with one under sync
+  scheduling (or two async runs). Async scheduling applies the output of step N after step N+1
+  was scheduled; it changes *when* facts arrive, not *what* happened. Under this order two
+  requests are the same when they agree on:
+
+  1. their progress, in order: every event but the worker's reports, with (a) a lookup asked
+     again and answered the same way while the request waits counted once (how many steps a
+     request waits for blocks depends on when the previous step's blocks were freed),
+     (b) a one-token ``Scheduled`` of a running request and a steady ``StepDecoded`` both
+     read as "one token decoded" (the steady path needs the previous output applied), and
+     (c) the token ids a lookup or a ``Scheduled`` brings left out (they arrive in bulk with
+     whichever event comes first; the prompt is compared in ``RequestAdded``);
+  2. the worker's reports (``SaveDone``, ``SaveFailed``, ``LoadDone``, ``LoadFailed``), in
+     order among themselves: async scheduling moves them a step later relative to the
+     request's progress, never past one another.
+
+  A divergence's ``position`` then counts the events of its sequence (``stream``:
+  ``"progress"`` or ``"reports"``), after folding.
+
 Memory: one small entry per request (id, prompt hash) for the alignment, plus, while both logs
 are read side by side, the events of a request that one log has and the other has not reached
 yet (nothing when the logs agree).
@@ -40,7 +64,35 @@ from tracker import events as ev
 from tracker.history import GLOBAL_TYPES, POOL, Lives, labelled, walk
 from tracker.log import StopInfo
 
-__all__ = ["DiffResult", "Divergence", "EventAt", "diff"]
+__all__ = ["ORDERS", "DiffResult", "Divergence", "EventAt", "diff", "ignorable_fields"]
+
+# How the events of a request are compared: "strict", every event in its order; "async",
+# modulo what async scheduling legitimately changes (see the module's text).
+ORDERS = ("strict", "async")
+
+# The worker's reports: under async scheduling they are applied a step later.
+_REPORTS: frozenset[type[ev.Event]] = frozenset(
+    {ev.SaveDone, ev.SaveFailed, ev.LoadDone, ev.LoadFailed}
+)
+# Fields that carry token ids learned along the way (left out under the async order).
+_LEARNED_IDS = frozenset({"token_ids", "token_start"})
+
+
+def ignorable_fields() -> tuple[str, ...]:
+    """Every field name of an event type but ``step`` and ``req_id``: what ``ignore`` takes."""
+    return tuple(sorted({n for cls in ev.EVENT_TYPES for n in field_names(cls)}))
+
+
+def _check_ignore(ignore: Sequence[str]) -> frozenset[str]:
+    valid = ignorable_fields()
+    unknown = [f for f in ignore if f not in valid]
+    if unknown:
+        raise ValueError(
+            f"cannot ignore {', '.join(map(repr, unknown))}: not a field of any event; "
+            f"valid: {', '.join(valid)}"
+        )
+    return frozenset(ignore)
+
 
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
@@ -88,6 +140,7 @@ class Divergence:
     b: EventAt | None
     fields: tuple[str, ...] = ()
     context: tuple[EventAt, ...] = ()
+    stream: str = "events"  # "events" (strict order); "progress" or "reports" (async order)
 
     @property
     def step_a(self) -> int | None:
@@ -117,6 +170,8 @@ class Divergence:
 
     def describe(self) -> str:
         where = f"{self.request}, event {self.position}"
+        if self.stream != "events":
+            where += f" of its {self.stream}"
         if self.kind == "differ":
             assert self.a is not None and self.b is not None
             what = ", ".join(self.fields)
@@ -136,6 +191,7 @@ class Divergence:
             "step_a": self.step_a,
             "step_b": self.step_b,
             "fields": list(self.fields),
+            "stream": self.stream,
             "a": None if self.a is None else self.a.to_dict(),
             "b": None if self.b is None else self.b.to_dict(),
             "context": [c.to_dict() for c in self.context],
@@ -161,6 +217,8 @@ class DiffResult:
     config_changes: dict[str, tuple[Any, Any]]
     damage_a: StopInfo | None
     damage_b: StopInfo | None
+    ignored: tuple[str, ...] = ()
+    order: str = "strict"
 
     @property
     def identical(self) -> bool:
@@ -183,6 +241,8 @@ class DiffResult:
             "config_changes": {k: list(v) for k, v in self.config_changes.items()},
             "damage_a": damage_dict(self.damage_a),
             "damage_b": damage_dict(self.damage_b),
+            "ignored": list(self.ignored),
+            "order": self.order,
         }
 
 
@@ -301,36 +361,90 @@ def _stem(life: _Life) -> str:
 # --- comparison ---------------------------------------------------------------------------
 
 
-# An event in a queue: (position in its log, step, event).
-_At = tuple[int, int, ev.Event]
+# An event in a queue: (position in its log, step, event, what is compared).
+_At = tuple[int, int, ev.Event, Any]
+
+_STREAMS = {"strict": ("events",), "async": ("progress", "reports")}
+
+
+class _Side:
+    """One log's half of a pair: its queues (events the other log has not reached yet, by
+    stream) and, under the async order, the lookup round being read."""
+
+    __slots__ = ("asked", "last_round", "queues")
+
+    def __init__(self, streams: int) -> None:
+        self.queues: tuple[deque[_At], ...] = tuple(deque() for _ in range(streams))
+        self.asked: _At | None = None  # a LookupAsked waiting for its answer
+        self.last_round: Any = None  # the last lookup round kept, while nothing else happened
 
 
 class _Pair:
-    __slots__ = ("a", "b", "context", "diverged", "label_b", "position")
+    __slots__ = ("context", "diverged", "label_b", "position", "sides")
 
-    def __init__(self, label_b: str) -> None:
+    def __init__(self, label_b: str, streams: int) -> None:
         self.label_b = label_b
-        self.a: deque[_At] = deque()  # A's events that B has not reached yet
-        self.b: deque[_At] = deque()
-        self.position = 0  # events compared and equal so far
+        self.sides = (_Side(streams), _Side(streams))
+        self.position = [0] * streams  # events compared and equal so far, by stream
         self.context: deque[_At] = deque(maxlen=_CONTEXT)
         self.diverged = False
 
 
 def _at(item: _At | None) -> EventAt | None:
-    return None if item is None else EventAt(*item)
+    return None if item is None else EventAt(item[0], item[1], item[2])
 
 
-def _differing_fields(x: ev.Event, y: ev.Event) -> tuple[str, ...]:
+def _content(e: ev.Event, leave_out: frozenset[str]) -> tuple[Any, ...]:
+    """What two runs must agree on: :func:`replay.format.event_content` without the fields
+    in ``leave_out``; a ``StepDecoded``, seen from one of its requests, says only: one more
+    token."""
+    cls = e.__class__
+    if cls is ev.StepDecoded:
+        return (cls,)
+    if not leave_out:
+        return event_content(e)
+    return (cls, *(getattr(e, n) for n in field_names(cls) if n not in leave_out))
+
+
+def _differing_fields(x: ev.Event, y: ev.Event, leave_out: frozenset[str]) -> tuple[str, ...]:
     if type(x) is not type(y):
         return ("type",)
-    return tuple(n for n in field_names(type(x)) if getattr(x, n) != getattr(y, n))
+    return tuple(
+        n for n in field_names(type(x)) if n not in leave_out and getattr(x, n) != getattr(y, n)
+    )
 
 
-def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
+_DECODED = ("one token decoded",)
+
+
+def _async_key(e: ev.Event, ignore: frozenset[str]) -> Any:
+    """What a progress event says under the async order (see the module's text)."""
+    cls = e.__class__
+    if cls is ev.StepDecoded:
+        return _DECODED
+    if isinstance(e, ev.Scheduled) and e.admission == ev.Admission.RUNNING and e.num_scheduled == 1:
+        return _DECODED
+    return _content(e, ignore | _LEARNED_IDS)
+
+
+def diff(
+    a: LogPath | LogSource,
+    b: LogPath | LogSource,
+    *,
+    ignore: Sequence[str] = (),
+    order: str = "strict",
+) -> DiffResult:
     """The first divergence between logs ``a`` and ``b`` (files, directories of one log's
     segments, or lists of segment files), overall and per request; see the module's text.
-    Raises :class:`replay.source.LogUnreadable` when either log cannot be read at all."""
+    ``ignore``: fields left out of the comparison (:func:`ignorable_fields`; ``ValueError``
+    for another name); ``order``: ``"strict"`` or ``"async"`` (a run under async scheduling
+    against one under sync scheduling). Raises :class:`replay.source.LogUnreadable` when
+    either log cannot be read at all."""
+    leave_out = _check_ignore(ignore)
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; valid: {', '.join(ORDERS)}")
+    streams = _STREAMS[order]
+    relaxed = order == "async"
     src_a, src_b = open_log(a), open_log(b)
     lives_a, lives_b = _lives(src_a), _lives(src_b)
     matched, how = _align(lives_a, lives_b)
@@ -348,44 +462,86 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
             label_b = matched.get(label_a)
             if label_b is None:
                 return None
-            p = pairs[label_a] = _Pair(label_b)
+            p = pairs[label_a] = _Pair(label_b, len(streams))
         return p
 
-    def compare(label_a: str, p: _Pair) -> None:
-        qa, qb = p.a, p.b
+    def compare(label_a: str, p: _Pair, stream: int) -> None:
+        qa, qb = p.sides[0].queues[stream], p.sides[1].queues[stream]
         while qa and qb:
             x, y = qa.popleft(), qb.popleft()
             ex, ey = x[2], y[2]
             # Equal events of equal ids and steps compare equal at once; otherwise by content
-            # (a StepDecoded, seen from one of its requests, says only: one more token).
-            if ex == ey or (
-                ex.__class__ is ey.__class__
-                and (ex.__class__ is decoded or event_content(ex) == event_content(ey))
-            ):
-                p.position += 1
+            # (computed here, when needed: most events of agreeing logs are equal).
+            if relaxed:
+                same = x[3] == y[3]
+            else:
+                same = ex == ey or (
+                    ex.__class__ is ey.__class__
+                    and _content(ex, leave_out) == _content(ey, leave_out)
+                )
+            if same:
+                p.position[stream] += 1
                 p.context.append(x)
                 continue
+            fields = _differing_fields(ex, ey, leave_out | (_LEARNED_IDS if relaxed else set()))
             found.append(
                 Divergence(
                     label_a,
                     p.label_b,
                     "differ",
-                    p.position,
+                    p.position[stream],
                     _at(x),
                     _at(y),
-                    _differing_fields(ex, ey),
-                    tuple(EventAt(*c) for c in p.context),
+                    fields or ("type",),
+                    tuple(EventAt(c[0], c[1], c[2]) for c in p.context),
+                    streams[stream],
                 )
             )
             p.diverged = True
-            qa.clear()
-            qb.clear()
+            for side in p.sides:
+                for q in side.queues:
+                    q.clear()
             return
+
+    def put(label_a: str, p: _Pair, side: int, item: _At, stream: int = 0) -> None:
+        p.sides[side].queues[stream].append(item)
+        compare(label_a, p, stream)
+
+    def put_async(label_a: str, p: _Pair, side: int, index: int, step: int, e: ev.Event) -> None:
+        """The async order: reports to their own stream; a lookup round asked again with the
+        same answer, while nothing else happened to the request, dropped."""
+        s = p.sides[side]
+        cls = e.__class__
+        if cls in _REPORTS:
+            put(label_a, p, side, (index, step, e, _content(e, leave_out)), 1)
+            return
+        if cls is ev.LookupAsked:
+            if s.asked is not None:  # asked twice without an answer: keep the first
+                put(label_a, p, side, s.asked)
+            s.asked = (index, step, e, _async_key(e, leave_out))
+            return
+        if cls is ev.LookupAnswered and s.asked is not None:
+            asked, s.asked = s.asked, None
+            answered = (index, step, e, _async_key(e, leave_out))
+            this_round = (asked[3], answered[3])
+            if this_round == s.last_round:
+                return  # the same question, the same answer: the request still waits
+            s.last_round = this_round
+            put(label_a, p, side, asked)
+            if not p.diverged:
+                put(label_a, p, side, answered)
+            return
+        if s.asked is not None:
+            put(label_a, p, side, s.asked)
+            s.asked = None
+        s.last_round = None
+        if not p.diverged:
+            put(label_a, p, side, (index, step, e, _async_key(e, leave_out)))
 
     decoded = ev.StepDecoded
     counts = [0, 0]  # items read (a StepDecoded is one item per request it names, and one)
     events = [0, 0]
-    streams = (
+    walks = (
         walk(src_a.frames(), src_a.lenient_config()[0]),
         walk(src_b.frames(), src_b.lenient_config()[0]),
     )
@@ -394,7 +550,7 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
     # that agreeing logs never queue more than a few events.
     while not (done[0] and done[1]):
         side = 0 if (not done[0] and (done[1] or counts[0] <= counts[1])) else 1
-        item = next(streams[side], None)
+        item = next(walks[side], None)
         if item is None:
             done[side] = True
             continue
@@ -409,22 +565,35 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
         p = pair_of(label_a)
         if p is None or p.diverged:
             continue
-        (p.a if side == 0 else p.b).append((index, frame.step, e))
-        compare(label_a, p)
+        if relaxed:
+            put_async(label_a, p, side, index, frame.step, e)
+        else:
+            put(label_a, p, side, (index, frame.step, e, None))
     for label_a, p in pairs.items():
+        for side_no, s in enumerate(p.sides):  # a lookup still waiting for its answer
+            if s.asked is not None and not p.diverged:
+                put(label_a, p, side_no, s.asked)
         if p.diverged:
             continue
-        context = tuple(EventAt(*c) for c in p.context)
-        if p.a:
-            found.append(
-                Divergence(
-                    label_a, p.label_b, "missing", p.position, _at(p.a[0]), None, (), context
+        context = tuple(EventAt(c[0], c[1], c[2]) for c in p.context)
+        for stream, name in enumerate(streams):
+            qa, qb = p.sides[0].queues[stream], p.sides[1].queues[stream]
+            if qa or qb:
+                kind, x, y = ("missing", qa[0], None) if qa else ("extra", None, qb[0])
+                found.append(
+                    Divergence(
+                        label_a,
+                        p.label_b,
+                        kind,
+                        p.position[stream],
+                        _at(x),
+                        _at(y),
+                        (),
+                        context,
+                        name,
+                    )
                 )
-            )
-        elif p.b:
-            found.append(
-                Divergence(label_a, p.label_b, "extra", p.position, None, _at(p.b[0]), (), context)
-            )
+                break
     found.sort(key=Divergence.sort_key)
     per_request = {d.request_a: d for d in found}
     config_changes = _config_changes(src_a.header, src_b.header)
@@ -443,6 +612,8 @@ def diff(a: LogPath | LogSource, b: LogPath | LogSource) -> DiffResult:
         config_changes=config_changes,
         damage_a=src_a.damage,
         damage_b=src_b.damage,
+        ignored=tuple(sorted(leave_out)),
+        order=order,
     )
 
 
