@@ -109,3 +109,43 @@ def test_the_screenshot_shows_the_short_loads_and_the_problems(tmp_path: Path) -
     if os.environ.get("KVLEDGER_WRITE_DOCS"):
         DOC_IMAGE.parent.mkdir(exist_ok=True)
         shutil.copyfile(tmp_path / "short.png", DOC_IMAGE)
+
+
+# Appended to a copy of the page: real wheel, drag and double-click events dispatched to the
+# page's own handlers, the domain recorded after each.
+_INTERACT = """<script>
+(function () {
+  const chart = document.getElementById("chart");
+  const box = chart.getBoundingClientRect();
+  const mid = box.left + 130 + (box.width - 154) / 2;
+  const seen = [chart.dataset.domain];
+  chart.dispatchEvent(new WheelEvent("wheel", { deltaY: -600, clientX: mid, clientY: box.top + 300,
+    bubbles: true, cancelable: true }));
+  seen.push(chart.dataset.domain);
+  chart.dispatchEvent(new MouseEvent("mousedown", { clientX: mid, clientY: box.top + 300, bubbles: true }));
+  window.dispatchEvent(new MouseEvent("mousemove", { clientX: mid + 200, clientY: box.top + 300 }));
+  window.dispatchEvent(new MouseEvent("mouseup", {}));
+  seen.push(chart.dataset.domain);
+  chart.dispatchEvent(new MouseEvent("dblclick", { bubbles: true }));
+  seen.push(chart.dataset.domain);
+  document.body.dataset.domains = seen.join(" ");
+})();
+</script>
+"""
+
+
+def test_wheel_zooms_drag_pans_and_double_click_resets(tmp_path: Path) -> None:
+    page = _page(SHORT, tmp_path, "short")
+    driven = tmp_path / "driven.html"
+    driven.write_text(page.read_text().replace("</body>", _INTERACT + "</body>"))
+    dom = dump_dom(driven, tmp_path)
+    found = re.search(r'data-domains="([^"]+)"', dom)
+    assert found is not None and re.search(r'<pre id="errors">\s*</pre>', dom)
+    spans = [tuple(float(v) for v in d.split(":")) for d in found.group(1).split()]
+    full, zoomed, panned, reset = spans
+    assert full == (-0.5, 301.5) and reset == full
+    width = zoomed[1] - zoomed[0]
+    assert width < 0.5 * (full[1] - full[0])  # zoomed in, about the middle of the steps
+    assert zoomed[0] < 151 < zoomed[1]
+    # dragged right by 200 pixels: the view moved to earlier steps, its width kept
+    assert panned[0] < zoomed[0] and panned[1] - panned[0] == pytest.approx(width)
