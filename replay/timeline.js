@@ -9,7 +9,7 @@
   const D = JSON.parse(document.getElementById("timeline-data").textContent);
   const C = D.colors;
   const NS = "http://www.w3.org/2000/svg";
-  const LEFT = 130, RIGHT = 24, TOP = 8, PANEL = 64, LANE = 84, GAP = 22, BAND = 10;
+  const LEFT = 130, RIGHT = 24, TOP = 18, PANEL = 64, LANE = 84, GAP = 22, BAND = 10;
   const full = [D.steps[0] - 0.5, D.steps[1] + 0.5];
   let dom = full.slice();
   const chart = document.getElementById("chart");
@@ -133,7 +133,7 @@
       el(g, "text", { x: LEFT - 8, y: top + 10, "text-anchor": "end", fill: "#888" }).textContent = ymax;
       let lx = LEFT + plotW - 6;
       for (const [text, color] of keys.slice().reverse()) {
-        const t = el(g, "text", { x: lx, y: top + 12, "text-anchor": "end", fill: color,
+        const t = el(g, "text", { x: lx, y: top - 4, "text-anchor": "end", fill: color,
           "font-size": 10 });
         t.textContent = text;
         lx -= 7 * text.length + 14;
