@@ -73,6 +73,9 @@ from tracker.plans import blocks_covering
 
 __all__ = ["WorkerSide"]
 
+# How many keys read from the server the worker remembers until their local save.
+_READ_REMOTE_KEYS = 1 << 16
+
 _log = structlog.get_logger("kvledger.connector")
 
 
@@ -113,8 +116,9 @@ class WorkerSide:
         # or why not), and saves done locally whose bytes go to the server at the report.
         self.remote: RemoteStore | None = None
         self._fetched: dict[bytes, memoryview | str] = {}
-        # Keys this step read from the server: their local saves are not written back to it.
-        self._read_remote: set[bytes] = set()
+        # Keys read from the server and not saved locally yet (oldest first, bounded): their
+        # local saves, a step or more later (a prefill spans steps), are not written back.
+        self._read_remote: dict[bytes, None] = {}
         self._upload_slot: dict[tuple[str, bytes], int] = {}
         self._to_upload: list[tuple[str, bytes, int]] = []
         if config.remote_url is not None:
@@ -217,7 +221,6 @@ class WorkerSide:
 
     def start_load_kv(self) -> None:
         plan = self._plan
-        self._read_remote = set()
         if self.digests is not None and plan is not None:
             self.digests.before_load(plan.digests)  # before any load of this step is issued
         if plan is None or not plan.loads:
@@ -238,7 +241,11 @@ class WorkerSide:
                 self._step_load_errors.update(bad)
             else:
                 done.append(load.req_id)
-        self._read_remote = {k for k, got in self._fetched.items() if not isinstance(got, str)}
+        self._read_remote.update(
+            (k, None) for k, got in self._fetched.items() if type(got) is not str
+        )
+        while len(self._read_remote) > _READ_REMOTE_KEYS:
+            del self._read_remote[next(iter(self._read_remote))]
         self._fetched = {}
         self._report = self._report.merged(
             WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
@@ -363,6 +370,7 @@ class WorkerSide:
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
                     if self.remote is not None and chunk.key not in self._read_remote:
                         self._upload_slot[(save.req_id, chunk.key)] = chunk.slot
+                    self._read_remote.pop(chunk.key, None)
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
                 except Exception as exc:

@@ -138,6 +138,16 @@ def test_two_replicas_in_two_processes_share_prefixes(
         if f
     }
     assert found and found <= written
+    # What it read from the server it keeps in its host pool, but does not write back.
+    read = {
+        k
+        for e in b
+        if isinstance(e, ev.LoadPlanned)
+        for k, slot in zip(e.keys, e.slots, strict=True)
+        if slot == REMOTE_SLOT
+    }
+    rewritten = {k for e in b if isinstance(e, ev.RemoteSaveDone) for k in e.keys}
+    assert read and not read & rewritten
     assert second["loaded"] > first["loaded"]
     _check_clean(first["log"])
     _check_clean(second["log"])
