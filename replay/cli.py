@@ -342,6 +342,13 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
             )
             + "\n"
         )
+    dg = c.get("digests") or {}
+    if dg.get("digested") or dg.get("loaded"):
+        w(
+            f"  digests   {_n(dg['digested'])} blocks digested; {_n(dg['loaded'])} loaded blocks: "
+            f"{_n(dg['verified'])} verified, {_n(dg['mismatched'])} mismatched, "
+            f"{_n(dg['unchanged'])} unchanged, {_n(dg['unverifiable'])} unverifiable\n"
+        )
     if result.recorded_violations:
         rules = Counter(v.rule for v in result.recorded_violations)
         w(

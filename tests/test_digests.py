@@ -1,0 +1,359 @@
+"""KV-content digests: the keys, the plan, the book and its rules (tracker/digests.py), the
+events on the wire, and the Tracker's verdicts; then the worker's digests of real paged caches
+in every layout (connector/digests.py, torch on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from connector.digests import BlockDigester, WorkerDigests
+from tests.test_codec import roundtrip
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.digests import (
+    DigestBlock,
+    DigestBook,
+    DigestPlan,
+    DigestPlanner,
+    DigestReport,
+    block_keys,
+)
+from tracker.tracker import Tracker
+
+BS = 4
+tokens_st = st.lists(st.integers(0, 50_000), max_size=60)
+
+
+# --- keys ---------------------------------------------------------------------------------
+
+
+@given(tokens_st, tokens_st, st.sampled_from([1, 2, 4, 16]))
+def test_keys_name_the_prefix(a: list[int], b: list[int], bs: int) -> None:
+    whole = block_keys(a + b, bs)
+    assert len(whole) == len(a + b) // bs
+    assert whole[: len(a) // bs] == block_keys(a, bs)  # a prefix has its prefix's keys
+    first = len(a) // bs
+    if first:  # chained from the previous key, the same keys as from the start
+        assert block_keys(a + b, bs, prev=whole[first - 1], first=first) == whole[first:]
+    assert len(set(whole)) == len(whole)  # a key names its whole prefix, never another block
+
+
+@given(st.lists(st.integers(0, 9), min_size=8, max_size=40), st.data())
+def test_a_changed_token_changes_its_block_and_every_later_key(tokens: list[int], data) -> None:
+    p = data.draw(st.integers(0, len(tokens) - 1))
+    changed = [*tokens]
+    changed[p] += 1
+    a, b = block_keys(tokens, BS), block_keys(changed, BS)
+    for i in range(len(a)):
+        assert (a[i] == b[i]) == (i < p // BS)
+    assert block_keys(tokens, BS, "salt") != a or not a  # the cache salt starts another chain
+
+
+# --- the plan -----------------------------------------------------------------------------
+
+
+@settings(max_examples=60)
+@given(
+    st.integers(1, 40),
+    st.lists(st.integers(1, 9), min_size=1, max_size=12),
+    st.integers(0, 10),
+)
+def test_every_block_is_planned_once_when_it_becomes_full(
+    prompt_len: int, chunks: list[int], decodes: int
+) -> None:
+    """Prefill in chunks of any size, then decode: each block is digested in the step that
+    fills it, once, under the key of its prefix and with its block id."""
+    tokens = [7 * i + 3 for i in range(prompt_len + decodes)]
+    planner = DigestPlanner(BS)
+    planner.added("r")
+    table: list[int] = []
+    planned: list[DigestBlock] = []
+    computed = 0
+    sizes = [*chunks, *[1] * (prompt_len + decodes)]
+    for step, size in enumerate(sizes):
+        n = min(size, prompt_len + decodes - computed)
+        if n <= 0:
+            break
+        need = -(-(computed + n) // BS) - len(table)
+        new = [100 + len(table) + i for i in range(need)]
+        table += new
+        planner.scheduled(
+            "r",
+            replace=step == 0,
+            block_ids=table if step == 0 else new,
+            num_computed=computed,
+            num_scheduled=n,
+            token_ids=tokens[: computed + n],
+        )
+        plan = planner.plan(step)
+        if plan is not None:
+            assert not plan.before and not plan.verify
+            assert all(computed // BS <= b.block_index < (computed + n) // BS for b in plan.full)
+            planned += plan.full
+        computed += n
+    keys = block_keys(tokens[:computed], BS)
+    assert [b.block_index for b in planned] == list(range(computed // BS))
+    assert [b.key for b in planned] == list(keys)
+    assert [b.block_id for b in planned] == table[: computed // BS]
+
+
+def test_a_sync_load_is_digested_before_and_after_in_the_step_that_schedules_it() -> None:
+    tokens = list(range(30))
+    planner = DigestPlanner(BS)
+    planner.added("r")
+    table = [10, 11, 12, 13, 14, 15, 16, 17]
+    # vLLM's prefix cache holds 4 tokens (1 block); the connector's 14 more: [4, 18).
+    planner.allocated("r", table, 14)
+    planner.scheduled(
+        "r", replace=True, block_ids=table, num_computed=18, num_scheduled=12, token_ids=tokens
+    )
+    plan = planner.plan(0)
+    assert plan is not None
+    keys = block_keys(tokens, BS)
+    # Whole blocks of [4, 18): 1..3; block 4 ([16, 20)) is partly computed here: no key judges it.
+    loaded = [DigestBlock("r", i, table[i], keys[i]) for i in (1, 2, 3)]
+    assert list(plan.before) == loaded and list(plan.verify) == loaded
+    assert [b.block_index for b in plan.full] == [4, 5, 6]  # 18 + 12 = 30 tokens: blocks 4-6
+    assert planner.plan(1) is None  # nothing carries over
+
+
+def test_an_async_load_is_verified_once_finished_recving_names_it() -> None:
+    tokens = list(range(20))
+    planner = DigestPlanner(BS)
+    planner.added("r")
+    table = [5, 6, 7, 8, 9]
+    planner.allocated("r", table, 12, load_async=True, local_hit=4, token_ids=tokens)
+    plan = planner.plan(0)
+    assert plan is not None and [b.block_index for b in plan.before] == [1, 2, 3]
+    assert not plan.verify
+    assert planner.plan(1) is None  # still loading
+    planner.finished_recving(["r"])
+    plan = planner.plan(2)
+    assert plan is not None and [b.block_id for b in plan.verify] == [6, 7, 8]
+    # A request that finished before its load did is not verified (its blocks may be reused).
+    planner.added("q")
+    planner.allocated("q", table, 8, load_async=True, local_hit=0, token_ids=tokens)
+    planner.plan(3)
+    planner.finished("q")
+    planner.finished_recving(["q"])
+    assert planner.plan(4) is None
+
+
+# --- the book and its rules ---------------------------------------------------------------
+
+KEYS = [bytes([k]) * 16 for k in range(4)]
+
+
+@settings(max_examples=200)
+@given(
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5)), max_size=12),
+    st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.integers(0, 5)), max_size=12),
+)
+def test_the_book_accepts_any_recorded_digest_and_names_the_rest(
+    records: list[tuple[int, int]], loads: list[tuple[int, int, int]]
+) -> None:
+    book = DigestBook()
+    model: dict[bytes, set[int]] = {}
+    for k, d in records:
+        assert book.apply(ev.BlockDigested(1, "a", 0, (KEYS[k],), (d,))) == []
+        model.setdefault(KEYS[k], set()).add(d)
+    want = {"verified": 0, "mismatched": 0, "unchanged": 0, "unverifiable": 0}
+    for k, before, after in loads:
+        key = KEYS[k]
+        found = book.apply(ev.LoadDigested(2, "b", 7, (key,), (before,), (after,)))
+        if after == before:
+            want["unchanged"] += 1
+            assert [v.rule for v in found] == ["load_unchanged"]
+        elif key not in model:
+            want["unverifiable"] += 1
+            assert found == []
+        elif after in model[key]:
+            want["verified"] += 1
+            assert found == []
+        else:
+            want["mismatched"] += 1
+            (v,) = found
+            assert (v.rule, v.req_id, v.step, v.event) == (
+                "digest_mismatch",
+                "b",
+                2,
+                "LoadDigested",
+            )
+            assert v.detail["block"] == 7 and v.detail["key"] == key.hex()
+            assert v.detail["found"] == f"{after:016x}"
+            assert set(v.detail["expected"].split("|")) == {f"{d:016x}" for d in model[key]}
+    stats = book.stats.to_dict()
+    assert {k: stats[k] for k in want} == want
+    assert stats["loaded"] == len(loads) and stats["digested"] == len(records)
+
+
+def test_the_book_is_per_rank_and_bounded() -> None:
+    book = DigestBook(max_keys=2)
+    book.apply(ev.BlockDigested(0, "a", 0, (KEYS[0],), (1,), rank=1))
+    # Rank 0 never digested key 0: unverifiable there, not a mismatch.
+    assert book.apply(ev.LoadDigested(1, "b", 0, (KEYS[0],), (0,), (9,))) == []
+    assert [v.rule for v in book.apply(ev.LoadDigested(1, "b", 0, (KEYS[0],), (0,), (9,), 1))] == [
+        "digest_mismatch"
+    ]
+    book.apply(ev.BlockDigested(2, "a", 0, KEYS[1:3], (1, 1)))
+    assert book.digests_of(KEYS[0], rank=1) == ()  # forgotten: the oldest key went first
+    assert book.digests_of(KEYS[2]) == (1,)
+
+
+# --- the report on the wire, and the Tracker's verdict -------------------------------------
+
+
+def test_a_report_becomes_one_event_per_run_of_blocks_and_survives_the_codec() -> None:
+    big = (1 << 64) - 1
+    report = DigestReport(
+        blocks=(("a", 0, KEYS[0], big), ("a", 1, KEYS[1], 2), ("b", 0, KEYS[0], 3)),
+        loads=(("c", 2, KEYS[2], 0, big), ("c", 3, KEYS[3], 1, 2), ("c", 5, KEYS[0], 1, 3)),
+        rank=1,
+    )
+    assert DigestReport.from_plain(report.to_plain()) == report
+    events = report.events(9)
+    assert events == [
+        ev.BlockDigested(9, "a", 0, KEYS[:2], (big, 2), 1),
+        ev.BlockDigested(9, "b", 0, (KEYS[0],), (3,), 1),
+        ev.LoadDigested(9, "c", 2, KEYS[2:4], (0, 1), (big, 2), 1),
+        ev.LoadDigested(9, "c", 5, (KEYS[0],), (1,), (3,), 1),
+    ]
+    assert list(roundtrip([events])[0]) == events
+
+
+def test_the_tracker_records_a_mismatch_and_the_request_falls_back_to_recompute() -> None:
+    log: list[ev.Event] = []
+
+    class Sink:
+        def append(self, e: ev.Event) -> None:
+            log.append(e)
+
+        def end_step(self, step: int) -> None:
+            pass
+
+    t = Tracker(TrackerConfig(block_size=BS, chunk_size=BS), log=Sink())
+    t.add_request("a", list(range(8)))
+    t.add_request("b", list(range(8)))
+    assert t.apply(ev.BlockDigested(0, "a", 0, KEYS[:2], (5, 6))) == []
+    assert t.apply(ev.LoadDigested(0, "b", 0, KEYS[:2], (0, 0), (5, 6))) == []  # verified
+    out = t.apply(ev.LoadDigested(0, "b", 0, KEYS[:2], (0, 6), (5, 6)))
+    assert [(d.rule, d.req_id) for d in out] == [("load_unchanged", "b")]
+    assert out[0].detail == f"block=1,key={KEYS[1].hex()},digest={6:016x}"
+    state = t.state("b")
+    assert state is not None and state.recompute_only
+    assert t.digests.stats.verified == 3 and t.digests.stats.unchanged == 1
+    assert log[-1] == out[0] and isinstance(log[-2], ev.LoadDigested)  # the event, its verdict
+
+
+# --- the worker's digests of real paged caches (torch, CPU) ------------------------------
+
+L, NB, H, D = 3, 6, 2, 8
+
+
+def _caches(layout: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = {
+        "flash_attn": (2, NB, BS * 8, H, D),
+        "flashinfer": (NB, 2, BS * 8, H, D),
+        "cpu_attn": (NB, H, 32, 2 * D),
+    }[layout]
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g, dtype=torch.float32)
+        for i in range(L)
+    }
+
+
+def _block(cache: torch.Tensor, layout: str, b: int) -> torch.Tensor:
+    return cache[:, b] if layout == "flash_attn" else cache[b]
+
+
+@pytest.fixture(params=["flash_attn", "flashinfer", "cpu_attn"])
+def layout(request, monkeypatch) -> str:
+    if request.param == "cpu_attn":
+        import connector.transfer as transfer
+
+        monkeypatch.setattr(transfer, "cpu_attn_isa", lambda dtype, bs, d: "vec")
+    return request.param
+
+
+def _blocks(*ids: int) -> tuple[DigestBlock, ...]:
+    return tuple(DigestBlock("r", i, b, KEYS[i % 4]) for i, b in enumerate(ids))
+
+
+def _digests(d: BlockDigester, blocks: tuple[DigestBlock, ...]) -> list[int]:
+    return [d.finish(v) for v in d.digest(blocks).tolist()]
+
+
+def test_a_digest_is_a_function_of_the_block_bytes_alone(layout: str) -> None:
+    caches = _caches(layout)
+    for cache in caches.values():  # block 4 holds block 1's bytes, in every layer
+        _block(cache, layout, 4).copy_(_block(cache, layout, 1))
+    d = BlockDigester(caches, "full", layout)
+    one = _digests(d, _blocks(1, 2, 4))
+    assert one == _digests(BlockDigester(_caches(layout), "full", layout), _blocks(1, 2, 1))
+    assert one[0] == one[2] != one[1]
+    assert one == _digests(d, _blocks(1, 2, 4))  # deterministic
+
+
+@pytest.mark.parametrize("layer", range(L))
+def test_full_sees_one_changed_value_in_any_layer(layout: str, layer: int) -> None:
+    caches = _caches(layout)
+    d = BlockDigester(caches, "full", layout)
+    blocks = _blocks(1, 2, 3)
+    before = _digests(d, blocks)
+    cache = list(caches.values())[layer]
+    blk = _block(cache, layout, 2)
+    blk[(1,) * blk.dim()] += 2**-10  # one element of block 2
+    after = _digests(d, blocks)
+    assert after[1] != before[1] and (after[0], after[2]) == (before[0], before[2])
+
+
+def test_sampled_reads_the_layer_its_key_names(layout: str) -> None:
+    caches = _caches(layout)
+    d = BlockDigester(caches, "sampled", layout)
+    (block,) = _blocks(2)
+    seen = d.layer_of(block.key)
+    before = _digests(d, (block,))
+    other = list(caches.values())[(seen + 1) % L]
+    _block(other, layout, 2)[0, 0, 0] += 1  # a layer the sample does not read
+    assert _digests(d, (block,)) == before
+    _block(list(caches.values())[seen], layout, 2)[0, 0, 0] += 1
+    assert _digests(d, (block,)) != before
+
+
+def test_the_worker_reports_blocks_and_loads_and_drops_refused_ones(layout: str) -> None:
+    caches = _caches(layout)
+    w = WorkerDigests("full", layout=layout, rank=2)
+    w.register_kv_caches(caches)
+    loaded = (DigestBlock("r", 0, 1, KEYS[0]), DigestBlock("r", 1, 2, KEYS[1]))
+    full = (DigestBlock("r", 2, 3, KEYS[2]),)
+    plan = DigestPlan(5, full=full, before=loaded, verify=loaded)
+    w.before_load(plan)
+    for cache in caches.values():  # "the load" writes block 1 only
+        _block(cache, layout, 1).fill_(0.5)
+    w.after_forward(plan, load_errors={2})  # block 2's load was refused: not judged
+    report = w.report()
+    assert report is not None and report.rank == 2
+    d = BlockDigester(caches, "full", layout)
+    (b1, b3) = _digests(d, (loaded[0], full[0]))
+    assert report.blocks == (("r", 2, KEYS[2], b3),)
+    ((rid, index, key, before, after),) = report.loads
+    assert (rid, index, key, after) == ("r", 0, KEYS[0], b1) and before != after
+    assert w.report() is None  # reported once
+
+
+def test_moved_bytes_change_the_digest(layout: str) -> None:
+    """Not a checksum of the values: the same values in other places (K and V swapped, tokens
+    in another order) digest differently."""
+    caches = _caches(layout)
+    d = BlockDigester(caches, "full", layout)
+    (block,) = _blocks(2)
+    before = _digests(d, (block,))
+    blk = _block(list(caches.values())[1], layout, 2)
+    flat = blk.reshape(-1).clone()  # swap the first and last 8 bytes
+    flat[:2], flat[-2:] = flat[-2:].clone(), flat[:2].clone()
+    blk.copy_(flat.reshape(blk.shape))
+    assert _digests(d, (block,)) != before

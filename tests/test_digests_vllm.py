@@ -1,0 +1,93 @@
+"""KV-content digests under vLLM 0.33's real scheduler (the harness and the KV oracle): clean
+runs check clean with loads verified; a load that writes wrong bytes, or none, while reporting
+success, is found by ``kvledger check`` of the log alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from connector.testing.harness import skip_reason
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+]
+
+
+def _run(tmp_path, digests: str, fault=None, layout: str = "flash_attn"):
+    from connector.testing.run import RunSpec, run
+
+    spec = RunSpec(extra_config={"chunk_size": 32, "digests": digests}, layout=layout)
+    return run(spec, log_dir=str(tmp_path), load_fault=fault)
+
+
+def _check(path):
+    from replay.replayer import check
+
+    return check(path)
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+@pytest.mark.parametrize("layout", ["flash_attn", "flashinfer"])
+def test_a_clean_run_checks_clean_with_its_loads_verified(tmp_path, mode: str, layout: str) -> None:
+    report = _run(tmp_path, mode, layout=layout)
+    assert report.ok, (report.violations, report.mismatches)
+    assert report.tokens_loaded > 0
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    digests = result.counts["digests"]
+    assert digests["verified"] > 0 and digests["verified"] == digests["loaded"]
+    assert digests["digested"] > 0 and not digests["unverifiable"]
+
+
+def test_off_records_no_digest(tmp_path) -> None:
+    report = _run(tmp_path, "off")
+    result = _check(report.log_path)
+    assert result.exit_code == 0
+    assert "BlockDigested" not in result.counts["by_type"]
+    assert result.counts["digests"]["digested"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "rule"), [("corrupt", "digest_mismatch"), ("skip", "load_unchanged")]
+)
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+def test_a_silent_bad_load_is_found_by_check_of_the_log(
+    tmp_path, fault: str, rule: str, mode: str
+) -> None:
+    """Every load reports success; ``corrupt`` loads changed bytes, ``skip`` loads nothing."""
+    report = _run(tmp_path, mode, fault=lambda req_id, chunk: fault)
+    assert report.mismatches  # the oracle sees the wrong KV too (the log alone must, below)
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    first = result.problems[0]
+    assert (first.kind, first.name) == ("violation", rule)
+    loads = [e for e in _events(report.log_path) if isinstance(e, _ev().LoadDigested)]
+    assert (first.req_id, first.step) == (loads[0].req_id, loads[0].step)
+    detail = dict(kv.split("=", 1) for kv in first.detail.split(","))
+    assert int(detail["block"]) == loads[0].start
+    assert detail["key"] == loads[0].keys[0].hex()
+    if rule == "digest_mismatch":
+        assert detail["found"] == f"{loads[0].after[0]:016x}" != detail["expected"]
+    assert {p.name for p in result.problems} == {rule}
+    assert result.counts["digests"]["verified"] == 0
+
+
+def test_without_digests_the_same_bad_load_checks_clean(tmp_path) -> None:
+    """What the digests add: the log of a connector that loads the wrong bytes and says it
+    succeeded holds nothing else that is wrong."""
+    report = _run(tmp_path, "off", fault=lambda req_id, chunk: "corrupt")
+    assert report.mismatches
+    assert _check(report.log_path).exit_code == 0
+
+
+def _ev():
+    from tracker import events
+
+    return events
+
+
+def _events(path):
+    from replay.source import open_log
+
+    return [e for frame in open_log(path).frames() for e in frame.events]
