@@ -25,6 +25,7 @@ import structlog
 
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
+from connector.metrics import Counters
 from connector.remote import RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
@@ -193,6 +194,8 @@ class SchedulerSide:
                 "kvledger.log_unavailable", error=log_error
             )
         self.adapter_errors = 0
+        # Running totals for vLLM's connector metrics (connector/metrics.py).
+        self.counters = Counters()
         # What the loads were for: resumed requests, and hits covering the whole prompt.
         self.load_stats = {"tokens_loaded_on_resume": 0, "full_hits": 0}
         self._requests: dict[str, Any] = {}
@@ -275,6 +278,8 @@ class SchedulerSide:
             request.all_token_ids,
             preempted=_status_name(request) == "preempted",
         )
+        self.counters.lookups += 1
+        self.counters.hit_tokens += external
         return external, False
 
     def _ask_remote(self, req_id: str, all_token_ids: Any) -> None:
@@ -489,12 +494,32 @@ class SchedulerSide:
                 plan = transfer_plan(d, state, self.tracker_config)
                 if plan is not None:
                     (loads if plan.kind == "load" else saves).append(plan)
+                    self._count_plan(plan)
         refused.extend(self._refuse_unprocessed_admissions())
         refused.extend(self._unlooked_refused)
         self._unlooked_refused = []
         self._unlooked.clear()
         delayed, self._delayed_free = tuple(self._delayed_free), []
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
+
+    def _count_plan(self, plan: TransferPlan) -> None:
+        c = self.counters
+        if plan.kind == "load":
+            c.loads += 1
+            c.load_tokens += plan.num_tokens
+        else:
+            c.saves += 1
+            c.save_tokens += plan.num_tokens
+
+    def metrics(self) -> dict[str, int] | None:
+        """What changed in the counters and the pool since the previous call, for vLLM's
+        connector stats (connector/metrics.py); None when nothing did."""
+        c, t = self.counters, self.tracker
+        c.violations = len(t.violations)
+        c.adapter_errors = self.adapter_errors
+        pool = t.index.stats()
+        num_slots = self.tracker_config.num_slots
+        return c.since({"pool_used_slots": num_slots - pool["free"], "pool_slots": num_slots})
 
     def _plan_digests(self, step: int, out: Any, preempted: tuple[str, ...]) -> Any:
         """This step's digest plan: every scheduled request's blocks that become full, and
@@ -675,6 +700,7 @@ class SchedulerSide:
     def _load_failed(self, req_id: str, blocks: tuple[int, ...], rank: int) -> None:
         ack = self._load_acks.setdefault(req_id, _Ack())
         if not ack.failed:
+            self.counters.load_failures += 1
             self.tracker.load_failed(req_id, blocks)
         ack.failed.add(rank)
         ack.settle(self._load_acks, req_id, self.world_size)
@@ -683,6 +709,7 @@ class SchedulerSide:
         ack = self._load_acks.setdefault(req_id, _Ack())
         ack.done.add(rank)
         if len(ack.done) == self.world_size and not ack.failed:
+            self.counters.loads_done += 1
             self.tracker.load_done(req_id)
         ack.settle(self._load_acks, req_id, self.world_size)
 
@@ -695,6 +722,7 @@ class SchedulerSide:
             sack.failed.add(rank)
             sack.settle(self._save_acks, (req_id, key), self.world_size)
         if first:
+            self.counters.save_failures += len(first)
             self.tracker.save_failed(req_id, first)
 
     def _save_done(self, req_id: str, keys: tuple[bytes, ...], rank: int) -> None:
@@ -706,6 +734,7 @@ class SchedulerSide:
                 confirmed.append(key)
             sack.settle(self._save_acks, (req_id, key), self.world_size)
         if confirmed:
+            self.counters.chunks_saved += len(confirmed)
             self.tracker.save_done(req_id, confirmed)
 
     def _give_up_transfers(self, req_id: str, rank: int) -> None:

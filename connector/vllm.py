@@ -26,6 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from connector import metrics
 from connector.config import ConnectorConfig
 from connector.messages import StepPlan, WorkerReport
 from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
@@ -42,6 +43,13 @@ try:  # vLLM >= 0.11: connector stats travel worker -> scheduler in every KVConn
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorStats = object  # type: ignore[assignment,misc]
+try:  # vLLM >= 0.11.1: per-connector Prometheus metrics (build_prom_metrics)
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    PROM_METRICS = True
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorPromMetrics = object  # type: ignore[assignment,misc]
+    PROM_METRICS = False
 
 # Where the worker's reports travel: the worker metadata where vLLM has it (>= 0.18), else the
 # connector stats (0.11 - 0.17), which vLLM also hands to update_connector_output.
@@ -85,8 +93,10 @@ class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, u
 
 
 class KVLedgerStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
-    """The worker's reports on vLLM 0.11 - 0.17, in the connector stats: plain data (it may be
-    serialised between processes); ``aggregate`` keeps each rank's reports apart."""
+    """The connector stats, plain data (serialised between processes): the scheduler side's
+    counters and pool reading under ``"kvledger"`` (what changed since its previous stats;
+    connector/metrics.py), and on vLLM 0.11 - 0.17 the worker's reports under
+    ``"kvledger_reports"``. ``aggregate`` keeps each rank's reports apart and adds counters."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         self.data = data if data is not None else {"kvledger_reports": []}
@@ -95,15 +105,46 @@ class KVLedgerStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
         self.data = {"kvledger_reports": []}
 
     def aggregate(self, other: Any) -> KVLedgerStats:
-        mine = list(self.data.get("kvledger_reports", []))
-        theirs = list(getattr(other, "data", {}).get("kvledger_reports", []))
-        return KVLedgerStats({"kvledger_reports": mine + theirs})
+        theirs = getattr(other, "data", None) or {}
+        mine_reports = list(self.data.get("kvledger_reports", []))
+        data: dict[str, Any] = {
+            "kvledger_reports": mine_reports + list(theirs.get("kvledger_reports", []))
+        }
+        payload = metrics.merge(self.data.get(metrics.KEY) or {}, theirs.get(metrics.KEY) or {})
+        if payload:
+            data[metrics.KEY] = payload
+        return KVLedgerStats(data)
 
     def reduce(self) -> dict[str, int | float]:
-        return {"kvledger_reports": len(self.data.get("kvledger_reports", []))}
+        out: dict[str, int | float] = {}
+        if self.data.get(metrics.KEY):
+            out.update(metrics.reduce(self.data[metrics.KEY]))
+        if self.data.get("kvledger_reports"):
+            out["kvledger_reports"] = len(self.data["kvledger_reports"])
+        return out
 
     def is_empty(self) -> bool:
-        return not self.data.get("kvledger_reports")
+        return not self.data.get("kvledger_reports") and not self.data.get(metrics.KEY)
+
+
+class KVLedgerPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ignore]
+    """``vllm:kvledger_*`` in vLLM's Prometheus registry, beside vLLM's own metrics: built by
+    ``KVLedgerConnector.build_prom_metrics`` in the front end, fed each step's stats."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.exporter = metrics.PromExporter(
+            self._counter_cls, self._gauge_cls, labelnames, per_engine_labelvalues
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        self.exporter.observe(transfer_stats_data, engine_idx)
 
 
 def _max_async_lag(vllm_config: Any) -> int:
@@ -245,7 +286,15 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         return ()
 
     def get_kv_connector_stats(self) -> KVLedgerStats | None:
-        """On the worker of a vLLM without worker metadata, this step's report; else None."""
+        """On the scheduler, what its counters and the pool did since the previous call (vLLM
+        asks after each ``update_from_output``; connector/metrics.py); on the worker of a vLLM
+        without worker metadata, this step's report; else None."""
+        if self._scheduler is not None:
+            try:
+                payload = self._scheduler.metrics()
+            except Exception:  # the engine never fails for our bookkeeping
+                return None
+            return None if payload is None else KVLedgerStats({metrics.KEY: payload})
         if self._worker is None or WORKER_META_CHANNEL:
             return None
         report = self._worker.build_report()
@@ -254,6 +303,20 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVLedgerStats | None:
         return KVLedgerStats(data) if data is not None else None
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVLedgerPromMetrics | None:
+        """The ``vllm:kvledger_*`` metrics (vLLM >= 0.11.1 calls this in its Prometheus stat
+        logger; None on a vLLM without per-connector metrics)."""
+        if not PROM_METRICS:  # pragma: no cover - older vLLM
+            return None
+        return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- worker side ----------------------------------------------------------------------
 
