@@ -24,6 +24,7 @@ __all__ = [
     "EVENT_TYPES",
     "Admission",
     "Allocated",
+    "BlockDigested",
     "ChunkEvicted",
     "ChunkStored",
     "DecisionEvent",
@@ -37,6 +38,7 @@ __all__ = [
     "InnerSendDone",
     "InnerStats",
     "InputEvent",
+    "LoadDigested",
     "LoadDone",
     "LoadFailed",
     "LoadPlanned",
@@ -419,6 +421,36 @@ class RecordLost(InputEvent):
     error: str = ""
 
 
+# --- KV-content digests (tags 60-69): what the worker found in the blocks (tracker/digests.py)
+
+
+@attrs.frozen(slots=True)
+class BlockDigested(InputEvent):
+    """After a forward pass, the worker digested the blocks that became full: block
+    ``start + i`` of the request, keyed ``keys[i]`` (its token prefix), held ``digests[i]``
+    (an unsigned 64-bit digest of its bytes, on worker ``rank``)."""
+
+    TAG: ClassVar[int] = 60
+    start: int
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    digests: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    rank: int = 0
+
+
+@attrs.frozen(slots=True)
+class LoadDigested(InputEvent):
+    """A load into blocks ``start + i`` (keyed ``keys[i]``) completed: the blocks' digests
+    ``before`` the load was issued and ``after`` it completed, on worker ``rank``. Judged
+    against the ``BlockDigested`` of the same keys (``digest_mismatch``, ``load_unchanged``)."""
+
+    TAG: ClassVar[int] = 61
+    start: int
+    keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    before: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    after: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    rank: int = 0
+
+
 # --- decision events ----------------------------------------------------------------------
 
 
@@ -500,6 +532,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     InnerStats,
     InnerRaised,
     RecordLost,
+    BlockDigested,
+    LoadDigested,
     LookupAnswered,
     LoadPlanned,
     SavePlanned,
