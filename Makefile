@@ -82,7 +82,7 @@ docs: setup
 pytest-engine: setup-engine
 	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q -m engine tests/engine
 
-test: lint typecheck pytest docs
+test: lint typecheck pytest pytest-engine docs
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py
