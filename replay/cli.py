@@ -166,6 +166,7 @@ examples:
   kvledger check logs/ --first                  # a directory holding one log's segments
   kvledger check run.kvlog --request req-7 --json
   kvledger check run.kvlog --with chunk_size=512 --with save_decode_cache=true   # what-if
+  kvledger check recorded.kvlog --differential   # a recorder's log: where kvledger differs
 """
 
 
@@ -179,6 +180,12 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object, no prose")
     p.add_argument("--request", metavar="ID", help="report only this request's problems")
     p.add_argument("--first", action="store_true", help="stop at the first problem")
+    p.add_argument(
+        "--differential",
+        action="store_true",
+        help="on a recorder's log (KVLedgerRecorder): name each request's first lookup where "
+        "the wrapped connector answered differently from kvledger on the same inputs",
+    )
     p.add_argument(
         "--with",
         dest="overrides",
@@ -224,7 +231,12 @@ def run_check(args: argparse.Namespace) -> int:
                 bar.update(task, completed=done, total=total)
 
         result = check(
-            paths, request=args.request, first=args.first, progress=progress, **overrides
+            paths,
+            request=args.request,
+            first=args.first,
+            progress=progress,
+            differential=args.differential,
+            **overrides,
         )
     args.exit_code = result.exit_code  # kept if the reader of stdout goes away (main)
     if result.bad_option is not None:
@@ -328,9 +340,27 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         f" in {result.seconds:.2f}s\n"
     )
     rec, der = result.totals["recorded"], result.totals["derived"]
+    recorder = c.get("recorded")
+    if recorder is not None:  # a recorder's log: the wrapped connector's answers, judged
+        inner = (result.run_info.get("recorder") or {}).get("inner", "?")
+        w(
+            f"  recorder  wrapping {inner}: {_n(recorder['lookups'])} lookups answered, "
+            f"{_n(recorder['loads'])} loads accepted by vLLM ({recorder['async_loads']} async)\n"
+        )
+        d = recorder.get("differential")
+        if d is not None:
+            w(
+                f"  differential  {_n(d['lookups_compared'])} lookups compared with kvledger's "
+                f"answer: {_n(d['lookups_differing'])} differ, in "
+                f"{d['requests_differing']} requests (the first of each is reported)\n"
+            )
     for label, key, plans in (
-        ("loads", "tokens_loaded", "loads"),
-        ("saves", "tokens_saved", "saves"),
+        ()
+        if recorder is not None
+        else (
+            ("loads", "tokens_loaded", "loads"),
+            ("saves", "tokens_saved", "saves"),
+        )
     ):
         w(
             f"  {label}     recorded {_n(rec[key])} tokens in {rec[plans]} plans, "
@@ -390,6 +420,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     code = result.exit_code
     if code == 0 and result.what_if is not None:
         verdict = "what-if replayed: no rule broken under the changed config"
+    elif code == 0 and "recorded" in result.counts:
+        verdict = "clean: no rule broken by the wrapped connector"
     elif code == 0:
         verdict = "clean: every decision re-derived identically, no rule broken"
     elif code == 1:

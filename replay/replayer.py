@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 
 from replay.format import event_dict, jsonable
+from replay.recorded import check_recorded_into, is_recorded
 from replay.source import LogPath, LogSource, LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
@@ -816,6 +817,7 @@ def check(
     first: bool = False,
     progress: Progress | None = None,
     max_problems: int = 10_000,
+    differential: bool = False,
     **config_overrides: Any,
 ) -> CheckResult:
     """Replay the log at ``path`` (a file, a list of segment files, or a directory holding one
@@ -826,6 +828,10 @@ def check(
     ``progress(bytes_done, bytes_total)``: called a few times a second. ``config_overrides``
     (``chunk_size=512``, ...): a what-if replay under a changed configuration. Never raises
     for a bad log: an unreadable one gives a result with :attr:`CheckResult.error` set.
+
+    A recorder's log (``KVLedgerRecorder`` wrapping another connector) is judged by the rules
+    any connector must keep (:mod:`replay.recorded`); ``differential`` also compares each of
+    the wrapped connector's lookup answers with kvledger's on the same recorded inputs.
     """
     started = time.perf_counter()
     if isinstance(path, (str, os.PathLike)):
@@ -834,7 +840,9 @@ def check(
         names = [os.fspath(p) for p in path]
     result = CheckResult(paths=names, request=request, first=first)
     try:
-        _check_into(result, path, request, first, progress, max_problems, config_overrides)
+        _check_into(
+            result, path, request, first, progress, max_problems, config_overrides, differential
+        )
     except LogUnreadable as e:
         # Not a log, an unknown major version, a damaged first header, a missing file.
         result.error = str(e)
@@ -851,6 +859,7 @@ def _check_into(
     progress: Progress | None,
     max_problems: int,
     overrides: dict[str, Any],
+    differential: bool = False,
 ) -> None:
     source = open_log(path)
     result.paths = [str(p) for p in source.paths]
@@ -884,6 +893,25 @@ def _check_into(
         result.bad_option = str(e)
         return
     result.config = config.to_dict()
+    if is_recorded(source.run_info):
+        # A recorder's log: the wrapped connector decided, kvledger recorded; nothing to
+        # re-derive, the rules any connector keeps to judge (--with sets the differential's pool).
+        check_recorded_into(
+            result,
+            source,
+            config,
+            request=request,
+            first=first,
+            max_problems=max_problems,
+            differential=differential,
+        )
+        return
+    if differential:
+        result.error = result.bad_option = (
+            "--differential compares a wrapped connector with kvledger: it needs a log "
+            "written by KVLedgerRecorder, and this one was written by KVLedgerConnector"
+        )
+        return
     what_if = None
     if overrides:
         what_if = WhatIf(dict(overrides), recorded.to_dict(), config.to_dict())

@@ -1,0 +1,210 @@
+"""The rules any connector must keep, on recorded event sequences (tracker/recorded_rules.py):
+each rule on the smallest history that breaks it and on its nearest clean neighbour, then
+hypothesis histories of a well-behaved connector (clean) with one fault planted (that rule,
+at that step)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tracker import events as ev
+from tracker.recorded_rules import RECORDED_RULES, check_recorded
+
+BS = 16
+PROMPT = tuple(range(100, 148))  # 48 tokens, 3 blocks
+
+
+def rules(events):
+    return [v.rule for v in check_recorded(events, BS)]
+
+
+def admission(rid="r", *, step=0, offered=32, accepted=32, blocks=(1, 2, 3, 4), local=0):
+    """A request asked, answered ``offered``, allocated with ``accepted``, scheduled."""
+    return [
+        ev.RequestAdded(step, rid, PROMPT),
+        ev.LookupAsked(step, rid, local, len(PROMPT), 48, ()),
+        ev.InnerLookupAnswered(step, rid, offered, False),
+        ev.Allocated(step, rid, blocks, accepted),
+        ev.Scheduled(step, rid, local + accepted, 48 - local - accepted, 48, (), blocks, 1),
+    ]
+
+
+def test_every_rule_is_documented():
+    assert set(RECORDED_RULES) == {
+        "lookup_unstable",
+        "accepted_beyond_offer",
+        "accepted_beyond_allocation",
+        "full_hit_no_last_token",
+        "load_not_finished",
+        "load_during_save",
+        "freed_while_saving",
+        "readmission_cached_below_external",
+    }
+
+
+def test_clean_admission():
+    assert rules(admission()) == []
+
+
+def test_accepted_beyond_offer():
+    assert rules(admission(offered=16, accepted=32)) == ["accepted_beyond_offer"]
+    # An answer of None ("ask again later") offers nothing.
+    assert rules(admission(offered=-1, accepted=16)) == ["accepted_beyond_offer"]
+
+
+def test_accepted_beyond_allocation():
+    assert rules(admission(blocks=(1,), accepted=32)) == ["accepted_beyond_allocation"]
+    assert rules(admission(blocks=(1, 2), accepted=32)) == []
+
+
+def test_full_hit_no_last_token():
+    assert rules(admission(offered=48, accepted=47)) == ["full_hit_no_last_token"]
+    assert rules(admission(offered=47, accepted=47)) == []
+    # With a local hit, the external tokens count on top of it.
+    assert rules(admission(local=16, offered=32, accepted=32)) == ["full_hit_no_last_token"]
+
+
+def _ask(step, offered, rid="r", load_async=False):
+    return [
+        ev.LookupAsked(step, rid, 0, len(PROMPT), 48, ()),
+        ev.InnerLookupAnswered(step, rid, offered, load_async),
+    ]
+
+
+def test_lookup_unstable_only_when_nothing_changed():
+    start = [ev.RequestAdded(0, "r", PROMPT)]
+    assert rules(start + _ask(0, 32) + _ask(1, 16)) == ["lookup_unstable"]
+    assert rules(start + _ask(0, 32) + _ask(1, 32)) == []
+    # A forward pass ran in between (another request computed): the store may have changed.
+    other = [ev.Scheduled(0, "o", 0, 16, 0, (), (9,), 1)]
+    assert rules(start + _ask(0, 32) + other + _ask(1, 16)) == []
+    # A transfer result came back in between.
+    done = [ev.InnerSendDone(1, "o")]
+    assert rules(start + _ask(0, 32) + done + _ask(1, 16)) == []
+    # "Ask again later" is not an answer to compare.
+    assert rules(start + _ask(0, -1) + _ask(1, 16)) == []
+
+
+def test_async_load_must_finish_before_computing():
+    events = [
+        ev.RequestAdded(0, "r", PROMPT),
+        *_ask(0, 32, load_async=True),
+        ev.Allocated(0, "r", (1, 2, 3), 32),
+    ]
+    computed = [ev.Scheduled(3, "r", 32, 16, 48, (), (1, 2, 3), 1)]
+    assert rules(events + computed) == ["load_not_finished"]
+    received = [ev.InnerRecvDone(2, "r"), ev.Allocated(2, "r", (1, 2, 3), 0)]
+    assert rules(events + received + computed) == []
+
+
+def test_late_sync_load_error():
+    events = admission(accepted=32, blocks=(1, 2, 3))
+    run = [ev.Scheduled(s, "r", 47 + s, 1, 48, (), (), 0) for s in (1, 2)]
+    error = [ev.InnerLoadErrors(3, "", (2,))]
+    assert rules(events + run + error) == ["load_not_finished"]
+    # Reported in time (the next step's output; one step of slack for async scheduling).
+    assert rules(events + run[:1] + error) == []
+    # About a block the load did not write.
+    assert rules(events + run + [ev.InnerLoadErrors(3, "", (3,))]) == []
+
+
+def _finish(rid, delay, blocks=(1, 2, 3), step=5):
+    return [ev.Finished(step, rid, "stopped"), ev.InnerFinishedAnswered(step, rid, delay, blocks)]
+
+
+def test_load_during_save():
+    first = admission("r", offered=0, accepted=0) + _finish("r", True)
+    again = admission("r", step=6, offered=32, accepted=32, blocks=(5, 6, 7))
+    assert rules(first + again) == ["load_during_save"]
+    sent = [ev.InnerSendDone(6, "r")]
+    assert rules(first + sent + again) == []
+
+
+def test_freed_while_saving():
+    first = admission("r", offered=0, accepted=0) + _finish("r", True, blocks=(1, 2))
+    other = admission("o", step=6, offered=0, accepted=0, blocks=(2, 8, 9))
+    assert "freed_while_saving" in rules(first + other)
+    assert rules([*first, ev.InnerSendDone(6, "r"), *other]) == []
+    # A finished_sending for a request whose blocks vLLM freed at once.
+    freed = admission("r", offered=0, accepted=0) + _finish("r", False)
+    assert rules([*freed, ev.InnerSendDone(6, "r")]) == ["freed_while_saving"]
+
+
+def test_readmission_cached_below_external():
+    events = admission("r", offered=32, accepted=32)[:4]
+    short = ev.Scheduled(0, "r", 16, 32, 48, (), (1, 2, 3, 4), 2)
+    assert rules([*events, short]) == ["readmission_cached_below_external"]
+    right = ev.Scheduled(0, "r", 32, 16, 48, (), (1, 2, 3, 4), 2)
+    assert rules([*events, right]) == []
+
+
+# --- hypothesis: a well-behaved connector's histories are clean; one fault is named --------
+
+
+@st.composite
+def histories(draw):
+    """Requests admitted one per step with answers a sane connector gives (block aligned,
+    within the prompt less one token, accepted as offered), some preempted and re-admitted,
+    finished with or without a delayed free that finished_sending ends before any reuse."""
+    n = draw(st.integers(1, 6))
+    events: list[ev.Event] = []
+    step = 0
+    next_block = 1
+    for i in range(n):
+        rid = f"r{i}"
+        length = draw(st.integers(2, 80))
+        prompt = tuple(range(length))
+        events.append(ev.RequestAdded(step, rid, prompt))
+        for _ in range(draw(st.integers(1, 3))):  # admitted, maybe preempted and re-admitted
+            local = draw(st.integers(0, (length - 1) // BS)) * BS
+            offered = draw(st.integers(0, (length - 1 - local) // BS)) * BS
+            blocks = tuple(range(next_block, next_block + -(-length // BS)))
+            next_block += len(blocks)
+            events += [
+                ev.LookupAsked(step, rid, local, length, 0, ()),
+                ev.InnerLookupAnswered(step, rid, offered, False),
+                ev.Allocated(step, rid, blocks, offered),
+                ev.Scheduled(
+                    step, rid, local + offered, length - local - offered, 0, (), blocks, 1
+                ),
+            ]
+            step += 1
+            if draw(st.booleans()):
+                events.append(ev.Preempted(step, rid))
+            else:
+                break
+        delay = draw(st.booleans())
+        events += [
+            ev.Finished(step, rid, "stopped"),
+            ev.InnerFinishedAnswered(step, rid, delay, blocks),
+        ]
+        if delay:
+            events.append(ev.InnerSendDone(step + 1, rid))
+        step += 2
+    return events
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories())
+def test_sane_histories_are_clean(events):
+    assert rules(events) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(histories(), st.data())
+def test_an_overclaimed_acceptance_is_named(events, data):
+    """vLLM accepting more than was offered, at one admission: named there first (its
+    Scheduled, which still counts the old acceptance, may also fall short of the new one)."""
+    allocs = [i for i, e in enumerate(events) if isinstance(e, ev.Allocated)]
+    i = data.draw(st.sampled_from(allocs))
+    e = events[i]
+    bad = ev.Allocated(e.step, e.req_id, (*e.block_ids, 999), e.num_external + BS)
+    found = check_recorded([*events[:i], bad, *events[i + 1 :]], BS)
+    assert (found[0].rule, found[0].step, found[0].req_id) == (
+        "accepted_beyond_offer",
+        e.step,
+        e.req_id,
+    )
+    assert {(v.step, v.req_id) for v in found} == {(e.step, e.req_id)}
+    assert {v.rule for v in found} <= {"accepted_beyond_offer", "readmission_cached_below_external"}

@@ -1,0 +1,385 @@
+"""The rules any connector must keep, judged on a recorder's log (connector/recorder.py).
+
+Pure: events in, violations out; no I/O. A recorder's log holds vLLM's facts (``RequestAdded``,
+``LookupAsked``, ``Allocated``, ``Scheduled``, ``Preempted``, ``Finished``) and the wrapped
+connector's answers (``InnerLookupAnswered``, ``InnerFinishedAnswered``, ``InnerSendDone``,
+``InnerRecvDone``, ``InnerLoadErrors``). :class:`RecordedRules` walks them once, in log order,
+keeping per request only what the rules need, and names every broken rule with the request,
+the step and the numbers involved.
+
+The rules, each judged only on what the log shows (a connector's private state is not in it):
+
+- ``lookup_unstable``: asked again with the same tokens and the same local hit while nothing
+  it could depend on changed (no forward pass ran, no transfer result came back, no request
+  finished or was allocated), the connector answered differently. vLLM asks a waiting request
+  again every step; the answer must be a function of the facts.
+- ``accepted_beyond_offer``: vLLM's ``update_state_after_alloc`` counts more external tokens
+  than the connector's last answer offered (or it answered ``None``).
+- ``accepted_beyond_allocation``: the local hit plus the external tokens exceed the blocks
+  vLLM allocated: the load would write past the request's block table.
+- ``full_hit_no_last_token``: the connector offered every token of the request (local hit plus
+  external equals the token count): vLLM must compute at least the last token to sample.
+- ``load_not_finished``: an asynchronous load's request computed before the worker reported it
+  in ``finished_recving``; or a load error about the blocks of a synchronous load arrived after
+  the request had computed past them (at its second later step: one step of slack for async
+  scheduling, whose output of a step arrives after the next one was scheduled).
+- ``load_during_save``: a load was issued for a request id whose saves are still in flight (its
+  ``request_finished`` kept the blocks and no ``finished_sending`` named it yet) -- the
+  OffloadingConnector crash of vLLM issue #46014, as far as the API shows it.
+- ``freed_while_saving``: a block kept for a save in flight appears in another request's block
+  table before ``finished_sending`` named the save's request; or ``finished_sending`` names a
+  request whose ``request_finished`` let vLLM free its blocks at once (the save was reading
+  blocks vLLM had already given away).
+- ``readmission_cached_below_external``: at a (re-)admission with external tokens, vLLM's
+  computed-token count is below what it accepted from the connector (vLLM PR #36752).
+
+``digest_mismatch`` and ``load_unchanged`` are the digests' (tracker/digests.py), folded by the
+Tracker from ``BlockDigested``/``LoadDigested``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tracker import events as ev
+from tracker.state import Violation
+
+__all__ = ["RECORDED_RULES", "RecordedRules", "check_recorded"]
+
+RECORDED_RULES: dict[str, str] = {
+    "lookup_unstable": "the same lookup, nothing changed, a different answer",
+    "accepted_beyond_offer": "vLLM accepted more external tokens than the connector offered",
+    "accepted_beyond_allocation": "local hit plus external tokens exceed the allocated blocks",
+    "full_hit_no_last_token": "the connector offered every token: none left to compute",
+    "load_not_finished": "the request computed past a load not reported finished or failed",
+    "load_during_save": "a load issued while saves of the same request are in flight (#46014)",
+    "freed_while_saving": "blocks freed (or reused) while a save still reads them",
+    "readmission_cached_below_external": "re-admitted with fewer computed tokens than accepted",
+}
+
+
+class _Req:
+    """What the rules keep about one live request."""
+
+    __slots__ = (
+        "accepted",
+        "ask",
+        "ask_epoch",
+        "asked",
+        "async_load",
+        "external",
+        "load_blocks",
+        "load_steps",
+        "preempted",
+        "waiting_recv",
+    )
+
+    def __init__(self) -> None:
+        self.ask: tuple[int, int] | None = None  # (num_tokens, local_hit) of the last ask
+        self.ask_epoch = -1  # the world's epoch at that ask
+        self.asked: LookupSeen | None = None  # the last ask and its answer
+        self.external: int | None = None  # the last answer's external tokens (None: None)
+        self.async_load = False  # the last answer's load_async
+        self.waiting_recv = False  # an async load accepted, no finished_recving yet
+        self.load_blocks: frozenset[int] = frozenset()  # blocks of the last sync load
+        self.load_steps = -1  # Scheduled steps since that load's admission (-1: none)
+        self.preempted = False
+        self.accepted = 0  # external tokens of the allocation not yet seen scheduled
+
+
+class LookupSeen:
+    __slots__ = ("answer", "local_hit", "num_tokens", "step")
+
+    def __init__(self, step: int, local_hit: int, num_tokens: int) -> None:
+        self.step = step
+        self.local_hit = local_hit
+        self.num_tokens = num_tokens
+        self.answer: tuple[int, bool] | None = None
+
+
+class RecordedRules:
+    """Feed a recorder's events in log order (:meth:`apply`); each call returns the violations
+    that event reveals."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._reqs: dict[str, _Req] = {}
+        # Bumped by anything a lookup answer may depend on: a forward pass, a transfer result,
+        # a finished or allocated request.
+        self._epoch = 0
+        # Saves in flight of finished requests: req id -> blocks vLLM keeps for them.
+        self._saving: dict[str, frozenset[int]] = {}
+        # Finished requests whose blocks vLLM freed at once (delay False), for the late
+        # finished_sending; bounded by forgetting at the next RequestAdded of the id.
+        self._freed: set[str] = set()
+        self.counts = {"lookups": 0, "loads": 0, "async_loads": 0}
+
+    # --- the walk -----------------------------------------------------------------------
+
+    def apply(self, e: ev.Event) -> list[Violation]:
+        handler = _HANDLERS.get(e.__class__)
+        if handler is None:
+            return []
+        return handler(self, e)
+
+    def _req(self, req_id: str) -> _Req:
+        r = self._reqs.get(req_id)
+        if r is None:
+            r = self._reqs[req_id] = _Req()
+        return r
+
+    def _added(self, e: ev.RequestAdded) -> list[Violation]:
+        self._reqs[e.req_id] = _Req()
+        self._freed.discard(e.req_id)
+        return []
+
+    def _asked(self, e: ev.LookupAsked) -> list[Violation]:
+        r = self._req(e.req_id)
+        r.asked = LookupSeen(e.step, e.local_hit, e.num_tokens)
+        return []
+
+    def _answered(self, e: ev.InnerLookupAnswered) -> list[Violation]:
+        self.counts["lookups"] += 1
+        r = self._req(e.req_id)
+        seen = r.asked
+        out: list[Violation] = []
+        answer = (e.external, e.load_async)
+        if seen is None:
+            return out
+        ask = (seen.num_tokens, seen.local_hit)
+        if r.ask == ask and r.ask_epoch == self._epoch and r.external is not None:
+            before = (r.external, r.async_load)
+            if e.external >= 0 and before != answer:
+                out.append(
+                    Violation(
+                        "lookup_unstable",
+                        e.step,
+                        e.req_id,
+                        "InnerLookupAnswered",
+                        {
+                            "num_tokens": seen.num_tokens,
+                            "local_hit": seen.local_hit,
+                            "before": before[0],
+                            "before_async": before[1],
+                            "now": e.external,
+                            "now_async": e.load_async,
+                        },
+                    )
+                )
+        if e.external >= 0 and seen.local_hit + e.external >= seen.num_tokens > 0:
+            out.append(
+                Violation(
+                    "full_hit_no_last_token",
+                    e.step,
+                    e.req_id,
+                    "InnerLookupAnswered",
+                    {
+                        "num_tokens": seen.num_tokens,
+                        "local_hit": seen.local_hit,
+                        "external": e.external,
+                    },
+                )
+            )
+        seen.answer = answer
+        r.ask, r.ask_epoch = ask, self._epoch
+        r.external = None if e.external < 0 else e.external
+        r.async_load = e.load_async
+        return out
+
+    def _allocated(self, e: ev.Allocated) -> list[Violation]:
+        self._epoch += 1
+        r = self._req(e.req_id)
+        out: list[Violation] = []
+        n = e.num_external
+        if n <= 0:
+            return out
+        self.counts["loads"] += 1
+        offered = r.external
+        if offered is None or n > offered:
+            out.append(
+                Violation(
+                    "accepted_beyond_offer",
+                    e.step,
+                    e.req_id,
+                    "Allocated",
+                    {"accepted": n, "offered": "None" if offered is None else offered},
+                )
+            )
+        local = r.asked.local_hit if r.asked is not None else 0
+        capacity = len(e.block_ids) * self.block_size
+        if local + n > capacity:
+            out.append(
+                Violation(
+                    "accepted_beyond_allocation",
+                    e.step,
+                    e.req_id,
+                    "Allocated",
+                    {"local_hit": local, "accepted": n, "allocated_tokens": capacity},
+                )
+            )
+        if e.req_id in self._saving:
+            out.append(
+                Violation(
+                    "load_during_save",
+                    e.step,
+                    e.req_id,
+                    "Allocated",
+                    {"accepted": n, "saving_blocks": len(self._saving[e.req_id])},
+                )
+            )
+        first = local // self.block_size
+        last = -(-(local + n) // self.block_size)
+        blocks = frozenset(e.block_ids[first:last])
+        if r.async_load:
+            self.counts["async_loads"] += 1
+            r.waiting_recv = True
+        else:
+            r.load_blocks = blocks
+            r.load_steps = 0
+        out += self._reused(e, e.block_ids)
+        r.accepted = n
+        return out
+
+    def _reused(self, e: ev.Event, block_ids: tuple[int, ...]) -> list[Violation]:
+        if not self._saving:
+            return []
+        out: list[Violation] = []
+        mine = set(block_ids)
+        for owner, kept in self._saving.items():
+            if owner != e.req_id and kept & mine:
+                out.append(
+                    Violation(
+                        "freed_while_saving",
+                        e.step,
+                        e.req_id,
+                        type(e).__name__,
+                        {"saving": owner, "blocks": ",".join(map(str, sorted(kept & mine)))},
+                    )
+                )
+        return out
+
+    def _scheduled(self, e: ev.Scheduled) -> list[Violation]:
+        if e.num_scheduled > 0:
+            self._epoch += 1
+        r = self._req(e.req_id)
+        out: list[Violation] = []
+        if r.waiting_recv and e.num_scheduled > 0:
+            out.append(
+                Violation(
+                    "load_not_finished",
+                    e.step,
+                    e.req_id,
+                    "Scheduled",
+                    {"load": "async", "num_computed": e.num_computed},
+                )
+            )
+            r.waiting_recv = False
+        accepted = r.accepted
+        if e.admission is not ev.Admission.RUNNING and accepted > 0:
+            if e.num_computed < accepted:
+                out.append(
+                    Violation(
+                        "readmission_cached_below_external",
+                        e.step,
+                        e.req_id,
+                        "Scheduled",
+                        {"num_computed": e.num_computed, "accepted": accepted},
+                    )
+                )
+            r.accepted = 0
+        elif r.load_steps >= 0:
+            r.load_steps += 1
+        if e.admission is not ev.Admission.RUNNING:
+            out += self._reused(e, e.block_ids)
+        return out
+
+    def _preempted(self, e: ev.Preempted) -> list[Violation]:
+        self._epoch += 1
+        r = self._req(e.req_id)
+        r.preempted = True
+        r.load_steps = -1
+        r.load_blocks = frozenset()
+        return []
+
+    def _finished(self, e: ev.Finished) -> list[Violation]:
+        self._epoch += 1
+        return []
+
+    def _finished_answer(self, e: ev.InnerFinishedAnswered) -> list[Violation]:
+        self._reqs.pop(e.req_id, None)
+        if e.delay:
+            self._saving[e.req_id] = frozenset(e.block_ids)
+        else:
+            self._freed.add(e.req_id)
+        return []
+
+    def _send_done(self, e: ev.InnerSendDone) -> list[Violation]:
+        self._epoch += 1
+        if self._saving.pop(e.req_id, None) is not None:
+            return []
+        if e.req_id in self._freed:
+            self._freed.discard(e.req_id)
+            return [
+                Violation(
+                    "freed_while_saving",
+                    e.step,
+                    e.req_id,
+                    "InnerSendDone",
+                    {"request_finished": "delay=False"},
+                )
+            ]
+        return []
+
+    def _recv_done(self, e: ev.InnerRecvDone) -> list[Violation]:
+        self._epoch += 1
+        r = self._reqs.get(e.req_id)
+        if r is not None:
+            r.waiting_recv = False
+        return []
+
+    def _load_errors(self, e: ev.InnerLoadErrors) -> list[Violation]:
+        self._epoch += 1
+        bad = set(e.block_ids)
+        out: list[Violation] = []
+        for req_id, r in self._reqs.items():
+            if r.load_steps >= 2 and r.load_blocks & bad:
+                out.append(
+                    Violation(
+                        "load_not_finished",
+                        e.step,
+                        req_id,
+                        "InnerLoadErrors",
+                        {
+                            "load": "sync",
+                            "late_by_steps": r.load_steps,
+                            "blocks": ",".join(map(str, sorted(r.load_blocks & bad))),
+                        },
+                    )
+                )
+                r.load_blocks = frozenset()
+        return out
+
+
+_HANDLERS: dict[type[ev.Event], Callable[[RecordedRules, Any], list[Violation]]] = {
+    ev.RequestAdded: RecordedRules._added,
+    ev.LookupAsked: RecordedRules._asked,
+    ev.InnerLookupAnswered: RecordedRules._answered,
+    ev.Allocated: RecordedRules._allocated,
+    ev.Scheduled: RecordedRules._scheduled,
+    ev.Preempted: RecordedRules._preempted,
+    ev.Finished: RecordedRules._finished,
+    ev.InnerFinishedAnswered: RecordedRules._finished_answer,
+    ev.InnerSendDone: RecordedRules._send_done,
+    ev.InnerRecvDone: RecordedRules._recv_done,
+    ev.InnerLoadErrors: RecordedRules._load_errors,
+}
+
+
+def check_recorded(events: Any, block_size: int) -> list[Violation]:
+    """Every violation in a sequence of recorded events (tests, small logs)."""
+    rules = RecordedRules(block_size)
+    out: list[Violation] = []
+    for e in events:
+        out += rules.apply(e)
+    return out
