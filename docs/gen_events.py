@@ -1,4 +1,5 @@
-"""Generate the tables of docs/events.md, docs/architecture.md and docs/debugging.md from the code.
+"""Generate the tables of docs/events.md, docs/architecture.md, docs/debugging.md and
+docs/log-format.md from the code.
 
 Each generated table sits in its page between two markers::
 
@@ -10,7 +11,7 @@ Usage (from the repository root, with the project's venv)::
 
     .venv/bin/python docs/gen_events.py            # print every table
     .venv/bin/python docs/gen_events.py events     # print one table (events, admission,
-                                                   # transitions, rules)
+                                                   # transitions, rules, records)
     .venv/bin/python docs/gen_events.py --write    # rewrite the marked blocks in docs/*.md
     .venv/bin/python docs/gen_events.py --check    # exit 1 if a marked block is stale
 
@@ -190,11 +191,77 @@ def rules_table() -> str:
     return "\n".join(out)
 
 
+# --- the record types of docs/log-format.md, from the codec ----------------------------------
+
+_WIRE_TYPES = {
+    "int": "int",
+    "str": "str",
+    "bool": "bool",
+    "bytes": "bin",
+    "Admission": "int",
+    "tuple[int, ...]": "array of int",
+    "tuple[bytes, ...]": "array of bin",
+    "tuple[str, ...]": "array of str",
+}
+# What the wire type alone does not say.
+_FIELD_NOTES = {
+    ("StepDecoded", "blocks"): "flat number, block id pairs",
+}
+
+
+def _wire_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, bytes):
+        return 'b""' if not value else repr(value)
+    if isinstance(value, str):
+        return f'"{value}"'
+    if isinstance(value, (list, tuple)):
+        return "[]" if not value else repr(list(value))
+    return repr(value)
+
+
+def records_table() -> str:
+    """Every record type the codec writes: tag, version, kind, and the wire fields after
+    ``req_id`` in order, with their defaults and transforms (the header's schemas)."""
+    from tracker import codec
+
+    schemas, defaults, transforms = codec.schemas(), codec.defaults(), codec.transforms()
+    by_name = {cls.__name__: cls for cls in ev.EVENT_TYPES}
+    out = [
+        "| tag | type | version | kind | fields after `req_id` (`= default` when optional) |",
+        "|---|---|---|---|---|",
+    ]
+    for tag in sorted(schemas):
+        name, version, names = schemas[tag]
+        cls = by_name[name]
+        types = {f.name: f.type for f in attrs.fields(cls)}
+        fields = []
+        for field in names[1:]:
+            text = f"`{field}` {_WIRE_TYPES.get(str(types[field]), str(types[field]))}"
+            if field in defaults.get(tag, {}):
+                text += f" = `{_wire_value(defaults[tag][field])}`"
+            notes = []
+            kind_base = transforms.get(tag, {}).get(field)
+            if kind_base:
+                notes.append(f"{kind_base[0]} from `{kind_base[1]}`")
+            if (name, field) in _FIELD_NOTES:
+                notes.append(_FIELD_NOTES[name, field])
+            if notes:
+                text += f" ({'; '.join(notes)})"
+            fields.append(text)
+        out.append(
+            f"| {tag} | `{name}` | {version} | {cls.KIND} | {', '.join(fields) or '(none)'} |"
+        )
+    return "\n".join(out)
+
+
 TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "events": (events_table, "docs/events.md"),
     "admission": (admission_table, "docs/events.md"),
     "transitions": (transitions_table, "docs/architecture.md"),
     "rules": (rules_table, "docs/debugging.md"),
+    "records": (records_table, "docs/log-format.md"),
 }
 
 
