@@ -9,7 +9,10 @@
   const D = JSON.parse(document.getElementById("timeline-data").textContent);
   const C = D.colors;
   const NS = "http://www.w3.org/2000/svg";
-  const LEFT = 130, RIGHT = 24, TOP = 18, PANEL = 64, LANE = 84, GAP = 22, BAND = 10;
+  // The left margin fits the longest request label (about 7 px a character at 11 px, bold).
+  const longest = Math.max(0, ...D.lanes.map((l) => l.label.length));
+  const LEFT = Math.min(320, Math.max(130, 7.5 * longest + 18));
+  const RIGHT = 24, TOP = 18, PANEL = 64, LANE = 84, GAP = 22, BAND = 10;
   const full = [D.steps[0] - 0.5, D.steps[1] + 0.5];
   let dom = full.slice();
   const chart = document.getElementById("chart");
@@ -190,8 +193,11 @@
       const yy = (v) => curveBot - (v / ymax) * (LANE - BAND - 18);
       const lane = el(svg, "g", { class: "lane", "data-request": L.label });
       el(lane, "rect", { x: LEFT, y: laneTop, width: plotW, height: LANE, fill: "none", stroke: "#ccc" });
-      el(lane, "text", { x: LEFT - 8, y: laneTop + LANE / 2, "text-anchor": "end",
-        "font-weight": "bold" }).textContent = L.label;
+      const name = el(lane, "text", { class: "label", x: LEFT - 8, y: laneTop + LANE / 2,
+        "text-anchor": "end", "font-weight": "bold" });
+      const room = Math.floor((LEFT - 12) / 7.5);
+      name.textContent = L.label.length > room ? "\u2026" + L.label.slice(-(room - 1)) : L.label;
+      el(name, "title", {}).textContent = `${L.label} (vLLM id ${L.req_id})`;
       el(lane, "text", { x: LEFT - 8, y: laneTop + 12, "text-anchor": "end", fill: "#888" }).textContent = ymax;
       const body = el(lane, "g", { "clip-path": "url(#plot)" });
       for (const [a, b, phase] of L.phases) {
