@@ -35,9 +35,10 @@ import structlog
 import torch
 
 from connector.transfer import describe_kv_caches
-from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestReport
+from tracker import events as ev
+from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
 
-__all__ = ["BlockDigester", "WorkerDigests"]
+__all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests", "make_recorder_hooks"]
 
 _log = structlog.get_logger("kvledger.connector")
 
@@ -219,3 +220,72 @@ class WorkerDigests:
         out = DigestReport(tuple(self._blocks), tuple(self._loads), self.rank)
         self._blocks, self._loads = [], []
         return out
+
+
+# --- KVLedgerRecorder's hooks (connector/recorder.py) -------------------------------------
+
+
+class RecorderDigests:
+    """The recorder's scheduler-side digest hook: a ``DigestPlanner`` fed with the very events
+    the recorder writes (vLLM's facts and the inner's answers, so the plan is what a reader of
+    the log would derive), ``plan(scheduler_output)`` once per step, ``report(reports)`` ->
+    the events of the workers' digest reports. A loaded block the inner reported a load error
+    for (``InnerLoadErrors`` of the same output) is not judged: vLLM recomputes it."""
+
+    def __init__(self, recording: Any, block_size: int) -> None:
+        self.planner = DigestPlanner(block_size)
+        self._recording = recording
+        self._block_of: dict[tuple[str, int], int] = {}
+        self._load_errors: set[int] = set()
+        if recording is None:
+            return
+        write = recording.write
+
+        def observed(*events: ev.Event) -> None:
+            try:
+                for e in events:
+                    self._observe(e)
+            except Exception as exc:  # the plan loses a fact; the record is still written
+                _log.warning("kvledger.digest_observe_failed", error=repr(exc))
+            write(*events)
+
+        recording.write = observed
+
+    def _observe(self, e: ev.Event) -> None:
+        if isinstance(e, ev.InnerLoadErrors):
+            self._load_errors.update(e.block_ids)
+        else:
+            self.planner.observe(e)
+
+    def plan(self, scheduler_output: Any) -> DigestPlan | None:
+        step = getattr(self._recording, "step", 0)
+        plan = self.planner.plan(step)
+        if plan is not None:
+            for b in plan.verify:
+                self._block_of[(b.req_id, b.block_index)] = b.block_id
+        return plan
+
+    def report(self, reports: Sequence[Any]) -> list[ev.Event]:
+        errors, self._load_errors = self._load_errors, set()
+        events: list[ev.Event] = []
+        step = getattr(self._recording, "step", 0)
+        for report in reports:
+            if not isinstance(report, DigestReport):
+                continue
+            loads = []
+            for row in report.loads:
+                block = self._block_of.pop((row[0], row[1]), None)
+                if block not in errors:
+                    loads.append(row)
+            events += attrs.evolve(report, loads=tuple(loads)).events(step)
+        return events
+
+
+def make_recorder_hooks(recorder: Any, vllm_config: Any, kv_cache_config: Any, role: Any) -> Any:
+    """``KVLedgerRecorder``'s digest hooks for ``role``: the scheduler's ``RecorderDigests``,
+    or the worker's ``WorkerDigests`` (``recorder.digests`` names the mode)."""
+    if str(getattr(role, "name", role)).upper().endswith("SCHEDULER"):
+        block_size = int(vllm_config.cache_config.block_size)
+        return RecorderDigests(recorder.recording, block_size)
+    rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+    return WorkerDigests(recorder.digests, rank=rank)

@@ -91,3 +91,54 @@ def _events(path):
     from replay.source import open_log
 
     return [e for frame in open_log(path).frames() for e in frame.events]
+
+
+# --- a wrapped connector (KVLedgerRecorder): the same digests, from the recorded events ----
+
+
+def _wrapped(tmp_path, inner: str, digests: str):
+    from connector.testing.recorded import WrappedSpec, run_wrapped
+
+    extra = (
+        {"chunk_size": 32}
+        if inner.startswith("connector.")
+        else {"shared_storage_path": str(tmp_path / "store")}
+    )
+    spec = WrappedSpec(inner=inner, digests=digests, extra_config=extra)
+    return run_wrapped(spec, log_dir=str(tmp_path / "logs"))
+
+
+@pytest.mark.parametrize(
+    ("inner", "mode"),
+    [("ExampleConnector", "full"), ("connector.vllm:KVLedgerConnector", "sampled")],
+)
+def test_a_wrapped_connector_checks_clean_with_its_loads_verified(
+    tmp_path, inner: str, mode: str
+) -> None:
+    report = _wrapped(tmp_path, inner, mode)
+    assert report.mismatches == ()
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    digests = result.counts["digests"]
+    assert digests["verified"] > 0 and digests["verified"] == digests["loaded"]
+
+
+@pytest.mark.parametrize(
+    ("inner", "rule"),
+    [
+        ("_digest_inners:CorruptingExample", "digest_mismatch"),
+        ("_digest_inners:SkippingExample", "load_unchanged"),
+    ],
+)
+def test_a_wrapped_connectors_silent_bad_load_is_found_by_check(
+    tmp_path, inner: str, rule: str
+) -> None:
+    """vLLM's ExampleConnector, with a fault it does not report: the recorded log alone names
+    the request and the step of the load."""
+    report = _wrapped(tmp_path, inner, "full")
+    assert report.mismatches  # the oracle agrees that the KV is wrong
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    loads = [e for e in _events(report.log_path) if isinstance(e, _ev().LoadDigested)]
+    named = [(p.name, p.req_id, p.step) for p in result.problems if p.name == rule]
+    assert named and named[0] == (rule, loads[0].req_id, loads[0].step)

@@ -212,6 +212,10 @@ class DigestPlanner:
         self._full: list[DigestBlock] = []
         self._before: list[DigestBlock] = []
         self._verify: list[DigestBlock] = []
+        # observe() only: the token ids learned from the events, and the last lookup's local
+        # hit and async flag (for the allocation that follows it).
+        self._tokens: dict[str, list[int]] = {}
+        self._lookups: dict[str, tuple[int, bool]] = {}
 
     def _req(self, req_id: str, cache_salt: str = "") -> _Req:
         r = self._reqs.get(req_id)
@@ -334,6 +338,70 @@ class DigestPlanner:
         if r is not None:
             r.blocks = []
             r.async_load = ()
+
+    # --- from recorded events (a recorder's log: connector/recorder.py) --------------------
+
+    def observe(self, e: ev.Event) -> None:
+        """Fold one recorded fact of vLLM's (or of the wrapped connector's answers) into the
+        plan: what the calls above are told directly, read off the events a recorder writes.
+        The request's token ids are learned from the events too."""
+        cls = type(e)
+        rid = e.req_id
+        if cls is ev.RequestAdded:
+            assert isinstance(e, ev.RequestAdded)
+            self.added(rid, e.cache_salt)
+            self._tokens[rid] = list(e.prompt_token_ids)
+        elif cls is ev.LookupAsked:
+            assert isinstance(e, ev.LookupAsked)
+            self._learn(rid, e.token_start, e.token_ids)
+            self._lookups[rid] = (e.local_hit, False)
+        elif cls is ev.InnerLookupAnswered:
+            assert isinstance(e, ev.InnerLookupAnswered)
+            local = self._lookups.get(rid, (0, False))[0]
+            self._lookups[rid] = (local, e.load_async)
+        elif cls is ev.Allocated:
+            assert isinstance(e, ev.Allocated)
+            local, load_async = self._lookups.pop(rid, (0, False))
+            self.allocated(
+                rid,
+                e.block_ids,
+                e.num_external,
+                load_async=load_async,
+                local_hit=local,
+                token_ids=self._tokens.get(rid, ()),
+            )
+        elif cls is ev.Scheduled:
+            assert isinstance(e, ev.Scheduled)
+            tokens = self._learn(rid, e.token_start, e.token_ids)
+            self.scheduled(
+                rid,
+                replace=e.admission is not ev.Admission.RUNNING,
+                block_ids=e.block_ids,
+                num_computed=e.num_computed,
+                num_scheduled=e.num_scheduled,
+                token_ids=tokens,
+            )
+        elif cls is ev.Preempted:
+            self.preempted(rid)
+        elif cls is ev.Finished:
+            self.finished(rid)
+            self._tokens.pop(rid, None)
+            self._lookups.pop(rid, None)
+        elif cls is ev.InnerRecvDone:
+            assert isinstance(e, ev.InnerRecvDone)
+            if e.failed:  # nothing was loaded: nothing to verify
+                r = self._reqs.get(rid)
+                if r is not None:
+                    r.async_load = ()
+            else:
+                self.finished_recving((rid,))
+
+    def _learn(self, rid: str, start: int, token_ids: Sequence[int]) -> list[int]:
+        tokens = self._tokens.setdefault(rid, [])
+        if token_ids and start <= len(tokens):
+            del tokens[start:]
+            tokens.extend(token_ids)
+        return tokens
 
     def plan(self, step: int) -> DigestPlan | None:
         """This step's plan (None when there is nothing to digest); starts the next step."""
