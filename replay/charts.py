@@ -262,8 +262,10 @@ def timeline(
     for s in series:
         _clip_series(s, lo, hi)
     run = _run_panels(rows, lo, hi)
+    # A problem about no request, or about one the log never added (no lane can hold it), is
+    # marked on the run-wide panel.
     run.problems = [
-        _mark(p) for p in rows["problems"] if p["request"] is None and lo <= p["step"] <= hi
+        _mark(p) for p in rows["problems"] if p["request"] not in by_label and lo <= p["step"] <= hi
     ]
     result = TimelineResult(
         out_s,

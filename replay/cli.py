@@ -1026,8 +1026,8 @@ def _timeline(args: argparse.Namespace) -> int:
     names = ", ".join(s.label for s in result.series)
     lo, hi = result.steps
     print(
-        f"wrote {result.out}: {len(result.series)} of {result.requests} requests ({names}), "
-        f"steps {lo}..{hi}"
+        f"wrote {result.out}: {len(result.series)} of {result.requests} requests"
+        f"{f' ({names})' if names else ''}, steps {lo}..{hi}"
     )
     names_count = Counter(m.name for s in result.series for m in s.problems)
     names_count.update(m.name for m in result.run.problems)

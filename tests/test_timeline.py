@@ -183,3 +183,11 @@ def test_matplotlib_draws_the_same_marks(tmp_path: Path, fmt: str) -> None:
         assert COLORS["problem"].encode() in data
         replay.timeline(CLEAN, out, top=3)
         assert COLORS["problem"].encode() not in out.read_bytes()
+
+
+def test_a_problem_about_a_request_never_added_is_marked_on_the_run(tmp_path: Path) -> None:
+    # finished_v1: a 1.0 log about a request it never added; check's problem has no lane
+    result = replay.timeline(DATA / "finished_v1.kvlog", tmp_path / "t.html")
+    assert result.series == () and result.problems_total == 1
+    assert [(m.step, m.name) for m in result.run.problems] == [(3, "unknown_request")]
+    assert result.problems_drawn == 1
