@@ -32,23 +32,6 @@ class RaisingExample(ExampleConnector):
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
 
-class FlakyLookupKVLedger(KVLedgerConnector):
-    """KVLedgerConnector whose lookup answers one block less every other time it is asked
-    about a waiting request with a pool hit: not the same answer for the same question."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._asked = 0
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if n:
-            self._asked += 1
-            if self._asked % 2 == 0:
-                n = max(0, n - 16)
-        return n, load_async
-
-
 class OverclaimingKVLedger(KVLedgerConnector):
     """KVLedgerConnector that claims one block more than its pool holds for a request that
     has any hit: it says it will load tokens it does not have (the worker loads only what

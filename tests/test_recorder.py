@@ -173,3 +173,102 @@ def test_forwards_every_base_method():
         and name not in vars(KVLedgerRecorder)
     ]
     assert missing == []
+
+
+# A pool small enough that long decodes preempt; a shared prefix gives prefix hits. Prompts
+# are prefilled in one step (max_num_batched_tokens): see the ExampleConnector tests.
+PREEMPTING = dict(
+    num_gpu_blocks=12,
+    max_num_seqs=4,
+    prompt_len=(20, 70),
+    max_tokens=(40, 100),
+    shared_prefix=16,
+    num_requests=6,
+    enable_prefix_caching=False,
+    max_num_batched_tokens=1024,
+)
+KVLEDGER = "connector.vllm:KVLedgerConnector"
+
+
+def _check(path, **kw):
+    from replay.replayer import check
+
+    return check(path, **kw)
+
+
+def test_kvledger_connector_wrapped_is_clean_and_unchanged(tmp_path):
+    """Our own connector, wrapped, under preemption: oracle-exact, the same schedule as
+    unwrapped, and its recorded log clean, also against kvledger's own decisions (the same
+    code deciding on the same inputs: every lookup answered alike)."""
+    spec = dict(PREEMPTING, inner=KVLEDGER, layout="flash_attn", extra_config={"chunk_size": 16})
+    wrapped = _run(tmp_path / "a", record=True, **spec)
+    bare = _run(tmp_path / "b", record=False, **spec)
+    assert wrapped.preemptions > 0 and wrapped.resumptions > 0
+    assert wrapped.trace == bare.trace
+    assert wrapped.mismatches == bare.mismatches == ()
+    assert wrapped.leaks == ()
+    result = _check(wrapped.log_path, differential=True, chunk_size=16)
+    assert [p.describe() for p in result.problems] == []
+    assert result.exit_code == 0
+    recorded = result.counts["recorded"]
+    assert recorded["loads"] > 0
+    assert recorded["differential"]["lookups_compared"] == recorded["lookups"] > 0
+
+
+def test_overclaiming_inner_is_named_by_the_differential(tmp_path):
+    """A connector that claims one block more than it holds: vLLM skips computing tokens whose
+    KV never arrives (the oracle sees it), and the differential names the first lookup where
+    it offered more than kvledger would, from the recorded log alone."""
+    spec = dict(
+        PREEMPTING,
+        inner="_recorder_inners:OverclaimingKVLedger",
+        layout="flash_attn",
+        extra_config={"chunk_size": 16},
+    )
+    report = _run(tmp_path, record=True, **spec)
+    result = _check(report.log_path, differential=True, chunk_size=16)
+    assert result.exit_code == 1
+    first = result.problems[0]
+    assert (first.kind, first.name) == ("decision", "LookupAnswered")
+    assert first.recorded[0].external == first.derived[0].external + 16
+    assert "the wrapped connector offered" in first.detail
+    # The lie is real: some request computed on KV that was never loaded.
+    assert report.mismatches or report.load_errors
+
+
+def test_example_connector_under_preemption_mrv2(tmp_path):
+    """ExampleConnector under preemption with Model Runner V2 (vLLM 0.33's default): a resumed
+    request comes back in scheduled_new_reqs, is offered its saved prompt again (whole blocks,
+    last token excluded) and recomputes its output tokens; every computed token holds its
+    oracle value and the recorded log is clean."""
+    report = _run(tmp_path, **PREEMPTING)
+    assert report.preemptions > 0 and report.resumptions > 0
+    assert [m.describe() for m in report.mismatches] == []
+    result = _check(report.log_path)
+    assert [p.describe() for p in result.problems] == []
+    assert result.counts["recorded"]["loads"] > 0
+
+
+def test_example_connector_under_preemption_mrv1_raises_through(tmp_path):
+    """With Model Runner V1 a resumed request comes back in scheduled_cached_reqs, and
+    ExampleConnector loads a file named by its prompt *and* output tokens, which it never
+    saved: FileNotFoundError from its worker. The wrapper lets it through unchanged; the
+    scheduler-side log up to that step still checks."""
+    with pytest.raises(FileNotFoundError):
+        _run(tmp_path, model_runner_v2=False, **PREEMPTING)
+    (log,) = (tmp_path / "logs").iterdir()
+    result = _check(str(log))
+    assert result.problems == []
+
+
+def test_example_connector_saves_uncomputed_prefill_chunks(tmp_path):
+    """ExampleConnector saves a new request's whole prompt in the step that first schedules
+    it, though chunked prefill computes only part of it there: the file holds KV that was never
+    computed, and the request that later loads it computes on garbage (the oracle sees it). The
+    scheduler's facts are all consistent, so no rule names it; the differential shows where
+    ExampleConnector's answers part from kvledger's."""
+    spec = dict(PREEMPTING, max_num_batched_tokens=128)
+    report = _run(tmp_path, **spec)
+    assert report.mismatches
+    assert _check(report.log_path).problems == []
+    assert _check(report.log_path, differential=True, chunk_size=16).exit_code == 1
