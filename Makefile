@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 
-.PHONY: setup setup-vllm setup-engine demo demo-engine test lint typecheck pytest pytest-engine docs bench clean
+.PHONY: setup setup-vllm setup-engine lmcache demo demo-engine test lint typecheck pytest pytest-engine docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -75,7 +75,30 @@ lint: setup
 typecheck: setup-vllm
 	$(BIN)/mypy tracker connector replay
 
-pytest: setup-vllm
+# LMCache's real vLLM v1 adapter (issue 9; tests marked lmcache, connector/testing/lmcache.py):
+# each pinned release in its own directory, since they cannot share a site-packages; the rig
+# puts one on PYTHONPATH in a child process. --no-deps: their declared deps pull CUDA builds.
+# The pure-Python deps the adapter imports (0.5.x: numba, cryptography, blake3 too) go into
+# one more directory. 0.3.9.post2 / 0.3.10: the last release before LMCache's #1969 fix and
+# the first after it; 0.4.2 and 0.5.6: current lines.
+LMCACHE_VERSIONS := 0.3.9.post2 0.3.10 0.4.2 0.5.6
+LMCACHE_DEPS := aiofile==3.12.3 caio==0.12.10 uvicorn==0.54.0 sortedcontainers==2.4.0 \
+	redis==8.1.0 numba==0.68.1 llvmlite==0.50.0 cryptography==50.0.2 cffi==2.1.1 \
+	pycparser==3.12 blake3==1.0.11
+
+build/lmcache-deps/.installed: | $(BIN)/python
+	rm -rf build/lmcache-deps
+	$(BIN)/pip install -q --no-deps --target build/lmcache-deps $(LMCACHE_DEPS)
+	touch $@
+
+build/lmcache-%/.installed: | $(BIN)/python
+	rm -rf build/lmcache-$*
+	$(BIN)/pip install -q --no-deps --target build/lmcache-$* lmcache==$*
+	touch $@
+
+lmcache: build/lmcache-deps/.installed $(foreach v,$(LMCACHE_VERSIONS),build/lmcache-$(v)/.installed)
+
+pytest: setup-vllm lmcache
 	$(BIN)/python -m pytest -q
 
 docs: setup

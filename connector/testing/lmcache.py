@@ -1,0 +1,738 @@
+"""LMCache's real vLLM v1 adapter under vLLM's real scheduler, on CPU (a test rig, not product).
+
+vLLM 0.33 loads ``LMCacheConnectorV1`` from its own registry; that wrapper builds LMCache's
+``LMCacheConnectorV1Impl`` (``lmcache.integration.vllm.vllm_v1_adapter``), which is the code
+under test: request trackers, lookups, load and save specs, slot mappings, all of it LMCache's
+own. Only what needs a GPU or a server process is replaced:
+
+- the storage engine and the lookup client, by ``PrefixStore``: a CPU dict keyed by the token
+  prefix of each chunk (LMCache's chunking: a chain over ``chunk_size`` tokens, the last chunk
+  possibly partial), which copies KV in and out of the paged caches by slot mapping, as
+  LMCache's GPU connector does. Its lookup counts the tokens of the leading chunks it holds;
+  its "nothing cached for this lookup id" answer is the installed version's own (``None`` in
+  0.3.x, ``-1`` from 0.4.2), read from LMCache's lookup client class;
+- 0.3.x: ``_init_lmcache_engine`` (it sets a CUDA device), ``LookupClientFactory``, the ZMQ
+  offload server, and vLLM's ``get_pp_group`` / ``get_tensor_model_parallel_rank`` (no
+  distributed state in a test process); from 0.4.x ``LMCacheManager`` (and, 0.5.x,
+  ``VllmServiceFactory``), which own the same components;
+- ``Tensor.cuda()``: 0.3.9 moves slot mappings to CUDA unconditionally; here it is the identity.
+
+Each LMCache version is installed by ``make lmcache`` into its own directory
+(``build/lmcache-<version>``: they cannot share a site-packages); ``run_version`` runs a workload
+in a child process with that directory on ``PYTHONPATH``, and returns the ``LMCacheReport``.
+
+The worker role is a second connector built by vLLM's ``KVConnectorFactory`` from the same
+config, driven in the order vLLM 0.33's model runner (``KVConnectorModelRunnerMixin``) calls
+it, over CPU paged caches owned by the KV-content oracle; LMCache's worker returns early
+unless the forward context carries attention metadata, so a step with a forward pass passes
+one. After every step every computed token of every running request is checked. The rig is
+connector-agnostic past the stubs: ``kv_connector`` may name a connector that wraps LMCache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import random
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+__all__ = [
+    "VERSIONS",
+    "WORKLOADS",
+    "LMCacheReport",
+    "LMCacheRun",
+    "PrefixStore",
+    "installed",
+    "lmcache_kv_connector",
+    "missing_versions",
+    "run",
+    "run_version",
+    "version_path",
+]
+
+# The pinned wheels `make lmcache` installs. 0.3.9.post2 is the last release before LMCache PR
+# #2007 (the #1969 fix), 0.3.10 the first after it; 0.4.2 and 0.5.6 are current lines.
+VERSIONS = ("0.3.9.post2", "0.3.10", "0.4.2", "0.5.6")
+
+_ROOT = Path(__file__).resolve().parents[2]
+BUILD = _ROOT / "build"
+DEPS = BUILD / "lmcache-deps"
+
+
+def version_path(version: str) -> Path:
+    return BUILD / f"lmcache-{version}"
+
+
+def installed(version: str) -> bool:
+    """Installed completely by ``make lmcache`` (it writes the stamps last)."""
+    return (version_path(version) / ".installed").exists() and (DEPS / ".installed").exists()
+
+
+def missing_versions(versions: Sequence[str] = VERSIONS) -> list[str]:
+    return [v for v in versions if not installed(v)]
+
+
+# --------------------------------------------------------------------------------------------
+# Workloads
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LMCacheRun:
+    """A workload and the engine and LMCache settings it runs under."""
+
+    name: str
+    num_requests: int = 2
+    prompt_len: int = 34
+    max_tokens: int = 35
+    block_size: int = 16
+    num_gpu_blocks: int = 7  # block 0 included (vLLM's null block): 6 usable, as in #1969
+    chunk_size: int = 16
+    enable_prefix_caching: bool = True
+    model_runner_v2: bool = False
+    async_scheduling: bool = False
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 256
+    # Requests sharing a prompt prefix of this many tokens.
+    shared_prefix: int = 0
+    # Prompts of the first requests again, as new requests, once everything finished.
+    repeat_prompts: int = 0
+    # More "lmcache.*" settings (save_decode_cache, save_unfull_chunk...).
+    lmcache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    seed: int = 0
+    max_steps: int = 2000
+
+    def prompts(self) -> list[tuple[str, list[int], int]]:
+        rng = random.Random(self.seed)
+        prefix = [rng.randrange(10, 1000) for _ in range(self.shared_prefix)]
+        out = []
+        for i in range(self.num_requests):
+            tail = [rng.randrange(10, 1000) for _ in range(self.prompt_len - len(prefix))]
+            out.append((f"req-{i}", prefix + tail, self.max_tokens))
+        return out
+
+
+WORKLOADS: dict[str, LMCacheRun] = {
+    # LMCache #1969: two requests of 34 prompt + 35 output tokens, 7 blocks of 16, chunks of
+    # 16, Model Runner V1: req-1 is preempted and resumes among the cached requests.
+    # Without prefix caching (the measured case: nothing of req-1 survives in vLLM, so all
+    # of its KV must come back from LMCache).
+    "issue1969": LMCacheRun("issue1969", enable_prefix_caching=False),
+    # With prefix caching: req-1's first block survives as a local hit.
+    "issue1969_prefix_cache": LMCacheRun("issue1969_prefix_cache"),
+    # The same under Model Runner V2: a resumed request comes back as a new request.
+    "issue1969_mrv2": LMCacheRun(
+        "issue1969_mrv2", enable_prefix_caching=False, model_runner_v2=True
+    ),
+    # Shared prefixes, preemptions and repeated prompts (full-prompt hits).
+    "mixed": LMCacheRun(
+        "mixed",
+        num_requests=5,
+        prompt_len=40,
+        max_tokens=40,
+        num_gpu_blocks=12,
+        shared_prefix=20,
+        repeat_prompts=2,
+    ),
+}
+
+
+def lmcache_kv_connector(spec: LMCacheRun) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` an LMCache user passes, with this run's chunk size."""
+    extra: dict[str, Any] = {"lmcache.chunk_size": spec.chunk_size, "lmcache.local_cpu": True}
+    extra.update({f"lmcache.{k}": v for k, v in spec.lmcache.items()})
+    return {
+        "kv_connector": "LMCacheConnectorV1",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# The stand-in storage engine and lookup client
+# --------------------------------------------------------------------------------------------
+
+
+class PrefixStore:
+    """LMCache's storage as seen by the adapter: chunks keyed by their token prefix.
+
+    One instance plays the worker's engine and the scheduler's lookup client (they share a
+    process here). ``store`` and ``retrieve`` follow LMCache's ``ChunkedTokenDatabase``: the
+    mask is False on a chunk-aligned prefix (ValueError otherwise, as LMCache raises), a chunk
+    already stored is not stored again, and a retrieve stops at the first chunk it lacks.
+    """
+
+    def __init__(self, chunk_size: int, block_size: int, no_lookup_result: int | None) -> None:
+        self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.no_lookup_result = no_lookup_result
+        self.chunks: dict[int, Any] = {}  # prefix key -> tensor [layers, 2, n, row]
+        self.lookups: dict[str, int] = {}
+        self.kvcaches: list[Any] = []
+        # Per step, for the report: req id -> tokens retrieved / stored; failed retrieves.
+        self.retrieved: dict[str, int] = {}
+        self.stored: dict[str, int] = {}
+        self.failed: set[str] = set()
+        # Engine attributes the adapters read.
+        self.metadata = SimpleNamespace(
+            worker_id=0,
+            kv_layer_groups_manager=SimpleNamespace(build_kv_layer_groups=lambda caches: None),
+        )
+        self.gpu_connector = None
+        self.storage_manager = None
+        self.token_database = None
+        self.save_only_first_rank = False
+
+    # -- keys --------------------------------------------------------------------------------
+
+    def _chunks(self, tokens: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+        """(start, end, key) per chunk; the key chains the previous chunk's key."""
+        key = 0
+        for start in range(0, len(tokens), self.chunk_size):
+            end = min(start + self.chunk_size, len(tokens))
+            key = hash((key, tuple(int(t) for t in tokens[start:end])))
+            yield start, end, key
+
+    def _skip(self, mask: Any, n: int) -> int:
+        falses = n - int(mask.long().sum()) if mask is not None else 0
+        if falses % self.chunk_size:
+            raise ValueError(
+                "The number of Falses in the mask is not a multiple of the chunk size."
+            )
+        return falses
+
+    def _rows(self, layer: Any) -> Any:
+        # vLLM's flash-attention layout [2, num_blocks, block_size, heads, head_size].
+        return layer.reshape(2, layer.shape[1] * layer.shape[2], -1)
+
+    # -- engine ------------------------------------------------------------------------------
+
+    def post_init(self, **kwargs: Any) -> None:
+        if kwargs.get("kvcaches") is not None:
+            self.kvcaches = list(kwargs["kvcaches"])
+
+    def store(self, tokens: Sequence[int], mask: Any = None, **kwargs: Any) -> None:
+        import torch
+
+        kvcaches = list(kwargs.get("kvcaches") or self.kvcaches)
+        slots = kwargs["slot_mapping"].to("cpu").long()
+        skip = self._skip(mask, len(tokens))
+        for start, end, key in self._chunks(tokens):
+            if start < skip or key in self.chunks:
+                continue
+            span = slots[start:end]
+            self.chunks[key] = torch.stack([self._rows(c)[:, span].clone() for c in kvcaches])
+            req = str(kwargs.get("req_id", "?"))
+            self.stored[req] = self.stored.get(req, 0) + (end - start)
+
+    def retrieve(self, tokens: Sequence[int], mask: Any = None, **kwargs: Any) -> Any:
+        import torch
+
+        kvcaches = list(kwargs.get("kvcaches") or self.kvcaches)
+        slots = kwargs["slot_mapping"].to("cpu").long()
+        skip = self._skip(mask, len(tokens))
+        ret = torch.zeros(len(tokens), dtype=torch.bool)
+        for start, end, key in self._chunks(tokens):
+            if start < skip:
+                continue
+            value = self.chunks.get(key)
+            if value is None:
+                break
+            span = slots[start:end]
+            for layer, cache in enumerate(kvcaches):
+                self._rows(cache)[:, span] = value[layer].to(cache.dtype)
+            ret[start:end] = True
+        req = str(kwargs.get("req_id", "?"))
+        got = int(ret.sum())
+        self.retrieved[req] = self.retrieved.get(req, 0) + got
+        if got < len(tokens) - skip:
+            self.failed.add(req)
+        return ret
+
+    def retrieve_layer(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("the rig runs LMCache without use_layerwise")
+
+    store_layer = retrieve_layer
+
+    def lookup_unpin(self, *args: Any, **kwargs: Any) -> None:
+        pass  # nothing is pinned: the store never evicts
+
+    def get_kv_events(self) -> list[Any]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+    # -- lookup client -----------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int], lookup_id: str, **kwargs: Any) -> int:
+        hit = 0
+        for _, end, key in self._chunks(token_ids):
+            if key not in self.chunks:
+                break
+            hit = end
+        self.lookups[lookup_id] = hit
+        return hit
+
+    def lookup_cache(self, lookup_id: str) -> int | None:
+        return self.lookups.get(lookup_id, self.no_lookup_result)
+
+    def clear_lookup_status(self, lookup_id: str) -> None:
+        self.lookups.pop(lookup_id, None)
+
+    def cancel_lookup(self, lookup_id: str) -> None:
+        self.lookups.pop(lookup_id, None)
+
+    def take_step(self) -> tuple[dict[str, int], dict[str, int], set[str]]:
+        out = (self.retrieved, self.stored, self.failed)
+        self.retrieved, self.stored, self.failed = {}, {}, set()
+        return out
+
+
+def _no_lookup_result() -> int | None:
+    """What this LMCache version's lookup client answers for a lookup id it holds nothing
+    for: asked of its own class, so the stand-in cannot drift from it."""
+    module = importlib.import_module("lmcache.v1.lookup_client.lmcache_lookup_client")
+    ask = getattr(module.LMCacheLookupClient, "lookup_cache", None)
+    if ask is None:  # 0.3.9: the adapter never asks (no lookup cache before PR #2007)
+        return None
+    result: int | None = ask(SimpleNamespace(reqs_status={}), "absent")
+    return result
+
+
+class _FakeManager:
+    """``LMCacheManager`` (0.4.x on): owns the engine and the lookup client."""
+
+    def __init__(self, store: PrefixStore, role: str) -> None:
+        self.lmcache_engine = store if role == "worker" else None
+        self.lookup_client = store if role == "scheduler" else None
+        self.lmcache_engine_metadata = None
+        self.lookup_server = None
+
+    def start_services(self) -> None:
+        pass
+
+    def stop_services(self) -> None:
+        pass
+
+    def post_init(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def build_kv_layer_groups(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _role_name(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    role = kwargs.get("role")
+    for value in (role, *args, *kwargs.values()):
+        if isinstance(value, str) and value in ("scheduler", "worker"):
+            return value
+        name = getattr(value, "role", None)
+        if isinstance(name, str) and name in ("scheduler", "worker"):
+            return name
+    raise RuntimeError(f"cannot tell the role from LMCacheManager{args}{kwargs}")
+
+
+@contextlib.contextmanager
+def patched_lmcache(store: PrefixStore) -> Iterator[Any]:
+    """Replace, in LMCache's adapter module, what needs a GPU or a server; yield the module."""
+    import torch
+
+    adapter = importlib.import_module("lmcache.integration.vllm.vllm_v1_adapter")
+    factory = SimpleNamespace(
+        create_lookup_client=lambda *a, **k: store,
+        create_lookup_server=lambda *a, **k: None,
+    )
+    patches: dict[str, Any] = {
+        "_init_lmcache_engine": lambda *a, **k: store,
+        "LookupClientFactory": factory,
+        "ZMQOffloadServer": lambda *a, **k: SimpleNamespace(close=lambda: None),
+        "get_pp_group": lambda: SimpleNamespace(is_last_rank=True, is_first_rank=True),
+        "get_tensor_model_parallel_rank": lambda: 0,
+        "LMCacheManager": lambda *a, **k: _FakeManager(store, _role_name(a, k)),
+        "VllmServiceFactory": lambda config, vllm_config, role, *a, **k: SimpleNamespace(role=role),
+    }
+    saved = {name: getattr(adapter, name) for name in patches if hasattr(adapter, name)}
+    for name in saved:
+        setattr(adapter, name, patches[name])
+    # vLLM 0.33's wrapper asks the worker for KV events every step; 0.3.x's impl has no
+    # get_kv_events (a real 0.33 worker would raise AttributeError): it reports none here.
+    impl = adapter.LMCacheConnectorV1Impl
+    no_events = not hasattr(impl, "get_kv_events")
+    if no_events:
+        impl.get_kv_events = lambda self: []
+    real_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    try:
+        yield adapter
+    finally:
+        torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
+        if no_events:
+            del impl.get_kv_events
+        for name, value in saved.items():
+            setattr(adapter, name, value)
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LMCacheReport:
+    """What a run did, step by step where it matters (JSON-able)."""
+
+    version: str
+    workload: str
+    steps: int = 0
+    preemptions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    resumptions: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+    # (step, req, local computed tokens, the connector's answer, the request's tokens)
+    lookups: list[tuple[int, str, int, int | None, int]] = dataclasses.field(default_factory=list)
+    # (step, req, external tokens vLLM accepted from the connector)
+    claims: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    # (step, req, tokens the engine copied in) / (step, req, tokens stored)
+    loads: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    saves: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
+    load_errors: list[tuple[int, list[int]]] = dataclasses.field(default_factory=list)
+    # The oracle's first mismatch per (step, request): dicts, see _mismatch.
+    mismatches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    finished: list[str] = dataclasses.field(default_factory=list)
+    error: str | None = None
+    log_path: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return not self.mismatches and self.error is None
+
+    def first_mismatch(self) -> dict[str, Any] | None:
+        return self.mismatches[0] if self.mismatches else None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> LMCacheReport:
+        data = json.loads(text)
+        for name in (
+            "preemptions",
+            "resumptions",
+            "lookups",
+            "claims",
+            "loads",
+            "saves",
+            "load_errors",
+        ):
+            data[name] = [tuple(x) for x in data[name]]
+        return cls(**data)
+
+
+class _Driver:
+    """vLLM's scheduler with the configured connector, a worker-role connector built the same
+    way, and the oracle's fake forward pass."""
+
+    def __init__(self, spec: LMCacheRun, kv_connector: Mapping[str, Any], report: LMCacheReport):
+        from connector.testing.harness import HarnessConfig, SchedulerHarness
+        from connector.testing.oracle import KVOracle
+
+        self.spec = spec
+        self.report = report
+        config = HarnessConfig(
+            block_size=spec.block_size,
+            num_gpu_blocks=spec.num_gpu_blocks,
+            max_num_seqs=spec.max_num_seqs,
+            max_num_batched_tokens=spec.max_num_batched_tokens,
+            enable_prefix_caching=spec.enable_prefix_caching,
+            async_scheduling=spec.async_scheduling,
+            model_runner_v2=spec.model_runner_v2,
+            kv_connector=dict(kv_connector),
+            seed=spec.seed,
+        )
+        self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled)
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        group = self.harness.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self.oracle = KVOracle(
+            self.harness.layer_names,
+            num_blocks=spec.num_gpu_blocks,
+            block_size=spec.block_size,
+            num_kv_heads=int(group.num_kv_heads),
+            head_size=int(group.head_size),
+        )
+        self.worker: Any = KVConnectorFactory.create_connector(
+            self.harness.vllm_config, KVConnectorRole.WORKER, self.harness.kv_cache_config
+        )
+        self.worker.register_kv_caches(self.oracle.caches)
+        self.tokens: dict[str, list[int]] = {}
+        self.step = 0
+        self.skip_verify: set[str] = set()
+        self._last: dict[str, tuple[int, float, tuple[int, ...]]] = {}
+        self._observe_claims()
+
+    def _observe_claims(self) -> None:
+        """Note the external tokens vLLM accepts (an observer on the scheduler's connector)."""
+        connector = self.harness.connector
+        real = connector.update_state_after_alloc
+        real_lookup = connector.get_num_new_matched_tokens
+
+        def looked_up(request: Any, num_computed_tokens: int) -> Any:
+            answer = real_lookup(request, num_computed_tokens)
+            self.report.lookups.append(
+                (self.step, request.request_id, num_computed_tokens, answer[0], request.num_tokens)
+            )
+            return answer
+
+        def observed(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            if num_external_tokens:
+                self.report.claims.append((self.step, request.request_id, num_external_tokens))
+            return real(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = observed
+        connector.get_num_new_matched_tokens = looked_up
+
+    def tokens_of(self, req_id: str, upto: int) -> list[int]:
+        from connector.testing.harness import fake_token
+
+        tokens = self.tokens.setdefault(req_id, list(self.harness.prompts[req_id]))
+        cfg = self.harness.config
+        while len(tokens) < upto:
+            tokens.append(fake_token(req_id, len(tokens), cfg.seed, cfg.vocab_size))
+        return tokens
+
+    def _starts(self, out: Any) -> dict[str, int]:
+        counts = {new.req_id: int(new.num_computed_tokens) for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            counts[req_id] = int(cached.num_computed_tokens[i])
+        return counts
+
+    def _on_scheduled(self, out: Any) -> Any:
+        """One step of vLLM 0.33's model runner (KVConnectorModelRunnerMixin), in its order."""
+        from connector.testing.harness import make_kv_connector_output
+
+        store: PrefixStore = self.store
+        worker = self.worker
+        meta = out.kv_connector_metadata
+        forward = out.total_num_scheduled_tokens > 0
+        # A forward pass carries attention metadata (one entry per layer); a step without
+        # one gets a context without it, as vLLM's no-forward path does.
+        attn = {name: SimpleNamespace() for name in self.harness.layer_names} if forward else None
+        # Its attention layers hold the paged caches (0.3.9's adapter finds them there: it has
+        # no register_kv_caches).
+        layers = {name: SimpleNamespace(kv_cache=[c]) for name, c in self.oracle.caches.items()}
+        context = SimpleNamespace(attn_metadata=attn, no_compile_layers=layers, virtual_engine=0)
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        sync = bool(getattr(out, "has_sync_kv_loads", True))
+        if sync:
+            worker.start_load_kv(context)
+        bad = set(store.failed)
+        starts = self._starts(out)
+        for req_id, n in out.num_scheduled_tokens.items():
+            blocks = self.harness.request_view(req_id).block_ids[0]
+            tokens = self.tokens_of(req_id, starts[req_id] + n)
+            self.oracle.write(
+                req_id, tokens, blocks, starts[req_id], starts[req_id] + n, poisoned=req_id in bad
+            )
+        if forward:
+            for name, cache in self.oracle.caches.items():
+                worker.wait_for_layer_load(name)
+                worker.save_kv_layer(name, cache, attn[name] if attn else None)
+        if not sync:
+            worker.start_load_kv(context)
+        worker.wait_for_save()
+        results = worker.get_transfer_results(set(out.finished_req_ids))
+        errors = worker.get_block_ids_with_load_errors()
+        stats = worker.get_kv_connector_stats()
+        events = worker.get_kv_connector_kv_cache_events()
+        worker_meta = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        retrieved, stored, failed = store.take_step()
+        self.report.loads += [(self.step, r, n) for r, n in retrieved.items()]
+        self.report.saves += [(self.step, r, n) for r, n in stored.items()]
+        if errors:
+            self.report.load_errors.append((self.step, sorted(errors)))
+        self.skip_verify = bad | failed
+        return make_kv_connector_output(
+            results.finished_sending,
+            results.finished_recving,
+            errors,
+            kv_connector_stats=stats,
+            kv_cache_events=events,
+            kv_connector_worker_meta=worker_meta,
+        )
+
+    store: PrefixStore  # set by run()
+
+    def verify(self) -> None:
+        for req_id, view in self.harness.running_views().items():
+            if req_id in self.skip_verify or not view.block_ids:
+                continue
+            upto = view.num_computed_tokens
+            tokens = self.tokens_of(req_id, upto)
+            mismatch = self.oracle.verify(req_id, tokens, view.block_ids[0], upto)
+            if mismatch is None:
+                self._last.pop(req_id, None)
+                continue
+            # The same wrong token seen again on later steps is the same finding: once.
+            again = (mismatch.position, mismatch.found, view.block_ids[0])
+            if self._last.get(req_id) != again:
+                self._last[req_id] = again
+                self.report.mismatches.append(self._mismatch(mismatch, view.block_ids[0]))
+
+    def _mismatch(self, m: Any, blocks: Sequence[int]) -> dict[str, Any]:
+        bs = self.spec.block_size
+        block = blocks[m.position // bs]
+        return {
+            "step": self.step,
+            "req_id": m.req_id,
+            "position": m.position,
+            "block": block,
+            "layer": m.layer,
+            "kv": "KV"[m.kv],
+            "expected": m.expected,
+            "found": m.found,
+            "wrong_tokens": m.wrong_tokens,
+            "holder": self._holder(block, exclude=m.req_id),
+            # The request's whole block table, and whose KV each block holds (None: its own,
+            # unwritten, or nobody's).
+            "blocks": list(blocks),
+            "holders": [self._holder(b, exclude=m.req_id) for b in blocks],
+        }
+
+    def _holder(self, block: int, exclude: str) -> str | None:
+        """Whose KV the block holds: another request whose oracle values for some block-sized
+        span of its tokens are in it (first slot), or None."""
+        bs = self.spec.block_size
+        row = self.oracle._rows(0, 0)[block * bs]
+        for req_id, tokens in self.tokens.items():
+            if req_id == exclude:
+                continue
+            for start in range(0, len(tokens), bs):
+                want = self.oracle.expected(req_id, tokens, start, start + 1, 0, 0)[0]
+                if bool((row == want).all()):
+                    return f"{req_id}[{start}:{start + bs}]"
+        return None
+
+    def run(self) -> None:
+        harness = self.harness
+        work = self.spec.prompts()
+        repeats = [(f"again-{rid}", p, 4) for rid, p, _ in work[: self.spec.repeat_prompts]]
+        for rid, prompt, max_tokens in work:
+            harness.add_request(rid, prompt, max_tokens)
+        while self.step < self.spec.max_steps:
+            result = harness.step()
+            if result is None:
+                if repeats:
+                    for rid, prompt, max_tokens in repeats:
+                        harness.add_request(rid, prompt, max_tokens)
+                    repeats = []
+                    continue
+                break
+            self.report.preemptions += [(self.step, r) for r in result.preempted]
+            self.report.resumptions += [(self.step, r) for r in result.resumed]
+            self.verify()
+            self.step += 1
+        self.report.steps = self.step
+        self.report.finished = sorted(harness.finished)
+
+
+def run(
+    spec: LMCacheRun,
+    kv_connector: Mapping[str, Any] | None = None,
+    *,
+    version: str = "",
+) -> LMCacheReport:
+    """Run ``spec`` in this process (lmcache must be importable here). ``kv_connector`` is
+    the ``--kv-transfer-config`` (default: LMCache's own, ``lmcache_kv_connector``)."""
+    report = LMCacheReport(version=version, workload=spec.name)
+    store = PrefixStore(spec.chunk_size, spec.block_size, _no_lookup_result())
+    with patched_lmcache(store):
+        driver = None
+        try:
+            _Driver.store = store
+            driver = _Driver(spec, kv_connector or lmcache_kv_connector(spec), report)
+            driver.run()
+        except Exception as exc:  # the engine would have died here: report where
+            step = driver.step if driver is not None else -1
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            report.error = (
+                f"step {step}: {type(exc).__name__}: {exc} "
+                f"({Path(where.filename).name}:{where.lineno})"
+            )
+        finally:
+            if driver is not None:
+                driver.harness.close()
+    return report
+
+
+def run_version(
+    version: str,
+    workloads: Sequence[str | LMCacheRun],
+    kv_connector: Mapping[str, Any] | None = None,
+    *,
+    timeout: float = 900,
+) -> dict[str, LMCacheReport]:
+    """Run workloads against one installed LMCache version, one after the other in one child
+    process (its start, importing vLLM and LMCache, is most of the time); reports by name."""
+    if not installed(version):
+        raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
+    specs = [WORKLOADS[w] if isinstance(w, str) else w for w in workloads]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(version_path(version)), str(DEPS), str(_ROOT)])
+    env["LMCACHE_LOG_LEVEL"] = "WARNING"
+    request = {
+        "version": version,
+        "specs": [dataclasses.asdict(spec) for spec in specs],
+        "kv_connector": dict(kv_connector) if kv_connector is not None else None,
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "connector.testing.lmcache"],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(_ROOT),
+        timeout=timeout,
+        check=False,
+    )
+    reports = [
+        LMCacheReport.from_json(line[len(_MARK) :])
+        for line in proc.stdout.splitlines()
+        if line.startswith(_MARK)
+    ]
+    if proc.returncode != 0 or len(reports) != len(specs):
+        raise RuntimeError(
+            f"LMCache {version} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+        )
+    return {r.workload: r for r in reports}
+
+
+_MARK = "kvledger-lmcache-report "
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Child process: a JSON request on stdin, one marked report line per run on stdout."""
+    argparse.ArgumentParser(description=__doc__).parse_args(argv)
+    request = json.loads(sys.stdin.read())
+    for fields in request["specs"]:
+        fields["lmcache"] = dict(fields.get("lmcache") or {})
+        report = run(LMCacheRun(**fields), request.get("kv_connector"), version=request["version"])
+        sys.stdout.write("\n" + _MARK + report.to_json() + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
