@@ -183,6 +183,9 @@ class TimelineResult:
                         for a in s.admissions
                     ],
                     "problems": [{"step": m.step, "name": m.name} for m in s.problems],
+                    "recorded_violations": [
+                        {"step": step, "rule": rule} for step, rule in _recorded_only(s)
+                    ],
                     "finished": s.finished,
                 }
                 for s in self.series
@@ -522,11 +525,19 @@ def _page_data(result: TimelineResult, title: str) -> dict[str, Any]:
                 "load_failures": s.load_failures,
                 "preemptions": s.preemptions,
                 "problems": [attrs.asdict(m) for m in s.problems],
+                "recorded": _recorded_only(s),
                 "finished": s.finished,
             }
             for s in result.series
         ],
     }
+
+
+def _recorded_only(s: Series) -> list[tuple[int, str]]:
+    """The violations the run recorded that check does not report as problems (the
+    connector's adapter_error, say): drawn too, as a smaller mark."""
+    found = {(m.step, m.name) for m in s.problems}
+    return [(step, rule) for step, rule in s.violations if (step, rule) not in found]
 
 
 def _script_json(obj: Any) -> str:
@@ -672,6 +683,16 @@ def _matplotlib(plt: ModuleType, result: TimelineResult, title: str, out: str) -
             ax.plot([st], [0], marker="v", color=COLORS["load_failed"], ms=6)
         for st in s.preemptions:
             ax.axvline(st, color=COLORS["preempted"], ls="--", lw=1)
+        for step, rule in _recorded_only(s):
+            ax.plot([step], [top * 1.08], marker="x", color=COLORS["problem"], ms=6, mew=1.5)
+            ax.annotate(
+                f"{rule} (recorded)",
+                (step, top * 1.08),
+                xytext=(6, -3),
+                textcoords="offset points",
+                fontsize=7,
+                color=COLORS["problem"],
+            )
         for m in s.problems:
             ax.plot([m.step], [top * 1.08], marker="D", color=COLORS["problem"], ms=7)
             ax.annotate(

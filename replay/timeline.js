@@ -35,6 +35,9 @@
       ["computed", "tokens computed"], ["saved", "saved watermark"],
       ["accepted", "accepted by vLLM (left bar)"], ["loaded", "loaded (right bar)"],
     ];
+    if (D.lanes.some((l) => l.recorded.length)) {
+      items.push(["problem", "\u00d7 a violation the run recorded (not a check problem)"]);
+    }
     // Shown only when there is one: the clean picture has no red in it.
     if (D.lanes.some((l) => l.admissions.some((a) => a.short))) {
       items.push(["short", "short load: accepted, not loaded"]);
@@ -255,6 +258,13 @@
       if (L.finished !== null && inView(L.finished)) {
         el(body, "circle", { class: "finished", cx: x(L.finished), cy: laneTop + LANE - BAND / 2 - 1,
           r: 3, fill: C.finished }, `step ${L.finished}: finished`);
+      }
+      for (const [step, rule] of L.recorded) {
+        if (!inView(step)) continue;
+        const cx = x(step), cy = laneTop + 8;
+        el(body, "path", { class: "recorded-violation", "data-name": rule, stroke: C.problem,
+          "stroke-width": 2, d: `M${cx - 4},${cy - 4} L${cx + 4},${cy + 4} M${cx - 4},${cy + 4} L${cx + 4},${cy - 4}` },
+          `step ${step}: ${rule} (recorded by the run; check does not report it as a problem)`);
       }
       for (const m of L.problems) {
         if (!inView(m.step)) continue;

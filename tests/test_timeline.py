@@ -15,6 +15,10 @@ import pytest
 import replay
 from replay.charts import COLORS, parse_steps
 from replay.cli import main
+from tracker import events as ev
+from tracker.config import TrackerConfig
+from tracker.log import LogWriter
+from tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"
 SHORT = DATA / "replay-short-load.kvlog"
@@ -191,3 +195,35 @@ def test_a_problem_about_a_request_never_added_is_marked_on_the_run(tmp_path: Pa
     assert result.series == () and result.problems_total == 1
     assert [(m.step, m.name) for m in result.run.problems] == [(3, "unknown_request")]
     assert result.problems_drawn == 1
+
+
+def test_a_violation_only_the_run_recorded_is_drawn_too(tmp_path: Path) -> None:
+    # adapter_error: the connector could not read vLLM's object; check applies it as a fact
+    # (no problem), the timeline still marks it, as recorded.
+    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=64)
+    path = tmp_path / "adapter.kvlog"
+    t = Tracker(config, log=LogWriter(path, config.to_dict(), fsync="never"))
+    ids = list(range(100, 180))
+    t.add_request("a", ids)
+    t.lookup("a", 0, ids)
+    t.allocated("a", [1, 2, 3, 4, 5, 6], 0)
+    t.mark_violation("a", "adapter_error", "Scheduled", error="AttributeError('x')")
+    t.scheduled(
+        "a",
+        num_computed=0,
+        num_scheduled=80,
+        all_token_ids=ids,
+        block_ids=[1, 2, 3, 4, 5, 6],
+        admission=ev.Admission.NEW,
+    )
+    t.end_step()
+    t.close()
+    out = tmp_path / "t.html"
+    result = replay.timeline(path, out)
+    assert result.problems_total == 0
+    (s,) = result.series
+    assert s.violations == [(0, "adapter_error")] and s.problems == []
+    assert result.to_dict()["requests"][0]["recorded_violations"] == [
+        {"step": 0, "rule": "adapter_error"}
+    ]
+    assert '"recorded":[[0,"adapter_error"]]' in out.read_text()
