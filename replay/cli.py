@@ -285,14 +285,17 @@ def render_problem(n: int, p: Problem, out: TextIO) -> None:
         w(f"  event     {format_event(p.event)}\n")
     if p.offset >= 0:
         w(f"            (event #{p.index}, frame seq {p.seq} at byte {p.offset} of {p.path})\n")
+    # On a recorder's log (--differential), "recorded" is what the wrapped connector
+    # answered, "derived" what kvledger answers on the same inputs.
+    said, would = ("inner   ", "kvledger") if p.kind == "differential" else ("recorded", "derived ")
     if p.kind in ("decision", "unexplained") or p.recorded:
         lines = _fmt_decisions(p.recorded)
-        w(f"  recorded  {lines[0]}\n")
+        w(f"  {said}  {lines[0]}\n")
         for line in lines[1:]:
             w(f"            {line}\n")
     if p.kind in ("decision", "violation") or p.derived:
         lines = _fmt_decisions(p.derived)
-        w(f"  derived   {lines[0]}\n")
+        w(f"  {would}  {lines[0]}\n")
         for line in lines[1:]:
             w(f"            {line}\n")
     if p.detail and p.kind != "error":

@@ -119,7 +119,7 @@ def check_recorded_into(
                 problem = diff.apply(e)
                 if problem is not None and add(
                     Problem(
-                        "decision",
+                        "differential",
                         "LookupAnswered",
                         e.step,
                         e.req_id,

@@ -92,6 +92,9 @@ class Problem:
       ``recorded_too`` says whether the run recorded it as well.
     - ``"unexplained"``: the run recorded a decision (or a violation of rule ``name``) that
       this code does not derive here, or one that follows no input event at all.
+    - ``"differential"``: on a recorder's log (``check --differential``), the wrapped
+      connector's answer (``recorded``) differs from kvledger's on the same inputs
+      (``derived``).
     - ``"error"``: the tracker raised on this event (a bug in ``tracker/``: the fold must be
       total); ``detail`` holds the exception.
 
@@ -129,6 +132,8 @@ class Problem:
             event = type(self.event).__name__ if self.event is not None else "?"
             seen = "recorded by the run too" if self.recorded_too else "not recorded by the run"
             what = f"rule {self.name} broken at {event} ({seen})"
+        elif self.kind == "differential":
+            what = f"the wrapped connector's {self.name} differs from kvledger's"
         elif self.kind == "unexplained":
             what = f"the run recorded {self.name} here; this code does not derive it"
         else:

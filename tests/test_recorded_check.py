@@ -90,10 +90,11 @@ def test_differential_names_first_difference(tmp_path, capsys):
     assert code == 0, out  # no rule any connector keeps is broken: only kvledger disagrees
     code, out, _ = _run(capsys, "check", path, "--differential")
     assert code == 1, out
-    assert "problem 1: step 0, request a: LookupAnswered differs" in out
-    assert "recorded  LookupAnswered hit=16 external=16" in out
+    assert "problem 1: step 0, request a: the wrapped connector's LookupAnswered differs" in out
+    assert "inner     LookupAnswered hit=16 external=16" in out
     assert (
-        "derived   LookupAnswered" in out and "external=0" in out.split("derived")[1].split("\n")[0]
+        "kvledger  LookupAnswered" in out
+        and "external=0" in out.split("kvledger  ")[1].split("\n")[0]
     )
     assert "the wrapped connector offered 16 external tokens, kvledger would offer 0" in out
     assert "1 requests (the first of each is reported)" in out

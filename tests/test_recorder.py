@@ -229,7 +229,7 @@ def test_overclaiming_inner_is_named_by_the_differential(tmp_path):
     result = _check(report.log_path, differential=True, chunk_size=16)
     assert result.exit_code == 1
     first = result.problems[0]
-    assert (first.kind, first.name) == ("decision", "LookupAnswered")
+    assert (first.kind, first.name) == ("differential", "LookupAnswered")
     assert first.recorded[0].external == first.derived[0].external + 16
     assert "the wrapped connector offered" in first.detail
     # The lie is real: some request computed on KV that was never loaded.
