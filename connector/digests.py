@@ -118,6 +118,10 @@ class BlockDigester:
         words = view.index_select(0, ids).reshape(ids.numel(), -1).view(self._word)
         if self._word is not torch.int64:
             words = words.to(torch.int64)
+        if words.device.type == "cpu":
+            # One fused multiply-add pass; CPU's parallel integer sum over a row was up to
+            # 100x slower on a busy host (bench/digest_bench.py). CUDA has no integer mv.
+            return torch.mv(words, self._weights)
         return (words * self._weights).sum(dim=1)
 
     @staticmethod
