@@ -40,6 +40,7 @@ def _run(url: str, profile: Path, *args: str) -> subprocess.CompletedProcess[byt
         "--headless",
         "--no-sandbox",  # CI runs as root, where Chromium's sandbox refuses to start
         "--disable-gpu",
+        "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm
         "--hide-scrollbars",
         "--no-first-run",
         "--disable-extensions",
