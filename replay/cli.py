@@ -26,13 +26,13 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-from replay import charts, demo, lives, summary
+from replay import charts, demo, lives, summary, tail
 from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
 from replay.source import LogUnreadable
 from tracker.config import ConfigError
-from tracker.log import StopInfo
+from tracker.log import StopInfo, newest_log
 
 if TYPE_CHECKING:  # imported when ``check`` runs: the Tracker (and structlog) cost startup
     from replay.replayer import CheckResult, Problem
@@ -670,6 +670,42 @@ def _add_views(sub: Any) -> None:
     )
     p.set_defaults(handler=_sql)
 
+    p = sub.add_parser(
+        "tail",
+        help="follow a live log: per step hits, loads, saves and new violations",
+        description="Follow the log an engine is writing (rotation included): a line per step "
+        "that looked up, loaded, saved, had a transfer confirmed or failed, or broke a rule. "
+        "Stops when the engine closes the log, or on Ctrl-C (exit 0). "
+        "Exit status: 0, or 2 when the log is damaged or (with --once) not there.",
+    )
+    p.add_argument(
+        "log",
+        metavar="LOG_DIR",
+        help="a log directory (its newest log; waits for one to appear), or a log's first file",
+    )
+    when = p.add_mutually_exclusive_group()
+    when.add_argument(
+        "--follow",
+        action="store_false",
+        dest="once",
+        help="keep reading as the log grows, until it is closed or Ctrl-C (the default)",
+    )
+    when.add_argument("--once", action="store_true", help="print what is written so far, then exit")
+    p.add_argument(
+        "--all", action="store_true", help="show quiet steps too (steady decode, nothing else)"
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=0.5,
+        metavar="S",
+        help="seconds between reads while the log is idle (0.5)",
+    )
+    p.add_argument(
+        "--json", action="store_true", help="one JSON object per line: each step, then the end"
+    )
+    p.set_defaults(handler=_tail, once=False)
+
 
 _EXPORT_EPILOG = """\
 examples:
@@ -739,6 +775,48 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
 
     run.__name__ = fn.__name__
     return run
+
+
+# --- tail -----------------------------------------------------------------------------------
+
+
+@_guard
+def _tail(args: argparse.Namespace) -> int:
+    if not os.path.exists(args.log):
+        raise ValueError(f"{args.log}: no such file or directory")
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be > 0, got {args.interval}")
+
+    def emit(item: tail.StepNews) -> None:
+        if args.json:
+            print(json.dumps(item.to_dict()), flush=True)
+        else:
+            print(item.describe(), flush=True)
+
+    def started(follower: Any) -> None:
+        run = (follower.header or {}).get("run_id", "?")
+        print(f"kvledger: following {follower.first} (run {run})", file=sys.stderr, flush=True)
+
+    if os.path.isdir(args.log) and not args.once and newest_log(args.log) is None:
+        print(f"kvledger: waiting for a log in {args.log}", file=sys.stderr, flush=True)
+    end = tail.follow(
+        args.log,
+        emit,
+        once=args.once,
+        interval=args.interval,
+        quiet_steps=args.all,
+        on_start=started,
+    )
+    code = EXIT_UNREADABLE if end.how in ("damage", "no_log") else EXIT_OK
+    if end.how == "damage" and end.stop is not None:
+        print(f"kvledger: {end.log}: {end.stop.describe()}", file=sys.stderr)
+    elif end.how == "no_log":
+        print(f"kvledger: no kvledger log in {args.log} yet", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"end": end.how, "steps": end.steps, "log": end.log}), flush=True)
+    else:
+        print(f"end: {end.how.replace('_', ' ')} after {end.steps} steps", flush=True)
+    return code
 
 
 # --- diff -----------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ __all__ = [
     "Frame",
     "LogCorruptError",
     "LogError",
+    "LogFollower",
     "LogFormatError",
     "LogReader",
     "LogWriteError",
@@ -71,6 +72,7 @@ __all__ = [
     "StopInfo",
     "frame_bytes",
     "masked_crc",
+    "newest_log",
     "segment_paths",
 ]
 
@@ -1246,3 +1248,148 @@ def _check_chain(prev: tuple[dict[str, Any], str, str], header: dict[str, Any], 
         )
     if problem is not None:
         raise _Stop(StopInfo(path, PREAMBLE_SIZE, f"segment chain broken: {problem}", "bad_header"))
+
+
+# --- following a log that is being written --------------------------------------------------
+
+
+def newest_log(directory: str | os.PathLike[str]) -> Path | None:
+    """The first segment of the newest log in ``directory`` (by the first segment's modification
+    time; a log directory collects one log per engine start), or None when it holds none."""
+    firsts: list[tuple[float, str, Path]] = []
+    for p in Path(directory).iterdir():
+        m = _SEGMENT_RE.match(p.name)
+        if m is not None and m["n"] is None and p.is_file():
+            with contextlib.suppress(OSError):
+                firsts.append((p.stat().st_mtime, p.name, p))
+    return max(firsts)[2] if firsts else None
+
+
+class LogFollower:
+    """Reads a log while another process writes it: each :meth:`poll` returns the frames
+    completed since the previous one, following rotation into the next segment.
+
+    A frame still being written (what a reader of a finished log calls a torn tail) is read
+    again at the next poll, from its start; the segment chain and the frame sequence are
+    checked as :class:`LogReader` checks them. ``ending`` becomes ``"closed"`` at the writer's
+    end record (nothing more will come); ``stop`` holds real damage (nothing more is read).
+    ``source``: the first segment's file, or a log directory (its newest log, once one is
+    there)."""
+
+    def __init__(
+        self, source: str | os.PathLike[str], *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    ) -> None:
+        self.source = Path(source)
+        self.max_frame_bytes = max_frame_bytes
+        self.first: Path | None = None  # the first segment, once found
+        self.header: dict[str, Any] | None = None  # the first segment's header, once read
+        self.ending: Ending | None = None
+        self.stop: StopInfo | None = None
+        self.gaps: list[dict[str, int]] = []
+        self._segment = 0
+        self._f: IO[bytes] | None = None
+        self._path = ""
+        self._hasher = _Hasher()
+        self._decoder: codec.Decoder | None = None
+        self._seg_header: dict[str, Any] | None = None
+        self._prev: tuple[dict[str, Any], str, str] | None = None
+        self._expect_seq: int | None = None
+
+    @property
+    def done(self) -> bool:
+        """Nothing more will come: the log was closed, or is damaged."""
+        return self.ending == "closed" or self.stop is not None
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+    def poll(self) -> list[Frame]:
+        """The frames completed since the previous poll (none while the writer is idle)."""
+        out: list[Frame] = []
+        try:
+            while not self.done and (self._f is not None or self._open_segment()):
+                if not self._read(out):
+                    break  # caught up with the writer
+        except _Stop as s:
+            self.stop = s.info
+            self.close()
+        return out
+
+    def _open_segment(self) -> bool:
+        if self.first is None:
+            self.first = newest_log(self.source) if self.source.is_dir() else self.source
+            if self.first is None:
+                return False
+        path = _segment_path(self.first, self._segment)
+        try:
+            f = open(path, "rb")  # noqa: SIM115 - held open across polls, closed at its end
+        except FileNotFoundError:
+            return False
+        hasher = _Hasher()
+        try:
+            header = LogReader([path])._read_header(f, str(path), hasher)
+        except _Stop as s:
+            f.close()
+            if s.info.kind == "torn_tail":
+                return False  # the writer is still writing the header
+            raise
+        if self._prev is not None:
+            _check_chain(self._prev, header, str(path))
+        else:
+            self.header = header
+            self._expect_seq = header.get("first_seq", 0 if header["segment"] == 0 else None)
+        self._f, self._path, self._hasher, self._seg_header = f, str(path), hasher, header
+        self._decoder = _decoder_for(header, str(path))
+        return True
+
+    def _read(self, out: list[Frame]) -> bool:
+        """Frames of the open segment up to what is written; True when it moved on to the
+        next segment (read on), False when it caught up with the writer."""
+        f, path, decoder = self._f, self._path, self._decoder
+        assert f is not None and decoder is not None and self._seg_header is not None
+        start = f.tell()
+        try:
+            for offset, payload in _scan(f, path, self.max_frame_bytes, self._hasher, True):
+                start = offset
+                if payload[:1] in _MAP_FIRST_BYTES:
+                    marker = _unpack_marker(payload, path, offset)
+                    if "lost" in marker:
+                        self.gaps.append(marker["lost"])
+                        start = f.tell()
+                        continue
+                    self._prev = (self._seg_header, self._hasher.hexdigest(), path)
+                    self.close()
+                    if marker["end"] == "closed":
+                        self.ending = "closed"
+                        return False
+                    self._segment += 1
+                    return True
+                seq, step, wall_ns, records = _unpack_frame(payload, path, offset)
+                if self._expect_seq is not None and seq != self._expect_seq:
+                    raise _Stop(
+                        StopInfo(
+                            path,
+                            offset,
+                            f"frame seq {seq} where {self._expect_seq} was due",
+                            "corrupt",
+                        )
+                    )
+                self._expect_seq = seq + 1
+                try:
+                    events = decoder.decode(step, records)
+                except codec.DecodeError as e:
+                    raise _Stop(
+                        StopInfo(path, offset, f"frame seq {seq}: {e}", "corrupt")
+                    ) from None
+                out.append(Frame(seq, step, wall_ns, events, offset, path))
+                start = f.tell()
+        except _Stop as s:
+            if s.info.kind != "torn_tail":
+                raise
+            f.seek(s.info.offset)  # a frame being written: read it again, whole, next time
+            return False
+        f.seek(start)
+        self.ending = "open"
+        return False

@@ -1,0 +1,182 @@
+"""``kvledger tail``: follow a log while another writer appends to it (rotation included), a
+line per step that did something; stop when the writer closes the log, or cleanly on Ctrl-C.
+The command runs as its own process, as a user runs it; the writer is a thread here."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from _replay_logs import write_log
+
+from replay import cli
+from replay.tail import news
+from tracker import events as ev
+from tracker.log import LogReader, LogWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tail") / "source.kvlog"
+    write_log(path)  # preemption, loads, saves, a violation at step 7
+    return path
+
+
+def _truth(path: Path) -> dict[str, object]:
+    """What the whole log says, counted from its events directly."""
+    c: Counter[str] = Counter()
+    violations = []
+    for frame in LogReader(path):
+        for e in frame.events:
+            if isinstance(e, ev.LookupAnswered):
+                c["lookups"] += 1
+                c["hit_tokens"] += e.external
+            elif isinstance(e, (ev.LoadPlanned, ev.SavePlanned)) and e.keys and e.end > e.start:
+                c["loads" if isinstance(e, ev.LoadPlanned) else "saves"] += 1
+            elif isinstance(e, ev.LoadDone):
+                c["loads_done"] += 1
+            elif isinstance(e, ev.SaveDone):
+                c["chunks_saved"] += len(e.keys)
+            elif isinstance(e, ev.ViolationRecorded):
+                violations.append({"rule": e.rule, "request": e.req_id, "step": frame.step})
+    return {**c, "violations": violations}
+
+
+def _totals(lines: list[dict]) -> dict[str, object]:
+    c: Counter[str] = Counter()
+    violations = []
+    for d in lines:
+        for k in ("lookups", "hit_tokens", "loads", "saves", "loads_done", "chunks_saved"):
+            c[k] += d[k]
+        violations += [{**v, "step": d["step"]} for v in d["violations"]]
+    return {**{k: v for k, v in c.items() if v}, "violations": violations}
+
+
+def _kvledger(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "replay", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
+
+
+def _slow_copy(src: Path, dst: Path, *, close: bool, pause: float, started: threading.Event):
+    """Write ``src``'s frames into a new rotating log at ``dst``, one step every ``pause``
+    seconds; leave it open (no end record) unless ``close``."""
+    reader = LogReader(src)
+    header = reader.header
+    assert header is not None
+    writer = LogWriter(dst, header["config"], fsync="never", rotate_bytes=500)
+    started.set()
+    for frame in reader:
+        for e in frame.events:
+            writer.append(e)
+        writer.end_step(frame.step)
+        time.sleep(pause)
+    if close:
+        writer.close()
+    return writer
+
+
+def test_once_reads_what_is_there(source: Path, capsys) -> None:
+    assert cli.main(["tail", str(source), "--once", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    *steps, end = lines
+    assert end == {"end": "closed", "steps": len(list(news(LogReader(source)))), "log": str(source)}
+    assert _totals(steps) == _truth(source)
+    assert [v["rule"] for s in steps for v in s["violations"]] == ["accepted_equals_answer"]
+    assert all(not _quiet(s) for s in steps)  # quiet steps only with --all
+    assert cli.main(["tail", str(source), "--once", "--all", "--json"]) == 0
+    every = capsys.readouterr().out.splitlines()
+    assert len(every) - 1 == end["steps"] > len(steps)
+    assert cli.main(["tail", str(source), "--once"]) == 0
+    text = capsys.readouterr().out
+    assert "step 7: lookups 2 (32 tokens offered), loads 1 (32 tokens), violations +1: " in text
+    assert "accepted_equals_answer req-d" in text and text.endswith("steps\n")
+
+
+def _quiet(d: dict) -> bool:
+    return not any(d[k] for k in d if k != "step")
+
+
+def test_follows_a_log_being_written_across_segments(source: Path, tmp_path: Path) -> None:
+    """tail starts before the log exists, reads each step as it is written, follows rotation,
+    and stops by itself when the writer closes the log."""
+    live = tmp_path / "live"
+    live.mkdir()
+    proc = _kvledger("tail", str(live), "--json", "--interval", "0.02")
+    started = threading.Event()
+    writer = threading.Thread(
+        target=_slow_copy,
+        args=(source, live / "kvledger-run.kvlog"),
+        kwargs={"close": True, "pause": 0.05, "started": started},
+    )
+    assert proc.stderr is not None
+    assert proc.stderr.readline().startswith(f"kvledger: waiting for a log in {live}")
+    writer.start()
+    writer.join()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "following" in err
+    segments = sorted(live.iterdir())
+    assert len(segments) > 2  # rotated while tail read it
+    *steps, end = [json.loads(x) for x in out.splitlines()]
+    assert end["end"] == "closed" and end["log"] == str(live / "kvledger-run.kvlog")
+    assert _totals(steps) == _truth(source)
+    assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})  # each step once
+
+
+def test_ctrl_c_stops_cleanly(source: Path, tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    live.mkdir()
+    started = threading.Event()
+    _slow_copy(source, live / "kvledger-run.kvlog", close=False, pause=0, started=started)
+    proc = _kvledger("tail", str(live), "--interval", "0.05")
+    assert proc.stdout is not None and proc.stderr is not None
+    lines = [proc.stdout.readline()]  # it is reading
+    while not lines[-1].startswith("step 8: "):  # the last step with news
+        lines.append(proc.stdout.readline())
+    time.sleep(0.3)  # idle: the writer is alive and silent
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    out, err = proc.stdout.read(), proc.stderr.read()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert lines[0].startswith("step 0: ")
+    assert out == "end: interrupted after 11 steps\n"
+
+
+def test_damage_and_missing_logs_are_exit_2(source: Path, tmp_path: Path, capsys) -> None:
+    assert cli.main(["tail", str(tmp_path / "nope"), "--once"]) == 2
+    assert "no such file or directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["tail", str(empty), "--once", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert "no kvledger log" in captured.err
+    assert json.loads(captured.out.splitlines()[-1])["end"] == "no_log"
+    # A frame damaged in the middle: what comes before it is shown, then exit 2.
+    data = bytearray(source.read_bytes())
+    frames = list(LogReader(source))
+    middle = frames[len(frames) // 2]
+    data[middle.offset + 14] ^= 0xFF  # inside its payload
+    bad = tmp_path / "bad.kvlog"
+    bad.write_bytes(bytes(data))
+    assert cli.main(["tail", str(bad), "--json"]) == 2
+    captured = capsys.readouterr()
+    *steps, end = [json.loads(x) for x in captured.out.splitlines()]
+    assert end["end"] == "damage" and steps and steps[-1]["step"] < middle.step
+    assert "checksum mismatch" in captured.err
