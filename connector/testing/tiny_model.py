@@ -24,7 +24,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TinyLlamaSpec", "build_tiny_llama", "default_cache_root"]
+__all__ = ["TinyLlamaSpec", "build_tiny_llama", "corpus", "default_cache_root"]
 
 # Bump when the recipe changes in a way the spec does not show.
 _RECIPE = 2
@@ -81,6 +81,11 @@ def _corpus() -> list[str]:
         n = rng.randint(6, 18)
         lines.append(" ".join(rng.choice(words) for _ in range(n)).capitalize() + ".")
     return lines
+
+
+def corpus() -> list[str]:
+    """The sentences the tokenizer was trained on (``kvledger demo --engine`` prompts with them)."""
+    return _corpus()
 
 
 def _corpus_digest() -> str:
