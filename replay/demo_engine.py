@@ -74,9 +74,13 @@ def main(args: argparse.Namespace) -> int:
         )
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     import logging
+    import warnings
 
-    # The demo is an application: it may quiet vLLM's own logger (a library never would).
+    # The demo is an application: it may quiet vLLM's own logger and the deprecation
+    # warnings vLLM and torch raise at import (a library never would).
     logging.getLogger("vllm").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.")
     return _run(args, blocks, requests)
 
 
