@@ -265,10 +265,14 @@ def test_example_connector_saves_uncomputed_prefill_chunks(tmp_path):
     """ExampleConnector saves a new request's whole prompt in the step that first schedules
     it, though chunked prefill computes only part of it there: the file holds KV that was never
     computed, and the request that later loads it computes on garbage (the oracle sees it). The
-    scheduler's facts are all consistent, so no rule names it; the differential shows where
-    ExampleConnector's answers part from kvledger's."""
-    spec = dict(PREEMPTING, max_num_batched_tokens=128)
+    scheduler's facts are all consistent, so no scheduler-side rule names it; the recorder's
+    KV-content digests do, from the log alone, naming the request the oracle names."""
+    spec = dict(PREEMPTING, max_num_batched_tokens=128, digests="full")
     report = _run(tmp_path, **spec)
     assert report.mismatches
-    assert _check(report.log_path).problems == []
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    assert {p.name for p in result.problems} == {"digest_mismatch"}
+    assert {p.req_id for p in result.problems} <= {m.req_id for m in report.mismatches}
+    assert result.counts["digests"]["verified"] > 0
     assert _check(report.log_path, differential=True, chunk_size=16).exit_code == 1
