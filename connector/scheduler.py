@@ -545,17 +545,24 @@ class SchedulerSide:
             cached = out.scheduled_cached_reqs
             resumed_ids = getattr(cached, "resumed_req_ids", None)
             flags = getattr(cached, "resumed_from_preemption", None)
+            bs = planner.block_size
+            computed = cached.num_computed_tokens
+            new_blocks = cached.new_block_ids
             for i, rid in enumerate(cached.req_ids):
+                nc, ns = int(computed[i]), int(num_scheduled.get(rid, 0))
+                blocks = new_blocks[i]
                 resumed = (
                     rid in resumed_ids if resumed_ids is not None else bool(flags and flags[i])
                 )
+                if not resumed and (nc + ns) // bs == nc // bs and not (blocks and any(blocks)):
+                    continue  # the hot path: no block appended, none filled
                 request = requests.get(rid)
                 planner.scheduled(
                     rid,
                     replace=resumed,
-                    block_ids=first_group(cached.new_block_ids[i]),
-                    num_computed=int(cached.num_computed_tokens[i]),
-                    num_scheduled=int(num_scheduled.get(rid, 0)),
+                    block_ids=first_group(blocks),
+                    num_computed=nc,
+                    num_scheduled=ns,
                     token_ids=request.all_token_ids if request is not None else (),
                 )
             return planner.plan(step)

@@ -357,3 +357,19 @@ def test_moved_bytes_change_the_digest(layout: str) -> None:
     flat[:2], flat[-2:] = flat[-2:].clone(), flat[:2].clone()
     blk.copy_(flat.reshape(blk.shape))
     assert _digests(d, (block,)) != before
+
+
+def test_the_digest_is_the_documented_function() -> None:
+    """Per layer the weighted sum of the block's 64-bit words modulo 2**64, the layers' sums
+    weighted and added, then mixed: recomputed here in Python integers from the raw bytes."""
+    caches = _caches("flashinfer")
+    d = BlockDigester(caches, "full", "flashinfer")
+    mask = (1 << 64) - 1
+    w = d._weights.tolist()
+    lw = d._layer_weights.tolist()
+    total = 0
+    for layer, cache in enumerate(caches.values()):
+        words = cache[3].reshape(-1).view(torch.int64).tolist()
+        total += lw[layer] * sum(a * b for a, b in zip(words, w, strict=True))
+    (got,) = _digests(d, _blocks(3))
+    assert got == d.finish(total & mask)
