@@ -545,7 +545,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def _record(self, callback: str, fn: Callable[..., None], *args: Any) -> None:
         """Run one recording step; a failure costs that record only, never the engine."""
         rec = self.recording
-        if rec is None:
+        if rec is None or rec.log is None:  # no log (none asked for, or it failed): forward only
             return
         try:
             fn(*args)
@@ -638,7 +638,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
         rec = self.recording
-        if rec is not None:
+        if rec is not None and rec.log is not None:
             try:
                 rec.scheduled(scheduler_output)
             except Exception as exc:
