@@ -871,9 +871,10 @@ def _print_diff(r: DiffResult, out: Output) -> None:
         "missing": "B lacks A's events from here",
         "extra": "B has events A lacks from here",
     }[first.kind]
+    of = "the request" if first.stream == "events" else f"its {first.stream}"
     out.line(
         f"first divergence: step {first.step}, request {first.request}, "
-        f"event {first.position} of the request: {what}",
+        f"event {first.position} of {of}: {what}",
         style="bold red",
     )
     for text in first.describe().splitlines()[1:]:

@@ -87,6 +87,7 @@ COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "export": lambda log, tmp: ["export", str(log), "-o", str(tmp / "tables"), "--format", "jsonl"],
     "export perfetto": lambda log, tmp: ["export", str(log), "-o", str(tmp / "trace.json")],
     "sql": lambda log, tmp: ["sql", str(log), "SELECT count(*) FROM steps"],
+    "tail --once": lambda log, tmp: ["tail", str(log), "--once"],
 }
 
 
