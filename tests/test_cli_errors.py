@@ -165,6 +165,16 @@ def _subcommands() -> dict[str, Any]:
     return dict(action.choices)
 
 
+def test_every_command_takes_json() -> None:
+    # debugging.md: "every command takes --json"; timeline, export and demo did not.
+    lacking = [
+        name
+        for name, sub in _subcommands().items()
+        if not any("--json" in a.option_strings for a in sub._actions)
+    ]
+    assert lacking == []
+
+
 @pytest.mark.parametrize(
     "argv",
     [
