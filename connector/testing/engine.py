@@ -67,6 +67,8 @@ class EngineSpec:
     faulty: bool = False
     dtype: str = "float32"
     seed: int = 0
+    # vLLM's stat loggers (its Prometheus metrics, LLM.get_metrics()); off as LLM has them.
+    log_stats: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Engine:
             enable_prefix_caching=spec.prefix_caching,
             kv_transfer_config=kv,
             seed=spec.seed,
+            disable_log_stats=not spec.log_stats,
         )
         self.preemptions = 0
         self._count_preemptions()
