@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 
-.PHONY: setup setup-vllm setup-engine lmcache demo demo-engine test lint typecheck pytest pytest-engine docs bench clean
+.PHONY: setup setup-vllm setup-engine lmcache demo demo-engine test lint typecheck pytest pytest-engine pytest-vllm-oldest matrix docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -108,7 +108,16 @@ docs: setup
 pytest-engine: setup-engine
 	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q -m engine tests/engine
 
-test: lint typecheck pytest pytest-engine docs
+# The scheduler-harness tests (marker vllm) against other releases' real scheduler, each in its
+# own build/vllm-matrix/<version>/venv (.ci/vllm_matrix.py; the table is in
+# docs/using-with-vllm.md). make test runs the oldest supported release (.venv runs 0.33.0).
+pytest-vllm-oldest: setup-vllm
+	$(BIN)/python .ci/vllm_matrix.py --oldest
+
+matrix: setup-vllm
+	$(BIN)/python .ci/vllm_matrix.py --all
+
+test: lint typecheck pytest pytest-engine pytest-vllm-oldest docs
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py

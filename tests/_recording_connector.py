@@ -12,6 +12,7 @@ kv_connector_extra_config:
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+
+def _use_v2_model_runner(vllm_config: Any) -> bool:
+    """The mode as vLLM's scheduler reads it: the VllmConfig property (0.22 on), the
+    environment variable (0.14 - 0.21), none at all (0.11, Model Runner V1 only)."""
+    if hasattr(vllm_config, "use_v2_model_runner"):
+        return bool(vllm_config.use_v2_model_runner)
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_USE_V2_MODEL_RUNNER", False))
+
+
+def _len_or_none(tokens: Any) -> int | None:
+    return None if tokens is None else len(tokens)
+
+
+def _resumed(cached: Any) -> frozenset[str]:
+    """The resumed request ids: a set from vLLM 0.11.1 on, a list of flags in 0.11.0."""
+    ids = getattr(cached, "resumed_req_ids", None)
+    if ids is not None:
+        return frozenset(ids)
+    flags = getattr(cached, "resumed_from_preemption", None) or ()
+    return frozenset(r for r, flag in zip(cached.req_ids, flags, strict=True) if flag)
 
 
 @dataclass(frozen=True)
@@ -36,13 +60,18 @@ class RecordingMeta(KVConnectorMetadata):
 
 
 class RecordingConnector(KVConnectorBase_V1):
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
+    def __init__(
+        self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
+    ) -> None:
+        if "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters:
+            super().__init__(vllm_config, role, kv_cache_config)
+        else:  # vLLM 0.11.0 builds connectors with (vllm_config, role) only
+            super().__init__(vllm_config, role)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.hit_tokens = int(extra.get("hit_tokens", 0))
         self.async_load = bool(extra.get("async_load", False))
         self.block_size = vllm_config.cache_config.block_size
-        self.use_v2_model_runner = bool(vllm_config.use_v2_model_runner)
+        self.use_v2_model_runner = _use_v2_model_runner(vllm_config)
         self.calls: list[Call] = []
         self.step = 0
         # Live requests, only to read num_computed_tokens at build_connector_meta time.
@@ -68,6 +97,8 @@ class RecordingConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        # vLLM < 0.22 has no on_new_request: the first lookup is the first sight of a request.
+        self._requests.setdefault(request.request_id, request)
         # Claim at most hit_tokens, block-aligned, always leaving the last token to compute.
         avail = min(self.hit_tokens, request.num_tokens - 1)
         avail -= avail % self.block_size
@@ -79,7 +110,7 @@ class RecordingConnector(KVConnectorBase_V1):
             num_computed_tokens=num_computed_tokens,
             status=request.status.name,
             num_tokens=request.num_tokens,
-            num_preemptions=request.num_preemptions,
+            num_preemptions=getattr(request, "num_preemptions", None),  # vLLM >= 0.14
             answer=answer,
         )
         return answer
@@ -115,11 +146,11 @@ class RecordingConnector(KVConnectorBase_V1):
             ],
             # MRV2 only: all tokens so far; None under MRV1.
             prefill_len={
-                r.req_id: None if r.prefill_token_ids is None else len(r.prefill_token_ids)
+                r.req_id: _len_or_none(getattr(r, "prefill_token_ids", None))
                 for r in scheduler_output.scheduled_new_reqs
             },
-            resumed=frozenset(cached.resumed_req_ids),
-            preempted=frozenset(scheduler_output.preempted_req_ids or ()),
+            resumed=_resumed(cached),
+            preempted=frozenset(getattr(scheduler_output, "preempted_req_ids", None) or ()),
             finished=frozenset(scheduler_output.finished_req_ids),
             num_scheduled_tokens=dict(scheduled),
             # What the live Request says while this callback runs.

@@ -43,7 +43,9 @@ __all__ = [
     "StepResult",
     "WorkloadRequest",
     "fake_token",
+    "load_failures_reportable",
     "make_kv_connector_output",
+    "model_runner_v2_available",
     "random_workload",
     "shared_prefix_prompts",
     "skip_reason",
@@ -89,6 +91,25 @@ def vllm_available() -> bool:
 def skip_reason() -> str | None:
     """None if vLLM is usable, else a reason for ``pytest.skip``."""
     return _import_error()
+
+
+@functools.cache
+def load_failures_reportable() -> bool:
+    """Whether a worker can tell this vLLM's scheduler that a load failed (the
+    ``invalid_block_ids`` of KVConnectorOutput, 0.11.1 on). On 0.11.0 it cannot: vLLM then
+    computes over whatever the failed blocks hold."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return "invalid_block_ids" in {f.name for f in dataclasses.fields(KVConnectorOutput)}
+
+
+@functools.cache
+def model_runner_v2_available() -> bool:
+    """Whether this vLLM has Model Runner V2 (0.14 on). On 0.11 ``model_runner_v2`` is
+    ignored: the scheduler has Model Runner V1's output shapes only."""
+    import vllm.envs as envs
+
+    return hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER")
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,6 +235,7 @@ class _Pending:
     model_runner_output: Any
     new: tuple[str, ...]
     resumed: tuple[str, ...]
+    preempted: tuple[str, ...]
 
 
 # --------------------------------------------------------------------------------------------
@@ -410,12 +432,27 @@ def _accepted_kwargs(cls: type, candidates: Mapping[str, Any]) -> dict[str, Any]
     return dict(candidates)
 
 
+def _scheduler_class(scheduler_config: Any) -> type:
+    """The same class choice as EngineCore: AsyncScheduler iff async scheduling."""
+    getter = getattr(scheduler_config, "get_scheduler_cls", None)
+    if getter is not None:
+        return getter()  # type: ignore[no-any-return]
+    # vLLM 0.11 has no get_scheduler_cls: scheduler_cls names the class, V0's by default
+    # (the CUDA platform swaps in V1's), AsyncScheduler's under async scheduling.
+    if scheduler_config.async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        return AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return Scheduler
+
+
 def _build_scheduler(cfg: HarnessConfig, vllm_config: Any, kv_cache_config: Any) -> Any:
     from vllm.v1.structured_output import StructuredOutputManager
 
     vllm_config.cache_config.num_gpu_blocks = cfg.num_gpu_blocks
-    # The same class choice as EngineCore: AsyncScheduler iff async scheduling.
-    scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
+    scheduler_cls = _scheduler_class(vllm_config.scheduler_config)
     kwargs = _accepted_kwargs(
         scheduler_cls,
         {
@@ -435,7 +472,10 @@ def _make_block_hasher(vllm_config: Any, block_size: int) -> Any:
     (connectors key external KV by ``request.block_hashes``)."""
     if not (vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config):
         return None
-    from vllm.utils.hashing import get_hash_fn_by_name
+    try:
+        from vllm.utils.hashing import get_hash_fn_by_name
+    except ImportError:  # vLLM 0.11: in vllm.utils itself
+        from vllm.utils import get_hash_fn_by_name  # type: ignore[attr-defined, no-redef]
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
@@ -452,10 +492,15 @@ def make_kv_connector_output(
     """A vLLM ``KVConnectorOutput`` for a hook to return, without importing vLLM there."""
     from vllm.v1.outputs import KVConnectorOutput
 
+    fields = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    invalid = set(invalid_block_ids)
+    if "invalid_block_ids" in fields:
+        extra["invalid_block_ids"] = invalid
+    elif invalid:  # vLLM 0.11.0: the scheduler has no way to hear of a failed load
+        raise NotImplementedError("this vLLM's KVConnectorOutput has no invalid_block_ids")
     return KVConnectorOutput(
         finished_sending=set(finished_sending),
         finished_recving=set(finished_recving),
-        invalid_block_ids=set(invalid_block_ids),
         **extra,
     )
 
@@ -508,8 +553,12 @@ class SchedulerHarness:
         self.scheduler = _build_scheduler(config, self.vllm_config, self.kv_cache_config)
         self.connector = self.scheduler.get_kv_connector()
         self._block_hasher = _make_block_hasher(self.vllm_config, config.block_size)
-        # EngineCore's batch queue: 1 (sync) or max_concurrent_batches (2 when async).
-        self._queue_size = max(1, int(self.vllm_config.max_concurrent_batches))
+        # EngineCore's batch queue: 1 (sync) or max_concurrent_batches (2 when async; before
+        # vLLM 0.26 the executor's property, the same numbers for one process).
+        batches = getattr(self.vllm_config, "max_concurrent_batches", None)
+        if batches is None:
+            batches = 2 if config.async_scheduling else 1
+        self._queue_size = max(1, int(batches))
         self._queue: deque[_Pending] = deque()
         self._step = 0
         self._ever_scheduled: set[str] = set()
@@ -523,7 +572,8 @@ class SchedulerHarness:
     @property
     def use_v2_model_runner(self) -> bool:
         """The mode the scheduler was built in (it copies it in ``__init__``)."""
-        return bool(self.scheduler.use_v2_model_runner)
+        # vLLM 0.11 has no Model Runner V2 (see model_runner_v2_available).
+        return bool(getattr(self.scheduler, "use_v2_model_runner", False))
 
     @property
     def layer_names(self) -> list[str]:
@@ -569,8 +619,11 @@ class SchedulerHarness:
         """Abort between steps, as EngineCore does with its aborts queue."""
         from vllm.v1.request import RequestStatus
 
-        for request in self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED):
-            self._record_finished(request.request_id, "abort")
+        live = [r for r in req_ids if r in self.scheduler.requests]
+        finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+        # vLLM 0.11 returns nothing: every live request named was finished.
+        for req_id in live if finished is None else [r.request_id for r in finished]:
+            self._record_finished(req_id, "abort")
 
     # -- stepping ------------------------------------------------------------------------
 
@@ -666,14 +719,16 @@ class SchedulerHarness:
     # -- internals -----------------------------------------------------------------------
 
     def _schedule_and_run(self) -> _Pending:
+        running_before = [r.request_id for r in self.scheduler.running]
         out = self.scheduler.schedule()
+        preempted = self._preempted(out, running_before)
         step = self._step
         self._step += 1
         self.stats.steps += 1
         self.stats.scheduled_tokens += out.total_num_scheduled_tokens
         if out.total_num_scheduled_tokens == 0:
             self.stats.empty_steps += 1
-        self.stats.preemptions += len(out.preempted_req_ids or ())
+        self.stats.preemptions += len(preempted)
         # Sample now, while the requests are in the state this step was scheduled from:
         # under async scheduling they move on before this output is applied.
         sampled = self._sample(out)
@@ -686,7 +741,24 @@ class SchedulerHarness:
             # (UniProcExecutor omits it on a no-forward step with nothing to report.)
             kv_out = make_kv_connector_output()
         mro = _make_model_runner_output(sampled, kv_out)
-        return _Pending(step, out, mro, new, resumed)
+        return _Pending(step, out, mro, new, resumed, preempted)
+
+    def _preempted(self, out: Any, running_before: list[str]) -> tuple[str, ...]:
+        """The requests this schedule() preempted: ``preempted_req_ids`` from vLLM 0.12 on;
+        before, the requests that were running and are now back in the waiting queue as
+        PREEMPTED (where vLLM's scheduler puts a request it preempts)."""
+        if hasattr(out, "preempted_req_ids"):
+            return tuple(sorted(out.preempted_req_ids or ()))
+        from vllm.v1.request import RequestStatus
+
+        before = set(running_before)
+        return tuple(
+            sorted(
+                r.request_id
+                for r in self.scheduler.waiting
+                if r.request_id in before and r.status == RequestStatus.PREEMPTED
+            )
+        )
 
     def _sample(self, out: Any) -> dict[str, list[int]]:
         """One fake token per request that reached the end of its known tokens; none for a
@@ -733,7 +805,10 @@ class SchedulerHarness:
         for data in out.scheduled_new_reqs:
             (resumed if data.req_id in self._ever_scheduled else new).append(data.req_id)
         cached = out.scheduled_cached_reqs
-        flagged = getattr(cached, "resumed_req_ids", None) or ()
+        flagged = getattr(cached, "resumed_req_ids", None)
+        if flagged is None:  # vLLM 0.11.0: a list of flags, one per cached request
+            flags = getattr(cached, "resumed_from_preemption", None) or ()
+            flagged = {r for r, flag in zip(cached.req_ids, flags, strict=True) if flag}
         resumed.extend(r for r in cached.req_ids if r in flagged)
         self._ever_scheduled.update(out.num_scheduled_tokens)
         return tuple(new), tuple(resumed)
@@ -749,7 +824,7 @@ class SchedulerHarness:
             num_scheduled_tokens=dict(out.num_scheduled_tokens) if out is not None else {},
             new=pending.new if pending is not None else (),
             resumed=pending.resumed if pending is not None else (),
-            preempted=tuple(sorted(out.preempted_req_ids or ())) if out is not None else (),
+            preempted=pending.preempted if pending is not None else (),
             finished=finished,
             num_computed_tokens={
                 rid: int(r.num_computed_tokens)
