@@ -768,7 +768,12 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
         except (lives.RequestNotFound, MissingExtra, ValueError) as e:
             message = str(e)
         except OSError as e:  # an output path that cannot be written (no such directory, ...)
-            message = f"cannot write {e.filename or 'the output'}: {e.strerror or e}"
+            # Name the output asked for: the file that failed may be a writer's temporary one.
+            out, failed = getattr(args, "out", None), e.filename
+            where = (
+                f"{out}: {failed}" if out and failed and str(failed) != str(out) else out or failed
+            )
+            message = f"cannot write {where or 'the output'}: {e.strerror or e}"
         if getattr(args, "json", False):
             _json({"error": message, "exit_code": EXIT_UNREADABLE})
         return _fail(message)

@@ -195,3 +195,10 @@ def test_a_usage_error_under_json_is_a_json_error(capsys: Any, argv: list[str]) 
     doc = json.loads(out)
     assert doc["exit_code"] == 2 and doc["error"].startswith(f"kvledger {argv[0]}")
     assert doc["error"].split(": ", 1)[1] in err
+
+
+def test_an_unwritable_output_is_named_as_asked(capsys: Any, tmp_path: Path) -> None:
+    # It named only the writer's temporary file (/proc/.kvledger-export-xxxx), never -o's.
+    out = "/proc/kvledger-test.jsonl"  # /proc takes no new files, even for root
+    code, _, err = _run(capsys, "export", str(LOG), "--table", "events", "-o", out)
+    assert code == 2 and err.startswith(f"kvledger: cannot write {out}")
