@@ -23,9 +23,10 @@ Runs = Callable[[str], dict]
 
 
 @pytest.fixture(scope="module")
-def lmcache_runs() -> Runs:
-    """Every rig workload against a version, run once per module (one child process each:
-    importing vLLM and LMCache is most of its ~40 s)."""
+def lmcache_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    """Every rig workload against a version, bare and wrapped in KVLedgerRecorder (digests
+    sampled), run once per module in one child process per version (importing vLLM and
+    LMCache is most of its time). Reports by workload name, ``NAME+recorded`` wrapped."""
     from connector.testing.lmcache import WORKLOADS, run_version
 
     cache: dict[str, dict] = {}
@@ -33,7 +34,8 @@ def lmcache_runs() -> Runs:
     def get(version: str) -> dict:
         require_lmcache([version])
         if version not in cache:
-            cache[version] = run_version(version, list(WORKLOADS))
+            logs = tmp_path_factory.mktemp(f"lmcache-{version}")
+            cache[version] = run_version(version, list(WORKLOADS), record_to=str(logs))
         return cache[version]
 
     return get
@@ -127,4 +129,140 @@ def test_model_runner_v2_resumes_as_new_request_even_on_0_3_9_post2(lmcache_runs
     assert report.error is None
     assert report.claims == [(35, "req-1", 34)]
     assert report.loads == [(35, "req-1", 34)]
+    assert report.mismatches == []
+
+
+# --- KVLedgerRecorder wrapping LMCache: the recorded log alone -------------------------------
+
+
+def _check(path, **kw):
+    from replay.replayer import check
+
+    return check(path, **kw)
+
+
+def _same_run(bare, recorded) -> None:
+    """The recorder changes nothing vLLM or LMCache does: the same lookups and answers, the
+    same accepted tokens, loads, saves, preemptions, oracle findings and outcome."""
+    for field in ("lookups", "claims", "loads", "saves", "preemptions", "resumptions"):
+        assert getattr(recorded, field) == getattr(bare, field), field
+    assert recorded.mismatches == bare.mismatches
+    assert recorded.error == bare.error
+    assert recorded.finished == bare.finished
+    assert bare.log_path is None and recorded.log_path is not None
+
+
+@pytest.mark.parametrize("version", ["0.3.9.post2", "0.3.10"])
+def test_recording_lmcache_changes_nothing(lmcache_runs: Runs, version: str) -> None:
+    reports = lmcache_runs(version)
+    for name in ("issue1969", "issue1969_prefix_cache", "issue1969_mrv2", "mixed"):
+        _same_run(reports[name], reports[f"{name}+recorded"])
+
+
+def test_recorded_issue1969_on_0_3_9_post2_is_caught_by_the_digests(lmcache_runs: Runs) -> None:
+    """kvledger check of the recorded log alone (no oracle) names req-1's load: the blocks vLLM
+    accepted as loaded from LMCache are byte for byte what they held before the load
+    (load_unchanged), at the step whose output carried the worker's digests of the step-35
+    load. With digests off no API-level rule could see it: vLLM's facts are consistent."""
+    report = lmcache_runs("0.3.9.post2")["issue1969+recorded"]
+    assert report.first_mismatch()["step"] == 35  # the oracle, for reference only
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    named = [(p.name, p.req_id, p.step) for p in result.problems]
+    assert named == [("load_unchanged", "req-1", 36)] * 2  # its two full blocks
+    digests = result.counts["digests"]
+    assert digests["unchanged"] == digests["loaded"] == 2 and digests["verified"] == 0
+
+
+def test_recorded_issue1969_on_0_3_9_post2_is_caught_by_the_differential(
+    lmcache_runs: Runs,
+) -> None:
+    """The differential (kvledger's own decisions on the recorded inputs) names req-1 at its
+    first lookup after the preemption: LMCache 0.3.9 looks up the prompt alone and offers its
+    34 tokens (the 2-token partial chunk included), kvledger over the prompt and its outputs
+    offers the 32 of its whole chunks."""
+    report = lmcache_runs("0.3.9.post2")["issue1969+recorded"]
+    result = _check(report.log_path, differential=True, chunk_size=16)
+    assert result.exit_code == 1
+    first = result.problems[0]
+    assert (first.name, first.req_id, first.step) == ("LookupAnswered", "req-1", 16)
+    assert (first.recorded[0].external, first.derived[0].external) == (34, 32)
+
+
+def test_recorded_issue1969_on_0_3_10_checks_clean(lmcache_runs: Runs) -> None:
+    """The fixed release: the recorded log checks clean, every loaded block verified by its
+    digest, and kvledger would have answered every lookup alike."""
+    report = lmcache_runs("0.3.10")["issue1969+recorded"]
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    digests = result.counts["digests"]
+    assert digests["verified"] == digests["loaded"] == 2
+    diff = _check(report.log_path, differential=True, chunk_size=16)
+    assert diff.exit_code == 0, [p.describe() for p in diff.problems]
+    compared = diff.counts["recorded"]["differential"]
+    assert compared["lookups_compared"] == 22 and compared["lookups_differing"] == 0
+
+
+def test_recorded_log_of_the_0_3_10_crash_names_the_retried_lookup(lmcache_runs: Runs) -> None:
+    """The log 0.3.10 leaves when vLLM's scheduler dies on its retried lookup (LMCache #2158)
+    names the answer that killed it: at step 17 req-1 is offered 32 tokens on top of the 32
+    vLLM holds, every one of its 49 tokens and more (full_hit_no_last_token)."""
+    report = lmcache_runs("0.3.10")["issue1969_prefix_cache+recorded"]
+    assert report.error is not None and report.error.startswith("step 17: AssertionError")
+    result = _check(report.log_path)
+    assert [(p.name, p.req_id, p.step) for p in result.problems] == [
+        ("full_hit_no_last_token", "req-1", 17)
+    ]
+
+
+@pytest.mark.parametrize("version", ["0.4.2", "0.5.6"])
+def test_current_releases_recorded_logs_check_clean(lmcache_runs: Runs, version: str) -> None:
+    """Current releases, every workload wrapped: the recorded logs break no rule and every
+    loaded block's digest matches, and kvledger answers every lookup alike except where the
+    two differ by policy (big_chunks, below)."""
+    reports = lmcache_runs(version)
+    recorded = {name: r for name, r in reports.items() if name.endswith("+recorded")}
+    assert len(recorded) >= 7
+    for name, report in recorded.items():
+        result = _check(report.log_path)
+        assert result.exit_code == 0, (name, [p.describe() for p in result.problems])
+        digests = result.counts["digests"]
+        assert digests["verified"] == digests["loaded"], name
+        if name != "big_chunks+recorded":
+            diff = _check(report.log_path, differential=True, chunk_size=16)
+            assert diff.exit_code == 0, (name, [p.describe() for p in diff.problems])
+
+
+@pytest.mark.parametrize("version", ["0.4.2", "0.5.6"])
+def test_differential_on_partial_chunks_is_a_policy_difference(
+    lmcache_runs: Runs, version: str
+) -> None:
+    """A false alarm, written down: with chunks of 64 and save_unfull_chunk, LMCache keeps the
+    26-token tail of a 90-token prompt, so a repeated prompt (80 tokens in vLLM's prefix
+    cache) is offered 9 more; kvledger's default pool discards partial chunks and would offer
+    0. The oracle is exact, and told LMCache's policy (discard_partial_chunks=False) the
+    differential agrees on every lookup."""
+    report = lmcache_runs(version)["big_chunks+recorded"]
+    assert report.mismatches == [] and report.error is None
+    diff = _check(report.log_path, differential=True, chunk_size=64)
+    assert diff.exit_code == 1
+    first = diff.problems[0]
+    assert (first.name, first.req_id, first.step) == ("LookupAnswered", "again-req-0", 58)
+    assert (first.recorded[0].hit, first.recorded[0].external) == (89, 9)
+    assert (first.derived[0].hit, first.derived[0].external) == (64, 0)
+    told = _check(report.log_path, differential=True, chunk_size=64, discard_partial_chunks=False)
+    assert told.exit_code == 0, [p.describe() for p in told.problems]
+
+
+@pytest.mark.parametrize("version", ["0.4.2", "0.5.6"])
+def test_lmcache_reloads_more_than_vllm_accepted(lmcache_runs: Runs, version: str) -> None:
+    """What no rule reports (written down in docs/recording.md): vLLM accepts 9 external
+    tokens (80..88) for a repeated prompt, and LMCache's worker copies 26 (64..89): it masks
+    only the chunk-aligned part of vLLM's local hit, so it rewrites 16 tokens of a block in
+    vLLM's prefix cache and the last token vLLM computes itself. The bytes are the ones
+    already there here (the oracle is exact); on a GPU they are whatever another batch
+    computed for that prefix."""
+    report = lmcache_runs(version)["big_chunks"]
+    assert report.claims == [(58, "again-req-0", 9), (58, "again-req-1", 9)]
+    assert report.loads == [(58, "again-req-0", 26), (58, "again-req-1", 26)]
     assert report.mismatches == []

@@ -55,6 +55,7 @@ __all__ = [
     "installed",
     "lmcache_kv_connector",
     "missing_versions",
+    "recorded_kv_connector",
     "run",
     "run_version",
     "version_path",
@@ -144,6 +145,35 @@ WORKLOADS: dict[str, LMCacheRun] = {
         shared_prefix=20,
         repeat_prompts=2,
     ),
+    # Long prompts prefilled in chunks of 32 tokens, decode-phase saving on, a pool that
+    # preempts: partial prefills, saves of decoded tokens, resumptions mid-decode.
+    "chunked_prefill": LMCacheRun(
+        "chunked_prefill",
+        num_requests=3,
+        prompt_len=100,
+        max_tokens=30,
+        num_gpu_blocks=16,
+        max_num_batched_tokens=32,
+        shared_prefix=48,
+        repeat_prompts=1,
+        lmcache={"save_decode_cache": True},
+    ),
+    # #1969's workload under async scheduling (step N+1 scheduled before step N's token).
+    "issue1969_async": LMCacheRun(
+        "issue1969_async", enable_prefix_caching=False, async_scheduling=True
+    ),
+    # LMCache chunks of 64 tokens over vLLM blocks of 16, partial chunks saved.
+    "big_chunks": LMCacheRun(
+        "big_chunks",
+        num_requests=4,
+        prompt_len=90,
+        max_tokens=40,
+        num_gpu_blocks=20,
+        chunk_size=64,
+        shared_prefix=70,
+        repeat_prompts=2,
+        lmcache={"save_unfull_chunk": True},
+    ),
 }
 
 
@@ -155,6 +185,25 @@ def lmcache_kv_connector(spec: LMCacheRun) -> dict[str, Any]:
         "kv_connector": "LMCacheConnectorV1",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
+    }
+
+
+def recorded_kv_connector(spec: LMCacheRun, log_dir: str, digests: str = "off") -> dict[str, Any]:
+    """LMCache's ``--kv-transfer-config`` wrapped in ``KVLedgerRecorder`` (docs/recording.md):
+    the recorder is loaded by module path, LMCache by its registry name, with its own extra
+    config as ``inner_extra_config``."""
+    inner = lmcache_kv_connector(spec)
+    return {
+        "kv_connector": "KVLedgerRecorder",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": inner["kv_role"],
+        "kv_connector_extra_config": {
+            "inner": inner["kv_connector"],
+            "inner_extra_config": inner["kv_connector_extra_config"],
+            "log_dir": log_dir,
+            "digests": digests,
+            "log_background": False,
+        },
     }
 
 
@@ -625,6 +674,13 @@ class _Driver:
                     return f"{req_id}[{start}:{start + bs}]"
         return None
 
+    def close(self) -> None:
+        """Shut both roles down (a recorder closes its log here) and note the log's path."""
+        with contextlib.suppress(Exception):
+            self.worker.shutdown()
+        self.harness.close()
+        self.report.log_path = getattr(self.harness.connector, "log_path", None)
+
     def run(self) -> None:
         harness = self.harness
         work = self.spec.prompts()
@@ -673,33 +729,38 @@ def run(
             )
         finally:
             if driver is not None:
-                driver.harness.close()
+                driver.close()
     return report
 
 
 def run_version(
     version: str,
     workloads: Sequence[str | LMCacheRun],
-    kv_connector: Mapping[str, Any] | None = None,
     *,
-    timeout: float = 900,
+    record_to: str | None = None,
+    digests: str = "sampled",
+    timeout: float = 1200,
 ) -> dict[str, LMCacheReport]:
     """Run workloads against one installed LMCache version, one after the other in one child
-    process (its start, importing vLLM and LMCache, is most of the time); reports by name."""
+    process (its start, importing vLLM and LMCache, is most of the time). Reports by workload
+    name; with ``record_to``, each workload runs a second time wrapped in ``KVLedgerRecorder``
+    (logs in that directory, ``digests`` on the worker), reported as ``NAME+recorded``."""
     if not installed(version):
         raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
-    specs = [WORKLOADS[w] if isinstance(w, str) else w for w in workloads]
+    jobs: list[dict[str, Any]] = []
+    for workload in workloads:
+        spec = WORKLOADS[workload] if isinstance(workload, str) else workload
+        fields = dataclasses.asdict(spec)
+        jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
+        if record_to is not None:
+            kv = recorded_kv_connector(spec, record_to, digests)
+            jobs.append({"label": f"{spec.name}+recorded", "spec": fields, "kv_connector": kv})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(version_path(version)), str(DEPS), str(_ROOT)])
     env["LMCACHE_LOG_LEVEL"] = "WARNING"
-    request = {
-        "version": version,
-        "specs": [dataclasses.asdict(spec) for spec in specs],
-        "kv_connector": dict(kv_connector) if kv_connector is not None else None,
-    }
     proc = subprocess.run(
         [sys.executable, "-m", "connector.testing.lmcache"],
-        input=json.dumps(request),
+        input=json.dumps({"version": version, "jobs": jobs}),
         capture_output=True,
         text=True,
         env=env,
@@ -712,7 +773,7 @@ def run_version(
         for line in proc.stdout.splitlines()
         if line.startswith(_MARK)
     ]
-    if proc.returncode != 0 or len(reports) != len(specs):
+    if proc.returncode != 0 or len(reports) != len(jobs):
         raise RuntimeError(
             f"LMCache {version} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
         )
@@ -726,9 +787,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Child process: a JSON request on stdin, one marked report line per run on stdout."""
     argparse.ArgumentParser(description=__doc__).parse_args(argv)
     request = json.loads(sys.stdin.read())
-    for fields in request["specs"]:
+    for job in request["jobs"]:
+        fields = dict(job["spec"])
         fields["lmcache"] = dict(fields.get("lmcache") or {})
-        report = run(LMCacheRun(**fields), request.get("kv_connector"), version=request["version"])
+        report = run(LMCacheRun(**fields), job["kv_connector"], version=request["version"])
+        report.workload = job["label"]
         sys.stdout.write("\n" + _MARK + report.to_json() + "\n")
         sys.stdout.flush()
     return 0
