@@ -1063,6 +1063,17 @@ def _stats(args: argparse.Namespace) -> int:
         ],
         ["violations", str(st.violations_total)],
     ]
+    dg = st.digests
+    if dg.get("digested") or dg.get("loaded"):
+        rows.insert(
+            -1,
+            [
+                "digests",
+                f"{dg['digested']} blocks digested; {dg['loaded']} loaded blocks: "
+                f"{dg['verified']} verified, {dg['mismatched']} mismatched, "
+                f"{dg['unchanged']} unchanged, {dg['unverifiable']} unverifiable",
+            ],
+        )
     if st.damage is not None:
         rows.append(["damage", st.damage.describe()])
     if st.config_problem:

@@ -10,6 +10,7 @@ import attrs
 
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
+from tracker.digests import DigestBook
 from tracker.history import walk
 from tracker.log import Frame, StopInfo
 from tracker.state import RequestState
@@ -88,6 +89,9 @@ class Stats:
     chunks_confirmed: int = 0
     chunks_failed: int = 0
     violations: dict[str, int] = attrs.field(factory=dict)
+    # KV-content digests (tracker/digests.py): blocks digested, loaded blocks judged, verified,
+    # mismatched, unchanged, unverifiable.
+    digests: dict[str, int] = attrs.field(factory=dict)
     config: dict[str, Any] = attrs.field(factory=dict)
     library_version: str = ""
     format_version: str = ""
@@ -151,6 +155,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     may_preempt = (ev.Preempted, ev.LookupAsked)
     last_pos = -1
     decoded = 0
+    book = DigestBook()
     for item in walk(src.frames(), config):
         pos = item.pos
         if pos == last_pos:
@@ -207,6 +212,8 @@ def stats(path: LogPath | LogSource) -> Stats:
             rules[e.rule] += 1  # type: ignore[attr-defined]
         elif cls is ev.StepDecoded:
             decoded += len(e.nums)  # type: ignore[attr-defined]
+        elif cls is ev.BlockDigested or cls is ev.LoadDigested:
+            book.apply(e)
         if (
             (cls is ev.Scheduled or cls in may_preempt)
             and before is not None
@@ -225,6 +232,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     st.events_by_type = {cls.__name__: n for cls, n in by_type.most_common()}
     st.finish_reasons = dict(reasons.most_common())
     st.violations = dict(rules.most_common())
+    st.digests = book.stats.to_dict()
     st.damage = src.damage
     return st
 

@@ -373,3 +373,31 @@ def test_the_digest_is_the_documented_function() -> None:
         total += lw[layer] * sum(a * b for a, b in zip(words, w, strict=True))
     (got,) = _digests(d, _blocks(3))
     assert got == d.finish(total & mask)
+
+
+def test_the_plan_read_off_recorded_events_is_the_plan_told_directly() -> None:
+    """A recorder's log (vLLM's facts, the inner's answers) gives the planner what a connector
+    tells it directly: the same plans, step by step (a sync load, then decode steps)."""
+    tokens = list(range(40))
+    table = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]
+    told, read = DigestPlanner(BS), DigestPlanner(BS)
+    told.added("r")
+    told.allocated("r", table, 12)
+    told.scheduled(
+        "r", replace=True, block_ids=table, num_computed=16, num_scheduled=14, token_ids=tokens
+    )
+    for e in (
+        ev.RequestAdded(0, "r", tuple(tokens[:30])),
+        ev.LookupAsked(0, "r", 4, 30),
+        ev.InnerLookupAnswered(0, "r", 12, False),
+        ev.Allocated(0, "r", tuple(table), 12),
+        ev.Scheduled(0, "r", 16, 14, 30, (), tuple(table), ev.Admission.NEW),
+    ):
+        read.observe(e)
+    assert told.plan(0) == read.plan(0) is not None
+    for step, n in enumerate(range(30, 36), 1):
+        told.scheduled(
+            "r", replace=False, block_ids=(), num_computed=n, num_scheduled=1, token_ids=tokens
+        )
+        read.observe(ev.Scheduled(step, "r", n, 1, n, (tokens[n],), (), ev.Admission.RUNNING))
+        assert told.plan(step) == read.plan(step)

@@ -38,6 +38,7 @@ def test_a_clean_run_checks_clean_with_its_loads_verified(tmp_path, mode: str, l
     digests = result.counts["digests"]
     assert digests["verified"] > 0 and digests["verified"] == digests["loaded"]
     assert digests["digested"] > 0 and not digests["unverifiable"]
+    assert _stats(report.log_path).digests == digests  # kvledger stats counts the same
 
 
 def test_off_records_no_digest(tmp_path) -> None:
@@ -71,6 +72,7 @@ def test_a_silent_bad_load_is_found_by_check_of_the_log(
         assert detail["found"] == f"{loads[0].after[0]:016x}" != detail["expected"]
     assert {p.name for p in result.problems} == {rule}
     assert result.counts["digests"]["verified"] == 0
+    assert _stats(report.log_path).digests == result.counts["digests"]
 
 
 def test_without_digests_the_same_bad_load_checks_clean(tmp_path) -> None:
@@ -79,6 +81,12 @@ def test_without_digests_the_same_bad_load_checks_clean(tmp_path) -> None:
     report = _run(tmp_path, "off", fault=lambda req_id, chunk: "corrupt")
     assert report.mismatches
     assert _check(report.log_path).exit_code == 0
+
+
+def _stats(path):
+    from replay.summary import stats
+
+    return stats(path)
 
 
 def _ev():
