@@ -567,7 +567,8 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return bool(self._inner.requires_kv_delivery)
+        # vLLM < 0.30 has no such property (and never asks): False, a best-effort cache.
+        return bool(getattr(self._inner, "requires_kv_delivery", False))
 
     @property
     def supports_divergent_local_hybrid_hits(self) -> bool:
@@ -585,7 +586,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     def on_new_request(self, request: Any) -> None:
         self._record("on_new_request", self._see, request)
-        self._inner.on_new_request(request)
+        _optional(self._inner, "on_new_request", None, request)
 
     def _see(self, request: Any) -> None:
         assert self.recording is not None
@@ -677,7 +678,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             except Exception as exc:
                 self._record_lost("digest_report", exc, None)
         try:
-            return self._inner.update_connector_output(connector_output)
+            return _optional(self._inner, "update_connector_output", None, connector_output)
         except BaseException as exc:
             self._raised("update_connector_output", exc)
             raise
@@ -705,7 +706,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self.recording.finished(request, block_ids, answer)
 
     def get_kv_connector_stats(self) -> Any:
-        stats = self._inner.get_kv_connector_stats()
+        stats = _optional(self._inner, "get_kv_connector_stats", None)
         if stats is not None and self.recording is not None:
             self._record("get_kv_connector_stats", self._scheduler_stats, stats)
         return stats
@@ -746,7 +747,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._inner.clear_connector_metadata()
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> Any:
-        return self._inner.handle_preemptions(_unwrap(kv_connector_metadata))
+        return _optional(self._inner, "handle_preemptions", None, _unwrap(kv_connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> Any:
         self._digest_hook("before_load")
@@ -768,7 +769,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             _log.error("kvledger.digests_failed", where=name, error=repr(exc))
 
     def build_connector_worker_meta(self) -> Any:
-        inner = self._inner.build_connector_worker_meta()
+        inner = _optional(self._inner, "build_connector_worker_meta", None)
         report = None
         if self._digester is not None:
             try:
@@ -825,6 +826,14 @@ def _req_id(request: Any) -> str:
         return str(request.request_id)
     except Exception:
         return ""
+
+
+def _optional(inner: Any, name: str, default: Any, *args: Any) -> Any:
+    """``inner.name(*args)``, or ``default`` where the inner (built on an older vLLM's base
+    class) has no such method: what that vLLM does for a connector without it (it never calls
+    it). A rig driving an older vLLM's connector in 0.33's order gets the same."""
+    method = getattr(inner, name, None)
+    return default if method is None else method(*args)
 
 
 def _unwrap(meta: Any) -> Any:

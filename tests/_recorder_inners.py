@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector
+except ImportError:  # vLLM < 0.12 called it SharedStorageConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1.shared_storage_connector import (
+        SharedStorageConnector as ExampleConnector,
+    )
 
 from connector.vllm import KVLedgerConnector
 

@@ -29,7 +29,54 @@ from connector.testing.harness import HarnessConfig, SchedulerHarness, make_kv_c
 from connector.testing.oracle import KVOracle, Mismatch
 from connector.testing.run import RunSpec, _workload
 
-__all__ = ["WrappedReport", "WrappedSpec", "kv_transfer_config", "run_wrapped"]
+__all__ = [
+    "WrappedReport",
+    "WrappedSpec",
+    "example_connector",
+    "example_connector_cpu_problem",
+    "example_connector_layout",
+    "kv_transfer_config",
+    "run_wrapped",
+]
+
+
+def example_connector() -> str:
+    """vLLM's toy file connector by its registry name in the installed vLLM: ExampleConnector,
+    called SharedStorageConnector before vLLM 0.12."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    registry = getattr(KVConnectorFactory, "_registry", {})
+    return "ExampleConnector" if "ExampleConnector" in registry else "SharedStorageConnector"
+
+
+def example_connector_cpu_problem() -> str | None:
+    """Why the installed vLLM's toy connector cannot load on a CPU-only machine (its loads
+    call ``.cuda()`` before vLLM 0.12), else None."""
+    import inspect
+
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory._registry[example_connector()]()
+    if ".cuda()" in inspect.getsource(cls.start_load_kv):
+        return (
+            f"vLLM {vllm.__version__}'s {cls.__name__}.start_load_kv calls .cuda(): "
+            "it cannot load on a CPU-only machine"
+        )
+    return None
+
+
+def example_connector_layout() -> str:
+    """The cache layout the installed vLLM's toy connector reads in ``save_kv_layer``: a
+    standardised per-layer ``[blocks, H, N, C]`` view in recent vLLM ("flashinfer" here: the
+    blocks first), the raw ``[2, blocks, block_size, ...]`` FlashAttention tensor before."""
+    import inspect
+
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    cls = KVConnectorFactory._registry[example_connector()]()
+    source = inspect.getsource(cls.save_kv_layer)
+    return "flashinfer" if "[B, H, N, C]" in source else "flash_attn"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +146,13 @@ def kv_transfer_config(
     return {**base, "kv_connector": inner, "kv_connector_extra_config": dict(inner_extra)}
 
 
+def _output_fields() -> frozenset[str]:
+    """The fields of this vLLM's KVConnectorOutput (worker metadata only from 0.18)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return frozenset(f.name for f in dataclasses.fields(KVConnectorOutput))
+
+
 class _Driver:
     def __init__(self, spec: WrappedSpec, log_dir: str | None) -> None:
         kv = kv_transfer_config(
@@ -124,11 +178,16 @@ class _Driver:
         cls = KVConnectorFactory.get_connector_class(vllm_config.kv_transfer_config)
         self.worker: Any = cls(vllm_config, KVConnectorRole.WORKER, self.harness.kv_cache_config)
         self.worker.register_kv_caches(self.oracle.caches)
-        # The per-layer [blocks, 2, block_size, heads * head] views (layout "flashinfer").
-        self.views = {
-            name: cache.view(cache.shape[0], cache.shape[1], cache.shape[2], -1)
-            for name, cache in self.oracle.caches.items()
-        }
+        # What save_kv_layer gets: under "flashinfer" the per-layer [blocks, 2, block_size,
+        # heads * head] views (recent vLLM's standardised [B, H, N, C]); else the raw tensors.
+        self.views = (
+            {
+                name: cache.view(cache.shape[0], cache.shape[1], cache.shape[2], -1)
+                for name, cache in self.oracle.caches.items()
+            }
+            if spec.layout == "flashinfer"
+            else dict(self.oracle.caches)
+        )
         self.forward_context = types.SimpleNamespace(
             attn_metadata={name: types.SimpleNamespace(layer=name) for name in self.views},
             no_compile_layers={
@@ -169,7 +228,9 @@ class _Driver:
             worker.save_kv_layer(name, view, self.forward_context.attn_metadata[name])
         worker.wait_for_save()
         sending, recving = worker.get_finished(set(out.finished_req_ids))
-        errors = set(worker.get_block_ids_with_load_errors() or ())
+        # vLLM >= 0.11.1 asks for load errors; a connector of an older vLLM has no such method.
+        load_errors = getattr(worker, "get_block_ids_with_load_errors", None)
+        errors = set((load_errors() if load_errors is not None else None) or ())
         self.load_errors += len(errors)
         self.skip_verify = {
             r
@@ -179,12 +240,12 @@ class _Driver:
         stats = worker.get_kv_connector_stats()
         worker_meta = worker.build_connector_worker_meta()
         worker.clear_connector_metadata()
+        extra = {"kv_connector_worker_meta": worker_meta, "kv_connector_stats": stats}
         return make_kv_connector_output(
             sending or (),
             recving or (),
             errors,
-            kv_connector_worker_meta=worker_meta,
-            kv_connector_stats=stats,
+            **{k: v for k, v in extra.items() if k in _output_fields()},
         )
 
     def verify(self) -> list[Mismatch]:
