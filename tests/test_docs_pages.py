@@ -207,3 +207,15 @@ def test_every_upcaster_is_in_the_log_format_page() -> None:
     names = {tag: name for tag, (name, _, _) in codec.schemas().items()}
     wanted = {(names[tag], str(version)) for tag, version in codec.UPCASTERS}
     assert wanted and wanted <= rows, f"upcasters missing from log-format.md: {wanted - rows}"
+
+
+def test_the_readme_example_prints_what_the_readme_shows(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # "The tracker in a few lines": the Python block runs, and prints the Output block after it.
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## The tracker in a few lines", 1)[1]
+    found = re.search(r"```python\n(.*?)```\s*\nOutput:\s*\n\n```\n(.*?)```", section, re.S)
+    assert found is not None, "README.md: the example or its output block is gone"
+    exec(compile(found.group(1), "README.md", "exec"), {"__name__": "readme"})
+    assert capsys.readouterr().out == found.group(2)
