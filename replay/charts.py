@@ -261,7 +261,7 @@ def timeline(
     chosen = _choose(rows, requests, top, lo, hi)
     by_label = {r["request"]: r for r in rows["requests"]}
     series = _collect(src, config, [(label, by_label[label]["req_id"]) for label in chosen])
-    _fill(series, rows, config, all_steps[-1])
+    _fill(series, rows, config, all_steps[-1], recorded="recorder" in src.run_info)
     for s in series:
         _clip_series(s, lo, hi)
     run = _run_panels(rows, lo, hi)
@@ -405,9 +405,17 @@ def _mark(p: Row) -> Mark:
 
 
 def _fill(
-    series: list[Series], rows: dict[str, list[Row]], config: TrackerConfig, last: int
+    series: list[Series],
+    rows: dict[str, list[Row]],
+    config: TrackerConfig,
+    last: int,
+    *,
+    recorded: bool = False,
 ) -> None:
-    """Each lane's phases, admissions and problems, from the tables."""
+    """Each lane's phases, admissions and problems, from the tables. ``recorded``: a
+    recorder's log (connector/recorder.py), where no load plan is recorded (the wrapped
+    connector's loads are not observable): an accepted load is drawn as loaded, and only
+    check's problems (digests, rules) say otherwise."""
     by_label = {s.label: s for s in series}
     reqs = {r["request"]: r for r in rows["requests"] if r["request"] in by_label}
     adms: dict[str, list[Row]] = defaultdict(list)
@@ -440,7 +448,7 @@ def _fill(
                     local_hit=max(0, a["local_hit"] or 0),
                     load_start=a["load_start"],
                     load_end=a["load_end"],
-                    loaded=a["loaded"] or 0,
+                    loaded=(a["accepted"] if recorded else a["loaded"]) or 0,
                     refused=(a["refused_blocks"] or 0) * config.block_size,
                     load_result=a["load_result"],
                 )

@@ -106,3 +106,17 @@ def test_differential_needs_a_recorder_log(tmp_path, capsys):
     assert code == 2
     assert "--differential" in err and "KVLedgerRecorder" in err
     assert "Traceback" not in err
+
+
+def test_timeline_of_a_recorded_log_draws_no_short_loads(tmp_path):
+    """A recorder's log holds no load plan (the wrapped connector's loads are not observable):
+    an accepted load is not drawn as a short one; only check's problems say otherwise."""
+    from replay.charts import timeline
+
+    path = _write(
+        tmp_path / "e.kvlog", _life("a", 0, 0, 0) + _life("b", 2, 47, 47, blocks=(4, 5, 6))
+    )
+    result = timeline(path, tmp_path / "t.html")
+    accepted = [a.accepted for s in result.series for a in s.admissions]
+    assert 47 in accepted
+    assert result.short_loads() == []
