@@ -146,6 +146,7 @@ def _make_runs(where: Path) -> None:
         "run(RunSpec(**spec, async_scheduling=True), log_dir='run-async')\n"
     )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     subprocess.run([sys.executable, "-c", code], cwd=where, env=env, check=True, timeout=900)
 
 
