@@ -149,6 +149,7 @@ def test_ctrl_c_stops_cleanly(source: Path, tmp_path: Path) -> None:
     assert proc.stdout is not None and proc.stderr is not None
     lines = [proc.stdout.readline()]  # it is reading
     while not lines[-1].startswith("step 8: "):  # the last step with news
+        assert lines[-1], f"tail stopped early: {lines} {proc.stderr.read()}"
         lines.append(proc.stdout.readline())
     time.sleep(0.3)  # idle: the writer is alive and silent
     proc.send_signal(signal.SIGINT)
