@@ -91,6 +91,8 @@ class EngineRuns:
 
     runs: dict[str, list[EngineRun]]
     log_path: str | None = None
+    # The classes vLLM built for the two roles, "module.Class" (None without a connector).
+    connector_classes: tuple[str, str] | None = None
     check: subprocess.CompletedProcess[str] | None = None
     stats: Any = None
 
@@ -121,7 +123,12 @@ def run_workloads(spec: EngineSpec, workloads: Sequence[Workload]) -> EngineRuns
                 if w.setup is not None:
                     w.setup(False)
         log_path = engine.log_path
-    result = EngineRuns(runs, log_path)
+        classes = None
+        if spec.connector:
+            sides = (engine.scheduler_connector(), engine.worker_connector())
+            a, b = (f"{type(c).__module__}.{type(c).__qualname__}" for c in sides)
+            classes = (a, b)
+    result = EngineRuns(runs, log_path, classes)
     if spec.connector:
         assert log_path is not None, "the connector wrote no log"
         result.check = kvledger_check(log_path)
