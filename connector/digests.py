@@ -43,6 +43,8 @@ __all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests", "make_recorder_h
 _log = structlog.get_logger("kvledger.connector")
 
 _MASK = (1 << 64) - 1
+# Before-digests of loads not verified yet, kept at most (the oldest dropped: unverified).
+_MAX_PENDING = 1 << 16
 # Integer dtypes by width, widest first: the block's bytes are read as the widest that divides
 # them (int64 for every real layout).
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
@@ -152,13 +154,35 @@ class WorkerDigests:
         self.digester = BlockDigester(kv_caches, self.mode, self.layout)
 
     def before_load(self, plan: DigestPlan | None) -> None:
-        self._before = None
+        if self._before is not None:
+            # The last step's before-digests were never followed by a forward (vLLM runs a
+            # step without one, kv_connector_no_forward, when nothing is scheduled but an
+            # asynchronous load starts): kept for their verification, at a host wait.
+            self._settle_before()
         if plan is None or not plan.before or self.digester is None:
             return
         try:
             self._before = (plan.before, self.digester.digest(plan.before))
         except Exception as exc:
             self._failed("before_load", exc)
+
+    def _settle_before(self) -> None:
+        before, self._before = self._before, None
+        if before is None or self.digester is None:
+            return
+        try:
+            values = before[1].tolist()
+        except Exception as exc:
+            self._failed("before_load", exc)
+            return
+        for b, v in zip(before[0], values, strict=True):
+            self._keep_before(b, self.digester.finish(v))
+
+    def _keep_before(self, b: DigestBlock, digest: int) -> None:
+        pending = self._before_of
+        pending[(b.req_id, b.block_index)] = digest
+        if len(pending) > _MAX_PENDING:  # loads never verified (their requests went away)
+            del pending[next(iter(pending))]
 
     def after_forward(self, plan: DigestPlan | None, load_errors: Collection[int] = ()) -> None:
         """Digest the plan's ``full`` and ``verify`` blocks; a loaded block in ``load_errors``
@@ -196,7 +220,7 @@ class WorkerDigests:
             i += len(blocks)
             if before is not None and k == 0:
                 for b, v in zip(blocks, values, strict=True):
-                    self._before_of[(b.req_id, b.block_index)] = v
+                    self._keep_before(b, v)
             elif blocks is plan.full:
                 self._blocks.extend(
                     (b.req_id, b.block_index, b.key, v) for b, v in zip(blocks, values, strict=True)

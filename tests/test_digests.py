@@ -401,3 +401,21 @@ def test_the_plan_read_off_recorded_events_is_the_plan_told_directly() -> None:
         )
         read.observe(ev.Scheduled(step, "r", n, 1, n, (tokens[n],), (), ev.Admission.RUNNING))
         assert told.plan(step) == read.plan(step)
+
+
+def test_an_async_loads_before_digest_survives_a_step_without_forward() -> None:
+    """vLLM starts an asynchronous load in a step with nothing scheduled (no forward, no
+    wait_for_save): the before-digests are kept until the step that verifies the load."""
+    caches = _caches("flashinfer")
+    w = WorkerDigests("full", layout="flashinfer")
+    w.register_kv_caches(caches)
+    loaded = (DigestBlock("r", 0, 1, KEYS[0]),)
+    w.before_load(DigestPlan(1, before=loaded))  # the load starts; no forward follows
+    for cache in caches.values():
+        cache[1].fill_(0.25)  # the load lands
+    w.before_load(None)  # the next step
+    w.after_forward(DigestPlan(2, verify=loaded))  # finished_recving named the request
+    report = w.report()
+    assert report is not None
+    ((_, _, _, before, after),) = report.loads
+    assert before != after
