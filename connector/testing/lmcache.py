@@ -202,6 +202,8 @@ def recorded_kv_connector(spec: LMCacheRun, log_dir: str, digests: str = "off") 
             "inner_extra_config": inner["kv_connector_extra_config"],
             "log_dir": log_dir,
             "digests": digests,
+            # The granularity `kvledger check --differential` gives kvledger's pool: LMCache's.
+            "chunk_size": spec.chunk_size,
             "log_background": False,
         },
     }
