@@ -546,6 +546,7 @@ class SchedulerSide:
             resumed_ids = getattr(cached, "resumed_req_ids", None)
             flags = getattr(cached, "resumed_from_preemption", None)
             bs = planner.block_size
+            deferred = planner.deferred
             computed = cached.num_computed_tokens
             new_blocks = cached.new_block_ids
             for i, rid in enumerate(cached.req_ids):
@@ -554,7 +555,12 @@ class SchedulerSide:
                 resumed = (
                     rid in resumed_ids if resumed_ids is not None else bool(flags and flags[i])
                 )
-                if not resumed and (nc + ns) // bs == nc // bs and not (blocks and any(blocks)):
+                if (
+                    not resumed
+                    and (nc + ns) // bs == nc // bs
+                    and not (blocks and any(blocks))
+                    and rid not in deferred
+                ):
                     continue  # the hot path: no block appended, none filled
                 request = requests.get(rid)
                 planner.scheduled(

@@ -184,7 +184,7 @@ def _runs(rows: Sequence[Any]) -> Iterable[tuple[str, int, list[Any]]]:
 
 
 class _Req:
-    __slots__ = ("async_load", "blocks", "keys", "load", "salt", "tokens")
+    __slots__ = ("async_load", "blocks", "keys", "load", "next_full", "salt")
 
     def __init__(self, salt: str) -> None:
         self.salt = salt
@@ -194,6 +194,10 @@ class _Req:
         # is scheduled); an asynchronous load's blocks, once issued, until verified.
         self.load: int | None = None
         self.async_load: tuple[DigestBlock, ...] = ()
+        # Blocks below this were planned as full (or loaded); a block that filled before its
+        # token ids were known (async scheduling samples the last one a step later) waits
+        # here until they are.
+        self.next_full = 0
 
 
 class DigestPlanner:
@@ -209,6 +213,9 @@ class DigestPlanner:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self._reqs: dict[str, _Req] = {}
+        # Requests with a full block whose token ids were not known yet: the caller must call
+        # scheduled() for them even in a step that fills no block.
+        self.deferred: set[str] = set()
         self._full: list[DigestBlock] = []
         self._before: list[DigestBlock] = []
         self._verify: list[DigestBlock] = []
@@ -309,15 +316,24 @@ class DigestPlanner:
             blocks = self._loaded_blocks(req_id, r, start, num_computed, token_ids)
             self._before.extend(blocks)
             self._verify.extend(blocks)
-        first, last = num_computed // bs, (num_computed + num_scheduled) // bs
+        if replace:
+            r.next_full = num_computed // bs
+        # From the first block not planned yet (a rewind, vLLM recomputing after a load
+        # error, starts lower) to the last this step fills.
+        first = min(r.next_full, num_computed // bs)
+        last = (num_computed + num_scheduled) // bs
         if last <= first:
+            self.deferred.discard(req_id)
             return
         keys = self._keys(r, token_ids, last)
         table = r.blocks
-        self._full.extend(
-            DigestBlock(req_id, i, table[i], keys[i])
-            for i in range(first, min(last, len(keys), len(table)))
-        )
+        end = min(last, len(keys), len(table))
+        self._full.extend(DigestBlock(req_id, i, table[i], keys[i]) for i in range(first, end))
+        r.next_full = max(first, end)
+        if r.next_full < last:
+            self.deferred.add(req_id)
+        else:
+            self.deferred.discard(req_id)
 
     def finished_recving(self, req_ids: Iterable[str]) -> None:
         """These requests' asynchronous loads completed: their blocks are verified in the
@@ -331,6 +347,7 @@ class DigestPlanner:
     def finished(self, req_id: str) -> None:
         """The request finished: its blocks may be freed (its pending checks are dropped)."""
         self._reqs.pop(req_id, None)
+        self.deferred.discard(req_id)
 
     def preempted(self, req_id: str) -> None:
         """Preempted: vLLM frees its blocks; a resumption brings a whole new table."""
@@ -338,6 +355,7 @@ class DigestPlanner:
         if r is not None:
             r.blocks = []
             r.async_load = ()
+        self.deferred.discard(req_id)
 
     # --- from recorded events (a recorder's log: connector/recorder.py) --------------------
 
