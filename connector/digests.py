@@ -51,11 +51,14 @@ _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 
 
 def _mix64(x: int) -> int:
-    """splitmix64's finaliser: spreads the sum's bits (a digest is compared, never summed)."""
+    """splitmix64's finaliser: spreads the sum's bits (a digest is compared, never summed);
+    returned as a signed 64-bit int."""
     x &= _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+    x ^= x >> 31
+    # As a signed 64-bit int: what every reader of the log holds (Arrow, DuckDB, SQL).
+    return x - (1 << 64) if x >> 63 else x
 
 
 def _odd_weights(n: int, seed: int) -> torch.Tensor:

@@ -218,7 +218,7 @@ def test_the_book_is_per_rank_and_bounded() -> None:
 
 
 def test_a_report_becomes_one_event_per_run_of_blocks_and_survives_the_codec() -> None:
-    big = (1 << 64) - 1
+    big = -(1 << 63)  # digests are signed 64-bit ints
     report = DigestReport(
         blocks=(("a", 0, KEYS[0], big), ("a", 1, KEYS[1], 2), ("b", 0, KEYS[0], 3)),
         loads=(("c", 2, KEYS[2], 0, big), ("c", 3, KEYS[3], 1, 2), ("c", 5, KEYS[0], 1, 3)),

@@ -115,7 +115,7 @@ class DigestPlan:
 class DigestReport:
     """What one worker rank digested (worker -> scheduler): ``blocks`` as
     (req id, block index, key, digest), ``loads`` as (req id, block index, key, before,
-    after). Digests are unsigned 64-bit ints."""
+    after). Digests are 64-bit, as signed ints (what Arrow and SQL hold)."""
 
     blocks: tuple[tuple[str, int, bytes, int], ...] = ()
     loads: tuple[tuple[str, int, bytes, int, int], ...] = ()

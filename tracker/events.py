@@ -428,7 +428,7 @@ class RecordLost(InputEvent):
 class BlockDigested(InputEvent):
     """After a forward pass, the worker digested the blocks that became full: block
     ``start + i`` of the request, keyed ``keys[i]`` (its token prefix), held ``digests[i]``
-    (an unsigned 64-bit digest of its bytes, on worker ``rank``)."""
+    (a 64-bit digest of its bytes, a signed int, on worker ``rank``)."""
 
     TAG: ClassVar[int] = 60
     start: int
