@@ -69,6 +69,8 @@ class EngineSpec:
     seed: int = 0
     # vLLM's stat loggers (its Prometheus metrics, LLM.get_metrics()); off as LLM has them.
     log_stats: bool = False
+    # vLLM's KV cache on CPU; num_blocks sets the pool, this only has to cover it.
+    kv_cache_memory_bytes: int = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,8 +116,7 @@ class Engine:
             dtype=spec.dtype,  # type: ignore[arg-type]  # a Literal in vLLM; checked there
             block_size=spec.block_size,
             enforce_eager=True,
-            # The pool is set by num_gpu_blocks_override; this only has to cover it.
-            kv_cache_memory_bytes=64 << 20,
+            kv_cache_memory_bytes=spec.kv_cache_memory_bytes,
             num_gpu_blocks_override=spec.num_blocks,
             max_model_len=spec.max_model_len,
             max_num_seqs=spec.max_num_seqs,

