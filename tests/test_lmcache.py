@@ -266,3 +266,15 @@ def test_lmcache_reloads_more_than_vllm_accepted(lmcache_runs: Runs, version: st
     assert report.claims == [(58, "again-req-0", 9), (58, "again-req-1", 9)]
     assert report.loads == [(58, "again-req-0", 26), (58, "again-req-1", 26)]
     assert report.mismatches == []
+
+
+@pytest.mark.parametrize("version", ["0.3.9.post2", "0.3.10"])
+def test_vllm_0_33_calls_get_kv_events_that_0_3_x_lacks(lmcache_runs: Runs, version: str) -> None:
+    """Why the rig gives 0.3.x an empty get_kv_events: without it, vLLM 0.33's own
+    LMCacheConnectorV1 raises AttributeError at the first forward pass (and wrapped, the
+    very same error reaches vLLM through the recorder). 0.4.2 and 0.5.6 have the method."""
+    reports = lmcache_runs(version)
+    for name in ("issue1969_as_is", "issue1969_as_is+recorded"):
+        error = reports[name].error
+        assert error is not None and error.startswith("step 0: AttributeError"), name
+        assert "get_kv_events" in error and "lmcache_connector.py" in error, name

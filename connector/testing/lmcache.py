@@ -108,6 +108,9 @@ class LMCacheRun:
     shared_prefix: int = 0
     # Prompts of the first requests again, as new requests, once everything finished.
     repeat_prompts: int = 0
+    # Give an adapter without get_kv_events (0.3.x) an empty one: vLLM 0.33's wrapper calls
+    # it after every forward pass. False: the adapter as it is (0.3.x then fails at step 0).
+    events_shim: bool = True
     # More "lmcache.*" settings (save_decode_cache, save_unfull_chunk...).
     lmcache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
@@ -157,6 +160,10 @@ WORKLOADS: dict[str, LMCacheRun] = {
         shared_prefix=48,
         repeat_prompts=1,
         lmcache={"save_decode_cache": True},
+    ),
+    # #1969's workload with the adapter as it is under vLLM 0.33 (no get_kv_events shim).
+    "issue1969_as_is": LMCacheRun(
+        "issue1969_as_is", enable_prefix_caching=False, events_shim=False
     ),
     # #1969's workload under async scheduling (step N+1 scheduled before step N's token).
     "issue1969_async": LMCacheRun(
@@ -395,11 +402,15 @@ def _role_name(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def patched_lmcache(store: PrefixStore) -> Iterator[Any]:
+def patched_lmcache(store: PrefixStore, events_shim: bool = True) -> Iterator[Any]:
     """Replace, in LMCache's adapter module, what needs a GPU or a server; yield the module."""
     import torch
 
     adapter = importlib.import_module("lmcache.integration.vllm.vllm_v1_adapter")
+    # LMCache's configuration is a process-wide singleton that the extra config's "lmcache.*"
+    # keys update in place: forget it, so each run starts from LMCache's defaults (a key set
+    # by an earlier run in this process must not leak into the next).
+    importlib.import_module("lmcache.integration.vllm.utils")._config_instance = None
     factory = SimpleNamespace(
         create_lookup_client=lambda *a, **k: store,
         create_lookup_server=lambda *a, **k: None,
@@ -419,7 +430,7 @@ def patched_lmcache(store: PrefixStore) -> Iterator[Any]:
     # vLLM 0.33's wrapper asks the worker for KV events every step; 0.3.x's impl has no
     # get_kv_events (a real 0.33 worker would raise AttributeError): it reports none here.
     impl = adapter.LMCacheConnectorV1Impl
-    no_events = not hasattr(impl, "get_kv_events")
+    no_events = events_shim and not hasattr(impl, "get_kv_events")
     if no_events:
         impl.get_kv_events = lambda self: []
     real_cuda = torch.Tensor.cuda
@@ -716,7 +727,7 @@ def run(
     the ``--kv-transfer-config`` (default: LMCache's own, ``lmcache_kv_connector``)."""
     report = LMCacheReport(version=version, workload=spec.name)
     store = PrefixStore(spec.chunk_size, spec.block_size, _no_lookup_result())
-    with patched_lmcache(store):
+    with patched_lmcache(store, spec.events_shim):
         driver = None
         try:
             _Driver.store = store
