@@ -129,6 +129,15 @@ def test_a_sync_load_is_digested_before_and_after_in_the_step_that_schedules_it(
     assert list(plan.before) == loaded and list(plan.verify) == loaded
     assert [b.block_index for b in plan.full] == [4, 5, 6]  # 18 + 12 = 30 tokens: blocks 4-6
     assert planner.plan(1) is None  # nothing carries over
+    # A sync load vLLM allocated but did not schedule in that step is not judged later.
+    planner.added("q")
+    planner.allocated("q", table, 8)
+    assert planner.plan(2) is None
+    planner.scheduled(
+        "q", replace=True, block_ids=table, num_computed=8, num_scheduled=4, token_ids=tokens
+    )
+    plan = planner.plan(3)
+    assert plan is not None and not plan.before and not plan.verify
 
 
 def test_an_async_load_is_verified_once_finished_recving_names_it() -> None:

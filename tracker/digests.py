@@ -216,6 +216,9 @@ class DigestPlanner:
         # Requests with a full block whose token ids were not known yet: the caller must call
         # scheduled() for them even in a step that fills no block.
         self.deferred: set[str] = set()
+        # Synchronous loads allocated this step: vLLM schedules them in the same step; one it
+        # did not is forgotten at the step's end (never verified against a later admission).
+        self._allocated_now: set[str] = set()
         self._full: list[DigestBlock] = []
         self._before: list[DigestBlock] = []
         self._verify: list[DigestBlock] = []
@@ -268,6 +271,7 @@ class DigestPlanner:
             return
         if not load_async:
             r.load = num_external
+            self._allocated_now.add(req_id)
             return
         r.blocks = list(block_ids)
         r.async_load = self._loaded_blocks(
@@ -428,6 +432,11 @@ class DigestPlanner:
         before = tuple(b for b in self._before if b.req_id in live)
         verify = tuple(b for b in self._verify if b.req_id in live)
         self._full, self._before, self._verify = [], [], []
+        for req_id in self._allocated_now:
+            r = live.get(req_id)
+            if r is not None:
+                r.load = None
+        self._allocated_now.clear()
         if not (full or before or verify):
             return None
         return DigestPlan(step, full, before, verify)
