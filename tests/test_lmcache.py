@@ -130,6 +130,14 @@ def test_model_runner_v2_resumes_as_new_request_even_on_0_3_9_post2(lmcache_runs
     assert report.claims == [(35, "req-1", 34)]
     assert report.loads == [(35, "req-1", 34)]
     assert report.mismatches == []
+    # Recorded, the log checks clean; the differential's difference is 0.3.9's policy (the
+    # prompt alone looked up, its partial chunk kept), a false alarm the oracle settles.
+    recorded = lmcache_runs("0.3.9.post2")["issue1969_mrv2+recorded"]
+    assert _check(recorded.log_path).exit_code == 0
+    diff = _check(recorded.log_path, differential=True, chunk_size=16)
+    first = diff.problems[0]
+    assert (first.name, first.req_id, first.step) == ("LookupAnswered", "req-1", 16)
+    assert (first.recorded[0].external, first.derived[0].external) == (34, 32)
 
 
 # --- KVLedgerRecorder wrapping LMCache: the recorded log alone -------------------------------
