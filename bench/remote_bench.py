@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.remote import RemoteStore, remote_key  # noqa: E402
+from connector.remote import RemoteStore, remote_key
 
 GB = 1e9
 # Llama-3.1-8B: K and V, 32 layers, 8 KV heads, head size 128, 2 bytes (bf16), per token.
@@ -124,7 +124,9 @@ def run(url: str, args: argparse.Namespace) -> None:
     client.delete(*raw_keys, *(remote_key(k, 0) for k in keys))
     store.close()
 
-    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
     print(
         f"chunk: {args.tokens} tokens of Llama-3.1-8B = {nbytes / 2**20:.0f} MiB, "
         f"{args.chunks} per call; {args.repeats} rounds after {args.warmup} warm-up"
@@ -133,9 +135,7 @@ def run(url: str, args: argparse.Namespace) -> None:
     for op in ("save", "load"):
         ours, raw = times[op], times[f"raw {op}"]
         ratio = statistics.median(r / o for r, o in zip(raw, ours, strict=True))
-        print(
-            f"{op:10} {median_gbs(total, ours):7.2f} {median_gbs(total, raw):9.2f} {ratio:7.2f}"
-        )
+        print(f"{op:10} {median_gbs(total, ours):7.2f} {median_gbs(total, raw):9.2f} {ratio:7.2f}")
 
 
 def main() -> None:
@@ -151,7 +151,9 @@ def main() -> None:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server), or pass --url")
+        raise SystemExit(
+            "redis-server is not installed (apt-get install redis-server), or pass --url"
+        )
     with redis_server(binary) as url:
         run(url, args)
 
