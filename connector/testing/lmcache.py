@@ -410,7 +410,8 @@ def patched_lmcache(store: PrefixStore, events_shim: bool = True) -> Iterator[An
     # LMCache's configuration is a process-wide singleton that the extra config's "lmcache.*"
     # keys update in place: forget it, so each run starts from LMCache's defaults (a key set
     # by an earlier run in this process must not leak into the next).
-    importlib.import_module("lmcache.integration.vllm.utils")._config_instance = None
+    utils: Any = importlib.import_module("lmcache.integration.vllm.utils")
+    utils._config_instance = None
     factory = SimpleNamespace(
         create_lookup_client=lambda *a, **k: store,
         create_lookup_server=lambda *a, **k: None,
