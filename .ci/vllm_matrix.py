@@ -50,7 +50,7 @@ WHEELS = BUILD / "wheels"
 
 # One release per few minor versions across the claimed range, oldest first. The CI runs
 # the first and the last (make test); make matrix runs them all.
-VERSIONS = ["0.11.0", "0.14.1", "0.18.1", "0.22.1", "0.26.0", "0.30.0", "0.33.0"]
+VERSIONS = ["0.11.0", "0.11.2", "0.14.1", "0.18.1", "0.22.1", "0.26.0", "0.30.0", "0.33.0"]
 
 TORCH = "torch==2.13.0"
 
@@ -86,7 +86,13 @@ NO_DEPS = {"xgrammar", "apache-tvm-ffi"}
 
 # Extra constraints per version, where the newest release a version's own requirement allows
 # no longer works with it; each says why.
-CONSTRAINTS: dict[str, list[str]] = {}
+CONSTRAINTS: dict[str, list[str]] = {
+    # The newest xgrammar these releases allow (0.2.8) needs apache-tvm-ffi >= 0.1.11, and
+    # they pin an older one: "load_lib_module() got an unexpected keyword argument
+    # 'extra_lib_paths'" at import. The newest xgrammar that declares their tvm-ffi instead.
+    "0.22.1": ["xgrammar==0.2.3"],  # apache-tvm-ffi==0.1.9
+    "0.26.0": ["xgrammar==0.2.7"],  # apache-tvm-ffi==0.1.10
+}
 
 # kvledger's extras the vllm-marked tests use (the vllm extra is the version's own list).
 EXTRAS = ["connector", "cli", "timeline", "parquet", "sql", "remote"]
@@ -164,12 +170,13 @@ def build_base(rebuild: bool) -> Path:
     stamp.unlink(missing_ok=True)
     run([sys.executable, "-m", "venv", str(venv)])
     pip = str(venv / "bin" / "pip")
-    run([pip, "install", "-q", TORCH])
+    run([pip, "install", "-q", "--no-compile", TORCH])
     run(
         [
             pip,
             "install",
             "-q",
+            "--no-compile",
             "-c",
             str(write_constraints(BUILD / "base", [])),
             *kvledger_requirements(),
@@ -217,11 +224,36 @@ def build_env(version: str, rebuild: bool) -> Path:
     (home / "requirements.json").write_text(
         json.dumps({"installed": normal, "no_deps": nodeps, "left_out": denied}, indent=1)
     )
-    pip_c = [str(pip), "install", "-q", "-c", str(constraints)]
+    pip_c = [str(pip), "install", "-q", "--no-compile", "-c", str(constraints)]
     run([*pip_c, *normal])
     run([*pip_c, "--no-deps", str(wheel), *nodeps])
+    missing = missing_no_deps(py)
+    if missing:  # e.g. xgrammar >= 0.2 needs apache-tvm-ffi, which vLLM 0.18 does not name
+        run([*pip_c, "--no-deps", *missing])
     stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()) + "\n")
     return py
+
+
+def missing_no_deps(py: Path) -> list[str]:
+    """What the ``NO_DEPS`` packages installed in ``py``'s venv require of one another and is
+    not installed (their other requirements are vLLM's too, or the GPU stack)."""
+    script = (
+        "import importlib.metadata as m, json\n"
+        "from packaging.requirements import Requirement\n"
+        "from packaging.utils import canonicalize_name as c\n"
+        f"names = {sorted(NO_DEPS)!r}\n"
+        "have = {c(d.metadata['Name']) for d in m.distributions()}\n"
+        "out = []\n"
+        "for n in names:\n"
+        "    if n not in have: continue\n"
+        "    for line in m.requires(n) or []:\n"
+        "        r = Requirement(line)\n"
+        "        if r.marker is not None and not r.marker.evaluate({'extra': ''}): continue\n"
+        "        if c(r.name) in names and c(r.name) not in have: out.append(str(r))\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([str(py), "-c", script], check=True, capture_output=True, text=True)
+    return list(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def test_env(version: str, py: Path, pytest_args: list[str]) -> dict:
@@ -239,18 +271,23 @@ def test_env(version: str, py: Path, pytest_args: list[str]) -> dict:
             str(py),
             "-c",
             "import vllm, sys; from connector.testing.harness import skip_reason; "
-            "r = skip_reason(); print(vllm.__version__); print(r or ''); sys.exit(r is not None)",
+            "r = skip_reason(); print('PROBE-VERSION', vllm.__version__); "
+            "print('PROBE-ERROR', r or ''); sys.exit(r is not None)",
         ],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
     )
-    lines = probe.stdout.splitlines()
-    result["vllm"] = lines[0] if lines else "?"
+    # vLLM logs to stdout too: read the marked lines only.
+    said = dict(
+        line.split(" ", 1) for line in probe.stdout.splitlines() if line.startswith("PROBE-")
+    )
+    result["vllm"] = said.get("PROBE-VERSION", "?").strip()
     if probe.returncode != 0:
-        err = (lines[1] if len(lines) > 1 else "") or probe.stderr.strip().splitlines()[-1:]
-        result.update(status="import error", error=str(err), passed=0, failed=0, skipped=0)
+        tail = probe.stderr.strip().splitlines()[-1:] or ["no output"]
+        err = said.get("PROBE-ERROR", "").strip() or tail[0]
+        result.update(status="import error", error=err, passed=0, failed=0, skipped=0)
         return result
     junit = home / "junit.xml"
     started = time.monotonic()

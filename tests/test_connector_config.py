@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from collections.abc import Callable
@@ -244,7 +245,9 @@ def vllm_build() -> Callable[..., Any]:
         )
         vllm_config = _build_vllm_config(config)
         kv_cache_config = _build_kv_cache_config(config)
-        return KVConnectorFactory.create_connector(vllm_config, roles[role], kv_cache_config)
+        if "kv_cache_config" in inspect.signature(KVConnectorFactory.create_connector).parameters:
+            return KVConnectorFactory.create_connector(vllm_config, roles[role], kv_cache_config)
+        return KVConnectorFactory.create_connector(vllm_config, roles[role])  # vLLM 0.11.0
 
     return build
 

@@ -105,11 +105,22 @@ def load_failures_reportable() -> bool:
 
 @functools.cache
 def model_runner_v2_available() -> bool:
-    """Whether this vLLM has Model Runner V2 (0.14 on). On 0.11 ``model_runner_v2`` is
-    ignored: the scheduler has Model Runner V1's output shapes only."""
+    """Whether this vLLM can run Model Runner V2 here: it has one (0.14 on), and it does not
+    refuse it without Triton (0.22 to 0.30 raise "requires Triton" when it is asked for; 0.33
+    does not on this platform). Where it cannot, ``model_runner_v2`` is ignored: the
+    scheduler runs with Model Runner V1's output shapes, as that vLLM would by default."""
+    import importlib.util
+
     import vllm.envs as envs
 
-    return hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER")
+    if not hasattr(envs, "VLLM_USE_V2_MODEL_RUNNER"):
+        return False
+    from vllm.config import VllmConfig
+
+    validate = getattr(VllmConfig, "_validate_v2_model_runner", None)
+    if validate is None or importlib.util.find_spec("triton") is not None:
+        return True
+    return "requires Triton" not in inspect.getsource(validate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -512,6 +523,24 @@ def _model_runner_output_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(ModelRunnerOutput))
 
 
+@functools.cache
+def _sampled_as_arrays() -> bool:
+    """vLLM 0.11.1 and 0.11.2 take each request's sampled tokens as a numpy array (their
+    scheduler calls ``.tolist()``); the others as a list."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    field = next(f for f in dataclasses.fields(ModelRunnerOutput) if f.name == "sampled_token_ids")
+    return "ndarray" in str(field.type)
+
+
+def _as_sampled(tokens: list[int]) -> Any:
+    if not _sampled_as_arrays():
+        return tokens
+    import numpy as np
+
+    return np.array(tokens, dtype=np.int64)
+
+
 def _make_model_runner_output(
     sampled: Mapping[str, list[int]], kv_connector_output: Any | None
 ) -> Any:
@@ -523,7 +552,7 @@ def _make_model_runner_output(
     candidates: dict[str, Any] = {
         "req_ids": req_ids,
         "req_id_to_index": {r: i for i, r in enumerate(req_ids)},
-        "sampled_token_ids": [sampled[r] for r in req_ids],
+        "sampled_token_ids": [_as_sampled(sampled[r]) for r in req_ids],
         "logprobs": None,
         "prompt_logprobs_dict": {},
         "pooler_output": None,
@@ -547,7 +576,7 @@ class SchedulerHarness:
             raise RuntimeError(reason)
         self.config = config
         self.on_scheduled = on_scheduled
-        _prepare_environment(config.model_runner_v2)
+        _prepare_environment(config.model_runner_v2 and model_runner_v2_available())
         self.vllm_config = _build_vllm_config(config)
         self.kv_cache_config = _build_kv_cache_config(config)
         self.scheduler = _build_scheduler(config, self.vllm_config, self.kv_cache_config)
