@@ -650,8 +650,11 @@ class SchedulerHarness:
 
         live = [r for r in req_ids if r in self.scheduler.requests]
         finished = self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
-        # vLLM 0.11 returns nothing: every live request named was finished.
-        for req_id in live if finished is None else [r.request_id for r in finished]:
+        # vLLM 0.11 returns nothing (every live request named was finished); some releases
+        # (0.18) return (request id, client index) pairs, the others the requests.
+        if finished is not None:
+            live = [r[0] if isinstance(r, tuple) else r.request_id for r in finished]
+        for req_id in live:
             self._record_finished(req_id, "abort")
 
     # -- stepping ------------------------------------------------------------------------
