@@ -12,9 +12,10 @@ The value of a chunk is a header then the chunk's bytes::
 A value whose length, header or any piece's checksum does not match is refused: a load
 failure, never wrong KV. The checksum is CRC-32 over pieces of ``PIECE_BYTES``, computed on a
 few threads at once (zlib releases the GIL), so that a 32 MiB chunk costs a few milliseconds,
-not the twenty a single CRC-32 over it takes. A value is written with ``SET`` (the header)
-then ``APPEND`` (the payload) in one ``MULTI``/``EXEC``: atomic, and the payload is sent from
-the host slot without being copied into one buffer with its header.
+not the twenty a single CRC-32 over it takes, and while the payload is on the wire. A value
+is written to a temporary key (``SET`` of a zeroed header and the payload, sent from the host
+slot without a copy; ``SETRANGE`` of the header once the checksums are known) and published
+by ``RENAME``: a reader sees the whole value or none (``RemoteStore.put``).
 
 Keys: ``kvledger:<chunk key hex>:<rank>``. The chunk key already names the model, the KV
 layout and the request's cache salt; the rank separates the shares of a chunk that each
@@ -30,6 +31,7 @@ server that refuses the credentials is ``ConnectorConfigError`` at startup, nami
 from __future__ import annotations
 
 import contextlib
+import os
 import struct
 import time
 import zlib
@@ -54,6 +56,8 @@ MAGIC = b"KVL1"
 _HEAD = struct.Struct("<4sQII")
 PIECE_BYTES = 4 << 20
 MAX_BACKOFF_S = 30.0
+# A write's temporary key expires after this long should its RENAME never come.
+_TEMP_TTL_S = 300
 MISSING = "missing"
 _CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvledger-crc")
 
@@ -245,35 +249,39 @@ class RemoteStore:
         return [1 if n else 0 for n in self._call(run)]
 
     def put(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
-        """Write every (key, payload), each atomically with its header: one round trip.
-        Returns once the server confirmed them all.
+        """Write every (key, payload), each with its header, published atomically: one
+        round trip. Returns once the server confirmed them all.
 
         The checksums are computed on the CRC threads while the payloads are on the wire,
-        not before: each value goes out as a zeroed header then its payload (one ``SET``,
-        sent from the host slot without a copy), and a ``SETRANGE`` writes the header over
-        the zeros once its checksums are known. ``MULTI``/``EXEC`` makes the two one write:
-        no reader ever sees the zeroed header."""
+        not before: each value goes out as a zeroed header then its payload (one ``SET`` to a
+        temporary key, sent from the host slot without a copy), a ``SETRANGE`` writes the
+        header over the zeros once its checksums are known, and a ``RENAME`` publishes it
+        under its key: no reader ever sees the zeroed header. (``MULTI``/``EXEC`` would be
+        atomic too, but inside a transaction the ``SETRANGE`` copies the whole value: half
+        the throughput.) The temporary key expires on its own should the connection die
+        before the ``RENAME``."""
         crcs = [[_CRC_POOL.submit(zlib.crc32, p) for p in _pieces(payload)] for _, payload in items]
+        names = [remote_key(key, self.rank) for key, _ in items]
+        temps = [b"%s:tmp:%s" % (name, os.urandom(8).hex().encode()) for name in names]
 
         def run() -> list[Any]:
             pool = self.client.connection_pool
-            conn = pool.get_connection("MULTI")
+            conn = pool.get_connection("SET")
             try:
-                conn.send_packed_command(conn.pack_command("MULTI"))
-                for (key, payload), futures in zip(items, crcs, strict=True):
-                    conn.send_packed_command(
-                        _set_command(remote_key(key, self.rank), payload, len(futures), self.ttl_s)
-                    )
-                for (key, payload), futures in zip(items, crcs, strict=True):
+                for (_, payload), futures, temp in zip(items, crcs, temps, strict=True):
+                    conn.send_packed_command(_set_command(temp, payload, len(futures), _TEMP_TTL_S))
+                for (_, payload), futures, temp, name in zip(
+                    items, crcs, temps, names, strict=True
+                ):
                     header = _header(len(payload), [f.result() for f in futures])
-                    name = remote_key(key, self.rank)
-                    conn.send_packed_command(conn.pack_command("SETRANGE", name, 0, header))
-                conn.send_packed_command(conn.pack_command("EXEC"))
-                replies = [conn.read_response() for _ in range(1 + 2 * len(items))]
-                result = conn.read_response()
-                if isinstance(result, Exception):  # pragma: no cover - EXECABORT raises
-                    raise result
-                return [*replies, result]
+                    ttl = ("EXPIRE", name, self.ttl_s) if self.ttl_s else ("PERSIST", name)
+                    conn.send_packed_command(
+                        conn.pack_commands(
+                            [("SETRANGE", temp, 0, header), ("RENAME", temp, name), ttl]
+                        )
+                    )
+                # An error reply (a RENAME whose temporary key the server evicted) raises.
+                return [conn.read_response() for _ in range(4 * len(items))]
             except BaseException:
                 conn.disconnect()  # a half-read reply stream must not go back to the pool
                 raise

@@ -131,6 +131,10 @@ def test_a_multi_piece_value_with_a_ttl_is_stored_whole_with_its_header(
     assert bytes(got[1]) == payload  # type: ignore[arg-type]
     # The connection went back to the pool clean: the next command reads its own reply.
     assert store.exists([b"m" * 16, b"n" * 16]) == [1, 1]
+    # Published by RENAME: no temporary key is left; without a TTL the value keeps none.
+    _store(redis_server.url).put([(b"o" * 16, memoryview(payload[:100]))])
+    assert raw.ttl(remote_key(b"o" * 16, 0)) == -1
+    assert sorted(raw.keys()) == sorted(remote_key(k * 16, 0) for k in (b"m", b"n", b"o"))
 
 
 @pytest.mark.redis
