@@ -19,7 +19,7 @@ skipped; a test skipped inside a version's run is reported with its reason.
 
     python .ci/vllm_matrix.py 0.11.0 0.33.0     # build (once) and test these versions
     python .ci/vllm_matrix.py --all             # every version of VERSIONS (make matrix)
-    python .ci/vllm_matrix.py --oldest          # the oldest (make test; .venv runs 0.33.0)
+    python .ci/vllm_matrix.py --oldest --harness-only   # make test (.venv runs 0.33.0)
     python .ci/vllm_matrix.py --report          # the markdown table of the last results
 
 Exit status: 0 when every requested version passed, 1 when one failed, 2 on bad usage.
@@ -93,6 +93,14 @@ CONSTRAINTS: dict[str, list[str]] = {
     "0.22.1": ["xgrammar==0.2.3"],  # apache-tvm-ffi==0.1.9
     "0.26.0": ["xgrammar==0.2.7"],  # apache-tvm-ffi==0.1.10
 }
+
+# The scheduler-harness suite proper: the harness's own tests, the connector under it with
+# the KV oracle, the connector built by vLLM's factory. make test runs these on the oldest.
+HARNESS_SUITE = [
+    "tests/test_harness.py",
+    "tests/test_vllm_integration.py",
+    "tests/test_connector_config.py",
+]
 
 # kvledger's extras the vllm-marked tests use (the vllm extra is the version's own list).
 EXTRAS = ["connector", "cli", "timeline", "parquet", "sql", "remote"]
@@ -256,7 +264,7 @@ def missing_no_deps(py: Path) -> list[str]:
     return list(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
-def test_env(version: str, py: Path, pytest_args: list[str]) -> dict:
+def test_env(version: str, py: Path, files: list[str], pytest_args: list[str]) -> dict:
     """Runs the vllm-marked tests in the version's venv; returns the result record."""
     home = BUILD / version
     env = {
@@ -302,7 +310,7 @@ def test_env(version: str, py: Path, pytest_args: list[str]) -> dict:
             "-p",
             "no:cacheprovider",
             f"--junitxml={junit}",
-            *vllm_test_files(),
+            *files,
             *pytest_args,
         ],
         cwd=ROOT,
@@ -370,6 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("versions", nargs="*", help=f"vLLM versions (of {', '.join(VERSIONS)})")
     parser.add_argument("--all", action="store_true", help="every version of the matrix")
     parser.add_argument("--oldest", action="store_true", help="the oldest version (make test)")
+    parser.add_argument(
+        "--harness-only",
+        action="store_true",
+        help=f"only the harness suite ({', '.join(HARNESS_SUITE)}), not every vllm-marked module",
+    )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the environments")
     parser.add_argument("--report", action="store_true", help="print the last results")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
@@ -386,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for version in versions:
         py = build_env(version, args.rebuild)
-        result = test_env(version, py, args.pytest_args.split())
+        files = HARNESS_SUITE if args.harness_only else vllm_test_files()
+        result = test_env(version, py, files, args.pytest_args.split())
         (BUILD / version / "result.json").write_text(json.dumps(result, indent=1) + "\n")
         results.append(result)
         log(f"vllm {version}: {result['status']} ({result['passed']} passed)")

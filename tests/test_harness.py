@@ -84,9 +84,11 @@ def _vllm_at_least(version: str) -> bool:
 
 
 def _mode(mrv2: bool) -> None:
-    """Skips a Model Runner V2 case on a vLLM without it (0.11): nothing there to test."""
+    """Skips a Model Runner V2 case where vLLM cannot run it (model_runner_v2_available)."""
     if mrv2 and not model_runner_v2_available():
-        pytest.skip("this vLLM has no Model Runner V2 (it came in 0.14)")
+        pytest.skip(
+            "this vLLM cannot run Model Runner V2 here (none before 0.14; 0.22-0.30 need Triton)"
+        )
 
 
 # ----------------------------------------------------------------------------------------
