@@ -39,13 +39,11 @@ import os
 import platform
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,34 +128,6 @@ class Proc:
             self.p.kill()
 
 
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("--remote needs redis-server (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with tempfile.TemporaryDirectory() as tmp:
-        args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        proc = subprocess.Popen(
-            [*args, "--appendonly", "no", "--dir", tmp],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            for _ in range(200):
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                    break
-                except OSError:
-                    time.sleep(0.05)
-            yield f"redis://127.0.0.1:{port}/0"
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
-
-
 # --- the driver ---------------------------------------------------------------------------------
 
 
@@ -210,7 +180,14 @@ def main() -> None:
     }
     with contextlib.ExitStack() as stack:
         if args.remote:
-            url = stack.enter_context(redis_server())
+            # The throwaway server of bench/remote_bench.py (this script's folder is on
+            # sys.path when it runs).
+            from remote_bench import redis_server
+
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise SystemExit("--remote needs redis-server (apt-get install redis-server)")
+            url = stack.enter_context(redis_server(binary))
             for name in ("remote-a", "remote-b"):
                 # A lookup bound far above a loaded machine's scheduling delays: a slow
                 # answer must not count the server as down and skip the variant measured.
