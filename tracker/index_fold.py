@@ -25,9 +25,10 @@ from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.plans import failed_load_keys
+from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import RequestState
 
-__all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input"]
+__all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input", "apply_recorded"]
 
 Effect = Callable[
     [ChunkIndex, ev.Event, "RequestState | None", "RequestState | None", TrackerConfig], None
@@ -158,3 +159,27 @@ def apply_input(
 def apply_decision(index: ChunkIndex, decision: ev.DecisionEvent, config: TrackerConfig) -> None:
     """Apply the effect of a decision the Tracker just derived."""
     DECISION_EFFECTS.get(decision.__class__, _nothing)(index, decision, None, None, config)
+
+
+# The input events about no one request that change the index (the pool's own).
+_POOL_INPUTS = (ev.ChunkStored, ev.ChunkEvicted)
+
+
+def apply_recorded(
+    index: ChunkIndex,
+    event: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
+    """Apply one event of a recorded log, in log order, as the recording Tracker applied it:
+    the remote store's facts, the Tracker's own decisions, the pool's events, and the input
+    facts of a request it knew (``after``: the request's state after the event's fold, None
+    for an unknown request). A reader that folds a log this way holds the run's index."""
+    cls = event.__class__
+    if cls in REMOTE_TYPES:
+        apply_remote(index, event)
+    elif cls.KIND == "decision":
+        apply_decision(index, event, config)  # type: ignore[arg-type]
+    elif after is not None or cls in _POOL_INPUTS:
+        apply_input(index, event, before, after, config)

@@ -21,26 +21,36 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 import attrs
 
 from tracker import events as ev
 from tracker.chunks import REMOTE_SLOT, ChunkIndex, partial_key
 from tracker.config import TrackerConfig
-from tracker.remote import tier_prefix_hit
 from tracker.state import Phase, RequestState, Violation
 
 __all__ = [
+    "POOL",
+    "REMOTE",
     "ChunkTransfer",
+    "Span",
     "TransferPlan",
     "answer_lookup",
     "blocks_covering",
     "failed_load_keys",
+    "lookup_spans",
     "plan_load",
     "plan_save",
+    "save_policy_end",
+    "span_tier",
     "transfer_plan",
 ]
+
+# The tiers a lookup finds a span in (span_tier).
+POOL = "pool"
+REMOTE = "remote"
 
 
 def _prefix_key(state: RequestState, chunk: int) -> bytes:
@@ -54,20 +64,60 @@ def _tail_key(state: RequestState, config: TrackerConfig, end: int) -> bytes:
     return partial_key(_prefix_key(state, first // c), state.token_ids[first:end])
 
 
+class Span(NamedTuple):
+    """One unit a lookup reads: the chunk keyed ``key`` holds tokens ``[start, end)``, and
+    ``parent`` is the key of the unit before it (the chain's root for the first). ``partial``:
+    the tail of the tokens asked, shorter than a chunk, whose key names exactly those tokens
+    (stored only when a prefill ended there and partial chunks are kept)."""
+
+    key: bytes
+    start: int
+    end: int
+    partial: bool
+    parent: bytes
+
+
+def lookup_spans(
+    state: RequestState, config: TrackerConfig, num_tokens: int, start: int = 0
+) -> Iterator[Span]:
+    """The units a lookup of the first ``num_tokens`` tokens reads, in token order, from the
+    one holding token ``start`` on: the full chunks whose keys are known, then, when the
+    tokens asked end inside a chunk and are all known, that tail as a partial chunk. A lookup
+    hits the longest prefix of them that a tier holds (:func:`span_tier`). Lazy: a reader that
+    stops at the first miss pays for no more."""
+    c = config.chunk_size
+    n_keys = min(len(state.keys), num_tokens // c)
+    keys = state.keys
+    for i in range(max(start, 0) // c, n_keys):
+        yield Span(keys[i], i * c, (i + 1) * c, False, keys[i - 1] if i else state.root)
+    if n_keys == num_tokens // c and num_tokens % c and len(state.token_ids) >= num_tokens:
+        first = n_keys * c
+        if first + c > start:
+            parent = _prefix_key(state, n_keys)
+            tail = partial_key(parent, state.token_ids[first:num_tokens])
+            yield Span(tail, first, num_tokens, True, parent)
+
+
+def span_tier(index: ChunkIndex, span: Span) -> str | None:
+    """Where a lookup finds ``span``: :data:`POOL` (the host pool), :data:`REMOTE` (the remote
+    store was seen holding it: a recorded fact, tracker/remote.py), or None. A partial tail
+    counts from the host pool only."""
+    if index.slot_of(span.key) is not None:
+        return POOL
+    if not span.partial and span.key in index.remote:
+        return REMOTE
+    return None
+
+
 def answer_lookup(
     state: RequestState, index: ChunkIndex, config: TrackerConfig, local_hit: int, num_tokens: int
 ) -> tuple[int, int]:
     """(hit, external): tokens the pool holds for this prefix, tokens to offer vLLM."""
-    c = config.chunk_size
-    n_keys = min(len(state.keys), num_tokens // c)
-    # Local or remote: a chunk the host pool misses counts if the remote store was seen
-    # holding it (a recorded fact, tracker/remote.py).
-    full = tier_prefix_hit(index, state.keys[:n_keys])
-    hit = full * c
-    if full == n_keys and num_tokens % c and len(state.token_ids) >= num_tokens:
-        # A prompt tail saved as a partial chunk counts only if it is exactly this tail.
-        if _tail_key(state, config, num_tokens) in index:
-            hit = num_tokens
+    hit = 0
+    for span in lookup_spans(state, config, num_tokens):
+        if span_tier(index, span) is None:
+            break
+        hit = span.end
     if state.recompute_only:
         return hit, 0
     external = max(0, hit - local_hit - (1 if hit >= num_tokens else 0))
@@ -167,8 +217,7 @@ def plan_save(
     c = config.chunk_size
     cursor = state.save.cursor
     limit = min(state.num_tokens, len(state.token_ids), state.block_capacity(config.block_size))
-    if not config.save_decode_cache:
-        limit = min(limit, state.prefill_end)
+    limit = min(limit, save_policy_end(state, config))
     # The cursor is a chunk boundary except just after a partial chunk was saved (it is then
     # the prefill's end). The next full chunk starts at the beginning of the chunk holding the
     # cursor: its key names all of its tokens, so its slot must receive all of them.
@@ -223,6 +272,15 @@ def plan_save(
         tuple(evicted),
         skip_to,
     )
+
+
+def save_policy_end(state: RequestState, config: TrackerConfig) -> int:
+    """How far saves may reach by policy: the prefill's end, unless ``save_decode_cache``
+    (then no bound). A chunk that ends past it is a decode chunk, never saved."""
+    return _NO_BOUND if config.save_decode_cache else state.prefill_end
+
+
+_NO_BOUND = 1 << 62
 
 
 def _partial_tail(

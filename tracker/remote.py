@@ -22,7 +22,7 @@ from tracker import events as ev
 from tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
 from tracker.state import RequestState
 
-__all__ = ["REMOTE_EFFECTS", "REMOTE_TYPES", "apply_remote", "lookup_keys", "tier_prefix_hit"]
+__all__ = ["REMOTE_EFFECTS", "REMOTE_TYPES", "apply_remote", "lookup_keys"]
 
 
 def _found(remote: RemoteKeys, e: ev.Event) -> None:
@@ -61,17 +61,6 @@ REMOTE_TYPES: tuple[type[ev.Event], ...] = tuple(REMOTE_EFFECTS)
 def apply_remote(index: ChunkIndex, event: ev.Event) -> None:
     """Fold one remote fact into the index's remote keys."""
     REMOTE_EFFECTS[event.__class__](index.remote, event)
-
-
-def tier_prefix_hit(index: ChunkIndex, keys: Sequence[bytes]) -> int:
-    """How many of ``keys``, from the first, the host pool or the remote store holds."""
-    stored, remote = index.slot_of, index.remote
-    n = 0
-    for key in keys:
-        if stored(key) is None and key not in remote:
-            break
-        n += 1
-    return n
 
 
 def lookup_keys(
