@@ -568,6 +568,7 @@ def _add_views(sub: Any) -> None:
     _log_argument(p)
     p.add_argument("--json", action="store_true", help="print the statistics as JSON")
     p.set_defaults(handler=_stats)
+    _add_explain(sub)
 
     p = sub.add_parser(
         "timeline",
@@ -1097,6 +1098,116 @@ def _stats(args: argparse.Namespace) -> int:
         )
     out.line()
     out.table(["config", "value"], [[k, _short(v)] for k, v in st.config.items()])
+    return status
+
+
+# --- explain --------------------------------------------------------------------------------
+
+
+def _add_explain(sub: Any) -> None:
+    p = sub.add_parser(
+        "explain",
+        help="why each prompt missed: every missed token of every lookup, with its reason",
+        description="At each admission, the lookup vLLM acted on: tokens asked, tokens hit "
+        "(vLLM's prefix cache, the host pool, the remote tier) and tokens missed, each with one "
+        "reason derived by the tracker's rules (new prefix, diverging prefix, partial chunk, "
+        "evicted, save failed or in flight, load failed, ...: docs/why-missed.md).",
+    )
+    _log_argument(p)
+    p.add_argument(
+        "--request",
+        "-r",
+        metavar="ID",
+        help="only this request (a life like id#2, or an id: all its lives): each admission "
+        "and its missed spans",
+    )
+    p.add_argument(
+        "--limit",
+        type=_count,
+        default=20,
+        metavar="N",
+        help="requests listed in the table (default 20; --json has them all)",
+    )
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.set_defaults(handler=_explain)
+
+
+def _tops(reasons: dict[str, int], n: int = 3) -> str:
+    top = sorted(reasons.items(), key=lambda kv: -kv[1])
+    text = ", ".join(f"{r} {t}" for r, t in top[:n])
+    return text + (f", +{len(top) - n} more" if len(top) > n else "")
+
+
+@_guard
+def _explain(args: argparse.Namespace) -> int:
+    from replay import explain as ex
+
+    result = ex.explain(args.log, request=args.request)
+    status = args.exit_code = _warn_damage(args.log, result.damage)
+    if args.json:
+        _json(result.to_dict())
+        return status
+    out = Output()
+    c = result.config
+    kind = "a recorder's log" if result.recorded else "a kvledger log"
+    partial = "discarded" if c.discard_partial_chunks else "kept"
+    out.line(
+        f"explain {result.log} ({kind}; block_size {c.block_size}, chunk_size {c.chunk_size}, "
+        f"{c.num_slots} slots, partial chunks {partial})"
+    )
+    hits = [h for h in ex.HITS if h != ("pool" if result.recorded else "inner")]
+    if result.recorded:
+        hits = [h for h in hits if h != "remote"]
+    if args.request is not None:
+        for r in result.requests:
+            for a in r.admissions:
+                out.line()
+                got = ", ".join(f"{h} {a.hit[h]}" for h in hits if a.hit[h])
+                out.line(
+                    f"{a.request} admission {a.admission} at step {a.step} (lookup at step "
+                    f"{a.lookup_step}): asked {a.asked}, hit {a.tokens_hit}"
+                    f"{f' ({got})' if got else ''}, missed {a.missed_tokens}"
+                )
+                rows = [[f"[{m.start}, {m.end})", m.tokens, m.describe()] for m in a.misses]
+                if rows:
+                    out.table(["tokens", "count", "why"], rows, right=("count",))
+    else:
+        rows = []
+        for r in result.requests[: args.limit]:
+            t = r.totals()
+            row = [r.request, t["admissions"], t["tokens_asked"]]
+            row += [t["hit"][h] for h in hits]
+            row += [t["missed_tokens"], _tops(t["reasons"])]
+            rows.append(row)
+        columns = ["request", "adm", "asked", *(h.replace("_token", "") for h in hits)]
+        columns += ["missed", "why missed (tokens)"]
+        out.line()
+        out.table(columns, rows, right=columns[1:-1])
+        if len(result.requests) > args.limit:
+            more = len(result.requests) - args.limit
+            out.line(f"... {more} more requests (--limit N, --request ID, or --json)")
+    t = result.totals()
+    missed = t["missed_tokens"]
+    if t["reasons"]:
+        out.line()
+        out.table(
+            ["reason", "tokens", "share", "what it means"],
+            [
+                [r, n, _pct(n / missed), ex.REASONS[r]]
+                for r, n in sorted(t["reasons"].items(), key=lambda kv: -kv[1])
+            ],
+            title="missed tokens by reason",
+            right=("tokens", "share"),
+        )
+    out.line()
+    asked = t["tokens_asked"]
+    got = ", ".join(f"{h.replace('_', ' ')} {t['hit'][h]}" for h in hits)
+    out.line(
+        f"total: {asked} tokens asked at {t['admissions']} admissions: {t['tokens_hit']} hit "
+        f"({got}), {missed} missed ({_pct(missed / asked if asked else None)})"
+    )
+    for note in result.notes():
+        out.line(f"note: {note}")
     return status
 
 
