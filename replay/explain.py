@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -51,7 +52,7 @@ from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import REMOTE_SLOT, ChunkIndex
 from tracker.config import TrackerConfig
-from tracker.history import Folded, retires, walk
+from tracker.history import RETIRED_MEMORY, Folded, retires, walk
 from tracker.index_fold import apply_recorded
 from tracker.log import StopInfo
 from tracker.plans import Span, lookup_spans, save_policy_end, span_tier, transfer_plan
@@ -125,6 +126,8 @@ RECORDED_NOTE = (
 
 # The history kept by default: token ids of the distinct sequences computed (4 bytes each).
 HISTORY_TOKENS = 1 << 24
+# Chunk keys whose fate in the pool (or on the remote store) is remembered, at most.
+FATES_MEMORY = 1 << 20
 _ANY_ROOT = b""  # the parent under which every chain's first unit is also kept
 
 
@@ -313,26 +316,39 @@ class _Computed(NamedTuple):
 
 
 class _Children:
-    """The token sequences computed under one parent key, sorted: the one sharing the longest
-    prefix with a query is next to where the query sorts."""
+    """The token sequences computed under one parent key, packed (4 bytes a token, big-endian,
+    so byte order is token order) and sorted: the one sharing the longest prefix with a query
+    sorts next to it."""
 
     __slots__ = ("info", "seqs")
 
     def __init__(self) -> None:
-        self.seqs: list[tuple[int, ...]] = []
-        self.info: dict[tuple[int, ...], dict[bytes, _Computed]] = {}  # seq -> root -> fact
+        self.seqs: list[bytes] = []
+        self.info: dict[bytes, dict[bytes, _Computed]] = {}  # seq -> root -> fact
 
 
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
+def _pack(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(tokens)}I", *tokens)
+
+
+def _common(a: bytes, b: bytes) -> int:
+    """Tokens two packed sequences share from their start."""
     n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+    if a[:n] == b[:n]:
+        return n // 4
+    lo, hi = 0, n  # bisect on the longest equal prefix: slices compare in C
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo // 4
 
 
 class _History:
-    """What was computed, keyed by the unit before it (so equal prefixes meet), bounded."""
+    """What was computed, keyed by the unit before it (so equal prefixes meet), bounded by
+    ``budget`` tokens: past it, the parents least recently added to are forgotten."""
 
     def __init__(self, budget: int) -> None:
         self.by_parent: OrderedDict[bytes, _Children] = OrderedDict()
@@ -340,7 +356,8 @@ class _History:
         self.tokens = 0
         self.forgotten = 0
 
-    def add(self, parent: bytes, seq: tuple[int, ...], fact: _Computed) -> None:
+    def add(self, parent: bytes, tokens: Sequence[int], fact: _Computed) -> None:
+        seq = _pack(tokens)
         ch = self.by_parent.get(parent)
         if ch is None:
             ch = self.by_parent[parent] = _Children()
@@ -350,11 +367,11 @@ class _History:
         if facts is None:
             bisect.insort(ch.seqs, seq)
             facts = ch.info[seq] = {}
-            self.tokens += len(seq)
+            self.tokens += len(seq) // 4
         facts[fact.root] = fact
         while self.tokens > self.budget and len(self.by_parent) > 1:
             _, old = self.by_parent.popitem(last=False)
-            self.tokens -= sum(len(s) for s in old.seqs)
+            self.tokens -= sum(len(s) for s in old.seqs) // 4
             self.forgotten += len(old.seqs)
 
     def nearest(
@@ -366,7 +383,7 @@ class _History:
         ch = self.by_parent.get(parent)
         if ch is None or not ch.seqs:
             return 0, None, False
-        q = tuple(query)
+        q = _pack(query)
         i = bisect.bisect_left(ch.seqs, q)
         best, fact, ended = 0, None, False
         for j in (i - 1, i, i + 1):
@@ -376,8 +393,9 @@ class _History:
                 if pick is None:
                     continue
                 n = _common(q, seq)
-                if n > best or (n == best and (fact is None or n == len(seq))):
-                    best, fact, ended = n, pick, n == len(seq) < len(q)
+                full = n * 4 == len(seq)
+                if n > best or (n == best and (fact is None or full)):
+                    best, fact, ended = n, pick, full and len(seq) < len(q)
         return best, fact, ended
 
 
@@ -526,6 +544,8 @@ class Explainer:
         self.index = ChunkIndex(config.num_slots)
         self.history = _History(history_tokens)
         self.lives: dict[str, _Life] = {}
+        # Retired requests that explain others' misses: label -> (recompute_only, pool full).
+        self.retired: dict[str, tuple[bool, int | None]] = {}
         self.fates: dict[bytes, _Fate] = {}
         self.remote_seen: dict[bytes, int] = {}  # key -> step it was last seen on the store
         self.remote_lost: dict[bytes, tuple[int, str]] = {}
@@ -553,9 +573,27 @@ class Explainer:
         if handler is not None:
             handler(self, item)
         if after is not None and retires(after):
-            life = self.lives.get(item.life)
-            if life is not None and life.current is not None:
-                self._close(item.life, life)
+            self._retire(item.life)
+
+    def _retire(self, label: str) -> None:
+        """The walk forgets a retired request: so does this, but for what explains another's
+        miss (it fell back to recompute, or found the pool full)."""
+        life = self.lives.pop(label, None)
+        if life is None:
+            return
+        if life.current is not None:
+            self._close(label, life)
+        if life.recompute_only or life.pool_full_step is not None:
+            self.retired[label] = (life.recompute_only, life.pool_full_step)
+            if len(self.retired) > RETIRED_MEMORY:
+                del self.retired[next(iter(self.retired))]
+
+    def _fate(self, key: bytes, fate: _Fate) -> None:
+        fates = self.fates
+        fates.pop(key, None)
+        fates[key] = fate
+        if len(fates) > FATES_MEMORY:
+            del fates[next(iter(fates))]
 
     def finish(self) -> None:
         """The admissions still open at the end of the log."""
@@ -570,7 +608,7 @@ class Explainer:
         assert isinstance(e, ev.SavePlanned)
         for key in e.evicted:
             if key in self.index:
-                self.fates[key] = _Fate("evicted", e.step, item.life)
+                self._fate(key, _Fate("evicted", e.step, item.life))
 
     def _load_failed_before(self, item: Folded) -> None:
         before = item.before
@@ -583,7 +621,7 @@ class Explainer:
         e = item.event
         assert isinstance(e, ev.ChunkEvicted)
         if e.key in self.index:
-            self.fates[e.key] = _Fate("evicted", e.step, None, "outside the plans")
+            self._fate(e.key, _Fate("evicted", e.step, None, "outside the plans"))
 
     # --- handlers: after ---------------------------------------------------------------------
 
@@ -655,7 +693,7 @@ class Explainer:
         if isinstance(e, ev.LoadFailed):
             for key in self._reading:
                 if key not in self.index:
-                    self.fates[key] = _Fate("dropped", e.step, item.life, "a load of it failed")
+                    self._fate(key, _Fate("dropped", e.step, item.life, "a load of it failed"))
         if life is None or life.current is None:
             return
         adm = life.current
@@ -675,27 +713,27 @@ class Explainer:
         failed = isinstance(e, ev.SaveFailed)
         for key in e.keys:
             if failed:
-                self.fates[key] = _Fate("failed", e.step, item.life)
+                self._fate(key, _Fate("failed", e.step, item.life))
             elif key in self.index:
-                self.fates[key] = _Fate("stored", e.step, item.life)
+                self._fate(key, _Fate("stored", e.step, item.life))
             else:
                 fate = self.fates.get(key)
                 if fate is not None and fate.kind == "writing":
-                    self.fates[key] = _Fate(
-                        "cancelled", e.step, item.life, "computed over a failed load"
+                    self._fate(
+                        key, _Fate("cancelled", e.step, item.life, "computed over a failed load")
                     )
 
     def _save_planned_after(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.SavePlanned)
         for key in e.keys:
-            self.fates[key] = _Fate("writing", e.step, item.life)
+            self._fate(key, _Fate("writing", e.step, item.life))
 
     def _chunk_stored(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.ChunkStored)
         if e.key in self.index:
-            self.fates[e.key] = _Fate("stored", e.step, None, "outside the plans")
+            self._fate(e.key, _Fate("stored", e.step, None, "outside the plans"))
 
     def _ended(self, item: Folded) -> None:
         life = self.lives.get(item.life)
@@ -756,7 +794,7 @@ class Explainer:
         policy = save_policy_end(state, self.config)
         tokens = state.token_ids
         for span in lookup_spans(state, self.config, upto, life.reg_full):
-            seq = tuple(tokens[span.start : span.end])
+            seq = tokens[span.start : span.end]
             fact = _Computed(
                 None if span.partial else span.key,
                 label,
@@ -877,11 +915,15 @@ class Explainer:
         if computed.decode:
             return Miss(s, e, "decode_not_saved", step, by)
         computer = self.lives.get(by)
-        if computer is not None and computer.recompute_only:
+        recompute, full = (
+            (computer.recompute_only, computer.pool_full_step)
+            if computer is not None
+            else self.retired.get(by, (False, None))
+        )
+        if recompute:
             return Miss(s, e, "recompute_only", step, by, detail="the request that computed it")
-        if computer is not None and computer.pool_full_step is not None:
-            if computer.pool_full_step >= step:
-                return Miss(s, e, "pool_full", computer.pool_full_step, by)
+        if full is not None and full >= step:
+            return Miss(s, e, "pool_full", full, by)
         return Miss(s, e, "save_in_flight", step, by, detail="its save not planned yet")
 
     # --- admissions ---------------------------------------------------------------------------
