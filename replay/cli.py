@@ -1086,6 +1086,25 @@ def _stats(args: argparse.Namespace) -> int:
         [[k, v] for k, v in st.events_by_type.items()],
         right=("count",),
     )
+    misses = st.misses
+    if misses.get("reasons"):
+        out.line()
+        asked = misses["tokens_asked"]
+        out.table(
+            ["missed tokens by reason", "tokens", "share"],
+            [
+                [r, n, _pct(n / asked if asked else None)]
+                for r, n in sorted(misses["reasons"].items(), key=lambda kv: -kv[1])
+            ]
+            + [
+                [
+                    f"missed, of {asked} asked",
+                    misses["missed_tokens"],
+                    _pct(misses["missed_tokens"] / asked if asked else None),
+                ]
+            ],
+            right=("tokens", "share"),
+        )
     if st.violations:
         out.line()
         out.table(["rule", "count"], [[k, v] for k, v in st.violations.items()], right=("count",))

@@ -1,5 +1,7 @@
 """``stats``: what a log holds, counted in one pass: requests, steps, events by type,
-preemptions, lookup hit rates, tokens loaded and saved, violations by rule, bytes per event."""
+preemptions, lookup hit rates, tokens loaded and saved, missed tokens by reason (counted by
+``replay.explain``'s one ``Explainer``, as ``kvledger explain`` counts them), violations by
+rule, bytes per event."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from replay.explain import Explainer, Tally
+from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.digests import DigestBook
@@ -89,6 +93,9 @@ class Stats:
     chunks_confirmed: int = 0
     chunks_failed: int = 0
     violations: dict[str, int] = attrs.field(factory=dict)
+    # Every admission's lookup explained (replay.explain): tokens asked, hit by part, missed
+    # by reason, as `kvledger explain` totals them.
+    misses: dict[str, Any] = attrs.field(factory=dict)
     # KV-content digests (tracker/digests.py): blocks digested, loaded blocks judged, verified,
     # mismatched, unchanged, unverifiable.
     digests: dict[str, int] = attrs.field(factory=dict)
@@ -156,7 +163,10 @@ def stats(path: LogPath | LogSource) -> Stats:
     last_pos = -1
     decoded = 0
     book = DigestBook()
+    tally = Tally()
+    explainer = Explainer(config, tally.add, recorded=is_recorded(src.run_info))
     for item in walk(src.frames(), config):
+        explainer.feed(item)
         pos = item.pos
         if pos == last_pos:
             continue  # StepDecoded again, for one of its requests: counted once
@@ -233,6 +243,8 @@ def stats(path: LogPath | LogSource) -> Stats:
     st.finish_reasons = dict(reasons.most_common())
     st.violations = dict(rules.most_common())
     st.digests = book.stats.to_dict()
+    explainer.finish()
+    st.misses = tally.to_dict()
     st.damage = src.damage
     return st
 

@@ -17,11 +17,13 @@ The tables (:data:`TABLES` lists every column with its type and meaning):
 - ``events``: one row per event (``event``, its position in the log), and one table per event
   type (``ev_lookup_asked``, ``ev_load_planned``, ...) holding that type's own fields, typed,
   keyed by ``event``; ``ev_step_decoded`` has one row per request a ``StepDecoded`` named;
+- ``misses``: one row per span of missed tokens of an admission's lookup and its reason, as
+  ``kvledger explain`` finds them (``replay.explain``);
 - ``problems``: what ``kvledger check`` reports, one row per problem.
 
 Keys: ``request`` (the life label) links ``requests``, ``admissions``, ``saves``, ``events``,
 the ``ev_`` tables and ``problems``; ``(request, admission)`` links ``admissions`` and
-``saves``; ``step`` links everything to ``steps``; ``event`` links ``events``, the ``ev_``
+``saves`` and ``misses``; ``step`` links everything to ``steps``; ``event`` links ``events``, the ``ev_``
 tables and ``problems``, and an admission to its events (``lookup_event``, ``answer_event``,
 ``allocated_event``, ``event`` for its ``Scheduled``, ``load_event``).
 
@@ -35,15 +37,15 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from replay.explain import AdmissionMisses, Explainer
 from replay.format import plain_fields
+from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.history import GLOBAL_TYPES, POOL, retires, walk
-from tracker.index_fold import apply_decision, apply_input
 from tracker.log import StopInfo
-from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import Phase, RequestState
 
 __all__ = [
@@ -194,6 +196,22 @@ EVENTS: tuple[Column, ...] = (
     _c("req_id", "str", "vLLM's request id (null likewise)"),
 )
 
+MISSES: tuple[Column, ...] = (
+    _REQUEST,
+    _REQ_ID,
+    _c("admission", "int", "the admission whose lookup missed them (admissions.admission)"),
+    _c("step", "int", "the step it was admitted in"),
+    _c("lookup_step", "int", "the step of the lookup vLLM acted on"),
+    _c("start", "int", "the first missed token of the span"),
+    _c("end", "int", "the end of the span (exclusive)"),
+    _c("tokens", "int", "end - start"),
+    _c("reason", "str", "why they missed (docs/why-missed.md lists every reason)"),
+    _c("at_step", "int", "the step of the fact that explains it (an eviction, a failure, ...)"),
+    _c("by_request", "str", "the request involved: the evicting one, the one that computed it"),
+    _c("diverged_at", "int", "prefix_diverged: the first token that differs"),
+    _c("detail", "str", "more words on the reason (null: none)"),
+)
+
 PROBLEMS: tuple[Column, ...] = (
     _c("problem", "int", "1, 2, ...: check's order"),
     _c("kind", "str", "decision, violation, unexplained or error (docs/debugging.md)"),
@@ -265,6 +283,7 @@ TABLES: dict[str, tuple[Column, ...]] = {
     "saves": SAVES,
     "steps": STEPS,
     "events": EVENTS,
+    "misses": MISSES,
     "problems": PROBLEMS,
     **{EVENT_TABLES[cls]: _event_columns(cls) for cls in ev.EVENT_TYPES},
 }
@@ -301,7 +320,7 @@ class _Builder:
     """One pass over the walk: rows for every table. Events and steps stream out; a request's
     rows (its admissions, its saves) go out when the walk retires it, or at the end."""
 
-    def __init__(self, config: TrackerConfig, emit: Emit) -> None:
+    def __init__(self, config: TrackerConfig, emit: Emit, *, recorded: bool = False) -> None:
         self.config = config
         self.emit = emit
         self.requests: dict[str, Row] = {}
@@ -316,7 +335,10 @@ class _Builder:
         # memory follows the live requests, as the walk's does.
         self.retiring: list[str] = []
         self.phase_counts = {p: 0 for p in Phase}
-        self.index = ChunkIndex(config.num_slots)
+        # Every admission's misses, explained as `kvledger explain` explains them; the
+        # explainer folds the pool's index from the recorded events, read here for pool use.
+        self.explainer = Explainer(config, self._misses, recorded=recorded)
+        self.index: ChunkIndex = self.explainer.index
         self.step_row: Row | None = None
         self.makers = {
             cls: tuple((f.name, _own_column(f.name), f.convert) for f in plain_fields(cls))
@@ -327,6 +349,7 @@ class _Builder:
 
     def run(self, src: LogSource) -> None:
         last_pos = -1
+        feed = self.explainer.feed
         for item in walk(src.frames(), self.config):
             pos, frame, e, label = item.pos, item.frame, item.event, item.life
             before, after = item.before, item.after
@@ -340,6 +363,7 @@ class _Builder:
                 if srow is not None:
                     self._close_step(srow)
                 srow = self.step_row = _new_step(frame.step, frame, self.config)
+            feed(item)  # after the step before was closed: its pool counts are its own
             srow["events"] += 1
             cls = e.__class__
             request = None if label == POOL else label
@@ -411,13 +435,8 @@ class _Builder:
             self.tokens[label] = after.num_tokens
 
     def _pool_event(self, e: ev.Event, srow: Row) -> None:
-        cls = e.__class__
-        if cls in REMOTE_TYPES:
-            apply_remote(self.index, e)
-        elif cls in _POOL_TYPES:
-            apply_input(self.index, e, None, None, self.config)
-            if cls is ev.ChunkEvicted:
-                srow["chunks_evicted"] += 1
+        if e.__class__ is ev.ChunkEvicted:
+            srow["chunks_evicted"] += 1
 
     def _count_phase(self, state: RequestState | None, delta: int) -> None:
         if state is not None:
@@ -435,15 +454,7 @@ class _Builder:
     ) -> None:
         cls = e.__class__
         step = e.step
-        # The pool: the index folds the recorded events as the Tracker folded them (its own
-        # decisions as they were derived; the remote store's facts whatever the request), so
-        # its use is the run's.
-        if cls in REMOTE_TYPES:
-            apply_remote(self.index, e)
-        elif cls.KIND == "decision":
-            apply_decision(self.index, e, self.config)  # type: ignore[arg-type]
-        elif after is not None:
-            apply_input(self.index, e, before, after, self.config)
+        # (The pool's index follows the recorded events in the explainer: run() feeds it.)
         if after is not None or before is not None:
             self._count_phase(before, -1)
             self._count_phase(None if after is None or retires(after) else after, +1)
@@ -693,6 +704,27 @@ class _Builder:
         if r is not None:
             r["violations"] += 1
 
+    def _misses(self, a: AdmissionMisses) -> None:
+        for m in a.misses:
+            self.emit(
+                "misses",
+                {
+                    "request": a.request,
+                    "req_id": a.req_id,
+                    "admission": a.admission,
+                    "step": a.step,
+                    "lookup_step": a.lookup_step,
+                    "start": m.start,
+                    "end": m.end,
+                    "tokens": m.tokens,
+                    "reason": m.reason,
+                    "at_step": m.step,
+                    "by_request": m.by,
+                    "diverged_at": m.at_token,
+                    "detail": m.detail or None,
+                },
+            )
+
     # --- closing -------------------------------------------------------------------------
 
     def _close_step(self, srow: Row) -> None:
@@ -729,6 +761,7 @@ class _Builder:
 
     def finish(self) -> None:
         """The requests still alive (or never retired) at the end of the log."""
+        self.explainer.finish()
         for request in [*self.requests, *self.admissions, *self.saves]:
             self._emit_request(request)
 
@@ -797,7 +830,9 @@ def table_rows(path: LogPath | LogSource, emit: Emit, *, problems: bool = True) 
             labels[row["event"]] = row["request"]
         emit(table, row)
 
-    builder = _Builder(config, emit_and_label if wanted else emit)
+    builder = _Builder(
+        config, emit_and_label if wanted else emit, recorded=is_recorded(src.run_info)
+    )
     builder.run(src)
     builder.finish()
     for row in problem_rows:
@@ -835,6 +870,9 @@ _ABOUT = {
     "steps": "One row per scheduler step in the log, the counts taken after the step. Key: `step`.",
     "events": "One row per event of the log; its own fields are in its type's `ev_` table. "
     "Key: `event`.",
+    "misses": "One row per span of tokens an admission's lookup missed, with its reason "
+    "(`kvledger explain`; [Why did my prompt miss?](why-missed.md)). The tokens of a reason "
+    "sum to `kvledger explain`'s and `kvledger stats`'. Key: (`request`, `admission`, `start`).",
     "problems": "What `kvledger check` reports, one row per problem, in its order. Key: `problem`.",
 }
 
