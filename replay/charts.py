@@ -1,10 +1,11 @@
 """``timeline``: a picture that shows the bug. Per request (one lane each): waiting, running and
 preempted told apart; what vLLM accepted from the pool beside what was loaded at each
 admission (a short load is visibly short); tokens computed and the saved watermark; the
-problems ``kvledger check`` finds marked where they happened. Over the run: requests running,
+problems ``kvledger check`` finds marked where they happened; the tokens each admission's lookup
+missed, with their reasons (``kvledger explain``'s). Over the run: requests running,
 waiting and preempted, pool occupancy, hit rate per step.
 
-Read off the tidy tables (``replay.tables``: requests, admissions, steps, problems), so the
+Read off the tidy tables (``replay.tables``: requests, admissions, steps, misses, problems), so the
 picture shows what ``kvledger sql`` and ``kvledger stats`` count; the per-request token curves
 are the recording Tracker's own states (``tracker.history.walk``). ``.html`` is one
 self-contained page (the data as JSON, drawn by inline script into SVG: wheel zooms, drag pans,
@@ -69,6 +70,7 @@ COLORS = {
     "pool_used": "#8c564b",
     "pool_stored": "#c49c94",
     "hit": "#17becf",
+    "missed": "#f4a582",
 }
 
 
@@ -87,6 +89,9 @@ class Admission:
     loaded: int  # tokens the load plan loads
     refused: int  # of the accepted tokens, the ones the plan refused (whole blocks)
     load_result: str | None
+    asked: int = 0  # tokens the admission's lookup asked about
+    # What it missed (the misses table): (start, end, reason, the reason's facts in words).
+    misses: tuple[tuple[int, int, str, str], ...] = ()
 
     @property
     def short(self) -> int:
@@ -179,6 +184,7 @@ class TimelineResult:
                             "loaded": a.loaded,
                             "refused": a.refused,
                             "short": a.short,
+                            "missed": _reasons(a.misses),
                         }
                         for a in s.admissions
                     ],
@@ -253,7 +259,7 @@ def timeline(
         raise ValueError(f"top must be at least 1, got {top}")
     src = open_log(path)
     config, _ = src.lenient_config()
-    rows, info = collect(src, ("requests", "admissions", "steps", "problems"))
+    rows, info = collect(src, ("requests", "admissions", "steps", "misses", "problems"))
     all_steps = sorted(r["step"] for r in rows["steps"])
     if not all_steps:
         raise ValueError(f"{src.name}: the log holds no steps to draw")
@@ -426,6 +432,10 @@ def _fill(
         s = by_label.get(p["request"]) if p["request"] is not None else None
         if s is not None:
             s.problems.append(_mark(p))
+    missed: dict[tuple[str, int], list[tuple[int, int, str, str]]] = defaultdict(list)
+    for m in rows.get("misses", ()):
+        if m["request"] in by_label:
+            missed[(m["request"], m["admission"])].append(_missed(m))
     for label, s in by_label.items():
         r = reqs[label]
         s.req_id = r["req_id"]
@@ -451,11 +461,28 @@ def _fill(
                     loaded=(a["accepted"] if recorded else a["loaded"]) or 0,
                     refused=(a["refused_blocks"] or 0) * config.block_size,
                     load_result=a["load_result"],
+                    asked=a["asked"] or 0,
+                    misses=tuple(sorted(missed.get((label, a["admission"]), ()))),
                 )
             )
         if phase and end_of_life > since:
             s.phases.append((since, end_of_life, phase))
         s.problems.sort(key=lambda m: m.step)
+
+
+def _reasons(misses: Sequence[tuple[int, int, str, str]]) -> dict[str, int]:
+    out: Counter[str] = Counter()
+    for start, end, reason, _ in misses:
+        out[reason] += end - start
+    return dict(out.most_common())
+
+
+def _missed(m: Row) -> tuple[int, int, str, str]:
+    """A misses row as drawn: its span, its reason, and the reason's facts in words."""
+    from replay.explain import Miss
+
+    miss = Miss(m["start"], m["end"], m["reason"], m["at_step"], m["by_request"], m["diverged_at"])
+    return m["start"], m["end"], m["reason"], miss._replace(detail=m["detail"] or "").describe()
 
 
 def _clip_series(s: Series, lo: int, hi: int) -> None:
@@ -595,6 +622,7 @@ def _lane_top(s: Series) -> int:
     tops = [*s.computed, *s.saved, 1]
     for a in s.admissions:
         tops.append(a.local_hit + a.accepted)
+        tops.extend(m[1] for m in a.misses)
         if a.load_end is not None:
             tops.append(a.load_end)
     return max(tops)
@@ -652,6 +680,26 @@ def _matplotlib(plt: ModuleType, result: TimelineResult, title: str, out: str) -
         ax.step(s.steps, s.computed, where="post", color=COLORS["computed"], lw=1.3)
         ax.step(s.steps, s.saved, where="post", color=COLORS["saved"], lw=1.3)
         for adm in s.admissions:
+            if adm.misses:
+                for start, end, _, _ in adm.misses:
+                    ax.add_patch(
+                        Rectangle(
+                            (adm.step - bar_w * 1.1, start),
+                            bar_w,
+                            end - start,
+                            color=COLORS["missed"],
+                            hatch="///",
+                            lw=0,
+                        )
+                    )
+                most = max(_reasons(adm.misses).items(), key=lambda kv: kv[1])[0]
+                ax.annotate(
+                    most,
+                    (adm.step - bar_w * 1.2, adm.misses[-1][1]),
+                    fontsize=6,
+                    ha="right",
+                    color="#b35806",
+                )
             if not (adm.accepted or adm.loaded):
                 continue
             x = adm.step
@@ -731,6 +779,7 @@ def _matplotlib(plt: ModuleType, result: TimelineResult, title: str, out: str) -
         Patch(color=COLORS["accepted"], label="accepted by vLLM"),
         Patch(color=COLORS["loaded"], label="loaded"),
         Patch(fill=False, edgecolor=COLORS["short"], label="short load"),
+        Patch(color=COLORS["missed"], hatch="///", label="missed (kvledger explain)"),
     ]
     if result.problems_drawn:
         handles.append(

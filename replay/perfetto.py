@@ -10,6 +10,8 @@ Built from the tidy tables (``replay.tables``), so the trace shows what ``kvledg
   slice per stretch, named by what is in flight, so slices nest as the format demands);
 - a flow arrow from the save of a chunk to each later load of it by another admission;
 - an instant for each problem ``kvledger check`` reports, on its request's track;
+- an instant for each admission whose lookup missed tokens, at its admission, named by the
+  reasons (``kvledger explain``'s, from the ``misses`` table), each span in its arguments;
 - counters: requests running / waiting / preempted, pool chunks stored / being written.
 
 Time is the log's wall clock (each frame's ``wall_ns``), in microseconds since the first
@@ -32,7 +34,7 @@ from replay.tables import Row, TableRows, collect
 __all__ = ["trace", "write_trace"]
 
 _PID = 1
-_TABLES = ("requests", "admissions", "saves", "steps", "problems", "ev_load_planned")
+_TABLES = ("requests", "admissions", "saves", "steps", "problems", "ev_load_planned", "misses")
 
 
 class _Clock:
@@ -165,6 +167,7 @@ def _build(log: LogPath, problems: bool) -> tuple[dict[str, Any], TableRows]:
         if problem_tid is not None:
             instant["tid"] = problem_tid
         events.append(instant)
+    events += _misses(rows["misses"], tids, clock)
     events += _counters(rows["steps"], clock)
     doc = {
         "traceEvents": events,
@@ -293,6 +296,45 @@ def _flows(rows: dict[str, list[Row]], tids: dict[str, int], clock: _Clock) -> l
     return out
 
 
+def _misses(misses: list[Row], tids: dict[str, int], clock: _Clock) -> list[dict[str, Any]]:
+    """An instant per admission that missed tokens: "missed N: reason n, ...", and its spans."""
+    by_admission: dict[tuple[str, int], list[Row]] = defaultdict(list)
+    for m in misses:
+        by_admission[(m["request"], m["admission"])].append(m)
+    out: list[dict[str, Any]] = []
+    for (request, admission), spans in sorted(by_admission.items()):
+        tid = tids.get(request)
+        if tid is None:
+            continue
+        spans.sort(key=lambda m: m["start"])
+        reasons: Counter[str] = Counter()
+        for m in spans:
+            reasons[m["reason"]] += m["tokens"]
+        named = ", ".join(f"{r} {n}" for r, n in reasons.most_common())
+        out.append(
+            {
+                "ph": "i",
+                "pid": _PID,
+                "tid": tid,
+                "ts": clock(spans[0]["step"]),
+                "s": "t",
+                "name": f"missed {sum(reasons.values())}: {named}",
+                "cat": "miss",
+                "args": {
+                    "admission": admission,
+                    "step": spans[0]["step"],
+                    "lookup_step": spans[0]["lookup_step"],
+                    "reasons": dict(reasons.most_common()),
+                    "spans": [{k: m[k] for k in _MISS_ARGS if m[k] is not None} for m in spans],
+                },
+            }
+        )
+    return out
+
+
+_MISS_ARGS = ("start", "end", "tokens", "reason", "at_step", "by_request", "diverged_at", "detail")
+
+
 def _counters(steps: list[Row], clock: _Clock) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     series = {
@@ -335,7 +377,8 @@ def write_trace(log: LogPath, out: str, *, problems: bool = True) -> Any:
         "requests": sum(1 for e in doc["traceEvents"] if e.get("name") == "thread_name"),
         "slices": phs["X"],
         "flows": phs["s"],
-        "problems": phs["i"],
+        "problems": sum(1 for e in doc["traceEvents"] if e.get("cat") == "problem"),
+        "misses": sum(1 for e in doc["traceEvents"] if e.get("cat") == "miss"),
         "counter values": phs["C"],
     }
     damage = [] if info.damage is None else [info.damage]

@@ -35,6 +35,9 @@
       ["computed", "tokens computed"], ["saved", "saved watermark"],
       ["accepted", "accepted by vLLM (left bar)"], ["loaded", "loaded (right bar)"],
     ];
+    if (D.lanes.some((l) => l.admissions.some((a) => a.misses.length))) {
+      items.push(["missed", "missed at the lookup, by reason (left bar, kvledger explain)"]);
+    }
     if (D.lanes.some((l) => l.recorded.length)) {
       items.push(["problem", "\u00d7 a violation the run recorded (not a check problem)"]);
     }
@@ -192,6 +195,7 @@
       for (const v of L.computed.concat(L.saved)) ymax = Math.max(ymax, v);
       for (const a of L.admissions) {
         ymax = Math.max(ymax, a.local_hit + a.accepted, a.load_end || 0);
+        for (const m of a.misses) ymax = Math.max(ymax, m[1]);
       }
       const yy = (v) => curveBot - (v / ymax) * (LANE - BAND - 18);
       const lane = el(svg, "g", { class: "lane", "data-request": L.label });
@@ -218,6 +222,22 @@
         el(body, "line", { class: "preempted-at", x1: x(s), x2: x(s), y1: laneTop,
           y2: laneTop + LANE, stroke: C.preempted, "stroke-width": 1.5, "stroke-dasharray": "4 3" },
           `step ${s}: preempted`);
+      }
+      for (const a of L.admissions) {
+        if (!inView(a.step) || !a.misses.length) continue;
+        // What the lookup missed, span by span, each named by its reason (kvledger explain).
+        const cx = x(a.step), w = 6;
+        const group = el(body, "g", { class: "misses", "data-step": a.step });
+        const count = {};
+        for (const [m0, m1, reason, why] of a.misses) {
+          count[reason] = (count[reason] || 0) + m1 - m0;
+          el(group, "rect", { class: "missed", "data-reason": reason, x: cx - w - 1, y: yy(m1),
+            width: w, height: Math.max(1, yy(m0) - yy(m1)), fill: C.missed, stroke: "#b35806",
+            "stroke-width": 0.5 }, `step ${a.step}: missed [${m0}, ${m1}) of ${a.asked}: ${why}`);
+        }
+        const top = Object.keys(count).sort((p, q) => count[q] - count[p])[0];
+        el(group, "text", { class: "missed-label", x: cx - w - 4, y: yy(a.misses[a.misses.length - 1][1]) + 8,
+          "text-anchor": "end", fill: "#b35806", "font-size": 9 }).textContent = top;
       }
       for (const a of L.admissions) {
         if (!inView(a.step) || !(a.accepted || a.loaded)) continue;

@@ -117,8 +117,8 @@ def validate(doc: dict[str, Any], log: Any) -> dict[str, Any]:
         assert set(pair) == {"s", "f"}
         assert pair["s"]["ts"] <= pair["f"]["ts"] and pair["f"]["bp"] == "e"
         assert pair["f"]["args"]["key"] in loaded_keys[names[pair["f"]["tid"]]]
-    # Instants: exactly check's problems, each on its request's track.
-    instants = [e for e in events if e["ph"] == "i"]
+    # Instants: exactly check's problems, each on its request's track...
+    instants = [e for e in events if e["ph"] == "i" and e["cat"] == "problem"]
     problems = check(log).problems
     assert [i["args"]["headline"] for i in instants] == [p.headline() for p in problems]
     for i, p in zip(instants, problems, strict=True):
@@ -126,6 +126,17 @@ def validate(doc: dict[str, Any], log: Any) -> dict[str, Any]:
             assert (i["s"], i["tid"]) == ("t", tid_of[p.req_id])
         else:
             assert i["s"] == "p" and "tid" not in i
+    # ... and one per admission that missed tokens, its reasons those of the misses table.
+    missed: dict[tuple[str, int], Counter[str]] = defaultdict(Counter)
+    for m in rows["misses"]:
+        missed[(m["request"], m["admission"])][m["reason"]] += m["tokens"]
+    marks = [e for e in events if e["ph"] == "i" and e["cat"] == "miss"]
+    assert {(names[e["tid"]], e["args"]["admission"]): e["args"]["reasons"] for e in marks} == {
+        k: dict(v) for k, v in missed.items()
+    }
+    for e in marks:
+        assert e["name"].startswith(f"missed {sum(e['args']['reasons'].values())}: ")
+    assert {e["cat"] for e in events if e["ph"] == "i"} <= {"problem", "miss"}
     # Counters: the last values are the last step's counts.
     last = {e["name"]: e["args"] for e in events if e["ph"] == "C"}
     if rows["steps"]:
@@ -154,7 +165,7 @@ def test_the_short_load_trace(tmp_path: Path, capsys: Any) -> None:
         "running",
     ]
     assert any("loading [0, 16) of 32 accepted" in e["args"].get("in flight", []) for e in mine)
-    (problem,) = [e for e in mine if e["ph"] == "i"]
+    (problem,) = [e for e in mine if e["ph"] == "i" and e["cat"] == "problem"]
     assert problem["name"] == "decision: LoadPlanned" and problem["args"]["step"] == 31
     assert problem["ts"] == next(
         e["ts"] for e in mine if e["name"] == "running" and e["args"]["step"] == 31
