@@ -18,7 +18,7 @@ $(BIN)/python:
 
 $(VENV)/.base-installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote]'
+	$(BIN)/pip install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
 	touch $@
 
 # vLLM's scheduler runs on CPU torch; vllm and two compiled helpers go in without their deps

@@ -621,9 +621,10 @@ def _add_views(sub: Any) -> None:
     )
     p.add_argument(
         "--format",
-        choices=("parquet", "jsonl", "perfetto"),
+        choices=("parquet", "jsonl", "perfetto", "otlp"),
         default=None,
-        help="default: from the output (a directory: parquet; .parquet, .jsonl, .json)",
+        help="default: from the output (a directory: parquet; .parquet, .jsonl, .json; "
+        ".otlp.json and .binpb: OpenTelemetry spans)",
     )
     p.add_argument(
         "-o",
@@ -716,6 +717,7 @@ examples:
   kvledger export run.kvlog --table events -o -             # JSON lines on standard output
   kvledger export a.kvlog b.kvlog -o fleet/ --partition run # fleet/requests/run=a/part-0.parquet
   kvledger export run.kvlog -o run.perfetto.json            # open in ui.perfetto.dev
+  kvledger export run.kvlog -o run.otlp.json                # OpenTelemetry spans (OTLP/JSON)
 """
 
 _SQL_EPILOG = """\
@@ -1308,6 +1310,10 @@ def _export(args: argparse.Namespace) -> int:
     elif result.form == "trace":
         shown = ", ".join(f"{n} {k}" for k, n in result.rows.items())
         print(f"wrote {where} (a Chrome trace, for ui.perfetto.dev): {shown}", file=sys.stderr)
+    elif result.form == "otlp":
+        shown = ", ".join(f"{n} {k}" for k, n in result.rows.items())
+        what = "protobuf" if result.out.lower().endswith((".binpb", ".pb")) else "OTLP/JSON"
+        print(f"wrote {where} (OpenTelemetry spans, {what}): {shown}", file=sys.stderr)
     else:
         what = f"{len(result.rows)} tables" if len(result.rows) > 1 else "1 table"
         runs = f", runs {', '.join(result.runs)}" if result.runs else ""

@@ -1,5 +1,5 @@
 """The optional extras, guarded in one place: rich (``cli``), matplotlib (``timeline``),
-pyarrow (``parquet``) and duckdb (``sql``). Nothing else in ``replay`` imports them: a use that needs one gets it
+pyarrow (``parquet``), duckdb (``sql``) and opentelemetry-proto (``otlp``). Nothing else in ``replay`` imports them: a use that needs one gets it
 from :func:`require` (or :func:`pyplot`), which names the extra to install when it is
 missing; a nicety with a plain fallback (rich's tables and progress bars) asks
 :func:`optional`. Also the small output helpers the commands share (:class:`Output`,

@@ -9,6 +9,9 @@ must agree:
 - one file, ``OUT.parquet`` or ``OUT.jsonl`` (``.ndjson``): one table, named by ``table``
   (``--table requests``); ``-`` writes it to standard output as JSON lines;
 - ``OUT.json`` or ``OUT.perfetto.json``: a Chrome / Perfetto trace (``replay.perfetto``);
+- ``OUT.otlp.json`` (or ``--format otlp`` with ``.json``/``.jsonl``), ``OUT.binpb``:
+  OpenTelemetry spans per request with cache attribution, OTLP/JSON or protobuf
+  (``replay.otlp``);
 - many logs (a fleet of engines): :func:`export_runs` writes one Hive-partitioned tree,
   ``TREE/<table>/run=<name>/part-0.parquet``, which DuckDB reads with ``hive_partitioning``
   and Spark or Trino read as partitioned tables.
@@ -43,7 +46,7 @@ __all__ = ["FORMATS", "ExportError", "ExportResult", "export", "export_runs", "r
 
 PathLike = str | os.PathLike[str]
 
-FORMATS = ("parquet", "jsonl", "perfetto")
+FORMATS = ("parquet", "jsonl", "perfetto", "otlp")
 
 # The extension of a one-file output, and the format it names.
 _EXTENSIONS = {
@@ -78,6 +81,8 @@ def _named_format(out: str) -> str | None:
     name = out.lower()
     if name.endswith(".perfetto.json"):
         return "perfetto"
+    if name.endswith((".otlp.json", ".otlp.jsonl", ".binpb", ".pb")):
+        return "otlp"
     return _EXTENSIONS.get(os.path.splitext(name)[1])
 
 
@@ -94,6 +99,8 @@ def _resolve(out: str, fmt: str | None, table: str | None, tree: bool = False) -
             raise ExportError("-o - (standard output) is for JSON lines only")
         return "stdout", "jsonl"
     named = None if os.path.isdir(out) else _named_format(out)
+    if fmt == "otlp" and named in ("perfetto", "jsonl"):
+        named = "otlp"  # OTLP/JSON is JSON (lines): .json and .jsonl name it too
     if named is not None and fmt is not None and named != fmt:
         raise ExportError(f"{out!r} names {named}, but the format asked for is {fmt}")
     fmt = fmt or named
@@ -106,6 +113,15 @@ def _resolve(out: str, fmt: str | None, table: str | None, tree: bool = False) -
         if table is not None or tree:
             raise ExportError("a Perfetto trace holds no tables: drop --table and --partition")
         return "trace", fmt
+    if fmt == "otlp":
+        if named is None:
+            raise ExportError(
+                f"OTLP spans are one file: name it {out}.otlp.json (OTLP/JSON) or {out}.binpb "
+                "(protobuf), not a directory"
+            )
+        if table is not None or tree:
+            raise ExportError("OTLP spans hold no tables: drop --table and --partition")
+        return "otlp", fmt
     if named is not None:  # one file
         if tree:
             raise ExportError(
@@ -153,6 +169,11 @@ def export(
 
         result: ExportResult = write_trace(log, out_s, problems=problems)
         return result
+    if fmt == "otlp":
+        from replay.otlp import write_otlp
+
+        spans: ExportResult = write_otlp(log, out_s)
+        return spans
     if fmt == "parquet":
         require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     src = open_log(log)  # unreadable: raise before anything is written
