@@ -178,7 +178,7 @@ _FACTS = {
     "pool_full": "{by} found no slot at step {step}",
     "remote_down": "down since step {step}",
     "remote_evicted": "since step {step}",
-    "load_failed": "at step {step}",
+    "load_failed": "failed at step {step}; vLLM recomputed",
     "recompute_only": "{by}, at step {step}",
     "not_offered": "computed by {by} at step {step}",
 }
@@ -444,6 +444,7 @@ class _Open:
         "asked",
         "ext_end",
         "fail_at",
+        "fail_step",
         "hit",
         "load",
         "load_end_ns",
@@ -488,6 +489,7 @@ class _Open:
         self.tiers: list[tuple[int, int, str]] = []  # (start, end, pool|remote) loaded
         self.refused = False
         self.fail_at: int | None = None
+        self.fail_step: int | None = None
         self.load_result: str | None = None
         self.load_ns: int | None = None
         self.load_end_ns: int | None = None
@@ -658,7 +660,7 @@ class Explainer:
             # serve past this point, vLLM computes.
             adm = life.current
             if adm is not None and e.num_computed < adm.ext_end and adm.fail_at is None:
-                adm.fail_at = e.num_computed
+                adm.fail_at, adm.fail_step = e.num_computed, e.step
                 adm.load_result = "failed"
         life.recompute_only = after.recompute_only
         life.hw = max(life.hw, after.num_tokens)
@@ -702,6 +704,7 @@ class Explainer:
         adm.load_end_ns = item.frame.wall_ns
         if isinstance(e, ev.LoadFailed):
             adm.load_result = "failed"
+            adm.fail_step = e.step
             if after is not None and after.num_tokens < adm.load[1]:
                 adm.fail_at = after.num_tokens  # the fold rolled back to the first failed block
         else:
@@ -981,7 +984,7 @@ class Explainer:
                 ok_end = max(local, min(ok_end, adm.fail_at))
             hits["inner"] = ok_end - local
             if ok_end < ext_end:
-                misses.append(Miss(ok_end, ext_end, "load_failed", detail="vLLM went back"))
+                misses.append(Miss(ok_end, ext_end, "load_failed", adm.fail_step))
         else:
             if adm.refused:
                 ok_end = local
@@ -997,7 +1000,7 @@ class Explainer:
                 if adm.fail_at is not None:
                     ok_end = max(local, min(ext_end, adm.fail_at))
                     if ok_end < ext_end:
-                        misses.append(Miss(ok_end, ext_end, "load_failed", adm.step))
+                        misses.append(Miss(ok_end, ext_end, "load_failed", adm.fail_step))
             for lo, hi, tier in adm.tiers:
                 hits[tier] += max(0, min(hi, ok_end) - max(lo, local))
             served = local + hits["pool"] + hits["remote"]

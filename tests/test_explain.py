@@ -600,3 +600,38 @@ def _by_reason(spans: Sequence[tuple[int, int, str, str]]) -> dict[str, int]:
     for start, end, reason, _ in spans:
         out[reason] = out.get(reason, 0) + end - start
     return out
+
+
+# --- vLLM's real scheduler ------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
+    """The run of docs/why-missed.md (tests/_miss_run.py): vLLM's real scheduler with the
+    connector, proven by the KV-content oracle, a pool of five chunks, prompts that share 40
+    tokens, three asked again, one failed load: five reasons, each with its facts."""
+    from connector.testing.harness import skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(f"vLLM's scheduler is not usable: {reason}")
+    from _miss_run import make
+
+    report = make(str(tmp_path / "run"))
+    assert report.load_errors
+    x = explained(tmp_path / "run")
+    assert set(x.totals()["reasons"]) == {
+        "new_prefix",
+        "prefix_diverged",
+        "partial_chunk",
+        "evicted",
+        "load_failed",
+    }
+    for a in x.admissions():
+        for m in a.misses:
+            if m.reason == "prefix_diverged":
+                assert m.at_token == 40 and (m.start, m.end) == (32, 40)  # the shared prefix
+            if m.reason == "evicted":
+                assert a.request in ("again-req-0", "again-req-2") and m.by is not None
+    failed = admission(x, "again-req-1")
+    assert misses(failed)[0] == (32, 64, "load_failed") and failed.load_result == "failed"
