@@ -1093,7 +1093,7 @@ def _stats(args: argparse.Namespace) -> int:
         out.line()
         asked = misses["tokens_asked"]
         out.table(
-            ["missed tokens by reason", "tokens", "share"],
+            ["missed tokens by reason", "tokens", "of asked"],
             [
                 [r, n, _pct(n / asked if asked else None)]
                 for r, n in sorted(misses["reasons"].items(), key=lambda kv: -kv[1])
@@ -1105,7 +1105,7 @@ def _stats(args: argparse.Namespace) -> int:
                     _pct(misses["missed_tokens"] / asked if asked else None),
                 ]
             ],
-            right=("tokens", "share"),
+            right=("tokens", "of asked"),
         )
     if st.violations:
         out.line()
@@ -1212,19 +1212,20 @@ def _explain(args: argparse.Namespace) -> int:
     if t["reasons"]:
         out.line()
         out.table(
-            ["reason", "tokens", "share", "what it means"],
+            ["reason", "tokens", "of missed", "what it means"],
             [
                 [r, n, _pct(n / missed), ex.REASONS[r]]
                 for r, n in sorted(t["reasons"].items(), key=lambda kv: -kv[1])
             ],
             title="missed tokens by reason",
-            right=("tokens", "share"),
+            right=("tokens", "of missed"),
         )
     out.line()
     asked = t["tokens_asked"]
     got = ", ".join(f"{h.replace('_', ' ')} {t['hit'][h]}" for h in hits)
     out.line(
-        f"total: {asked} tokens asked at {t['admissions']} admissions: {t['tokens_hit']} hit "
+        f"total: {asked} tokens asked at {t['admissions']} admission"
+        f"{'s' if t['admissions'] != 1 else ''}: {t['tokens_hit']} hit "
         f"({got}), {missed} missed ({_pct(missed / asked if asked else None)})"
     )
     for note in result.notes():

@@ -137,13 +137,15 @@ _RUN_SPEC = dict(
 
 def _make_runs(where: Path) -> None:
     """replay-commands.md's run-a (chunk_size 32), run-b (16) and run-async (run-a under async
-    scheduling), as the page says."""
+    scheduling), as the page says, and why-missed.md's run-miss (tests/_miss_run.py)."""
     code = (
         "from connector.testing.run import RunSpec, run\n"
         f"spec = {_RUN_SPEC!r}\n"
         "run(RunSpec(**spec), log_dir='run-a')\n"
         "run(RunSpec(**spec, extra_config={'chunk_size': 16}), log_dir='run-b')\n"
         "run(RunSpec(**spec, async_scheduling=True), log_dir='run-async')\n"
+        f"import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from _miss_run import make; make('run-miss')\n"
     )
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "ERROR"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -172,7 +174,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
 
 
 def _uses_runs(text: str) -> bool:
-    return re.search(r"^\$ .*\brun-(a|b|async)\b", text, flags=re.M) is not None
+    return re.search(r"^\$ .*\brun-(a|b|async|miss)\b", text, flags=re.M) is not None
 
 
 # --- the pages ------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ def test_console_blocks_print_what_the_page_shows(
         (tmp_path / ".venv").symlink_to(sys.prefix)
     (tmp_path / "tests" / "data").symlink_to(ROOT / "tests" / "data")
     if _uses_runs(page.read_text()):
-        for name in ("run-a", "run-b", "run-async"):
+        for name in ("run-a", "run-b", "run-async", "run-miss"):
             shutil.copytree(runs() / name, tmp_path / name)
     document.namespace.update(cwd=tmp_path, env=_env(tmp_path), rewrites=[])
     failures, skipped, ran = [], [], 0

@@ -62,6 +62,7 @@ def test_the_page_documents_these_queries() -> None:
         "first-admissions",
         "short-loads",
         "pool-pressure",
+        "missed-by-reason",
         "problems",
     }
 
@@ -121,6 +122,8 @@ def assert_queries_agree_with_stats(log: Any) -> None:
     pool = run(log, "pool-pressure")
     assert sum(r["saved"] for r in pool) == st.chunks_saved
     assert all(r["peak_used"] <= r["slots"] for r in pool)
+    missed = {r["reason"]: r["tokens"] for r in run(log, "missed-by-reason")}
+    assert missed == st.misses["reasons"]
     assert run(log, "problems") == [
         {"problem": n, "step": p.step, "request": p.req_id or None, "headline": p.headline()}
         for n, p in enumerate(check(log).problems, 1)
