@@ -92,7 +92,7 @@ def lookup_spans(
         yield Span(keys[i], i * c, (i + 1) * c, False, keys[i - 1] if i else state.root)
     if n_keys == num_tokens // c and num_tokens % c and len(state.token_ids) >= num_tokens:
         first = n_keys * c
-        if first + c > start:
+        if num_tokens > start:
             parent = _prefix_key(state, n_keys)
             tail = partial_key(parent, state.token_ids[first:num_tokens])
             yield Span(tail, first, num_tokens, True, parent)
