@@ -680,8 +680,10 @@ class Explainer:
             return
         if after is None:
             return
-        adm.load = (e.start, e.end)
+        adm.load = (e.start, max(e.start, e.end))
         adm.load_ns = item.frame.wall_ns
+        if len(e.keys) != len(e.slots):
+            return  # malformed (a hostile log): no tier can be told; check reports it
         plan = transfer_plan(e, after, self.config)
         if plan is not None:
             adm.tiers = [

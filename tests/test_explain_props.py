@@ -14,13 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
+from test_replay_fuzz import _EVENTS as _HOSTILE
+from test_replay_fuzz import _fields as _fuzz_fields
 from test_stateful import _CONFIG, _SETTINGS, VLLMModel, _Quiet
 
 from replay.explain import REASONS, AdmissionMisses, Explainer
 from tracker import events as ev
+from tracker.config import TrackerConfig
 from tracker.history import walk
 from tracker.tracker import Tracker
 
@@ -134,3 +137,22 @@ ExplainedHistories.TestCase.settings = settings(max_examples=150, **_SETTINGS)
 ExplainedFailures.TestCase.settings = settings(max_examples=80, **_SETTINGS)
 TestExplainedHistories = ExplainedHistories.TestCase
 TestExplainedFailures = ExplainedFailures.TestCase
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_HOSTILE, max_size=8), max_size=12))
+def test_hostile_histories_are_explained_without_a_raise(steps: list[list[ev.Event]]) -> None:
+    """Valid frames holding any events with hostile values (test_replay_fuzz's): explain never
+    raises, and every admission it explains still adds up."""
+    config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
+    frames = [
+        _Frame(step, [type(e)(step, *_fuzz_fields(e)) for e in events])
+        for step, events in enumerate(steps)
+    ]
+    explained: list[AdmissionMisses] = []
+    explainer = Explainer(config, explained.append)
+    for item in walk(frames, config):
+        explainer.feed(item)
+    explainer.finish()
+    for a in explained:
+        check_admission(a)

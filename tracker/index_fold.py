@@ -180,6 +180,16 @@ def apply_recorded(
     if cls in REMOTE_TYPES:
         apply_remote(index, event)
     elif cls.KIND == "decision":
-        apply_decision(index, event, config)  # type: ignore[arg-type]
+        if _well_formed(event):
+            apply_decision(index, event, config)  # type: ignore[arg-type]
     elif after is not None or cls in _POOL_INPUTS:
         apply_input(index, event, before, after, config)
+
+
+def _well_formed(decision: ev.Event) -> bool:
+    """A recorded plan names one slot per key, as every plan the Tracker derives does. A log
+    may hold anything (a hostile or damaged one): a plan that does not is left out of the
+    index, and ``kvledger check`` reports it as a decision this code would not make."""
+    if isinstance(decision, (ev.SavePlanned, ev.LoadPlanned)):
+        return len(decision.keys) == len(decision.slots)
+    return True
