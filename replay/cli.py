@@ -1149,6 +1149,15 @@ def _add_explain(sub: Any) -> None:
         metavar="N",
         help="requests listed in the table (default 20; --json has them all)",
     )
+    p.add_argument(
+        "--earlier",
+        action="append",
+        default=[],
+        metavar="LOG",
+        help="the log of an earlier run (the engine before a restart, another replica or "
+        "model), read first: what it computed counts as history; repeat for several, oldest "
+        "first",
+    )
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.set_defaults(handler=_explain)
 
@@ -1163,7 +1172,7 @@ def _tops(reasons: dict[str, int], n: int = 3) -> str:
 def _explain(args: argparse.Namespace) -> int:
     from replay import explain as ex
 
-    result = ex.explain(args.log, request=args.request)
+    result = ex.explain(args.log, request=args.request, earlier=args.earlier)
     status = args.exit_code = _warn_damage(args.log, result.damage)
     if args.json:
         _json(result.to_dict())

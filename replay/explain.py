@@ -75,8 +75,10 @@ REASONS: dict[str, str] = {
     "new_prefix": "never computed by any earlier request in this log",
     "prefix_diverged": "computed before under the same prefix, up to token k where this prompt "
     "differs: the chunk holding them is keyed by all of its tokens",
-    "different_salt": "the same tokens were computed under another cache salt (the request's "
-    "cache_salt): chunk keys differ",
+    "different_salt": "the same tokens were computed under another salt (the request's "
+    "cache_salt, or an earlier run's model or layout): chunk keys differ",
+    "earlier_run": "computed by an earlier run (--earlier LOG): that engine's host pool is not "
+    "this one's, and no shared tier was seen holding it",
     "partial_chunk": "the tokens asked end inside a chunk: partial chunks are not saved "
     "(discard_partial_chunks), or these tokens lie inside a longer chunk",
     "decode_not_saved": "computed as decode output, which is not saved (save_decode_cache off)",
@@ -313,6 +315,8 @@ class _Computed(NamedTuple):
     decode: bool  # past the computing admission's save policy (a decode chunk)
     root: bytes  # the chain's root (the request's model/layout/cache salt)
     salt: str  # the request's cache salt
+    run: str  # the log it was computed in ("": the one explained)
+    model: str  # that run's model/layout salt (TrackerConfig.salt)
 
 
 class _Children:
@@ -543,17 +547,27 @@ class Explainer:
         self.config = config
         self.on_admission = on_admission
         self.recorded = recorded
-        self.index = ChunkIndex(config.num_slots)
         self.history = _History(history_tokens)
+        # What the remote store was seen holding, and losing: shared by every run that used it.
+        self.remote_seen: dict[bytes, int] = {}  # key -> step it was last seen on the store
+        self.remote_lost: dict[bytes, tuple[int, str]] = {}
+        self.run = ""  # the log being fed ("": the one explained; else an earlier run's name)
+        self.new_run("", config)
+
+    def new_run(self, name: str, config: TrackerConfig) -> None:
+        """Start feeding another log (``explain --earlier``): a new engine, so a new pool and
+        new requests; what was computed before stays in the history, tagged with ``name``.
+        The admissions of a run with a name are not handed out."""
+        self.run = name
+        self.config = config
+        self._last_pos = -1
+        self.index = ChunkIndex(config.num_slots)
         self.lives: dict[str, _Life] = {}
         # Retired requests that explain others' misses: label -> (recompute_only, pool full).
         self.retired: dict[str, tuple[bool, int | None]] = {}
         self.fates: dict[bytes, _Fate] = {}
-        self.remote_seen: dict[bytes, int] = {}  # key -> step it was last seen on the store
-        self.remote_lost: dict[bytes, tuple[int, str]] = {}
         self.remote_down: tuple[int, str] | None = None
         self.without_lookup = 0  # admissions with no lookup before them (nothing acted on)
-        self._last_pos = -1
         self._reading: list[bytes] = []  # the chunks a failing load read, still stored
 
     # --- the walk ------------------------------------------------------------------------
@@ -807,6 +821,8 @@ class Explainer:
                 span.end > policy,
                 state.root,
                 life.salt,
+                self.run,
+                self.config.salt,
             )
             self.history.add(span.parent, seq, fact)
             if span.start == 0:
@@ -860,6 +876,13 @@ class Explainer:
             other, fact2, _ = self.history.nearest(chain, tokens)
             if fact2 is not None and other > 0:
                 return self._salted(s, e, other, fact2, salt)
+        if computed is not None and computed.run != self.run and shared > 0:
+            # Computed by another engine's run: its host pool was never this one's.
+            k, by, step = s + shared, computed.request, computed.step
+            out = [Miss(s, k, "earlier_run", step, by, detail=f"in {computed.run}")]
+            if k < e:
+                out.append(Miss(k, e, "new_prefix"))
+            return out, None
         if computed is not None and shared >= e - s:
             return [self._never_saved(span, computed)], None
         out = []
@@ -878,6 +901,11 @@ class Explainer:
         self, s: int, e: int, shared: int, fact: _Computed, salt: str
     ) -> tuple[list[Miss], bytes | None]:
         salts = f"computed under cache salt {fact.salt!r}, this request's is {salt!r}"
+        if fact.model != self.config.salt:
+            salts = (
+                f"computed{f' in {fact.run}' if fact.run else ''} under model/layout salt "
+                f"{fact.model!r}, this run's is {self.config.salt!r}"
+            )
         out = [Miss(s, s + shared, "different_salt", fact.step, fact.request, detail=salts)]
         if s + shared < e:
             out.append(Miss(s + shared, e, "new_prefix"))
@@ -1028,6 +1056,8 @@ class Explainer:
         seconds = None
         if adm.load_ns is not None and adm.load_end_ns is not None:
             seconds = max(0, adm.load_end_ns - adm.load_ns) / 1e9
+        if self.run:
+            return  # an earlier run's admission: history only
         result = AdmissionMisses(
             request=label,
             req_id=life.req_id,
@@ -1153,12 +1183,16 @@ def explain(
     path: LogPath | LogSource,
     *,
     request: str | None = None,
+    earlier: Sequence[LogPath] = (),
     history_tokens: int = HISTORY_TOKENS,
 ) -> Explanation:
     """Explain every admission's lookup of a log (``request``: only that request, a life
     label like ``id#2`` or an id, all its lives; every request is still read, since what one
-    computed explains another's misses). An unknown ``request`` raises
+    computed explains another's misses). ``earlier``: logs of runs before it (the same engine
+    before a restart, another replica, another model), read first: what they computed is
+    history (``earlier_run``, ``different_salt``). An unknown ``request`` raises
     :class:`RequestNotFound` naming the nearest ids."""
+    earlier_sources = [open_log(p) for p in earlier]  # every log readable before any is read
     src = open_log(path)
     config, _ = src.lenient_config()
     recorded = is_recorded(src.run_info)
@@ -1172,6 +1206,13 @@ def explain(
         r.admissions.append(a)
 
     explainer = Explainer(config, keep, recorded=recorded, history_tokens=history_tokens)
+    for old in earlier_sources:
+        old_config, _ = old.lenient_config()
+        explainer.new_run(old.name, old_config)
+        for item in walk(old.frames(), old_config):
+            explainer.feed(item)
+        explainer.finish()
+    explainer.new_run("", config)
     for item in walk(src.frames(), config):
         if item.new and item.life:
             labels.setdefault(item.life, item.req_id)

@@ -428,6 +428,39 @@ def test_different_cache_salt(tmp_path: Path) -> None:
     assert b.misses[0].by == "a" and "'tenant-a'" in b.misses[0].detail
 
 
+def _one_run(path: Path, p: list[int], rid: str, **config: Any) -> Path:
+    r = Run(path, **config)
+    r.add(rid, p)
+    r.admit(rid)
+    r.step()
+    r.saved(rid)
+    r.finish(rid)
+    return r.close()
+
+
+def test_an_earlier_run_and_another_model(tmp_path: Path, capsys: Any) -> None:
+    """Logs of earlier runs (--earlier) count as history: the same model's prefixes were
+    computed by another engine (earlier_run), another model's under other keys
+    (different_salt, naming both model salts)."""
+    p = prompt(16, 23)
+    before = _one_run(tmp_path / "before.kvlog", p, "old", salt="tiny-llama|fp16")
+    other = _one_run(tmp_path / "other.kvlog", p, "other", salt="tiny-llama|fp32")
+    now = _one_run(tmp_path / "now.kvlog", [*p, 1], "new", salt="tiny-llama|fp16")
+    alone = admission(explain(now), "new")
+    assert misses(alone) == [(0, 17, "new_prefix")]
+    x = explain(now, earlier=[before])
+    a = admission(x, "new")
+    assert misses(a) == [(0, 16, "earlier_run"), (16, 17, "new_prefix")]
+    assert a.misses[0].by == "old" and str(before) in a.misses[0].detail
+    assert [r.request for r in x.requests] == ["new"]  # the earlier run's are history only
+    y = explain(now, earlier=[other])
+    b = admission(y, "new")
+    assert misses(b) == [(0, 16, "different_salt"), (16, 17, "new_prefix")]
+    assert "'tiny-llama|fp32'" in b.misses[0].detail and "'tiny-llama|fp16'" in b.misses[0].detail
+    assert main(["explain", str(now), "--earlier", str(before), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reasons"] == {"earlier_run": 16, "new_prefix": 1}
+
+
 def test_a_whole_prompt_hit_leaves_the_last_token_by_rule(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")
     p = prompt(16, 18)
@@ -635,3 +668,12 @@ def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
                 assert a.request in ("again-req-0", "again-req-2") and m.by is not None
     failed = admission(x, "again-req-1")
     assert misses(failed)[0] == (32, 64, "load_failed") and failed.load_result == "failed"
+
+
+def test_the_page_names_every_reason() -> None:
+    """docs/why-missed.md's table of reasons is REASONS, in its order."""
+    page = (Path(__file__).parent.parent / "docs" / "why-missed.md").read_text()
+    import re
+
+    listed = re.findall(r"^\| `(\w+)` \|", page.split("## The reasons", 1)[1], flags=re.M)
+    assert listed == list(REASONS)
