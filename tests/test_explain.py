@@ -677,3 +677,47 @@ def test_the_page_names_every_reason() -> None:
 
     listed = re.findall(r"^\| `(\w+)` \|", page.split("## The reasons", 1)[1], flags=re.M)
     assert listed == list(REASONS)
+
+
+@pytest.mark.vllm
+def test_a_recorders_log_of_vllms_example_connector(tmp_path: Path) -> None:
+    """vLLM's ExampleConnector wrapped in KVLedgerRecorder under vLLM's real scheduler (the
+    oracle checking every token): vLLM's prefix cache serves the shared prefixes; the tails
+    of the repeated prompts, computed before in this run and not offered by the inner, are
+    ``not_offered``; it all adds up and agrees with stats and SQL."""
+    from connector.testing.harness import skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(f"vLLM's scheduler is not usable: {reason}")
+    from connector.testing.recorded import (
+        WrappedSpec,
+        example_connector,
+        example_connector_cpu_problem,
+        example_connector_layout,
+        run_wrapped,
+    )
+
+    problem = example_connector_cpu_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    spec = WrappedSpec(
+        num_requests=4,
+        num_gpu_blocks=24,
+        prompt_len=(20, 50),
+        max_tokens=(4, 8),
+        inner=example_connector(),
+        layout=example_connector_layout(),
+        extra_config={"shared_storage_path": str(tmp_path / "store")},
+    )
+    report = run_wrapped(spec, log_dir=str(tmp_path / "logs"))
+    assert not report.mismatches
+    x = explained(tmp_path / "logs")
+    assert x.recorded
+    t = x.totals()
+    assert t["hit"]["local"] > 0  # vLLM's prefix cache: the shared and repeated prefixes
+    # The repeated prompts' tails were computed before in this run; the inner offered none.
+    again = [a for a in x.admissions() if a.request.startswith("again-")]
+    assert again and all(m.reason == "not_offered" for a in again for m in a.misses)
+    assert set(t["reasons"]) <= set(REASONS) - {"unexplained"}
+    assert any("not the wrapped connector's store" in n for n in x.notes())
