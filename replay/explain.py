@@ -27,6 +27,11 @@ prefix), the same tokens up to token ``k`` (the prefix diverges), the same token
 under another chain root (another cache salt). A unit the pool holds after one it does not
 is missed for the reason of that earlier one (a hit is a prefix).
 
+Logs of earlier runs (``explain(..., earlier=[...])``, ``--earlier``) are read first, each as a
+new engine (its own pool and requests): what they computed is history, so a prefix another
+engine computed is ``earlier_run``, and one computed under another model or layout salt is
+``different_salt``; the remote tier's recorded facts carry over (it is shared).
+
 On a recorder's log (``connector/recorder.py``) no pool decision is recorded: explain shows
 what the log can show (what vLLM was offered against what this run computed before) and names
 the rest ``not_offered``: the wrapped connector's private store is not in the log.
