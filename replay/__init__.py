@@ -15,8 +15,9 @@
 
 One module per job: ``source`` (opening a log), ``format`` (events as text and plain values),
 ``replayer`` (check and what-if), ``divergence`` (diff), ``lives`` (show), ``summary``
-(stats), ``charts`` (timeline), ``tables`` (the tidy tables), ``writers`` (export),
-``perfetto`` (the trace), ``sql``, ``extras`` (the optional dependencies),
+(stats), ``explain`` (why each lookup missed), ``charts`` (timeline), ``tables`` (the tidy
+tables), ``writers`` (export), ``perfetto`` (the trace), ``otlp`` (OpenTelemetry spans),
+``sql``, ``extras`` (the optional dependencies),
 ``cli`` (the command line), ``demo``. The names above are functions; importing this package is
 cheap: nothing is loaded until a name is used (no torch, no vLLM).
 """
