@@ -30,12 +30,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from replay_bench import write_log  # noqa: E402
+from replay_bench import write_log
 
-from replay.explain import Explainer, explain  # noqa: E402
-from replay.source import open_log  # noqa: E402
-from replay.summary import stats  # noqa: E402
-from tracker.history import walk  # noqa: E402
+from replay.explain import Explainer, explain
+from replay.source import open_log
+from replay.summary import stats
+from tracker.history import walk
 
 
 def _walk(path: Path) -> int:
