@@ -46,10 +46,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from replay.replayer import check
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 BLOCK = 16

@@ -24,13 +24,13 @@ import attrs
 import structlog
 
 from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.logwriter import LogWriteError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.metrics import Counters
 from connector.remote import RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestPlanner
-from tracker.log import LogWriteError
 from tracker.plans import blocks_covering, transfer_plan
 from tracker.remote import lookup_keys
 from tracker.tracker import Tracker
@@ -226,7 +226,7 @@ class SchedulerSide:
                 self._remote_outage(down)
 
     def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
-        from tracker.log import LogWriter  # the only file I/O, and only when asked for
+        from connector.logwriter import LogWriter  # the only file I/O, and only when asked for
 
         os.makedirs(log_dir, exist_ok=True)
         # One log per connector: time, pid and a random suffix, so a second connector in the

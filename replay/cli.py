@@ -30,9 +30,10 @@ from replay import charts, demo, lives, summary, tail
 from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
+from replay.logreader import newest_log
 from replay.source import LogUnreadable
 from tracker.config import ConfigError
-from tracker.log import StopInfo, newest_log
+from tracker.framing import StopInfo
 
 if TYPE_CHECKING:  # imported when ``check`` runs: the Tracker (and structlog) cost startup
     from replay.replayer import CheckResult, Problem

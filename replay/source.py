@@ -28,9 +28,10 @@ from typing import Any
 
 import attrs
 
+from replay.logreader import LogReader
 from tracker.config import ConfigError, TrackerConfig
 from tracker.events import Event
-from tracker.log import ENDINGS, Frame, LogFormatError, LogReader, RawFrame, StopInfo
+from tracker.framing import ENDINGS, Frame, LogFormatError, RawFrame, StopInfo
 
 __all__ = [
     "LogNotFound",
@@ -109,7 +110,7 @@ class LogSource:
     @property
     def ending(self) -> str | None:
         """How the last pass ended without damage: ``closed``, ``open``, ``rotated`` or
-        ``unknown`` (``tracker.log.ENDINGS`` says what each means); None after damage."""
+        ``unknown`` (``tracker.framing.ENDINGS`` says what each means); None after damage."""
         return self._reader.ending
 
     @property

@@ -40,9 +40,9 @@ from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
+from tracker.framing import StopInfo
 from tracker.history import GLOBAL_TYPES, POOL, retires, walk
 from tracker.index_fold import apply_decision, apply_input
-from tracker.log import StopInfo
 from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import Phase, RequestState
 

@@ -5,8 +5,9 @@ from the pool, loads and saves planned (and their tokens), loads and chunk saves
 confirmed or failed, and the violations recorded in it (new ones only: each is recorded once).
 Steps with none of these (steady decode) are not shown unless asked for.
 
-The log is read by :class:`tracker.log.LogFollower` as it grows, rotation included; a frame
-the writer is still writing is read once it is whole. A step the writer split over several
+The log is read by :class:`replay.logreader.LogFollower` as it grows, rotation included,
+through the validator every reader uses (what ``check`` refuses, ``tail`` refuses); a frame the
+writer is still writing is read once it is whole. A step the writer split over several
 frames (it does so only past its frame size limit) may show as two lines.
 """
 
@@ -19,8 +20,9 @@ from typing import Any
 
 import attrs
 
+from replay.logreader import LogFollower
 from tracker import events as ev
-from tracker.log import Frame, LogFollower, StopInfo
+from tracker.framing import Frame, StopInfo
 
 __all__ = ["StepNews", "TailEnd", "follow", "news"]
 

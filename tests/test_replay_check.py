@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 
 import replay
+from connector.logwriter import LogWriter
 from replay.cli import main
+from replay.logreader import LogReader
 from replay.replayer import CheckResult, check, parse_overrides
 from replay.source import open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -19,10 +19,10 @@ import replay
 from replay import cli
 from replay.extras import MissingExtra, Output
 from replay.lives import RequestNotFound, Row
+from replay.logreader import LogReader, segment_paths
 from replay.source import LogUnreadable
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, segment_paths
 from tracker.tracker import Tracker
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from _replay_logs import write_log
 
+from connector.logwriter import LogWriter
 from replay import cli
+from replay.logreader import LogReader
 from replay.tail import news
 from tracker import events as ev
-from tracker.log import LogReader, LogWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 

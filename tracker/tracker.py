@@ -47,7 +47,7 @@ _RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule",
 
 
 class LogSink(Protocol):
-    """Where events go: ``tracker.log.LogWriter`` or anything with these two methods."""
+    """Where events go: ``connector.logwriter.LogWriter`` or anything with these two methods."""
 
     def append(self, event: ev.Event) -> None: ...
 
