@@ -94,6 +94,23 @@ def newest_log(directory: str | os.PathLike[str]) -> Path | None:
     return max(firsts)[2] if firsts else None
 
 
+def _successor(path: Path) -> Path | None:
+    """The segment file after ``path`` in its directory: the next one, or when it is not there,
+    the first later one of the same log (a writer starts segments in order, so a later one
+    there means the next is missing); None when there is none yet."""
+    following = path.with_name(next_segment_name(path.name))
+    if following.exists():
+        return following
+    parsed = parse_segment_name(following.name)
+    assert parsed is not None
+    stem, number = parsed
+    with contextlib.suppress(OSError):
+        for p in segment_paths(path.parent, stem=stem):
+            if (parse_segment_name(p.name) or (stem, 0))[1] > number:
+                return p
+    return None
+
+
 class LogReader:
     """Reads a log: a file, a list of segment files, or a directory of one log's segments.
 
@@ -252,6 +269,7 @@ class LogFollower:
         self._validator = FrameValidator(max_frame_bytes=max_frame_bytes, gaps=self.gaps)
         self._f: IO[bytes] | None = None
         self._next: Path | None = None  # the segment to open next
+        self._done: Path | None = None  # the last segment read to its end
 
     @property
     def header(self) -> dict[str, Any] | None:
@@ -290,6 +308,10 @@ class LogFollower:
             if first is None:
                 return False
             self.first = self._next = first
+        elif self._done is not None and not self._next.exists():
+            # The next segment is missing while a later one is there: read the later one, whose
+            # header then says that the chain is broken, as a reader of the files says.
+            self._next = _successor(self._done) or self._next
         try:
             self._f = open(self._next, "rb", buffering=0)  # noqa: SIM115 - held across polls
         except FileNotFoundError:
@@ -302,11 +324,11 @@ class LogFollower:
         is due (read on), False when caught up with the writer, closed or damaged."""
         v = self._validator
         assert self._next is not None
-        following = self._next.with_name(next_segment_name(self._next.name))
+        current = self._next
         self._drain(out)
         over = v.end is not None
-        if not over and v.problem is None and following.exists():
-            # The next segment exists, so this one was finished before it started: what is
+        if not over and v.problem is None and _successor(current) is not None:
+            # A later segment exists, so this one was finished before it started: what is
             # written now is all of it.
             self._drain(out)
             over = True
@@ -315,14 +337,15 @@ class LogFollower:
                 self.ending = "open"
             return False
         closed = v.end is not None and v.end.get("end") == "closed"
-        v.end_segment(last=closed and not following.exists())
+        v.end_segment(last=closed and _successor(current) is None)
         self.close()
         if v.problem is not None:
             return False
         if closed:
             self.ending = "closed"
             return False
-        self._next = following
+        self._done = current
+        self._next = current.with_name(next_segment_name(current.name))
         return True
 
     def _drain(self, out: list[Frame]) -> None:
