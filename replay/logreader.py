@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any, Final
+from typing import IO, Any, Final, TypeVar
 
 from tracker.framing import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -37,6 +37,8 @@ _CHUNK: Final = 1 << 20
 # The header is read on its own (LogReader.header) in a smaller piece: most of a file is frames.
 _HEADER_CHUNK: Final = 1 << 16
 
+_F = TypeVar("_F", Frame, RawFrame)
+
 
 def _read(f: IO[bytes], wanted: int, chunk: int = _CHUNK) -> bytes:
     """The next piece of ``f``: a chunk, or more when the frame in progress needs more, but
@@ -56,6 +58,23 @@ def _feed_all(v: FrameValidator, f: IO[bytes]) -> Iterator[StepFrame]:
         yield from v.feed(_read(f, v.wanted))
         if f.tell() == at:
             return
+
+
+def _event_frame(v: FrameValidator, frame: StepFrame) -> Frame | None:
+    """A verified frame with its events (None: a record could not be decoded)."""
+    events = v.events(frame)
+    if events is None:
+        return None
+    seq, step, wall_ns, _, offset = frame
+    return Frame(seq, step, wall_ns, events, offset, v.path)
+
+
+def _raw_frame(v: FrameValidator, frame: StepFrame) -> RawFrame | None:
+    """A verified frame with its raw records (None: a record is malformed)."""
+    if not v.resolve(frame):
+        return None
+    seq, step, wall_ns, records, offset = frame
+    return RawFrame(seq, step, wall_ns, records, offset, v.path)
 
 
 def _segments_in(directory: Path) -> dict[str, list[tuple[int, Path]]]:
@@ -192,40 +211,32 @@ class LogReader:
         return self._header
 
     def __iter__(self) -> Iterator[Frame]:
-        v = self._start()
-        frames = self._verified(v)
-        try:
-            for frame in frames:
-                events = v.events(frame)
-                if events is None:
-                    break
-                seq, step, wall_ns, _, offset = frame
-                yield Frame(seq, step, wall_ns, events, offset, v.path)
-        finally:
-            frames.close()
-        self._finish(v)
+        return self._pass(_event_frame)
 
     def iter_raw(self) -> Iterator[RawFrame]:
         """Frames with their raw records (see :class:`RawFrame`), verified: checksums, frame
         shape, sequence, steps, record shape, tags and interning."""
-        v = self._start()
-        frames = self._verified(v)
-        try:
-            for frame in frames:
-                if not v.resolve(frame):
-                    break
-                seq, step, wall_ns, records, offset = frame
-                yield RawFrame(seq, step, wall_ns, records, offset, v.path)
-        finally:
-            frames.close()
-        self._finish(v)
+        return self._pass(_raw_frame)
 
     # --- internals --------------------------------------------------------------------
 
-    def _start(self) -> FrameValidator:
+    def _pass(self, make: Callable[[FrameValidator, StepFrame], _F | None]) -> Iterator[_F]:
+        """One read of the whole log: ``make`` builds each frame the validator verified (None:
+        a record it could not decode, which ends the pass as damage)."""
         self.stop = None
         v = self._validator = FrameValidator(max_frame_bytes=self.max_frame_bytes, gaps=self.gaps)
-        return v
+        frames = self._verified(v)
+        try:
+            for frame in frames:
+                built = make(v, frame)
+                if built is None:
+                    break
+                yield built
+        finally:
+            frames.close()
+        self.stop = v.problem
+        if self.stop is not None and self.strict:
+            raise LogCorruptError(self.stop)
 
     def _verified(self, v: FrameValidator) -> Generator[StepFrame, None, None]:
         """Every segment's bytes through the validator, each segment begun and ended on it;
@@ -237,11 +248,6 @@ class LogReader:
             v.end_segment(last=index == len(self.paths) - 1)
             if v.problem is not None:
                 return
-
-    def _finish(self, v: FrameValidator) -> None:
-        self.stop = v.problem
-        if self.stop is not None and self.strict:
-            raise LogCorruptError(self.stop)
 
 
 class LogFollower:
@@ -354,8 +360,7 @@ class LogFollower:
         v = self._validator
         assert self._f is not None
         for frame in _feed_all(v, self._f):
-            events = v.events(frame)
-            if events is None:
+            built = _event_frame(v, frame)
+            if built is None:
                 return
-            seq, step, wall_ns, _, offset = frame
-            out.append(Frame(seq, step, wall_ns, events, offset, v.path))
+            out.append(built)

@@ -392,14 +392,10 @@ class FrameValidator:
 
     @property
     def wanted(self) -> int:
-        """How many more bytes the frame in progress needs (0: none in progress): a reader
-        reads at least this much next, so a large frame is not gathered piece by piece."""
+        """How many more bytes the validator needs before it can go on (the rest of the frame
+        in progress, or of its head): a reader reads at least this much next, so a large frame
+        is not gathered piece by piece."""
         return self._wanted
-
-    @property
-    def done(self) -> bool:
-        """Nothing more can be read: damage, or the end record ``closed`` was judged."""
-        return self.problem is not None or self.ending == "closed"
 
     def begin(self, path: str) -> None:
         """A segment file starts (the first, or the one after the segment just ended)."""
