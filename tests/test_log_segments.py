@@ -170,6 +170,12 @@ def test_a_list_of_files_is_read_as_given(logs: Path) -> None:
 
 
 def test_a_file_that_is_not_named_as_a_segment_is_read_alone(logs: Path, tmp_path: Path) -> None:
+    """A copy under another name is a file of its own, beside the log it was copied from."""
+    run = _segments(logs)
+    for p in run[:3]:
+        shutil.copy(p, tmp_path / p.name)
     copy = tmp_path / "run.kvlog.bak"
-    shutil.copy(logs / "run.kvlog", copy)
+    shutil.copy(run[0], copy)
     assert log_files(copy) == [copy]
+    assert open_log(copy).paths == [copy]
+    assert log_files(tmp_path / "run.kvlog") == [tmp_path / p.name for p in run[:3]]
