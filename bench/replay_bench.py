@@ -64,15 +64,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 def write_log(
-    path: Path, target: int, live: int, num_slots: int, *, hot: bool = True, seed: int = 1
+    path: Path,
+    target: int,
+    live: int,
+    num_slots: int,
+    *,
+    hot: bool = True,
+    seed: int = 1,
+    rotate_bytes: int | None = None,
 ) -> int:
     """Drive the workload until ``target`` events were applied, counting a steady decode step
     folded into ``StepDecoded`` as one event per request (a "request-step"); returns the
     number of steps. ``hot``: steady decode steps as the connector records them (one
-    ``StepDecoded`` record per step for all of them), else one ``Scheduled`` per request."""
+    ``StepDecoded`` record per step for all of them), else one ``Scheduled`` per request.
+    ``rotate_bytes``: segments of that size (default: one file)."""
     rng = random.Random(seed)
     config = TrackerConfig(block_size=BLOCK, chunk_size=CHUNK, num_slots=num_slots)
-    writer = LogWriter(path, config.to_dict(), rotate_bytes=None, fsync="never")
+    writer = LogWriter(path, config.to_dict(), rotate_bytes=rotate_bytes, fsync="never")
     t = Tracker(config, log=writer)
     free = list(range(1, 1_000_000))
     prefixes = [[rng.randrange(32000) for _ in range(SHARED)] for _ in range(64)]
