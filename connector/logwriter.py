@@ -52,6 +52,7 @@ from tracker.framing import (
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
+    "SEAL_TIMEOUT_S",
     "DEFAULT_MAX_QUEUE_BYTES",
     "DEFAULT_ROTATE_BYTES",
     "LogWriteError",
@@ -64,6 +65,9 @@ DEFAULT_ROTATE_BYTES: Final = 256 << 20
 DEFAULT_MAX_QUEUE_BYTES: Final = 64 << 20
 # How long close() waits for the background writer to drain before it gives up and says so.
 CLOSE_TIMEOUT_S: Final = 30.0
+# How long seal() waits for the background writer to drain: a stopping engine is killed soon
+# after it is asked to stop (at once by default), and must never wait long on a hung disk.
+SEAL_TIMEOUT_S: Final = 2.0
 # Room kept in the queue for the loss record itself.
 _LOST_RECORD_BYTES: Final = 128
 
@@ -141,6 +145,9 @@ class LogWriter:
         self._digest = hashlib.blake2b(digest_size=16)
         self._size = 0
         self._rotate_due = False
+        # Once sealed (seal()): where the end record starts, and how the engine was stopped.
+        self._sealed_at: int | None = None
+        self.stop: str | None = None
         try:
             self._open_segment(0, "")
         except BaseException:
@@ -197,6 +204,39 @@ class LogWriter:
             )
         if self._write_pending() and self.fsync == "step":
             self._fsync("step")
+
+    def seal(self, stop: str, timeout: float = SEAL_TIMEOUT_S) -> bool:
+        """Make the file a complete log now, and keep it complete: for an engine that was
+        asked to stop (``stop`` says how, e.g. ``"SIGINT"``) and may be killed before it
+        closes the log. What is pending is written as a frame of its step (a step may span
+        frames), then an end record ``{"end": "closed", ..., "stop": stop}``. From then on
+        the writer works on the caller's thread, and every frame is written in one call over
+        the end record, together with a new one, so the file ends complete between any two
+        writes; the segment is not rotated any more. Call it again to write what is pending;
+        :meth:`close` still closes the log as usual.
+
+        Returns False, changing nothing, when the writer is closed or failed; and when its
+        background thread did not drain the queue within ``timeout`` (the writer is then
+        failed: a hung disk)."""
+        if self.closed or self._failure is not None or not self._open:
+            return False
+        if self._sealed_at is None:
+            out = self._out.handover(timeout)
+            if out is None:
+                self._fail(self._out.failure or f"the log thread did not drain in {timeout} s")
+                return False
+            self._out = out
+            self.stop = stop
+            self._sealed_at = self._size
+        try:
+            if self._pending:
+                self._write_pending()
+            if self._lost:
+                self._write_lost()
+            self._write(b"")  # the end record, once more: it is already there after a write
+        except (LogWriteError, codec.EncodeError):
+            return False
+        return True
 
     def close(self) -> None:
         """Write pending events, fsync (unless ``fsync="never"``) and close. Idempotent.
@@ -269,7 +309,7 @@ class LogWriter:
 
     def _begin_frame(self, step: int) -> None:
         self._check_usable()
-        if self._rotate_due:
+        if self._rotate_due and self._sealed_at is None:
             self._rotate()
         self._frame_step = step
         self._mark = self._encoder.mark()
@@ -298,8 +338,12 @@ class LogWriter:
         self._write(start)
 
     def _write_end(self, how: Literal["closed", "rotated"]) -> None:
-        """The segment's end record (:func:`tracker.framing.end_record`)."""
-        self._write(end_record(how, self.seq, self._last_step))
+        """The segment's end record (:func:`tracker.framing.end_record`). A sealed log
+        already ends with it."""
+        self._write(b"" if self._sealed_at is not None else self._end_record(how))
+
+    def _end_record(self, how: Literal["closed", "rotated"]) -> bytes:
+        return end_record(how, self.seq, self._last_step, self.stop)
 
     def _rotate(self) -> None:
         number = len(self.paths)
@@ -340,8 +384,8 @@ class LogWriter:
             return False
         if self._lost:
             self._write_lost()
+        self._last_step = self._frame_step  # before the write: a sealed write ends with it
         self._write(data)
-        self._last_step = self._frame_step
         self._mark = self._encoder.mark()
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
@@ -383,7 +427,12 @@ class LogWriter:
 
     def _write(self, data: bytes) -> None:
         try:
-            self._out.write(data)
+            if self._sealed_at is None:
+                self._out.write(data)
+            else:
+                assert isinstance(self._out, _DirectOutput)
+                self._out.overwrite(self._sealed_at, data + self._end_record("closed"))
+                self._sealed_at += len(data)
         except OSError as e:
             self._fail(f"write to {self.path} failed: {e}")
             self._failure_raised = True
@@ -421,6 +470,8 @@ class _Output(Protocol):
     def room(self, size: int) -> bool: ...
 
     def finish(self, timeout: float) -> str | None: ...
+
+    def handover(self, timeout: float) -> _DirectOutput | None: ...
 
 
 def _create(path: Path) -> IO[bytes]:
@@ -462,6 +513,20 @@ class _DirectOutput:
 
     def finish(self, timeout: float) -> str | None:
         return None
+
+    def handover(self, timeout: float) -> _DirectOutput | None:
+        """This output, written on the caller's thread from now on (None: it cannot be)."""
+        return self
+
+    def overwrite(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset`` in one call and end the file there: the sealed log's
+        way to replace its end record with a frame and a new end record. A process killed
+        around the call leaves the old end record or the new one, never a file without one
+        (short of a power loss, or a write over a page that a kill cuts short: a torn tail)."""
+        assert self._file is not None
+        fd = self._file.fileno()
+        os.pwrite(fd, data, offset)
+        os.ftruncate(fd, offset + len(data))
 
 
 class _BackgroundOutput(_DirectOutput):
@@ -533,6 +598,19 @@ class _BackgroundOutput(_DirectOutput):
                 f"({self._enqueued - self._written} bytes still queued): is the disk hung?"
             )
         return self.failure
+
+    def handover(self, timeout: float) -> _DirectOutput | None:
+        """Drain the queue and stop the thread; the file goes on as a direct output. When the
+        thread has written every byte handed to it and holds nothing else to do (the usual case
+        between steps), it is told to stop and not waited for: a stopping engine may be killed
+        within a millisecond, and the thread touches the file no more."""
+        if self._thread is not None and not self._ops and self._enqueued == self._written:
+            self._put("stop", None)
+        elif self.finish(timeout) is not None:
+            return None
+        direct = _DirectOutput()
+        direct._file, self._file = self._file, None
+        return direct
 
     def _put(self, op: str, arg: Any) -> None:
         self._ops.append((op, arg))

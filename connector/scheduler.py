@@ -799,6 +799,11 @@ class SchedulerSide:
         else:
             _log.error("kvledger.adapter_error", callback=callback, error=repr(exc), exc_info=exc)
 
+    def seal(self, stop: str) -> bool:
+        """The engine was asked to stop (``stop``: how): make the log complete as of now
+        (connector/stopping.py)."""
+        return self.tracker.seal(stop)
+
     def shutdown(self) -> None:
         self.tracker.close()
         if self.remote is not None:

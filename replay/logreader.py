@@ -178,6 +178,13 @@ class LogReader:
         return None if self._validator is None else self._validator.ending
 
     @property
+    def end(self) -> dict[str, Any] | None:
+        """The last segment's end record as read, e.g. ``{"end": "closed", "frames": N,
+        "last_step": S}``, with ``"stop"`` (the signal) for a log sealed when the engine was
+        asked to stop; None without one."""
+        return None if self._validator is None else self._validator.end
+
+    @property
     def missing_start(self) -> int | None:
         """The first segment's number when it is not 0: the log's beginning is missing."""
         return None if self._validator is None else self._validator.missing_start

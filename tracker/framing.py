@@ -289,12 +289,17 @@ def step_payloads(
     )
 
 
-def end_record(how: Literal["closed", "rotated"], frames: int, last_step: int) -> bytes:
+def end_record(
+    how: Literal["closed", "rotated"], frames: int, last_step: int, stop: str | None = None
+) -> bytes:
     """The segment's end record, framed: a frame whose payload is a map (a step's frame never
     is), so a reader tells a log that was closed, or rotated into a next segment, from one
     whose writer is still running or died (no end record). ``frames``: step frames in the
-    whole log; ``last_step``: the step of the last one (-1: none)."""
-    end = {"end": how, "frames": frames, "last_step": last_step}
+    whole log; ``last_step``: the step of the last one (-1: none); ``stop``: for a log sealed
+    when the engine was asked to stop, how it was asked (``"SIGINT"``, ``"SIGTERM"``)."""
+    end: dict[str, Any] = {"end": how, "frames": frames, "last_step": last_step}
+    if stop is not None:
+        end["stop"] = stop
     return frame_bytes(msgpack.packb(end, use_bin_type=True))
 
 

@@ -329,6 +329,19 @@ class Tracker:
         self._hot.pop(req_id, None)
         self._numbers.give_back(req_id)
 
+    def seal(self, stop: str) -> bool:
+        """Make the log complete as of now, and keep it so, for an engine asked to stop
+        (``stop`` says how): see ``LogWriter.seal``. Call it only between callbacks, when no
+        event is half applied. False when there is no log, or it cannot be sealed."""
+        sealer = getattr(self._log, "seal", None)
+        if sealer is None:
+            return False
+        try:
+            return bool(sealer(stop))
+        except Exception as exc:
+            self._log_failed(exc)
+            return False
+
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
         if closer is not None:
