@@ -52,9 +52,9 @@ from tracker.framing import (
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
-    "SEAL_TIMEOUT_S",
     "DEFAULT_MAX_QUEUE_BYTES",
     "DEFAULT_ROTATE_BYTES",
+    "SEAL_TIMEOUT_S",
     "LogWriteError",
     "LogWriter",
 ]

@@ -27,6 +27,7 @@ in progress (``with hook:``) and a seal asked for inside one waits for it to ret
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import threading
@@ -37,7 +38,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["STOP_SIGNALS", "NO_HOOK", "StopHook"]
+__all__ = ["NO_HOOK", "STOP_SIGNALS", "StopHook"]
 
 _log = structlog.get_logger("kvledger")
 
@@ -113,10 +114,8 @@ class StopHook:
     # --- the stop ---------------------------------------------------------------------------
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the stop goes on whatever the log does
             self.asked_to_stop(signal.Signals(signum).name)
-        except Exception:  # the stop itself must go on whatever the log does
-            pass
         previous = self._previous.get(signum)
         if callable(previous):
             previous(signum, frame)  # vLLM's handler, or Python's (KeyboardInterrupt)
@@ -166,7 +165,5 @@ def _close_at_exit() -> None:
     # A normal interpreter exit where vLLM never called shutdown() (an engine left to the
     # garbage collector): the log gets its end record.
     for hook in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):
             hook.close()
-        except Exception:
-            pass

@@ -9,9 +9,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker import events as ev
 from connector.logwriter import LogWriter
 from replay.logreader import LogReader
+from tracker import events as ev
 
 
 def snapshot(path: Path, tmp: Path) -> tuple[list[list[ev.Event]], LogReader]:
@@ -125,10 +125,9 @@ def test_after_a_seal_every_write_leaves_a_complete_log_of_everything_written(
     tmp = tmp_path_factory.mktemp("seal")  # type: ignore[attr-defined]
     w = LogWriter(tmp / "run.kvlog", {}, fsync="never", background=background)
     appended: list[str] = []
-    step = 0
     sealed = False
-    for i, grow in enumerate(steps):
-        if i == seal_at:
+    for step, grow in enumerate(steps):
+        if step == seal_at:
             assert w.seal("SIGINT")
             sealed = True
         for _ in range(grow):
@@ -136,7 +135,6 @@ def test_after_a_seal_every_write_leaves_a_complete_log_of_everything_written(
             w.append(ev.Preempted(step, rid))
             appended.append(rid)
         w.end_step(step)
-        step += 1
         if sealed:
             w.seal("SIGINT")  # what the hook does when a callback returns
             frames, reader = snapshot(w.path, tmp)

@@ -119,7 +119,9 @@ class Server:
                 pass
             time.sleep(0.5)
         self.kill()
-        raise TimeoutError(f"vLLM's server did not serve in {timeout:.0f} s:\n{self.output()[-4000:]}")
+        raise TimeoutError(
+            f"vLLM's server did not serve in {timeout:.0f} s:\n{self.output()[-4000:]}"
+        )
 
     def group_alive(self) -> bool:
         """Whether any process of the server's group (the server, its engine core, the
