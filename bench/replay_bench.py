@@ -214,7 +214,7 @@ def bare_apply(path: Path) -> int:
     """The floor a replay cannot go under: decode, and ``Tracker.apply`` every input event
     (no comparison, no bookkeeping)."""
     reader = LogReader(path)
-    t = Tracker(TrackerConfig.from_dict({**reader.header["config"], "strict": False}))
+    t = Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
     n = 0
     for frame in reader:
         for e in frame.events:

@@ -427,7 +427,7 @@ def main() -> None:
 
     # Full replay: fold every input event, re-derive every decision, run invariants, compare.
     def replay() -> int:
-        tracker = Tracker(TrackerConfig.from_dict(LogReader(log_path).header["config"]))
+        tracker = Tracker(TrackerConfig.from_header(LogReader(log_path).header["config"]))
         mismatches = 0
         recorded: list[Any] = []
         derived: list[Any] = []

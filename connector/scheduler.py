@@ -170,6 +170,7 @@ class SchedulerSide:
             num_slots=num_slots,
             discard_partial_chunks=config.discard_partial_chunks,
             save_decode_cache=config.save_decode_cache,
+            block_hits=config.block_hits,
             salt=salt,
             max_async_lag=max_async_lag,
             strict=config.strict,

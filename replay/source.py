@@ -192,7 +192,7 @@ class LogSource:
     def config(self) -> TrackerConfig:
         """The run's ``TrackerConfig``, strictly read (a bad header value raises
         ``ConfigError`` naming it)."""
-        return TrackerConfig.from_dict({**self.tracker_config, "strict": False})
+        return TrackerConfig.from_header({**self.tracker_config, "strict": False})
 
     def lenient_config(self) -> tuple[TrackerConfig, str | None]:
         """The run's ``TrackerConfig``, or the defaults with the reason when the header's

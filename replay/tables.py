@@ -441,7 +441,7 @@ class _Builder:
         if cls in REMOTE_TYPES:
             apply_remote(self.index, e)
         elif cls.KIND == "decision":
-            apply_decision(self.index, e, self.config)  # type: ignore[arg-type]
+            apply_decision(self.index, e, self.config, after)  # type: ignore[arg-type]
         elif after is not None:
             apply_input(self.index, e, before, after, self.config)
         if after is not None or before is not None:

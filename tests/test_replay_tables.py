@@ -138,7 +138,9 @@ def assert_steps_follow_a_live_tracker(path: Path, steps: list[dict[str, Any]]) 
     run did) and compare its pool and its requests' phases with each step's row."""
     reader = LogReader(path)
     fields = {f.name for f in attrs.fields(TrackerConfig)}
-    config = TrackerConfig(**{k: v for k, v in reader.header["config"].items() if k in fields})
+    config = TrackerConfig.from_header(
+        {k: v for k, v in reader.header["config"].items() if k in fields}
+    )
     by_step = {s["step"]: s for s in steps}
     tracker = Tracker(config)
     compared = 0

@@ -73,7 +73,7 @@ def assert_rows_match_a_tracker_replay(path: Path) -> int:
     reader = LogReader(path)
     header = reader.header
     fields = {f.name for f in attrs.fields(TrackerConfig)}
-    config = TrackerConfig(**{k: v for k, v in header["config"].items() if k in fields})
+    config = TrackerConfig.from_header({k: v for k, v in header["config"].items() if k in fields})
     ids = sorted({e.req_id for f in reader for e in f.events if e.req_id})
     rows = {rid: replay.show(path, rid) for rid in ids}
     tracker = Tracker(config)

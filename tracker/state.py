@@ -460,8 +460,14 @@ def steady_limit(state: RequestState, config: TrackerConfig) -> int:
     next_chunk_end = (cursor // c + 1) * c
     if config.save_decode_cache or state.prefill_end >= next_chunk_end:
         limit = next_chunk_end - 1  # a full chunk could be saved: plan_save decides
-    if not config.discard_partial_chunks and cursor < state.prefill_end:
-        limit = min(limit, state.prefill_end - 1)  # the prefill's partial chunk may be due
+    # The prefill's partial chunk may be due: whole without discard_partial_chunks, else its
+    # whole blocks with block_hits (plans._partial_tail).
+    tail_end = state.prefill_end
+    if config.discard_partial_chunks:
+        aligned = tail_end // config.block_size * config.block_size
+        tail_end = aligned if config.block_hits and aligned % c else 0
+    if cursor < tail_end:
+        limit = min(limit, state.prefill_end - 1)
     return limit
 
 

@@ -375,7 +375,7 @@ class Tracker:
             decisions.append(d)
             after, more = fold(state, d, config)
             violations = violations + more
-            apply_decision(index, d, config)
+            apply_decision(index, d, config, after)
             if isinstance(d, (ev.LoadPlanned, ev.SavePlanned)) and d.keys:
                 counter = "tokens_loaded" if isinstance(d, ev.LoadPlanned) else "tokens_saved"
                 self.counts[counter] += d.end - d.start
