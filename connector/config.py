@@ -78,7 +78,7 @@ class ConnectorConfig:
     discard_partial_chunks: bool = True
     log_dir: str | None = None
     log_rotate_bytes: int = 256 << 20
-    # Hits at block granularity (tracker/config.py, design note 18); false: whole chunks.
+    # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
     block_hits: bool = True
     # Durability of the log, like SQLite's `synchronous`: "close" fsyncs at each rotation and
     # at close, "step" after every step too, "never" leaves it to the OS.

@@ -94,7 +94,7 @@ class ChunkIndex:
     and is never evicted. Cancelled reservations (their source KV turned out wrong) free their
     slot when the worker reports back, and are never stored.
 
-    Aliases (block hits, design note 18): a stored chunk is also found under the key of each
+    Aliases (block hits, design note 14): a stored chunk is also found under the key of each
     whole-block prefix it holds (``block_prefix_keys``), so a prompt that shares only its
     first blocks with a stored chunk finds them. An alias names its chunks (the first stored
     one serves it); it goes when they go. Only keys are aliased: slots, pins and LRU order

@@ -51,7 +51,7 @@ class TrackerConfig:
       ``block_hits``, the whole blocks of its partial chunk are saved anyway); without
       ``block_hits``, never save the prefill's partial chunk at all.
     - ``block_hits``: hits at block granularity: a prompt whose first N whole blocks are in
-      the pool is offered N blocks, however ``chunk_size`` divides them (design note 18).
+      the pool is offered N blocks, however ``chunk_size`` divides them (design note 14).
       A log written before this setting existed reads it as False: its run decided by whole
       chunks, and a replay must decide as it did.
     - ``save_decode_cache``: also save chunks completed during decode.
