@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_connector_scenarios import blocks, make_engine, no_violations, ok_kv, prompt
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from replay.replayer import check
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.plans import answer_lookup, transfer_plan
 from tracker.tracker import Tracker
 
