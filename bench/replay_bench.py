@@ -46,10 +46,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from replay.replayer import check
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 BLOCK = 16
@@ -63,15 +64,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 def write_log(
-    path: Path, target: int, live: int, num_slots: int, *, hot: bool = True, seed: int = 1
+    path: Path,
+    target: int,
+    live: int,
+    num_slots: int,
+    *,
+    hot: bool = True,
+    seed: int = 1,
+    rotate_bytes: int | None = None,
 ) -> int:
     """Drive the workload until ``target`` events were applied, counting a steady decode step
     folded into ``StepDecoded`` as one event per request (a "request-step"); returns the
     number of steps. ``hot``: steady decode steps as the connector records them (one
-    ``StepDecoded`` record per step for all of them), else one ``Scheduled`` per request."""
+    ``StepDecoded`` record per step for all of them), else one ``Scheduled`` per request.
+    ``rotate_bytes``: segments of that size (default: one file)."""
     rng = random.Random(seed)
     config = TrackerConfig(block_size=BLOCK, chunk_size=CHUNK, num_slots=num_slots)
-    writer = LogWriter(path, config.to_dict(), rotate_bytes=None, fsync="never")
+    writer = LogWriter(path, config.to_dict(), rotate_bytes=rotate_bytes, fsync="never")
     t = Tracker(config, log=writer)
     free = list(range(1, 1_000_000))
     prefixes = [[rng.randrange(32000) for _ in range(SHARED)] for _ in range(64)]
@@ -205,7 +214,7 @@ def bare_apply(path: Path) -> int:
     """The floor a replay cannot go under: decode, and ``Tracker.apply`` every input event
     (no comparison, no bookkeeping)."""
     reader = LogReader(path)
-    t = Tracker(TrackerConfig.from_dict({**reader.header["config"], "strict": False}))
+    t = Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
     n = 0
     for frame in reader:
         for e in frame.events:

@@ -34,10 +34,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
 from tracker.chunks import chunk_keys, root_key
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 BLOCK = 16
@@ -426,7 +427,7 @@ def main() -> None:
 
     # Full replay: fold every input event, re-derive every decision, run invariants, compare.
     def replay() -> int:
-        tracker = Tracker(TrackerConfig.from_dict(LogReader(log_path).header["config"]))
+        tracker = Tracker(TrackerConfig.from_header(LogReader(log_path).header["config"]))
         mismatches = 0
         recorded: list[Any] = []
         derived: list[Any] = []

@@ -78,6 +78,8 @@ class ConnectorConfig:
     discard_partial_chunks: bool = True
     log_dir: str | None = None
     log_rotate_bytes: int = 256 << 20
+    # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
+    block_hits: bool = True
     # Durability of the log, like SQLite's `synchronous`: "close" fsyncs at each rotation and
     # at close, "step" after every step too, "never" leaves it to the OS.
     log_fsync: str = "close"
@@ -134,6 +136,7 @@ class ConnectorConfig:
         for name in (
             "save_decode_cache",
             "discard_partial_chunks",
+            "block_hits",
             "strict",
             "log_background",
             "log_required",

@@ -437,7 +437,7 @@ def _empty_stats(stats: Any) -> bool:
 
 
 def _open_log(log_dir: str, header: dict[str, Any], background: bool) -> tuple[Any, str]:
-    from tracker.log import LogWriter  # file I/O only when asked for
+    from connector.logwriter import LogWriter  # file I/O only when asked for
 
     os.makedirs(log_dir, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")

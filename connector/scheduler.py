@@ -24,13 +24,13 @@ import attrs
 import structlog
 
 from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.logwriter import LogWriteError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.metrics import Counters
 from connector.remote import RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestPlanner
-from tracker.log import LogWriteError
 from tracker.plans import blocks_covering, transfer_plan
 from tracker.remote import lookup_keys
 from tracker.tracker import Tracker
@@ -170,6 +170,7 @@ class SchedulerSide:
             num_slots=num_slots,
             discard_partial_chunks=config.discard_partial_chunks,
             save_decode_cache=config.save_decode_cache,
+            block_hits=config.block_hits,
             salt=salt,
             max_async_lag=max_async_lag,
             strict=config.strict,
@@ -226,7 +227,7 @@ class SchedulerSide:
                 self._remote_outage(down)
 
     def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
-        from tracker.log import LogWriter  # the only file I/O, and only when asked for
+        from connector.logwriter import LogWriter  # the only file I/O, and only when asked for
 
         os.makedirs(log_dir, exist_ok=True)
         # One log per connector: time, pid and a random suffix, so a second connector in the
@@ -798,6 +799,11 @@ class SchedulerSide:
             self.tracker.mark_violation(req_id, "adapter_error", "Scheduled", error=repr(exc))
         else:
             _log.error("kvledger.adapter_error", callback=callback, error=repr(exc), exc_info=exc)
+
+    def seal(self, stop: str) -> bool:
+        """The engine was asked to stop (``stop``: how): make the log complete as of now
+        (connector/stopping.py)."""
+        return self.tracker.seal(stop)
 
     def shutdown(self) -> None:
         self.tracker.close()

@@ -31,6 +31,7 @@ from connector.config import ConnectorConfig
 from connector.messages import StepPlan, WorkerReport
 from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
 from connector.scheduler import SchedulerSide
+from connector.stopping import NO_HOOK, StopHook
 
 if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
     from connector.worker import WorkerSide
@@ -214,6 +215,8 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
             )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Wraps every scheduler callback that writes to the log (connector/stopping.py).
+        self._stop: StopHook | Any = NO_HOOK
         if role == KVConnectorRole.SCHEDULER:
             import vllm
 
@@ -229,6 +232,11 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                     "slot_bytes": slot_bytes,
                 },
             )
+            if self._scheduler.log_path is not None:
+                # vLLM's engine core is often killed before it calls shutdown(): the log is
+                # sealed when a stop signal arrives, and closed at interpreter exit.
+                self._stop = StopHook(self._scheduler.seal, self._scheduler.shutdown)
+                self._stop.install()
         else:
             self._worker = self.make_worker_side(self.kv_config, num_slots=num_slots, rank=rank)
 
@@ -261,26 +269,32 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     # --- scheduler side -------------------------------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        self.scheduler_side.on_new_request(request)
+        with self._stop:
+            self.scheduler_side.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._stop:
+            return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+        with self._stop:
+            self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerMetadata:
-        return KVLedgerMetadata(self.scheduler_side.build_connector_meta(scheduler_output))
+        with self._stop:
+            return KVLedgerMetadata(self.scheduler_side.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        self.scheduler_side.update_connector_output(connector_output)
+        with self._stop:
+            self.scheduler_side.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self.scheduler_side.request_finished(request, block_ids)
+        with self._stop:
+            return self.scheduler_side.request_finished(request, block_ids)
 
     def take_events(self) -> tuple[()]:
         return ()
@@ -364,7 +378,9 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         return KVLedgerWorkerMetadata(report) if report else None
 
     def shutdown(self) -> None:
-        if self._scheduler is not None:
+        if isinstance(self._stop, StopHook):
+            self._stop.close()  # closes the log, gives the signals back
+        elif self._scheduler is not None:
             self._scheduler.shutdown()
         if self._worker is not None:
             self._worker.shutdown()

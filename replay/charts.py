@@ -32,8 +32,8 @@ from replay.source import LogPath, LogSource, open_log
 from replay.tables import Row, collect
 from tracker import events as ev
 from tracker.config import TrackerConfig
+from tracker.framing import Frame, StopInfo
 from tracker.history import walk
-from tracker.log import Frame, StopInfo
 from tracker.state import RequestState
 
 __all__ = [

@@ -30,9 +30,10 @@ from replay import charts, demo, lives, summary, tail
 from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
-from replay.source import LogUnreadable
+from replay.logreader import newest_log
+from replay.source import LogUnreadable, MissingSegments, take_opened, watch_opened
 from tracker.config import ConfigError
-from tracker.log import StopInfo, newest_log
+from tracker.framing import StopInfo
 
 if TYPE_CHECKING:  # imported when ``check`` runs: the Tracker (and structlog) cost startup
     from replay.replayer import CheckResult, Problem
@@ -44,6 +45,7 @@ Handler = Callable[[argparse.Namespace], int]
 EXIT_OK = 0
 EXIT_DIFFER = 1
 EXIT_UNREADABLE = 2
+EXIT_INCOMPLETE = 3  # read without damage, but not the whole log (check's 3)
 
 
 def version() -> str:
@@ -733,8 +735,11 @@ examples:
 
 
 def _warn_damage(name: str, *damages: StopInfo | None) -> int:
-    """Report read damage on stderr; the exit status: 2 when a log could not be read to its
-    end (what was read is still shown), else 0."""
+    """Report read damage on stderr, and the logs read so far that lacked segment files
+    (``LogSource.missing_segments``: a path naming one segment reads the whole log that is
+    there); the exit status, as check's: 2 when a log could not be read to its end or lacks
+    its start (what was read is still shown), 3 when it lacks the segment its last one was
+    rotated into, else 0."""
     status = EXIT_OK
     for damage in damages:
         if damage is not None:
@@ -744,7 +749,21 @@ def _warn_damage(name: str, *damages: StopInfo | None) -> int:
                 file=sys.stderr,
             )
             status = EXIT_UNREADABLE
+    said: set[tuple[str, ...]] = set()
+    for src in take_opened():
+        missing = src.missing_segments()
+        key = tuple(map(str, src.paths))
+        if missing is None or key in said:
+            continue
+        said.add(key)
+        print(f"kvledger: {missing.log}: {missing.describe()}", file=sys.stderr)
+        status = _worse(status, EXIT_UNREADABLE if missing.before is not None else EXIT_INCOMPLETE)
     return status
+
+
+def _worse(a: int, b: int) -> int:
+    """The exit status that says more is wrong: 2 (unreadable) over 3 (incomplete) over 0."""
+    return EXIT_UNREADABLE if EXIT_UNREADABLE in (a, b) else max(a, b)
 
 
 def _fail(message: str) -> int:
@@ -763,7 +782,8 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         try:
-            return fn(args)
+            with watch_opened():  # for _warn_damage: which logs lacked segment files
+                return fn(args)
         except BrokenPipeError:  # the reader went away; not an output error (see main)
             raise
         except LogUnreadable as e:
@@ -804,6 +824,11 @@ def _tail(args: argparse.Namespace) -> int:
     def started(follower: Any) -> None:
         run = (follower.header or {}).get("run_id", "?")
         print(f"kvledger: following {follower.first} (run {run})", file=sys.stderr, flush=True)
+        if follower.missing_start is not None:  # what check says: exit 2 at the end
+            why = MissingSegments(str(follower.first), 0, before=follower.missing_start).why()
+            print(
+                f"kvledger: {follower.first}: not all of the log is there: {why}", file=sys.stderr
+            )
 
     if os.path.isdir(args.log) and not args.once and newest_log(args.log) is None:
         print(f"kvledger: waiting for a log in {args.log}", file=sys.stderr, flush=True)
@@ -816,6 +841,8 @@ def _tail(args: argparse.Namespace) -> int:
         on_start=started,
     )
     code = EXIT_UNREADABLE if end.how in ("damage", "no_log") else EXIT_OK
+    if end.missing_start is not None:
+        code = EXIT_UNREADABLE
     if end.how == "damage" and end.stop is not None:
         print(f"kvledger: {end.log}: {end.stop.describe()}", file=sys.stderr)
     elif end.how == "no_log":
@@ -834,8 +861,9 @@ def _tail(args: argparse.Namespace) -> int:
 def _diff(args: argparse.Namespace) -> int:
     ignore = [f.strip() for arg in args.ignore or () for f in arg.split(",") if f.strip()]
     result = diff(args.a, args.b, ignore=ignore, order=args.order)
-    damaged = _warn_damage("A", result.damage_a) | _warn_damage("B", result.damage_b)
-    code = EXIT_UNREADABLE if damaged else EXIT_OK if result.identical else EXIT_DIFFER
+    read = _worse(_warn_damage("A", result.damage_a), _warn_damage("B", result.damage_b))
+    # As check: unreadable (2) first, then a difference (1), then a log not whole (3).
+    code = read if read == EXIT_UNREADABLE or result.identical else EXIT_DIFFER
     args.exit_code = code  # kept if the reader of stdout goes away (main)
     if args.json:
         _json(result.to_dict())

@@ -61,8 +61,8 @@ import attrs
 from replay.format import describe_event, event_content, event_fields, field_names
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
+from tracker.framing import StopInfo
 from tracker.history import GLOBAL_TYPES, POOL, Lives, labelled, walk
-from tracker.log import StopInfo
 
 __all__ = ["ORDERS", "DiffResult", "Divergence", "EventAt", "diff", "ignorable_fields"]
 

@@ -57,10 +57,18 @@ from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import REMOTE_SLOT, ChunkIndex
 from tracker.config import TrackerConfig
+from tracker.framing import StopInfo
 from tracker.history import RETIRED_MEMORY, Folded, retires, walk
 from tracker.index_fold import apply_recorded
-from tracker.log import StopInfo
-from tracker.plans import Span, lookup_spans, save_policy_end, span_tier, transfer_plan
+from tracker.plans import (
+    Span,
+    block_hit,
+    lookup_spans,
+    save_policy_end,
+    saved_tail,
+    span_tier,
+    transfer_plan,
+)
 from tracker.state import RequestState
 
 __all__ = [
@@ -84,7 +92,7 @@ REASONS: dict[str, str] = {
     "cache_salt, or an earlier run's model or layout): chunk keys differ",
     "earlier_run": "computed by an earlier run (--earlier LOG): that engine's host pool is not "
     "this one's, and no shared tier was seen holding it",
-    "partial_chunk": "the tokens asked end inside a chunk: partial chunks are not saved "
+    "partial_chunk": "the tokens asked end inside a block (or chunk): partial ones are not saved "
     "(discard_partial_chunks), or these tokens lie inside a longer chunk",
     "decode_not_saved": "computed as decode output, which is not saved (save_decode_cache off)",
     "save_failed": "its save failed (or was cancelled: computed over a failed load)",
@@ -193,6 +201,12 @@ _FACTS = {
 
 def _moved(m: Miss, start: int, end: int) -> Miss:
     return m._replace(start=start, end=end)
+
+
+def _past(pieces: list[Miss], held: int) -> list[Miss]:
+    """The pieces of a unit's misses past token ``held``: the whole blocks before it were a hit
+    (block hits: tracker.plans.block_hit), so only the rest of the unit is missed."""
+    return [_moved(m, max(m.start, held), m.end) for m in pieces if m.end > held]
 
 
 @attrs.define
@@ -846,15 +860,32 @@ class Explainer:
         salt = "" if life is None else life.salt
         chain: bytes | None = None  # another root's unit matching so far (different_salt)
         end = 0
-        for span in lookup_spans(state, self.config, num_tokens):
+        config = self.config
+        for span in lookup_spans(state, config, num_tokens):
             end = span.end
             if not self.recorded and span_tier(self.index, span) is not None:
                 if broken is not None:  # held after a unit that is not: missed for its reason
                     pieces.append(_moved(broken, span.start, span.end))
                 continue
             why, chain = self._why(span, state, salt, chain)
+            if not self.recorded:
+                # A prompt's tail is saved as its whole blocks: what became of those, and the
+                # partial block past them by policy.
+                tail = saved_tail(state, config, span)
+                if tail is not None and broken is not None and span_tier(self.index, tail):
+                    # Held, after a unit that is not: missed for that unit's reason.
+                    why = [_moved(broken, tail.start, tail.end), *_past(why, tail.end)]
+                elif tail is not None:
+                    fate = self._remote_why(tail) or self._pool_why(tail)
+                    if fate is not None:
+                        why = [fate, *_past(why, fate.end)]
+                if broken is None and config.block_hits:
+                    # The first unit not held whole: its whole blocks a stored chunk holds hit.
+                    chunk = span.start // config.chunk_size
+                    held = block_hit(state, self.index, config, chunk, num_tokens)
+                    why = _past(why, span.start + held)
             pieces.extend(why)
-            if broken is None:
+            if broken is None and why:
                 broken = why[-1]
         if end < num_tokens:
             pieces.append(
@@ -944,11 +975,12 @@ class Explainer:
         if self.recorded:
             return Miss(s, e, "not_offered", step, by)
         if span.partial:
-            detail = (
-                "partial chunks are not saved (discard_partial_chunks)"
-                if self.config.discard_partial_chunks
-                else "they lie inside a longer chunk; only a prefill's own tail is saved"
-            )
+            if not self.config.discard_partial_chunks:
+                detail = "they lie inside a longer chunk; only a prefill's own tail is saved"
+            elif self.config.block_hits:
+                detail = "a partial block is not saved (discard_partial_chunks)"
+            else:
+                detail = "partial chunks are not saved (discard_partial_chunks)"
             return Miss(s, e, "partial_chunk", step, by, detail=detail)
         if computed.decode:
             return Miss(s, e, "decode_not_saved", step, by)
@@ -1023,7 +1055,8 @@ class Explainer:
         else:
             if adm.refused:
                 ok_end = local
-                misses.append(Miss(local, ext_end, "load_refused"))
+                if ext_end > local:
+                    misses.append(Miss(local, ext_end, "load_refused"))
             elif adm.load is None:
                 ok_end = local
                 if ext_end > local:

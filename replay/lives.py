@@ -17,8 +17,8 @@ from replay.format import describe_event
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.config import TrackerConfig
+from tracker.framing import StopInfo
 from tracker.history import POOL, Folded, walk
-from tracker.log import StopInfo
 
 __all__ = [
     "Fold",

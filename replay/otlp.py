@@ -39,8 +39,8 @@ from replay.extras import require
 from replay.recorded import is_recorded
 from replay.source import LogPath, open_log
 from tracker import events as ev
+from tracker.framing import StopInfo
 from tracker.history import walk
-from tracker.log import StopInfo
 
 __all__ = ["BINARY_SUFFIXES", "spans", "to_protobuf", "write_otlp"]
 

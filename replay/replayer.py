@@ -46,7 +46,7 @@ from replay.recorded import check_recorded_into, is_recorded
 from replay.source import LogPath, LogSource, LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
-from tracker.log import LogFormatError, StopInfo
+from tracker.framing import LogFormatError, StopInfo
 from tracker.state import RequestState
 from tracker.tracker import Tracker
 

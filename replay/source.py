@@ -1,7 +1,9 @@
 """Open a captured log for reading: the one way every command reads a log.
 
 A log is one file, a list of segment files (in order), or a directory holding the segments of
-one log; a log split by rotation (``run.kvlog``, ``run.000001.kvlog``, ...) reads as one.
+one log; a log split by rotation (``run.kvlog``, ``run.000001.kvlog``, ...) reads as one. A path
+naming one segment of a rotated log names the whole log: every segment of it in the segment's
+directory is read (:func:`log_files`); a list of files is read as it is.
 
 One error model, for ``check``, ``diff``, ``show``, ``stats``, ``timeline`` and ``export``:
 
@@ -15,12 +17,16 @@ One error model, for ``check``, ``diff``, ``show``, ``stats``, ``timeline`` and 
   and why (a torn tail after a crash, a checksum mismatch, a broken segment chain, ...);
 - how a log read without damage ended is data too (:attr:`LogSource.ending`: closed, still
   open, cut at a rotation, or too old to tell), as are steps its writer dropped
-  (:attr:`LogSource.gaps`) and a missing beginning (:attr:`LogSource.missing_start`).
+  (:attr:`LogSource.gaps`) and a missing beginning (:attr:`LogSource.missing_start`);
+- segment files of the log that were not there to read (its first ones, or the one its last
+  segment was rotated into) are :meth:`LogSource.missing_segments`; the command line says so
+  after every command, and exits as ``check`` would (:func:`watch_opened`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -28,19 +34,32 @@ from typing import Any
 
 import attrs
 
+from replay.logreader import LogReader, segment_paths
 from tracker.config import ConfigError, TrackerConfig
 from tracker.events import Event
-from tracker.log import ENDINGS, Frame, LogFormatError, LogReader, RawFrame, StopInfo
+from tracker.framing import (
+    ENDINGS,
+    Frame,
+    LogFormatError,
+    RawFrame,
+    StopInfo,
+    next_segment_name,
+    parse_segment_name,
+)
 
 __all__ = [
     "LogNotFound",
     "LogPath",
     "LogSource",
     "LogUnreadable",
+    "MissingSegments",
     "PathArg",
     "damage_dict",
+    "log_files",
     "open_log",
     "split_config",
+    "take_opened",
+    "watch_opened",
 ]
 
 PathArg = str | os.PathLike[str]
@@ -81,6 +100,32 @@ def split_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tracker, extra
 
 
+@attrs.frozen
+class MissingSegments:
+    """Segment files of a log that were not there to read: its first ones (``before``: the
+    number of the first segment read, when it is not 0), or the one its last segment read was
+    rotated into (``after``: that file's path)."""
+
+    log: str
+    read: int  # segment files read
+    before: int | None = None
+    after: str | None = None
+
+    def why(self) -> str:
+        """What is not there, in words."""
+        why = []
+        if self.before is not None:
+            first = "segment 0" if self.before == 1 else f"segments 0 to {self.before - 1}"
+            why.append(f"{first} (the log's start) not there")
+        if self.after is not None:
+            why.append(f"the last one was rotated into {self.after}, which is not there")
+        return "; ".join(why)
+
+    def describe(self) -> str:
+        files = "1 segment" if self.read == 1 else f"{self.read} segments"
+        return f"read {files} of this log, not all of it: {self.why()}"
+
+
 class LogSource:
     """One log opened for reading. Build it with :func:`open_log`.
 
@@ -109,7 +154,7 @@ class LogSource:
     @property
     def ending(self) -> str | None:
         """How the last pass ended without damage: ``closed``, ``open``, ``rotated`` or
-        ``unknown`` (``tracker.log.ENDINGS`` says what each means); None after damage."""
+        ``unknown`` (``tracker.framing.ENDINGS`` says what each means); None after damage."""
         return self._reader.ending
 
     @property
@@ -124,6 +169,19 @@ class LogSource:
     def missing_start(self) -> int | None:
         return self._reader.missing_start
 
+    def missing_segments(self) -> MissingSegments | None:
+        """Segment files of this log that were not there to read (see :class:`MissingSegments`;
+        ``after`` is known once a pass has read to the end), or None."""
+        before = self.header.get("segment")
+        before = before if type(before) is int and before > 0 else None
+        after = None
+        if self.ending == "rotated" and self.paths:
+            last = self.paths[-1]
+            after = str(last.with_name(next_segment_name(last.name)))
+        if before is None and after is None:
+            return None
+        return MissingSegments(self.name, len(self.paths), before, after)
+
     def describe_ending(self) -> str:
         """The ending in words, for a report (empty before a pass or after damage)."""
         ending = self.ending
@@ -134,7 +192,7 @@ class LogSource:
     def config(self) -> TrackerConfig:
         """The run's ``TrackerConfig``, strictly read (a bad header value raises
         ``ConfigError`` naming it)."""
-        return TrackerConfig.from_dict({**self.tracker_config, "strict": False})
+        return TrackerConfig.from_header({**self.tracker_config, "strict": False})
 
     def lenient_config(self) -> tuple[TrackerConfig, str | None]:
         """The run's ``TrackerConfig``, or the defaults with the reason when the header's
@@ -191,8 +249,10 @@ def open_log(source: LogPath | LogSource) -> LogSource:
     Raises :class:`LogUnreadable`, naming the file and why, when nothing can be read."""
     if isinstance(source, LogSource):
         return source
+    named = False  # one path: the log it names, whole
     if isinstance(source, (str, os.PathLike)):
         paths: list[PathArg] = [source]
+        named = True
     else:
         paths = list(source)
         if not paths:
@@ -203,6 +263,8 @@ def open_log(source: LogPath | LogSource) -> LogSource:
             raise LogNotFound(f"{os.fspath(p)}: no such file or directory")
     if len(paths) > 1 and any(os.path.isdir(p) for p in paths):
         raise LogUnreadable("pass one directory, or the segment files of one log")
+    if named and not os.path.isdir(paths[0]):
+        paths = list(log_files(paths[0]))
     try:
         reader = LogReader(paths[0] if len(paths) == 1 else paths)
         header = reader.header
@@ -220,7 +282,53 @@ def open_log(source: LogPath | LogSource) -> LogSource:
             raise LogUnreadable(f"{stop.path}: empty file (0 bytes): not a log yet", stop)
         why = stop.describe() if stop is not None else "no header"
         raise LogUnreadable(f"unreadable header: {why}", stop)
-    return LogSource(reader, name, header)
+    src = LogSource(reader, name, header)
+    opened = _OPENED.get()
+    if opened is not None:
+        opened.append(src)
+    return src
+
+
+def log_files(path: PathArg) -> list[Path]:
+    """The files of the log that the file ``path`` belongs to, in order: when its name is a
+    segment's (``run.kvlog``, ``run.000003.kvlog``), every segment of that log in its
+    directory, so that a path naming one segment reads as the whole log (a missing start
+    shows in the first header, a missing end in the last segment's end record); any other
+    file alone."""
+    p = Path(path)
+    parsed = parse_segment_name(p.name)
+    if parsed is None:
+        return [p]
+    found = segment_paths(p.parent, stem=parsed[0])
+    return found if p.name in {f.name for f in found} else [p]
+
+
+# The logs open_log opened, while a command runs under watch_opened (None: not watched).
+_OPENED: contextvars.ContextVar[list[LogSource] | None] = contextvars.ContextVar(
+    "kvledger_opened_logs", default=None
+)
+
+
+@contextlib.contextmanager
+def watch_opened() -> Iterator[None]:
+    """Collect every log :func:`open_log` opens in this context, so that the command line
+    can ask, once a command has read them, whether each was whole
+    (:meth:`LogSource.missing_segments`), wherever in the library it was opened."""
+    token = _OPENED.set([])
+    try:
+        yield
+    finally:
+        _OPENED.reset(token)
+
+
+def take_opened() -> list[LogSource]:
+    """The logs opened under :func:`watch_opened` since the last call (none outside it)."""
+    opened = _OPENED.get()
+    if not opened:
+        return []
+    taken = list(opened)
+    opened.clear()
+    return taken
 
 
 def _name_of(paths: Sequence[PathArg]) -> str:

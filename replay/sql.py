@@ -25,7 +25,7 @@ import attrs
 
 from replay.extras import require
 from replay.tables import TABLES, Column, collect
-from tracker.log import StopInfo
+from tracker.framing import StopInfo
 
 __all__ = ["QueryResult", "SqlError", "connect", "query", "source_kind"]
 

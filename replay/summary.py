@@ -15,8 +15,8 @@ from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.digests import DigestBook
+from tracker.framing import Frame, StopInfo
 from tracker.history import walk
-from tracker.log import Frame, StopInfo
 from tracker.state import RequestState
 
 __all__ = ["LookupStats", "Stats", "stats"]

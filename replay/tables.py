@@ -44,8 +44,8 @@ from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
+from tracker.framing import StopInfo
 from tracker.history import GLOBAL_TYPES, POOL, retires, walk
-from tracker.log import StopInfo
 from tracker.state import Phase, RequestState
 
 __all__ = [

@@ -5,9 +5,11 @@ from the pool, loads and saves planned (and their tokens), loads and chunk saves
 confirmed or failed, and the violations recorded in it (new ones only: each is recorded once).
 Steps with none of these (steady decode) are not shown unless asked for.
 
-The log is read by :class:`tracker.log.LogFollower` as it grows, rotation included; a frame
-the writer is still writing is read once it is whole. A step the writer split over several
-frames (it does so only past its frame size limit) may show as two lines.
+The log is read by :class:`replay.logreader.LogFollower` as it grows, rotation included,
+through the validator every reader uses (what ``check`` refuses, ``tail`` refuses); a frame the
+writer is still writing is read once it is whole. A path naming one segment of a rotated log
+is followed from the log's first segment there (``replay.source.log_files``). A step the writer
+split over several frames (it does so only past its frame size limit) may show as two lines.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Any
 
 import attrs
 
+from replay.logreader import LogFollower
+from replay.source import log_files
 from tracker import events as ev
-from tracker.log import Frame, LogFollower, StopInfo
+from tracker.framing import Frame, StopInfo
 
 __all__ = ["StepNews", "TailEnd", "follow", "news"]
 
@@ -127,12 +131,15 @@ def news(frames: Iterable[Frame]) -> Iterator[StepNews]:
 class TailEnd:
     """How :func:`follow` ended: ``"closed"`` (the writer closed the log), ``"caught_up"``
     (``once``: everything written so far was read), ``"damage"`` (``stop`` says where),
-    ``"interrupted"`` (Ctrl-C), ``"no_log"`` (``once`` and no log there yet)."""
+    ``"interrupted"`` (Ctrl-C), ``"no_log"`` (``once`` and no log there yet).
+    ``missing_start``: the number of the first segment there, when the log's start (segment 0)
+    is not there: what was followed is not the whole log, as ``check`` would say."""
 
     how: str
     steps: int  # steps read
     log: str | None
     stop: StopInfo | None = None
+    missing_start: int | None = None
 
 
 def follow(
@@ -144,11 +151,14 @@ def follow(
     quiet_steps: bool = False,
     on_start: Callable[[LogFollower], None] | None = None,
 ) -> TailEnd:
-    """Read the log at ``source`` (a log directory: its newest log; or a first segment) as it
+    """Read the log at ``source`` (a log directory: its newest log; or a file of the log: a
+    path naming any segment follows the whole log, from its first segment there) as it
     grows, calling ``emit`` for each step that did something (every step with
     ``quiet_steps``). Returns when the writer closes the log, at damage, on Ctrl-C, or with
     ``once`` when it has read what is written so far. ``on_start`` is called once the log's
     header is read."""
+    if os.path.isfile(source):
+        source = log_files(source)[0]
     follower = LogFollower(source)
     steps = 0
     started = False
@@ -164,16 +174,17 @@ def follow(
                 if quiet_steps or not item.quiet:
                     emit(item)
             name = None if follower.first is None else str(follower.first)
+            missing = follower.missing_start
             if follower.stop is not None:
-                return TailEnd("damage", steps, name, follower.stop)
+                return TailEnd("damage", steps, name, follower.stop, missing)
             if follower.ending == "closed":
-                return TailEnd("closed", steps, name)
+                return TailEnd("closed", steps, name, None, missing)
             if once:
-                return TailEnd("caught_up" if started else "no_log", steps, name)
+                return TailEnd("caught_up" if started else "no_log", steps, name, None, missing)
             if not frames:
                 time.sleep(interval)
     except KeyboardInterrupt:
         name = None if follower.first is None else str(follower.first)
-        return TailEnd("interrupted", steps, name)
+        return TailEnd("interrupted", steps, name, None, follower.missing_start)
     finally:
         follower.close()

@@ -40,7 +40,7 @@ import attrs
 from replay.extras import require
 from replay.source import LogPath, open_log
 from replay.tables import TABLES, Column, Row, table_rows
-from tracker.log import StopInfo
+from tracker.framing import StopInfo
 
 __all__ = ["FORMATS", "ExportError", "ExportResult", "export", "export_runs", "run_name"]
 

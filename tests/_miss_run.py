@@ -20,8 +20,8 @@ SPEC: dict[str, Any] = dict(
 
 
 def failing_load(req_id: str, chunk: Any) -> bool:
-    """The load of again-req-1's second chunk fails: vLLM recomputes from there."""
-    return req_id == "again-req-1" and chunk.token_start == 32
+    """The load of again-req-1's first chunk fails: vLLM recomputes from there."""
+    return req_id == "again-req-1" and chunk.token_start == 0
 
 
 def make(log_dir: str) -> Any:

@@ -19,9 +19,10 @@ from typing import Any
 
 import attrs
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 BLOCK = 16

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from connector.logwriter import LogWriter
 from tracker.config import ConfigError, TrackerConfig
-from tracker.log import LogWriter
 
 BAD = [
     ({"num_slots": 2**64 - 1}, "num_slots"),

@@ -259,7 +259,7 @@ def test_get_num_new_matched_tokens_asked_ten_times_answers_the_same() -> None:
 def test_s2_4508_two_lookups_then_allocation_store_from_512() -> None:
     """#4508 (MP mode): two lookups that hit 512 before the allocation succeeds must not
     double the stored watermark: the next save starts at 512."""
-    eng = make_engine(block=16, chunk=256, num_blocks=110, slots=8)
+    eng = make_engine(block=16, chunk=256, num_blocks=110, slots=8, block_hits=False)
     p = prompt(1000)
     a = eng.add("A", p[:600])
     eng.admit(a, blocks(1, 38))
@@ -283,7 +283,7 @@ def test_s2_4508_two_lookups_then_allocation_store_from_512() -> None:
 def test_s3a_vllm_prefix_hit_larger_than_the_pool_hit() -> None:
     """P=600 (S=512), 10 outputs, preempted; resume with local 592 > pool hit 512: the
     lookup answers 0 (#2703: a negative need is normal), no load, no save, no violation."""
-    eng = make_engine(block=16, chunk=256)
+    eng = make_engine(block=16, chunk=256, block_hits=False)
     r = eng.add("R", prompt(600))
     table = blocks(1, 39)
     eng.admit(r, table)
@@ -377,7 +377,8 @@ def test_s4_decode_tokens_reach_the_tracker(async_scheduling: bool) -> None:
 def test_s4_pr2929_vectors_preemption_and_chunked_prefill() -> None:
     """(prompt 100 + 50 decoded, resumed at nc=50, 50 scheduled) keeps all 150 tokens and
     computes [0, 100); (P=500 chunked at 256) learns 256..499 in the second chunk."""
-    eng = make_engine(block=10, chunk=200)  # C > P: nothing stored, every lookup answers 0
+    # C > P and whole chunks only: nothing stored, every lookup answers 0.
+    eng = make_engine(block=10, chunk=200, block_hits=False)
     r = eng.add("R", prompt(100))
     table = blocks(1, 16)
     eng.admit(r, table)
@@ -414,7 +415,7 @@ def test_s5_full_hit_on_resume_loads_all_but_the_last_token() -> None:
     """R: P=100, 100 decoded (all_token_ids=200); the pool holds all 200 tokens (stored by R2,
     whose prompt is R's 200 tokens). Resume with local 100: external = 200-100-1 = 99, nc=199,
     one token scheduled; the load fills [100, 199) and the KV is right."""
-    eng = make_engine(block=4, chunk=40, num_blocks=1 + 51 + 50 + 26, slots=16)
+    eng = make_engine(block=4, chunk=40, num_blocks=1 + 51 + 50 + 26, slots=16, block_hits=False)
     r = eng.add("R", prompt(100))
     r_table = blocks(1, 51)
     eng.admit(r, r_table)
@@ -591,7 +592,9 @@ def test_s7_load_failure_rolls_back_and_resaves(prompt_len: int) -> None:
     def fault(req_id: str, chunk: Any) -> bool:
         return failing["on"] and req_id == "R" and chunk.token_start == 512
 
-    eng = make_engine(block=16, chunk=256, num_blocks=1 + 69 * 2, slots=16, load_fault=fault)
+    eng = make_engine(
+        block=16, chunk=256, num_blocks=1 + 69 * 2, slots=16, load_fault=fault, block_hits=False
+    )
     p = prompt(prompt_len)
     r0 = eng.add("R0", p[:800])
     eng.admit(r0, blocks(1, 50))

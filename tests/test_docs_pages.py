@@ -83,7 +83,7 @@ def test_the_rule_table_names_every_rule_the_code_reports() -> None:
     documented = set(re.findall(r"^\| `(\w+)` \|", table, flags=re.M))
     code = _code_rules()
     assert "record_lost" in documented and "adapter_error" in code  # the parse found the table
-    # record_lost is written by the log (tracker/log.py) as a ViolationRecorded of its own
+    # record_lost is written by the Tracker (tracker/tracker.py) as a ViolationRecorded of its own
     assert sorted(code - documented) == [], "rules the code reports that the table lacks"
     assert sorted(documented - code - {"record_lost"}) == [], "rules in the table no code reports"
 
@@ -95,11 +95,11 @@ _WALL_NS = 1_700_000_000_000_000_000  # the page's frozen clock: 1.7e18 ns
 
 def _worked_example_log(path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     """The log of log-format.md's worked example, written by LogWriter as the page shows."""
-    import tracker.log
+    import connector.logwriter
+    from connector.logwriter import LogWriter
     from tracker.events import Finished, Scheduled
-    from tracker.log import LogWriter
 
-    monkeypatch.setattr(tracker.log.time, "time_ns", lambda: _WALL_NS)
+    monkeypatch.setattr(connector.logwriter.time, "time_ns", lambda: _WALL_NS)
     with LogWriter(path, {"block_size": 16, "chunk_size": 256}) as w:
         w.append(Scheduled(7, "r1", 2048, 1, 2048, (42,)))
         w.append(Scheduled(7, "r2", 100, 1, 100, (7,)))

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from test_explain_props import check_admission
 
+from connector.logwriter import LogWriter
 from replay.cli import main
 from replay.explain import REASONS, AdmissionMisses, Explanation, explain
 from replay.summary import stats
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogWriter
 from tracker.tracker import Tracker
 
 B, C = 4, 8
@@ -193,18 +193,32 @@ def test_prefix_diverged_at_the_token_that_differs(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")
     p = prompt(16, 1)
     _saved_then(r, "a", p)
-    r.add("b", [*p[:12], 999, 998, 997, 996])
+    r.add("b", [*p[:14], 999, 998])
     r.admit("b")
     x = explained(r.close())
     b = admission(x, "b")
-    assert b.hit["pool"] == 8
-    assert misses(b) == [(8, 12, "prefix_diverged"), (12, 16, "new_prefix")]
+    # Three whole blocks shared (block hits); the fourth holds the token that differs.
+    assert b.hit["pool"] == 12
+    assert misses(b) == [(12, 14, "prefix_diverged"), (14, 16, "new_prefix")]
     diverged = b.misses[0]
-    assert (diverged.at_token, diverged.by, diverged.step) == (12, "a", 0)
+    assert (diverged.at_token, diverged.by, diverged.step) == (14, "a", 0)
 
 
 def test_partial_chunk_not_saved_by_policy(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")  # discard_partial_chunks: True (the default)
+    p = prompt(14, 2)
+    _saved_then(r, "a", p)
+    r.add("again", p)
+    r.admit("again")
+    x = explained(r.close())
+    a = admission(x, "again")
+    # The tail's whole block is saved (block hits), its partial block is not.
+    assert a.hit["pool"] == 12 and misses(a) == [(12, 14, "partial_chunk")]
+    assert a.misses[0].by == "a" and "discard_partial_chunks" in a.misses[0].detail
+
+
+def test_partial_chunk_not_saved_without_block_hits(tmp_path: Path) -> None:
+    r = Run(tmp_path / "log", block_hits=False)
     p = prompt(12, 2)
     _saved_then(r, "a", p)
     r.add("again", p)
@@ -212,11 +226,11 @@ def test_partial_chunk_not_saved_by_policy(tmp_path: Path) -> None:
     x = explained(r.close())
     a = admission(x, "again")
     assert a.hit["pool"] == 8 and misses(a) == [(8, 12, "partial_chunk")]
-    assert a.misses[0].by == "a" and "discard_partial_chunks" in a.misses[0].detail
+    assert "partial chunks are not saved" in a.misses[0].detail
 
 
 def test_partial_chunk_inside_a_longer_chunk(tmp_path: Path) -> None:
-    r = Run(tmp_path / "log", discard_partial_chunks=False)
+    r = Run(tmp_path / "log", discard_partial_chunks=False, block_hits=False)
     p = prompt(16, 3)
     _saved_then(r, "a", p)
     r.add("shorter", p[:12])
@@ -665,9 +679,10 @@ def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
             if m.reason == "prefix_diverged":
                 assert m.at_token == 40 and (m.start, m.end) == (32, 40)  # the shared prefix
             if m.reason == "evicted":
-                assert a.request in ("again-req-0", "again-req-2") and m.by is not None
+                assert a.request in ("req-4", "again-req-0", "again-req-1", "again-req-2")
+                assert m.by is not None and m.step is not None
     failed = admission(x, "again-req-1")
-    assert misses(failed)[0] == (32, 64, "load_failed") and failed.load_result == "failed"
+    assert (0, 32, "load_failed") in misses(failed) and failed.load_result == "failed"
 
 
 def test_the_page_names_every_reason() -> None:

@@ -19,9 +19,9 @@ import msgpack
 import pytest
 from test_replay_fuzz import _BOMBS, BYTES, FRAMES, frame
 
+from connector.logwriter import LogWriter
 from replay.cli import main
 from tracker.config import TrackerConfig
-from tracker.log import LogWriter
 
 EXITS = {0, 1, 2, 3}
 

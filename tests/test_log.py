@@ -1,4 +1,4 @@
-"""tracker.log: framing, header, rotation, torn tails, corruption, hostile input, crashes."""
+"""The log file (tracker/framing.py, connector/logwriter.py, replay/logreader.py): framing, header, rotation, torn tails, corruption, hostile input, crashes."""
 
 from __future__ import annotations
 
@@ -24,18 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec import any_event
 
-from tracker import codec, log
+from connector import logwriter
+from connector.logwriter import LogWriteError, LogWriter
+from replay.logreader import LogReader, segment_paths
+from tracker import codec, framing
 from tracker import events as ev
-from tracker.log import (
-    Frame,
-    LogCorruptError,
-    LogFormatError,
-    LogReader,
-    LogWriteError,
-    LogWriter,
-    StopInfo,
-    segment_paths,
-)
+from tracker.framing import Frame, LogCorruptError, LogFormatError, StopInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -96,7 +90,7 @@ def write_log(
 def frame_spans(data: bytes) -> list[tuple[int, int]]:
     """[start, end) of the header frame and every frame, parsed independently of the reader."""
     spans = []
-    offset = log.PREAMBLE_SIZE
+    offset = framing.PREAMBLE_SIZE
     while offset < len(data):
         (n,) = struct.unpack_from("<I", data, offset)
         spans.append((offset, offset + 12 + n))
@@ -122,7 +116,7 @@ def sample(tmp_path: Path) -> tuple[Path, bytes]:
 
 
 def frame_with(payload: bytes) -> bytes:
-    return log.frame_bytes(payload)
+    return framing.frame_bytes(payload)
 
 
 def header_bytes(**changes: Any) -> bytes:
@@ -413,10 +407,10 @@ def test_truncation_at_every_offset(sample: tuple[Path, bytes], tmp_path: Path) 
         assert stop is not None, cut
         assert stop.kind == "torn_tail", (cut, stop)
         assert stop.path == str(target)
-        if cut < log.PREAMBLE_SIZE:
+        if cut < framing.PREAMBLE_SIZE:
             assert stop.offset == 0
         elif cut < header_end:
-            assert stop.offset == log.PREAMBLE_SIZE
+            assert stop.offset == framing.PREAMBLE_SIZE
         else:
             assert stop.offset == max(s for s, _ in spans if s <= cut), (cut, stop)
         with pytest.raises(LogCorruptError) as info:
@@ -484,7 +478,7 @@ def test_a_length_claiming_gigabytes_stops_without_allocating(tmp_path: Path) ->
     target = tmp_path / "huge.kvlog"
     head = struct.pack("<I", 3 << 30)
     target.write_bytes(
-        header_bytes() + head + struct.pack("<I", log.masked_crc(head)) + b"\x00" * 100
+        header_bytes() + head + struct.pack("<I", framing.masked_crc(head)) + b"\x00" * 100
     )
     tracemalloc.start()
     try:
@@ -499,7 +493,7 @@ def test_a_length_claiming_gigabytes_stops_without_allocating(tmp_path: Path) ->
     # under the limit but past the end of the file: a torn tail, still nothing allocated
     head = struct.pack("<I", 15 << 20)
     target.write_bytes(
-        header_bytes() + head + struct.pack("<I", log.masked_crc(head)) + b"\x00" * 100
+        header_bytes() + head + struct.pack("<I", framing.masked_crc(head)) + b"\x00" * 100
     )
     tracemalloc.start()
     try:
@@ -648,7 +642,7 @@ def test_fsync_error_is_logged_not_retried_and_fails_the_next_write(
         raise OSError(5, "Input/output error")
 
     w = LogWriter(tmp_path / "x.kvlog", {}, fsync="step")
-    monkeypatch.setattr(log.os, "fsync", failing_fsync)
+    monkeypatch.setattr(logwriter.os, "fsync", failing_fsync)
     w.append(ev.Preempted(1, "a"))
     with caplog.at_level(logging.ERROR, logger="kvledger.log"):
         w.end_step(1)  # the frame is written and flushed; the fsync fails
@@ -665,7 +659,7 @@ def test_fsync_error_is_logged_not_retried_and_fails_the_next_write(
 
     # on close: close reports it
     w = LogWriter(tmp_path / "y.kvlog", {})
-    monkeypatch.setattr(log.os, "fsync", failing_fsync)
+    monkeypatch.setattr(logwriter.os, "fsync", failing_fsync)
     w.append(ev.Preempted(1, "a"))
     with pytest.raises(LogWriteError, match=r"fsync of .*y\.kvlog failed \(close\)"):
         w.close()
@@ -673,7 +667,7 @@ def test_fsync_error_is_logged_not_retried_and_fails_the_next_write(
 
     # on rotation: the write that would open the next segment fails
     w = LogWriter(tmp_path / "z.kvlog", {}, rotate_bytes=10)
-    monkeypatch.setattr(log.os, "fsync", failing_fsync)
+    monkeypatch.setattr(logwriter.os, "fsync", failing_fsync)
     w.append(ev.Preempted(1, "a"))
     w.end_step(1)
     with pytest.raises(LogWriteError, match=r"failed \(rotation\)"):
@@ -715,7 +709,7 @@ _CHILD = textwrap.dedent(
     """
     import sys
     from tracker.events import ChunkStored, Scheduled
-    from tracker.log import LogWriter
+    from connector.logwriter import LogWriter
 
     path, rotate, big = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     w = LogWriter(path, {"block_size": 16}, rotate_bytes=rotate or None, fsync="never")
@@ -812,8 +806,8 @@ def test_masked_crc_matches_the_documented_definition() -> None:
         return ((c >> 15 | c << 17) + 0xA282EAD8) % 2**32
 
     for data in (b"", b"a", b"\x00" * 4, bytes(range(256))):
-        assert log.masked_crc(data) == reference(data)
-    assert log.masked_crc(b"") == 0xA282EAD8
+        assert framing.masked_crc(data) == reference(data)
+    assert framing.masked_crc(b"") == 0xA282EAD8
 
 
 # --- the reader in docs/log-format.md -------------------------------------------------------

@@ -10,12 +10,14 @@ from typing import Any
 import pytest
 from test_log import many_steps, write_log
 
+from connector import logwriter
+from connector.logwriter import LogWriteError, LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
-from tracker import log
-from tracker.log import LogReader, LogWriter
+from tracker.framing import Frame
 
 
-def _frames(path: Path) -> tuple[list[log.Frame], LogReader]:
+def _frames(path: Path) -> tuple[list[Frame], LogReader]:
     reader = LogReader(path)
     return list(reader), reader
 
@@ -40,7 +42,7 @@ class _HungDisk:
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.release = threading.Event()
         self.writes_started = threading.Event()
-        real = log._BackgroundOutput._do
+        real = logwriter._BackgroundOutput._do
 
         def slow(out: Any, op: str, arg: Any) -> None:
             # (the first header is written at startup, on the caller's thread)
@@ -49,7 +51,7 @@ class _HungDisk:
                 self.release.wait(60)
             real(out, op, arg)
 
-        monkeypatch.setattr(log._BackgroundOutput, "_do", slow)
+        monkeypatch.setattr(logwriter._BackgroundOutput, "_do", slow)
 
 
 def _run_steps(w: LogWriter, steps: range, per_step: int = 20) -> None:
@@ -95,9 +97,9 @@ def test_close_on_a_hung_disk_gives_up_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     disk = _HungDisk(monkeypatch)
-    monkeypatch.setattr(log, "CLOSE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(logwriter, "CLOSE_TIMEOUT_S", 0.2)
     w = LogWriter(tmp_path / "run.kvlog", {}, background=True, fsync="never")
     _run_steps(w, range(3))
-    with pytest.raises(log.LogWriteError, match=r"did not finish writing .* is the disk hung"):
+    with pytest.raises(LogWriteError, match=r"did not finish writing .* is the disk hung"):
         w.close()
     disk.release.set()

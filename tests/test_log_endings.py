@@ -11,12 +11,13 @@ import msgpack
 import pytest
 from test_log import frame_spans, frame_with, header_bytes, many_steps, write_log
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
-from tracker import log
-from tracker.log import LogReader, LogWriter
+from tracker import framing
 
 
-def _read(source: object) -> tuple[list[log.Frame], LogReader]:
+def _read(source: object) -> tuple[list[framing.Frame], LogReader]:
     reader = LogReader(source)  # type: ignore[arg-type]
     return list(reader), reader
 
@@ -28,7 +29,7 @@ def test_no_truncation_of_a_closed_log_reads_as_complete(tmp_path: Path) -> None
     cut = tmp_path / "cut.kvlog"
     boundaries = {end for _, end in frame_spans(full)}
     complete = []
-    for n in range(log.PREAMBLE_SIZE, len(full)):
+    for n in range(framing.PREAMBLE_SIZE, len(full)):
         cut.write_bytes(full[:n])
         got, r = _read(cut)
         if r.stop is None and r.ending == "closed":
@@ -50,7 +51,7 @@ def test_a_log_still_being_written_reads_to_its_last_step(tmp_path: Path) -> Non
     w.close()
     _, reader = _read(tmp_path / "live.kvlog")
     assert reader.ending == "closed"
-    assert "died after step 2" in log.ENDINGS["open"].format(last_step=2)
+    assert "died after step 2" in framing.ENDINGS["open"].format(last_step=2)
 
 
 def test_a_log_without_its_first_segments_says_so(tmp_path: Path) -> None:
@@ -97,7 +98,7 @@ def test_a_zero_filled_tail_is_a_torn_tail(tmp_path: Path, zeros: int) -> None:
 
 
 def test_a_frame_announcing_too_many_records_is_refused_before_decoding(tmp_path: Path) -> None:
-    n = log.MAX_FRAME_RECORDS + 1
+    n = framing.MAX_FRAME_RECORDS + 1
     payload = msgpack.packb([0, 0, 0, [[5, 0]] * n])
     path = tmp_path / "many.kvlog"
     path.write_bytes(header_bytes() + frame_with(payload))
@@ -108,17 +109,17 @@ def test_a_frame_announcing_too_many_records_is_refused_before_decoding(tmp_path
     finally:
         tracemalloc.stop()
     assert frames == [] and reader.stop is not None and reader.stop.kind == "corrupt"
-    assert f"frame announces {n} records, over {log.MAX_FRAME_RECORDS}" in reader.stop.reason
+    assert f"frame announces {n} records, over {framing.MAX_FRAME_RECORDS}" in reader.stop.reason
     assert peak < 4 * len(payload) + (1 << 20), peak  # the bytes read, nothing decoded
 
 
 def test_the_writer_splits_a_step_over_the_record_bound(tmp_path: Path) -> None:
-    events = tuple(ev.Preempted(3, f"r{i % 7}") for i in range(log.MAX_FRAME_RECORDS + 5))
+    events = tuple(ev.Preempted(3, f"r{i % 7}") for i in range(framing.MAX_FRAME_RECORDS + 5))
     write_log(tmp_path / "big.kvlog", [(3, events)])
     frames, reader = _read(tmp_path / "big.kvlog")
     assert reader.stop is None and [len(f.events) for f in frames] == [
-        log.MAX_FRAME_RECORDS // 2 + 2,
-        log.MAX_FRAME_RECORDS // 2 + 3,
+        framing.MAX_FRAME_RECORDS // 2 + 2,
+        framing.MAX_FRAME_RECORDS // 2 + 3,
     ]
     assert tuple(e for f in frames for e in f.events) == events
 
@@ -127,9 +128,9 @@ def test_the_writer_splits_a_step_over_the_record_bound(tmp_path: Path) -> None:
 def test_what_reading_the_largest_frame_costs(tmp_path: Path, kind: str) -> None:
     """The bound docs/log-format.md states ("What reading costs"), measured on the worst
     shapes a frame of the largest size may take."""
-    limit = log.DEFAULT_MAX_FRAME_BYTES
+    limit = framing.DEFAULT_MAX_FRAME_BYTES
     if kind == "tiny records":  # as many records as a frame may hold, each a new request
-        records = [[5, f"{i:x}"] for i in range(log.MAX_FRAME_RECORDS)]
+        records = [[5, f"{i:x}"] for i in range(framing.MAX_FRAME_RECORDS)]
     else:  # one prompt of 3-byte ids filling the frame (every id a separate int object)
         records = [[1, "r", [300 + i % 65000 for i in range((limit - 64) // 3)]]]
     payload = msgpack.packb([0, 0, 0, records])

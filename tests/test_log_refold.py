@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from _pool import stored_items
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 BLOCK = 16

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
+from connector import logwriter
 from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.logwriter import LogWriteError, LogWriter
 from connector.scheduler import SchedulerSide
+from replay.logreader import LogReader
 from tracker import events as ev
-from tracker import log
-from tracker.log import LogWriteError, LogWriter
 
 
 def _side(log_dir: str, **extra: object) -> SchedulerSide:
@@ -56,8 +57,8 @@ def test_a_full_disk_at_startup_leaves_no_file(
     def full(self: object, *args: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(log._DirectOutput, "write", full)
-    monkeypatch.setattr(log._BackgroundOutput, "_do", full)
+    monkeypatch.setattr(logwriter._DirectOutput, "write", full)
+    monkeypatch.setattr(logwriter._BackgroundOutput, "_do", full)
     with pytest.raises(LogWriteError, match="No space left"):
         LogWriter(tmp_path / "run.kvlog", {}, background=background)
     assert list(tmp_path.iterdir()) == []  # no 0-byte file
@@ -85,7 +86,7 @@ def test_the_durability_settings_reach_the_writer(tmp_path: Path) -> None:
     side.tracker.apply(ev.RequestAdded(0, "r", (1, 2)))
     side.tracker.end_step()
     side.shutdown()
-    reader = log.LogReader(side.log_path)  # type: ignore[arg-type]
+    reader = LogReader(side.log_path)  # type: ignore[arg-type]
     assert [type(e).__name__ for f in reader for e in f.events] == ["RequestAdded"]
     assert reader.ending == "closed"
     with pytest.raises(ConnectorConfigError, match="log_fsync must be"):

@@ -32,7 +32,10 @@ from tracker.state import (
     new_state,
 )
 
-CFG = TrackerConfig(block_size=4, chunk_size=8, num_slots=8)
+# The chunk-granular rules (block hits off, as every run before them); hits at block
+# granularity are tested further down with BLOCKS.
+CFG = TrackerConfig(block_size=4, chunk_size=8, num_slots=8, block_hits=False)
+BLOCKS = TrackerConfig(block_size=4, chunk_size=8, num_slots=8)
 
 
 def tokens(n: int, base: int = 100) -> list[int]:

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 CFG = TrackerConfig(block_size=4, chunk_size=8, num_slots=16)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from connector.logwriter import LogWriter
 from replay.cli import main
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogWriter
 
 PROMPT = tuple(range(100, 148))  # 48 tokens
 REPEAT = tuple(range(100, 148))

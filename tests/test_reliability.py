@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tracker import log
-from tracker.log import LogFormatError, LogReader, LogWriter
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
+from tracker import framing as log
+from tracker.framing import LogFormatError
 
 SEED = Path(__file__).resolve().parent / "data" / "replay-clean.kvlog"
 FLIPS = 400

@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 
 import replay
+from connector.logwriter import LogWriter
 from replay.cli import main
+from replay.logreader import LogReader
 from replay.replayer import CheckResult, check, parse_overrides
 from replay.source import open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
-from tracker.log import LogReader, LogWriter
 from tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -40,7 +41,10 @@ FIRST_BAD = SIDECAR["first_bad"]
 
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
 B, C = 16, 32
-CONFIG = TrackerConfig(block_size=B, chunk_size=C, num_slots=64, discard_partial_chunks=False)
+# Whole-chunk hits: the what-ifs below are about chunk sizes (block hits: test_block_hits.py).
+CONFIG = TrackerConfig(
+    block_size=B, chunk_size=C, num_slots=64, discard_partial_chunks=False, block_hits=False
+)
 
 
 # --- synthetic logs ---------------------------------------------------------------------------
@@ -253,7 +257,7 @@ def test_what_if_offer_is_cut_to_the_recorded_schedule(tmp_path: Path) -> None:
     9-token first chunk of prefill. Keeping partial chunks, ``b`` would hit its whole
     prompt; the recorded step has room for 8 loaded tokens, and that is what the what-if
     loads (not a recompute-only fallback)."""
-    config = TrackerConfig(block_size=B, chunk_size=2 * C, num_slots=64)
+    config = TrackerConfig(block_size=B, chunk_size=2 * C, num_slots=64, block_hits=False)
     path = tmp_path / "chunked.kvlog"
     t = Tracker(config, log=LogWriter(path, config.to_dict(), fsync="never"))
     ids = list(range(300, 360))  # 60 tokens: less than one 64-token chunk
@@ -365,7 +369,9 @@ def test_synthetic_log_is_clean_and_loads_shared_prefixes(synthetic: Path) -> No
 def test_a_steady_decode_that_is_not_steady_is_named(tmp_path: Path) -> None:
     """A recorded ``StepDecoded`` is re-validated: numbering a request whose step needs a
     decision (here: saves of decode chunks are due) is a problem about that request."""
-    config = TrackerConfig(block_size=B, chunk_size=C, num_slots=64, save_decode_cache=True)
+    config = TrackerConfig(
+        block_size=B, chunk_size=C, num_slots=64, save_decode_cache=True, block_hits=False
+    )
     path = tmp_path / "steady.kvlog"
     t = Tracker(config, log=LogWriter(path, config.to_dict(), fsync="never"))
     ids = list(range(100, 130))  # 30 tokens: the first chunk completes at the 3rd decode step

@@ -12,10 +12,10 @@ import pytest
 from _logfiles import step_frames_end
 from test_replay_check import CONFIG, drive, write_log
 
+from connector import logwriter as log
+from connector.logwriter import LogWriter
 from replay.cli import main
 from replay.replayer import check
-from tracker import log
-from tracker.log import LogWriter
 from tracker.tracker import Tracker
 
 

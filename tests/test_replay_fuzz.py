@@ -23,10 +23,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from connector.logwriter import LogWriter
+from replay.logreader import LogReader
 from replay.replayer import CheckResult, check
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import DEFAULT_MAX_FRAME_BYTES, LogReader, LogWriter, masked_crc
+from tracker.framing import DEFAULT_MAX_FRAME_BYTES, masked_crc
 
 SEED = Path(__file__).resolve().parent / "data" / "replay-clean.kvlog"
 BYTES = SEED.read_bytes()

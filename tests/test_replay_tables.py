@@ -22,10 +22,10 @@ from _replay_logs import real_logs, write_log
 import replay
 from replay import writers
 from replay.cli import main
+from replay.logreader import LogReader
 from replay.replayer import check
 from replay.tables import TABLES, collect
 from tracker.config import TrackerConfig
-from tracker.log import LogReader
 from tracker.state import Phase
 from tracker.tracker import Tracker
 
@@ -138,7 +138,9 @@ def assert_steps_follow_a_live_tracker(path: Path, steps: list[dict[str, Any]]) 
     run did) and compare its pool and its requests' phases with each step's row."""
     reader = LogReader(path)
     fields = {f.name for f in attrs.fields(TrackerConfig)}
-    config = TrackerConfig(**{k: v for k, v in reader.header["config"].items() if k in fields})
+    config = TrackerConfig.from_header(
+        {k: v for k, v in reader.header["config"].items() if k in fields}
+    )
     by_step = {s["step"]: s for s in steps}
     tracker = Tracker(config)
     compared = 0
@@ -217,8 +219,8 @@ def test_the_short_load_shows_in_the_admissions_table() -> None:
 
 def test_a_reused_id_is_two_requests(tmp_path: Path) -> None:
     """vLLM may reuse an id once the request finished: two lives, two rows, two keys."""
+    from connector.logwriter import LogWriter
     from tracker import events as ev
-    from tracker.log import LogWriter
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
     path = tmp_path / "reuse.kvlog"
@@ -409,8 +411,8 @@ def _many_requests(path: Path, n: int) -> None:
     """``n`` requests one after another (two live at a time), each saved and finished; their
     prompts repeat every 40 requests (the distinct prefixes computed are what explains a miss,
     kept by ``replay.explain``'s history, within its own bound)."""
+    from connector.logwriter import LogWriter
     from tracker import events as ev
-    from tracker.log import LogWriter
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=16)
     with LogWriter(path, config.to_dict(), fsync="never") as w:
@@ -467,7 +469,7 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
 
 def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
     """A log split into segments (a directory) gives the tables of the whole run."""
-    from tracker.log import segment_paths
+    from replay.logreader import segment_paths
 
     whole, rotated = tmp_path / "whole.kvlog", tmp_path / "rotated" / "run.kvlog"
     rotated.parent.mkdir()
@@ -486,8 +488,8 @@ def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
 def test_the_remote_stores_facts_have_their_tables_and_count_in_the_steps(tmp_path: Path) -> None:
     """Remote tier facts (issue 12): typed tables of their own, and the steps' remote_chunks
     follow the Tracker's remote index (an outage forgets everything)."""
+    from connector.logwriter import LogWriter
     from tracker import events as ev
-    from tracker.log import LogWriter
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
     path = tmp_path / "remote.kvlog"

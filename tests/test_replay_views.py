@@ -19,10 +19,10 @@ import replay
 from replay import cli
 from replay.extras import MissingExtra, Output
 from replay.lives import RequestNotFound, Row
+from replay.logreader import LogReader, segment_paths
 from replay.source import LogUnreadable
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogReader, segment_paths
 from tracker.tracker import Tracker
 
 
@@ -73,7 +73,7 @@ def assert_rows_match_a_tracker_replay(path: Path) -> int:
     reader = LogReader(path)
     header = reader.header
     fields = {f.name for f in attrs.fields(TrackerConfig)}
-    config = TrackerConfig(**{k: v for k, v in header["config"].items() if k in fields})
+    config = TrackerConfig.from_header({k: v for k, v in header["config"].items() if k in fields})
     ids = sorted({e.req_id for f in reader for e in f.events if e.req_id})
     rows = {rid: replay.show(path, rid) for rid in ids}
     tracker = Tracker(config)

@@ -262,7 +262,7 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
 def test_s2_mp_two_lookups_then_allocation_commit_the_watermark_once() -> None:
     """MP #4508 / #4525: two lookups with hit 512 before the allocation succeeds; the stored
     watermark is 512 (not 1024) and the next store starts at 512."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256)
+    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
     t = Tracker(cfg)
     shared = tokens(512)
     run_prefill(t, "donor", [*shared, *tokens(100, base=9000)], blocks(39))
@@ -300,7 +300,7 @@ def test_s2_mp_two_lookups_then_allocation_commit_the_watermark_once() -> None:
 def test_s3a_vllm_prefix_hit_larger_than_pool_hit_on_resume() -> None:
     """#2243 (a): resumed with local hit 592 > pool hit 512: no load, nothing is wrong, the
     tokens are all 610 of all_token_ids and the watermark is the pool's 512."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256)
+    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
     t = Tracker(cfg)
     prompt = tokens(600)
     table = blocks(38)
@@ -672,7 +672,7 @@ def test_s6_full_prompt_hit_loads_exactly_894_of_895() -> None:
 def _s7_setup(
     prompt_len: int,
 ) -> tuple[Tracker, TrackerConfig, list[int], list[int], list[ev.DecisionEvent]]:
-    cfg = TrackerConfig(block_size=16, chunk_size=256)
+    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
     t = Tracker(cfg)
     prompt = tokens(prompt_len)
     run_prefill(t, "donor", prompt[:768], blocks(48, first=1000))

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 from _replay_logs import write_log
 
+from connector.logwriter import LogWriter
 from replay import cli
+from replay.logreader import LogReader
 from replay.tail import news
 from tracker import events as ev
-from tracker.log import LogReader, LogWriter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,3 +182,51 @@ def test_damage_and_missing_logs_are_exit_2(source: Path, tmp_path: Path, capsys
     *steps, end = [json.loads(x) for x in captured.out.splitlines()]
     assert end["end"] == "damage" and steps and steps[-1]["step"] < middle.step
     assert "checksum mismatch" in captured.err
+
+
+# --- tail refuses what check refuses ----------------------------------------------------------
+
+
+def _steps_log(path: Path, steps: list[int]) -> None:
+    """A log whose frames are at ``steps``, in that order (seq stays dense: what a splice of
+    two runs, or a forger, writes); one lookup answer per step."""
+    with LogWriter(path, {"block_size": 16}, fsync="never", rotate_bytes=None) as w:
+        for step in steps:
+            w.append(ev.LookupAnswered(step, f"req-{step}", 16, 16))
+            w.end_step(step)
+
+
+def _bytes_swapped(path: Path) -> None:
+    """A clean log with the bytes of two neighbouring frames swapped (each frame intact)."""
+    _steps_log(path, list(range(12)))
+    frames = list(LogReader(path))
+    a, b, c = frames[5].offset, frames[6].offset, frames[7].offset
+    data = path.read_bytes()
+    path.write_bytes(data[:a] + data[b:c] + data[a:b] + data[c:])
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda p: _steps_log(p, [*range(21), *range(10, 21)]), id="0-20 then 10-20"),
+        pytest.param(lambda p: _steps_log(p, [0, 1, 2, 3, 4, 6, 5, 7, 8]), id="two frames swapped"),
+        pytest.param(_bytes_swapped, id="two frames' bytes swapped"),
+    ],
+)
+def test_tail_refuses_a_spliced_log_where_check_does(tmp_path: Path, make, capsys) -> None:
+    """The follower judges frames with the reader's validator: the same steps before the
+    damage, and the same damage (file, offset, reason), whatever the splice."""
+    path = tmp_path / "spliced.kvlog"
+    make(path)
+    reader = LogReader(path)
+    good = list(reader)
+    assert reader.stop is not None and reader.stop.kind == "corrupt"
+    assert cli.main(["check", str(path), "--json"]) == 2
+    stop = json.loads(capsys.readouterr().out)["stop"]
+    assert (stop["offset"], stop["reason"]) == (reader.stop.offset, reader.stop.reason)
+    assert cli.main(["tail", str(path), "--once", "--all", "--json"]) == 2
+    captured = capsys.readouterr()
+    *lines, end = [json.loads(x) for x in captured.out.splitlines()]
+    assert end["end"] == "damage"
+    assert [d["step"] for d in lines] == [f.step for f in good]  # nothing after the splice
+    assert f"offset {stop['offset']}: corrupt: {stop['reason']}" in captured.err

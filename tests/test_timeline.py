@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 import replay
+from connector.logwriter import LogWriter
 from replay.charts import COLORS, parse_steps
 from replay.cli import main
 from tracker import events as ev
 from tracker.config import TrackerConfig
-from tracker.log import LogWriter
 from tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -186,7 +186,8 @@ def test_a_disk_filling_mid_run_never_stops_the_engine(
     request with every token right, and the log reads up to the last step it holds."""
     import errno
 
-    from tracker import log as kvlog
+    from connector import logwriter as kvlog
+    from replay.logreader import LogReader
 
     budget = {"bytes": 6000}
 
@@ -211,7 +212,7 @@ def test_a_disk_filling_mid_run_never_stops_the_engine(
     _assert_clean(report)
     assert report.finished == report.requests and report.preemptions > 0
     assert budget["bytes"] < 0  # the disk did fill
-    reader = kvlog.LogReader(report.log_path)
+    reader = LogReader(report.log_path)
     frames = list(reader)
     assert frames and reader.stop is None and reader.ending == "open"
     assert frames[-1].step < report.steps - 1  # it stopped early, and says it is incomplete

@@ -20,7 +20,15 @@ import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
-__all__ = ["REMOTE_SLOT", "ChunkIndex", "RemoteKeys", "chunk_keys", "partial_key", "root_key"]
+__all__ = [
+    "REMOTE_SLOT",
+    "ChunkIndex",
+    "RemoteKeys",
+    "block_prefix_keys",
+    "chunk_keys",
+    "partial_key",
+    "root_key",
+]
 
 _FULL = b"kvledger-full"
 _PART = b"kvledger-part"
@@ -66,6 +74,18 @@ def partial_key(prev: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def block_prefix_keys(
+    prev: bytes, tokens: Sequence[int], block_size: int, blocks: int
+) -> Iterator[bytes]:
+    """``partial_key(prev, tokens[: j * block_size])`` for j = 1, 2, ..., ``blocks``: the keys
+    of a chunk's first whole blocks, hashed in one pass (lazily: a caller that stops at the
+    first key the pool lacks hashes no further)."""
+    h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
+    for j in range(blocks):
+        h.update(_tokens_bytes(tokens[j * block_size : (j + 1) * block_size]))
+        yield h.copy().digest()
+
+
 class ChunkIndex:
     """Key -> host slot, bounded by ``num_slots``, least recently used first.
 
@@ -73,9 +93,26 @@ class ChunkIndex:
     confirmed) and is never offered to a lookup; a pinned one is being read by a planned load
     and is never evicted. Cancelled reservations (their source KV turned out wrong) free their
     slot when the worker reports back, and are never stored.
+
+    Aliases (block hits, design note 14): a stored chunk is also found under the key of each
+    whole-block prefix it holds (``block_prefix_keys``), so a prompt that shares only its
+    first blocks with a stored chunk finds them. An alias names its chunks (the first stored
+    one serves it); it goes when they go. Only keys are aliased: slots, pins and LRU order
+    belong to the chunk's own key.
     """
 
-    __slots__ = ("_cancelled", "_free", "_readers", "_stored", "_writing", "num_slots", "remote")
+    __slots__ = (
+        "_alias_of",
+        "_aliases",
+        "_cancelled",
+        "_free",
+        "_pending_aliases",
+        "_readers",
+        "_stored",
+        "_writing",
+        "num_slots",
+        "remote",
+    )
 
     # Every operation here is O(chunks involved), never O(num_slots): a 4 GiB pool of small
     # chunks has hundreds of thousands of slots, and plans run on vLLM's scheduler thread.
@@ -91,6 +128,11 @@ class ChunkIndex:
         self._free = _FreeSlots(num_slots)
         # The remote tier's facts (tracker/remote.py folds them); empty without one.
         self.remote = RemoteKeys()
+        # alias -> the stored chunks it names, in the order they were stored; chunk -> its
+        # aliases; and the aliases of writes in flight, taken up when the write is stored.
+        self._aliases: dict[bytes, list[bytes]] = {}
+        self._alias_of: dict[bytes, tuple[bytes, ...]] = {}
+        self._pending_aliases: dict[bytes, tuple[bytes, ...]] = {}
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -98,14 +140,24 @@ class ChunkIndex:
         return len(self._stored)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._stored
+        """Whether a stored chunk is found under ``key``: its own key, or an alias."""
+        return key in self._stored or key in self._aliases
 
     def __iter__(self) -> Iterator[bytes]:
         """The stored keys, least recently used first."""
         return iter(self._stored)
 
     def slot_of(self, key: bytes) -> int | None:
+        """The slot of the chunk stored under its own ``key`` (aliases: :meth:`resolve`)."""
         return self._stored.get(key)
+
+    def resolve(self, key: bytes) -> bytes | None:
+        """The stored chunk's own key that ``key`` names: itself, or for an alias the first
+        chunk stored under it; None when nothing is stored under ``key``."""
+        if key in self._stored:
+            return key
+        chunks = self._aliases.get(key)
+        return chunks[0] if chunks else None
 
     def is_writing(self, key: bytes) -> bool:
         return key in self._writing
@@ -145,22 +197,30 @@ class ChunkIndex:
     # --- event application (only the tracker's fold calls these) --------------------------
 
     def apply_save_planned(
-        self, keys: Sequence[bytes], slots: Sequence[int], evicted: Sequence[bytes]
+        self,
+        keys: Sequence[bytes],
+        slots: Sequence[int],
+        evicted: Sequence[bytes],
+        aliases: Sequence[tuple[bytes, ...]] = (),
     ) -> None:
+        """Reserve ``slots`` for ``keys`` (evicting ``evicted``); ``aliases``: each chunk's
+        whole-block prefix keys, found once it is stored."""
         for key in evicted:
-            slot = self._stored.pop(key, None)
-            if slot is not None:
-                self._free.append(slot)
+            self.apply_evicted(key)
         for slot in slots:
             self._free.discard(slot)
         for key, slot in zip(keys, slots, strict=True):
             self._writing[key] = slot
+        for key, names in zip(keys, aliases, strict=False):
+            if names:
+                self._pending_aliases[key] = names
 
     def apply_save_done(self, key: bytes) -> bool:
         """The worker stored ``key``; False if no such write was planned."""
         slot = self._writing.pop(key, None)
         if slot is None:
             return False
+        names = self._pending_aliases.pop(key, ())
         if key in self._cancelled or key in self._stored:
             # Never stored (its source KV was wrong), or stored meanwhile in another slot:
             # either way this slot goes back, and the key keeps at most one slot.
@@ -168,12 +228,17 @@ class ChunkIndex:
             self._free.append(slot)
             return True
         self._stored[key] = slot
+        if names:
+            self._alias_of[key] = names
+            for name in names:
+                self._aliases.setdefault(name, []).append(key)
         return True
 
     def apply_save_failed(self, key: bytes) -> bool:
         slot = self._writing.pop(key, None)
         if slot is None:
             return False
+        self._pending_aliases.pop(key, None)
         self._cancelled.discard(key)
         self._free.append(slot)
         return True
@@ -215,6 +280,11 @@ class ChunkIndex:
         slot = self._stored.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+            for name in self._alias_of.pop(key, ()):
+                chunks = self._aliases[name]
+                chunks.remove(key)
+                if not chunks:
+                    del self._aliases[name]
 
 
 class RemoteKeys:

@@ -125,7 +125,7 @@ class Labelled(NamedTuple):
     """One recorded event with its position in the log and its request's life."""
 
     pos: int  # position of the event in the log (0-based, over all events)
-    frame: Any  # what the event was read from (``tracker.log.Frame`` for a log)
+    frame: Any  # what the event was read from (``tracker.framing.Frame`` for a log)
     event: ev.Event
     life: str  # the life label (:data:`POOL` for the events about no one request)
     new: bool  # the event starts that life

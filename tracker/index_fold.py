@@ -24,7 +24,7 @@ from collections.abc import Callable
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
-from tracker.plans import failed_load_keys
+from tracker.plans import failed_load_keys, save_aliases
 from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import RequestState
 
@@ -52,10 +52,17 @@ def _revoke(
         index.unpin(before.load.keys)
 
 
-def _save_planned(index: ChunkIndex, e: ev.Event, *_: object) -> None:
+def _save_planned(
+    index: ChunkIndex,
+    e: ev.Event,
+    before: RequestState | None,
+    after: RequestState | None,
+    config: TrackerConfig,
+) -> None:
     assert isinstance(e, ev.SavePlanned)
     if e.keys:
-        index.apply_save_planned(e.keys, e.slots, e.evicted)
+        aliases = save_aliases(e, after, config) if after is not None else ()
+        index.apply_save_planned(e.keys, e.slots, e.evicted, aliases)
 
 
 def _load_planned(index: ChunkIndex, e: ev.Event, *_: object) -> None:
@@ -156,9 +163,15 @@ def apply_input(
     INPUT_EFFECTS.get(event.__class__, _revoke)(index, event, before, after, config)
 
 
-def apply_decision(index: ChunkIndex, decision: ev.DecisionEvent, config: TrackerConfig) -> None:
-    """Apply the effect of a decision the Tracker just derived."""
-    DECISION_EFFECTS.get(decision.__class__, _nothing)(index, decision, None, None, config)
+def apply_decision(
+    index: ChunkIndex,
+    decision: ev.DecisionEvent,
+    config: TrackerConfig,
+    state: RequestState | None = None,
+) -> None:
+    """Apply the effect of a decision the Tracker just derived (``state``: the request's
+    state with the decision folded in; a save plan's aliases are read from its token ids)."""
+    DECISION_EFFECTS.get(decision.__class__, _nothing)(index, decision, None, state, config)
 
 
 # The input events about no one request that change the index (the pool's own).
@@ -181,7 +194,7 @@ def apply_recorded(
         apply_remote(index, event)
     elif cls.KIND == "decision":
         if _well_formed(event):
-            apply_decision(index, event, config)  # type: ignore[arg-type]
+            apply_decision(index, event, config, after)  # type: ignore[arg-type]
     elif after is not None or cls in _POOL_INPUTS:
         apply_input(index, event, before, after, config)
 

@@ -10,11 +10,15 @@ The rules:
 - A lookup answers ``external = max(0, hit - local_hit - full)`` where ``full`` is 1 when the
   hit covers every token: vLLM must compute at least the last token to get logits. Asked ten
   times with the same pool, it answers ten times the same.
+- The hit is the longest prefix the pool holds: whole chunks, then (``block_hits``) the whole
+  blocks of the next chunk that a stored chunk holds (its aliases), or the exact prompt tail
+  saved as a partial chunk.
 - A load covers exactly ``[local_hit, local_hit + accepted)``: never the recomputed last token,
   never more than vLLM accepted, never beyond the allocated blocks.
 - A save covers whole chunks of tokens whose KV exists after this step and whose ids are
   known. Chunks past the admission's prefill (decode chunks) only with ``save_decode_cache``;
-  the partial chunk at the end of a prefill only without ``discard_partial_chunks``. Chunks the
+  the partial chunk at the end of a prefill, whole, only without ``discard_partial_chunks``;
+  with ``block_hits`` its whole blocks are saved anyway. Chunks the
   pool already holds are skipped (the watermark moves over them); a chunk another request is
   writing is waited for.
 """
@@ -27,7 +31,7 @@ from typing import NamedTuple
 import attrs
 
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT, ChunkIndex, partial_key
+from tracker.chunks import REMOTE_SLOT, ChunkIndex, block_prefix_keys, partial_key
 from tracker.config import TrackerConfig
 from tracker.state import Phase, RequestState, Violation
 
@@ -43,7 +47,9 @@ __all__ = [
     "lookup_spans",
     "plan_load",
     "plan_save",
+    "save_aliases",
     "save_policy_end",
+    "saved_tail",
     "span_tier",
     "transfer_plan",
 ]
@@ -98,6 +104,17 @@ def lookup_spans(
             yield Span(tail, first, num_tokens, True, parent)
 
 
+def saved_tail(state: RequestState, config: TrackerConfig, span: Span) -> Span | None:
+    """For the tail of the tokens asked (a partial span), the unit a prefill ending there
+    saves (``TrackerConfig.saved_tail_end``) when it is not the span itself: its whole blocks
+    (``block_hits`` with ``discard_partial_chunks``). None otherwise."""
+    end = config.saved_tail_end(span.end)
+    if not span.partial or end <= span.start or end >= span.end:
+        return None
+    key = partial_key(span.parent, state.token_ids[span.start : end])
+    return Span(key, span.start, end, True, span.parent)
+
+
 def span_tier(index: ChunkIndex, span: Span) -> str | None:
     """Where a lookup finds ``span``: :data:`POOL` (the host pool), :data:`REMOTE` (the remote
     store was seen holding it: a recorded fact, tracker/remote.py), or None. A partial tail
@@ -109,6 +126,26 @@ def span_tier(index: ChunkIndex, span: Span) -> str | None:
     return None
 
 
+def block_hit(state: RequestState, index: ChunkIndex, config: TrackerConfig, chunk: int,
+               num_tokens: int) -> int:  # fmt: skip
+    """Whole blocks of chunk ``chunk`` (the first one not held whole) that a stored chunk
+    holds, found by their aliases (``block_hits``): the longest such prefix, in tokens. Aliases are taken in
+    order and the search stops at the first block missing (a chunk holding j blocks is found
+    under all of its first j), so a miss costs one block's hash."""
+    b, c = config.block_size, config.chunk_size
+    start = chunk * c
+    blocks = min(c // b - 1, (min(num_tokens, len(state.token_ids)) - start) // b)
+    if blocks <= 0:
+        return 0
+    tokens = state.token_ids[start : start + blocks * b]
+    found = 0
+    for key in block_prefix_keys(_prefix_key(state, chunk), tokens, b, blocks):
+        if key not in index:
+            break
+        found += 1
+    return found * b
+
+
 def answer_lookup(
     state: RequestState, index: ChunkIndex, config: TrackerConfig, local_hit: int, num_tokens: int
 ) -> tuple[int, int]:
@@ -118,6 +155,9 @@ def answer_lookup(
         if span_tier(index, span) is None:
             break
         hit = span.end
+    if config.block_hits and hit % config.chunk_size == 0 and hit < num_tokens:
+        # The first chunk not held whole: its whole blocks a stored chunk holds.
+        hit += block_hit(state, index, config, hit // config.chunk_size, num_tokens)
     if state.recompute_only:
         return hit, 0
     external = max(0, hit - local_hit - (1 if hit >= num_tokens else 0))
@@ -190,13 +230,19 @@ def plan_load(
     for chunk in range(start // c, (end - 1) // c + 1):
         if chunk < len(state.keys) and (chunk + 1) * c <= state.lookup.hit:
             key = state.keys[chunk]
-        else:  # the hit ends in a partial chunk saved at the end of a prefill
+        else:
+            # The hit ends inside this chunk: whole blocks a stored chunk holds (an alias),
+            # or a prompt tail saved at the end of a prefill. The load reads the chunk
+            # stored under it, from its start.
             key = _tail_key(state, config, state.lookup.hit)
-        slot = index.slot_of(key)
-        if slot is None and key in index.remote:
+        stored = index.resolve(key)
+        if stored is not None:
+            key, slot = stored, index.slot_of(stored)
+        elif key in index.remote:
             slot = REMOTE_SLOT  # the worker reads it from the remote store
-        if slot is None:
+        else:
             return refuse("load_chunks_present", chunk=chunk)
+        assert slot is not None
         keys.append(key)
         slots.append(slot)
     return ev.LoadPlanned(step, state.req_id, start, end, tuple(keys), tuple(slots)), ()
@@ -223,7 +269,10 @@ def plan_save(
     # cursor: its key names all of its tokens, so its slot must receive all of them.
     chunk = cursor // c
     if (chunk + 1) * c > limit and config.discard_partial_chunks:
-        return None  # the hot path: nothing new to save this step
+        # The hot path: nothing new to save this step, unless the prefill's whole blocks are
+        # (block hits).
+        if cursor >= config.saved_tail_end(state.prefill_end):
+            return None
     skip_to = cursor
     ranges: list[tuple[bytes, int, int]] = []  # (key, start, end), contiguous
     complete = True  # every full chunk below the limit is stored or in this plan
@@ -243,7 +292,7 @@ def plan_save(
         else:
             ranges.append((key, chunk * c, (chunk + 1) * c))
         chunk += 1
-    if complete and not config.discard_partial_chunks:
+    if complete:
         at = ranges[-1][2] if ranges else skip_to
         tail = _partial_tail(state, config, limit, at)
         if tail is not None:
@@ -287,13 +336,42 @@ def _partial_tail(
     state: RequestState, config: TrackerConfig, limit: int, at: int
 ) -> tuple[bytes, int, int] | None:
     """(key, start, end) of the prefill's partial chunk when a save range reaching ``at`` can
-    include it: its tokens are all computed and known, and it starts exactly at ``at``."""
+    include it: its tokens are all computed and known, and it starts exactly at ``at``. Whole
+    (to the prefill's end) without ``discard_partial_chunks``, else its whole blocks."""
     c = config.chunk_size
-    end = state.prefill_end
+    end = config.saved_tail_end(state.prefill_end)
     start = end // c * c
     if end % c == 0 or at != start or limit < end or len(state.keys) < start // c:
         return None
     return _tail_key(state, config, end), start, end
+
+
+def save_aliases(
+    decision: ev.SavePlanned, state: RequestState, config: TrackerConfig
+) -> tuple[tuple[bytes, ...], ...]:
+    """For each chunk a save plan writes, the keys of its whole-block prefixes other than its
+    own key (``block_hits``; else none): the index finds the chunk under them once it is
+    stored. Derived from the request's recorded token ids, so a replay derives the same."""
+    if not config.block_hits or not decision.keys:
+        return ()
+    b, c = config.block_size, config.chunk_size
+    out: list[tuple[bytes, ...]] = []
+    first = decision.start // c
+    for i in range(len(decision.keys)):
+        chunk = first + i
+        if not 0 <= chunk <= len(state.keys):
+            # A recorded plan for tokens this state never keyed (a hostile or damaged log):
+            # no aliases, as there is no chain to hang them on.
+            out.append(())
+            continue
+        chunk_start = chunk * c
+        tokens = state.token_ids[chunk_start : min(chunk_start + c, decision.end)]
+        blocks = len(tokens) // b
+        if blocks * b == len(tokens):
+            blocks -= 1  # the last prefix is the chunk itself: its own key, or a full one
+        prev = _prefix_key(state, chunk)
+        out.append(tuple(block_prefix_keys(prev, tokens, b, blocks)))
+    return tuple(out)
 
 
 @attrs.frozen(slots=True)

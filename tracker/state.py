@@ -460,8 +460,9 @@ def steady_limit(state: RequestState, config: TrackerConfig) -> int:
     next_chunk_end = (cursor // c + 1) * c
     if config.save_decode_cache or state.prefill_end >= next_chunk_end:
         limit = next_chunk_end - 1  # a full chunk could be saved: plan_save decides
-    if not config.discard_partial_chunks and cursor < state.prefill_end:
-        limit = min(limit, state.prefill_end - 1)  # the prefill's partial chunk may be due
+    # The prefill's partial chunk may be due (whole, or its whole blocks: saved_tail_end).
+    if cursor < config.saved_tail_end(state.prefill_end):
+        limit = min(limit, state.prefill_end - 1)
     return limit
 
 

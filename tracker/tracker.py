@@ -47,7 +47,7 @@ _RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule",
 
 
 class LogSink(Protocol):
-    """Where events go: ``tracker.log.LogWriter`` or anything with these two methods."""
+    """Where events go: ``connector.logwriter.LogWriter`` or anything with these two methods."""
 
     def append(self, event: ev.Event) -> None: ...
 
@@ -329,6 +329,19 @@ class Tracker:
         self._hot.pop(req_id, None)
         self._numbers.give_back(req_id)
 
+    def seal(self, stop: str) -> bool:
+        """Make the log complete as of now, and keep it so, for an engine asked to stop
+        (``stop`` says how): see ``LogWriter.seal``. Call it only between callbacks, when no
+        event is half applied. False when there is no log, or it cannot be sealed."""
+        sealer = getattr(self._log, "seal", None)
+        if sealer is None:
+            return False
+        try:
+            return bool(sealer(stop))
+        except Exception as exc:
+            self._log_failed(exc)
+            return False
+
     def close(self) -> None:
         closer = getattr(self._log, "close", None)
         if closer is not None:
@@ -362,7 +375,7 @@ class Tracker:
             decisions.append(d)
             after, more = fold(state, d, config)
             violations = violations + more
-            apply_decision(index, d, config)
+            apply_decision(index, d, config, after)
             if isinstance(d, (ev.LoadPlanned, ev.SavePlanned)) and d.keys:
                 counter = "tokens_loaded" if isinstance(d, ev.LoadPlanned) else "tokens_saved"
                 self.counts[counter] += d.end - d.start

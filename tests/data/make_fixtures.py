@@ -1,6 +1,6 @@
 """Regenerate the log fixtures in this directory: ``python tests/data/make_fixtures.py``.
 
-Each fixture is built by hand here (struct, zlib, msgpack), not by ``tracker.log.LogWriter``:
+Each fixture is built by hand here (struct, zlib, msgpack), not by ``connector.logwriter.LogWriter``:
 a fixture stands for a file an older kvledger wrote, so it must not follow the current schema.
 The bytes are deterministic; ``tests/test_log.py`` checks that this script still produces the
 committed files.

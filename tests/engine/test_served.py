@@ -1,0 +1,114 @@
+"""The serving path as users take it: vLLM's OpenAI server, the real ``openai`` client, and a
+stop by signal, with nothing called by hand that vLLM would call.
+
+The server runs as ``python -m vllm.entrypoints.openai.api_server`` in a process group of its
+own, with vLLM's default multiprocessing (the engine core and its worker are processes of their
+own: connector/testing/served.py). Concurrent completions overflow a small KV cache, so vLLM
+preempts; the same prompts are sent again, so they come back from the pool (vLLM's prefix
+caching is off); requests share a long prefix. Outputs are compared token for token (greedy)
+with a server without the connector. Then the server is stopped as a terminal's Ctrl-C stops it
+(SIGINT to the whole group) or as a service manager does (SIGTERM to the server): vLLM's engine
+core is killed before it would call the connector's ``shutdown()`` (SIGKILL right after
+SIGTERM by default), and the log must still end complete: ``kvledger check`` exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import prompts
+
+BLOCK = 32
+# 7 usable blocks of 32 tokens (vLLM keeps one of the 8 as its null block), so at most 224
+# tokens of context: vLLM refuses to start with a max_model_len the cache cannot hold.
+ENGINE: dict[str, Any] = dict(num_blocks=8, block_size=BLOCK, max_model_len=224, max_num_seqs=4)
+
+
+def rounds(model: str) -> list[tuple[list[list[int]], int]]:
+    """(prompts, tokens to generate): four requests that outgrow the cache as they decode
+    (each ends at 5 blocks; 7 are free), so vLLM preempts some and resumes them; the same
+    prompts again, whose whole chunks come back from the pool; a 96-token shared prefix."""
+    overflow = prompts(model, 17, [40, 48, 57, 64])
+    shared = prompts(model, 18, [110, 121, 130], shared_prefix=96)
+    return [(overflow, 96), (overflow, 16), (shared, 16)]
+
+
+def serve(model: str, kv: dict[str, Any] | None, sig: signal.Signals, group: bool) -> Any:
+    """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``."""
+    from connector.testing.served import Server, ServerSpec
+
+    spec = ServerSpec(model, kv_transfer_config=kv, **ENGINE)
+    with Server(spec) as server:
+        outputs = [server.complete(p, n) for p, n in rounds(model)]
+        preemptions = server.metric("vllm:num_preemptions_total")
+        status = server.stop(sig, group=group)
+        return outputs, preemptions, status, server.output()
+
+
+def kvledger(*args: str) -> subprocess.CompletedProcess[str]:
+    """The ``kvledger`` command of this venv, as a user runs it."""
+    exe = Path(sys.executable).with_name("kvledger")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300)
+
+
+def the_log(log_dir: Path) -> str:
+    logs = sorted(log_dir.glob("*.kvlog"))
+    assert len(logs) == 1, logs
+    return str(logs[0])
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model: str) -> Any:
+    return serve(tiny_model, None, signal.SIGINT, group=True)
+
+
+def connector_config(log_dir: Path) -> dict[str, Any]:
+    return {
+        "kv_connector": "KVLedgerConnector",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "chunk_size": BLOCK,
+            "host_pool_bytes": 64 << 20,
+            "log_dir": str(log_dir),
+        },
+    }
+
+
+def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
+    for i, (a, b) in enumerate(zip(base, other, strict=True)):
+        assert a == b, f"round {i}: outputs differ with the connector"
+        assert all(len(o) > 0 for o in a)
+
+
+@pytest.mark.parametrize(
+    ("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"]
+)
+def test_served_outputs_and_a_complete_log(
+    tiny_model: str, base: Any, tmp_path: Path, sig: signal.Signals, group: bool
+) -> None:
+    """Same tokens as without the connector; preempted and pool-hit requests; after the stop,
+    the log is complete and checks clean, and stats shows the preemptions and the loads."""
+    outputs, preemptions, _, output = serve(tiny_model, connector_config(tmp_path), sig, group)
+    base_outputs, base_preemptions, _, _ = base
+    assert_same(base_outputs, outputs)
+    assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
+    # vLLM never reached the connector's shutdown before the kill: the stop signal sealed it.
+    assert "kvledger.log_sealed" in output
+    log = the_log(tmp_path)
+    check = kvledger("check", log)
+    assert check.returncode == 0, check.stdout + check.stderr
+    stats = kvledger("stats", log, "--json")
+    assert stats.returncode == 0, stats.stderr
+    import json
+
+    doc = json.loads(stats.stdout)
+    assert doc["preemptions"] > 0
+    assert doc["tokens_loaded"] > 0
