@@ -67,15 +67,20 @@ def fill_random_bits(t: torch.Tensor) -> None:
     t.view(torch.int16).random_()
 
 
-def timed(fn: Callable[[], TransferHandle | None], sync: Callable[[], None]) -> tuple[float, float]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def timed(
+    fn: Callable[[], TransferHandle | None], sync: Callable[[], None], clock: Callable[[], float]
+) -> tuple[float, float]:
     """(seconds until done, seconds until fn returned)."""
-    t0 = time.perf_counter()
+    t0 = clock()
     handle = fn()
-    t1 = time.perf_counter()
+    t1 = clock()
     if handle is not None:
         handle.synchronize()
     sync()
-    return time.perf_counter() - t0, t1 - t0
+    return clock() - t0, t1 - t0
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -192,7 +197,7 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
     submits: dict[str, list[float]] = {k: [] for k in ops}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
-            total, submit = timed(fn, sync)
+            total, submit = timed(fn, sync, CLOCKS[args.clock])
             if r >= args.warmup:
                 times[name].append(total)
                 submits[name].append(submit)
@@ -252,11 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         help="torch threads on CPU (default 1: on small shared VMs OpenMP barriers stall "
         "at random, see kv-transfer.md §5); 0 leaves torch's default",
     )
+    p.add_argument(
+        "--clock",
+        default="wall",
+        choices=sorted(CLOCKS),
+        help="wall: elapsed time; cpu: this thread's CPU time, which leaves out the time a "
+        "shared machine gives other jobs (CPU only: a GPU transfer is not the thread's time)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device")
+    if args.device == "cuda" and args.clock == "cpu":
+        p.error("--clock cpu measures this thread's CPU time: use it with --device cpu")
     if args.chunk_tokens % args.block_size:
         p.error("--chunk-tokens must be a multiple of --block-size")
     if not 0 <= args.tokens <= args.chunk_tokens:
@@ -281,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.block_size} (cpu_attn {args.cpu_block_size}), one chunk of {args.chunk_tokens} "
         f"tokens = {chunk_mib:.2f} MiB, {tokens} tokens per call, "
         f"{args.block_order} block ids, device {args.device}, "
-        f"median of {args.repeats} (+{args.warmup} warmup)"
+        f"median of {args.repeats} (+{args.warmup} warmup), {args.clock} clock"
     )
     header = (
         f"{'layout':<13} {'op':<13} {'GB/s':>7} {'med ms':>8} {'p10 ms':>8} {'p90 ms':>8} "

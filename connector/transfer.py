@@ -509,12 +509,21 @@ class TransferBackend:
         if spec.layout == "cpu_attn":
             assert spec.cpu_isa is not None
             self._cpu_offsets = cpu_attn_offsets(spec.cpu_isa, spec.block_size, spec.head_size)
-            # A block's images of every head, gathered whole, then put in order by views.
+            # Buffers of one layer's share of a chunk: its blocks' (block, head) regions as the
+            # kernel orders them, and the same tokens as rows [blocks, H, block_size, D].
             self._image = spec.num_kv_heads * 2 * spec.block_size * spec.head_size
-            self._cpu_tmp = torch.empty(
+            self._cpu_regions = torch.empty(
                 (chunk_tokens // spec.block_size, self._image), dtype=spec.dtype
             )
-            self._cpu_tmp_views: dict[int, tuple[torch.Tensor, ...]] = {}
+            self._cpu_rows = torch.empty(
+                (
+                    chunk_tokens // spec.block_size,
+                    spec.num_kv_heads,
+                    spec.block_size,
+                    spec.head_size,
+                ),
+                dtype=spec.dtype,
+            )
             self._block_align = math.gcd(
                 self._image * self._esize,
                 *(c.storage_offset() * self._esize for c in self._caches),
@@ -728,30 +737,19 @@ class TransferBackend:
           of V (``[2, tokens * H * D]``) in the host slot's order (token, head, dim);
         - the advanced-indexing path (no token rows): every token in ``tail``, as slot ids.
         """
-        bs = self.spec.block_size
         n = slots.numel()
-        cpu = self._cpu_offsets is not None
-        first, blocks = _whole_blocks(slots, bs) if cpu or self._block_strides else (0, 0)
+        if self._cpu_offsets is None and self._row_strides is None:
+            return _Plan(n, 0, 0, slots[:0], slots[:0], slots)
+        loose = self._token_rows if self._cpu_offsets is None else self._cpu_elements
+        bs = self.spec.block_size
+        whole = self._cpu_offsets is not None or self._block_strides is not None
+        first, blocks = _whole_blocks(slots, bs) if whole else (0, 0)
         end = first + blocks * bs
-        ids = slots[first:end:bs] // bs
-        if cpu:
-            return _Plan(
-                n,
-                first,
-                blocks,
-                ids,
-                self._cpu_elements(slots[:first]),
-                self._cpu_elements(slots[end:]),
-            )
-        if self._row_strides is None:
-            return _Plan(n, 0, 0, ids, slots[:0], slots)
-        span = ids
+        span = slots[first:end:bs] // bs
         if self._block_strides is not None:
             b_kv, b_blk = self._block_strides
-            span = torch.cat([ids * b_blk, ids * b_blk + b_kv])
-        return _Plan(
-            n, first, blocks, span, self._token_rows(slots[:first]), self._token_rows(slots[end:])
-        )
+            span = torch.cat([span * b_blk, span * b_blk + b_kv])
+        return _Plan(n, first, blocks, span, loose(slots[:first]), loose(slots[end:]))
 
     def _token_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Token rows of K then V (``[2 * n]``) of the tokens at ``slots``."""
@@ -891,36 +889,56 @@ class TransferBackend:
     def _move_cpu_blocks(
         self, chunk: torch.Tensor, start: int, blocks: int, ids: torch.Tensor, *, save: bool
     ) -> None:
-        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``: per layer, the blocks' regions
-        of every head are gathered whole (one ``index_select`` of rows tens of KiB long) into a
-        buffer the size of a chunk's layer, which stays in the CPU's cache, and put in token
-        order with one strided ``copy_`` each for K and V (``cpu_attn_views``); a load runs the
-        same steps backwards, ending in one ``index_copy_``."""
+        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``, a layer at a time: the blocks'
+        regions of every head are gathered whole (one ``index_select`` of rows tens of KiB
+        long) into a buffer of one layer's share of a chunk, which stays in the CPU's cache,
+        and put in the slot's order there. Where the kernel keeps a block's tokens as rows
+        (``vec``'s V) one strided ``copy_`` puts them in the slot; elsewhere (K, and ``amx``'s
+        V) the elements are first reordered inside each (block, head) into a second buffer of
+        rows (``cpu_attn_views``), then copied to the slot row by row: a strided copy straight
+        between the kernel's order and the slot's strides through memory and is 2 to 4 times
+        slower (bench/transfer_bench.py). A load runs the same steps backwards and ends in one
+        ``index_copy_``."""
         spec = self.spec
         bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
         assert spec.cpu_isa is not None
         wide = _wide_dtype(self._block_align)
         images = self._rows_as(wide, blocks=True)
-        tmp = self._cpu_tmp[:blocks]
-        tmp_wide = tmp.view(wide)
-        pairs = []
-        for kv, view in enumerate(cpu_attn_views(tmp.view(blocks, heads, -1), spec.cpu_isa, bs, d)):
-            # The slot's tokens [blocks, H, block_size, D], split as the kernel's view is.
+        regions = self._cpu_regions[:blocks]
+        rows = self._cpu_rows[:blocks]  # [blocks, H, block_size, D]
+        # Per K and V: (kernel-order view, its rows in the staging buffer) where they differ,
+        # the rows to copy to or from the slot, and the slot's views, one per layer.
+        Step = tuple[
+            tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor, tuple[torch.Tensor, ...]
+        ]
+        steps: list[Step] = []
+        for kv, view in enumerate(
+            cpu_attn_views(regions.view(blocks, heads, -1), spec.cpu_isa, bs, d)
+        ):
+            # The slot's tokens of this K or V as [layers, blocks, H, block_size, D].
             host = chunk[:, kv].narrow(1, start, blocks * bs).view(-1, blocks, bs, heads, d)
             host = host.permute(0, 1, 3, 2, 4)
-            host = host.view(*host.shape[:3], *view.shape[2:])  # split t and d as the view does
-            view, host = _widened(view, host)
-            pairs.append((view, host.unbind(0)))
-        (k_tmp, k_host), (v_tmp, v_host) = pairs
+            if view[0, 0].is_contiguous():  # the kernel's tokens are rows already
+                direct, host = _widened(view.reshape(blocks, heads, bs, d), host)
+                steps.append((None, direct, host.unbind(0)))
+            else:
+                kernel, staged = _widened(view, rows.view(blocks, heads, *view.shape[2:]))
+                rows_w, host = _widened(rows, host)
+                steps.append(((kernel, staged), rows_w, host.unbind(0)))
+        regions_wide = regions.view(wide)
         for layer in range(spec.num_layers):
             if save:
-                torch.index_select(images[layer], 0, ids, out=tmp_wide)
-                k_host[layer].copy_(k_tmp)
-                v_host[layer].copy_(v_tmp)
+                torch.index_select(images[layer], 0, ids, out=regions_wide)
+                for reorder, tokens, host_views in steps:
+                    if reorder is not None:
+                        reorder[1].copy_(reorder[0])
+                    host_views[layer].copy_(tokens)
             else:
-                k_tmp.copy_(k_host[layer])
-                v_tmp.copy_(v_host[layer])
-                images[layer].index_copy_(0, ids, tmp_wide)
+                for reorder, tokens, host_views in steps:
+                    tokens.copy_(host_views[layer])
+                    if reorder is not None:
+                        reorder[0].copy_(reorder[1])
+                images[layer].index_copy_(0, ids, regions_wide)
 
     def _move_indexed(
         self, layer: int, slots: torch.Tensor, piece: torch.Tensor, *, save: bool
