@@ -40,7 +40,13 @@ from pathlib import Path
 import torch
 
 from connector.store import HostChunkPool
-from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
+from connector.transfer import (
+    TransferBackend,
+    TransferHandle,
+    _widened,
+    cpu_attn_views,
+    slot_mapping_for,
+)
 
 GB = 1e9
 
@@ -171,6 +177,11 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         "raw load-dir": raw_load,
         "load": lambda: backend.load(chunk, dst_map),
     }
+    part_bytes: dict[str, int] = {}
+    if args.parts and layout in CPU_LAYOUTS and tokens % bs == 0:
+        part_bytes = cpu_attn_parts(
+            ops, caches, chunk, CPU_LAYOUTS[layout], src_blocks[: tokens // bs]
+        )
 
     # Correctness first: a bitwise round trip into other blocks (whole blocks: a partial
     # chunk's last block is compared by saving it back).
@@ -204,9 +215,10 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     rows: list[Row] = []
     refs = {"save": "raw save-dir", "load": "raw load-dir"}
+    refs.update(dict.fromkeys(part_bytes, "raw save-dir"))
     for name in ops:
         med = statistics.median(times[name])
-        gbps = nbytes / med / GB
+        gbps = part_bytes.get(name, nbytes) / med / GB
         ref = refs.get(name)
         # Median of per-round ratios: a round's raw copy and transfer ran back to back, so
         # load from other tenants between rounds cancels out.
@@ -225,10 +237,78 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
                 pct(times[name], 0.9) * 1e3,
                 statistics.median(submits[name]) * 1e3,
                 ratio,
-                ok if ref else None,
+                ok if ref and name not in part_bytes else None,
             )
         )
     return rows
+
+
+def cpu_attn_parts(
+    ops: dict[str, Callable[[], TransferHandle | None]],
+    caches: dict[str, torch.Tensor],
+    chunk: torch.Tensor,
+    isa: str,
+    blocks: list[int],
+) -> dict[str, int]:
+    """With --parts: the steps of a cpu_attn save of whole blocks, each timed alone on buffers
+    of this script's own, one layer at a time, as connector.transfer's _move_cpu_blocks runs
+    them. For K and for V: where the kernel keeps tokens as rows, one index_select from the
+    cache into the slot ("to slot"); else a gather of the blocks' regions ("gather", whole
+    blocks when both K and V take this way), their reorder into rows inside the CPU's cache
+    ("order") and the copy of the rows to the slot ("rows>slot"). Adds them to ``ops``;
+    returns each step's bytes."""
+    layers = list(caches.values())
+    num_blocks, heads, bs, two_d = layers[0].shape
+    d = two_d // 2
+    n = len(blocks)
+    ids = torch.tensor(blocks)
+    regions = torch.empty((n, heads, 2, bs * d), dtype=layers[0].dtype)
+    rows = torch.empty((n, heads, bs, d), dtype=layers[0].dtype)
+    half = regions.numel() * regions.element_size() * len(layers) // 2
+    sizes: dict[str, int] = {}
+
+    def run(calls: list[Callable[[], object]]) -> Callable[[], None]:
+        def go() -> None:
+            for call in calls:
+                call()
+
+        return go
+
+    views = [cpu_attn_views(c.view(num_blocks, heads, -1), isa, bs, d) for c in layers]
+    rows_kv = [bool(v[0, 0].is_contiguous()) for v in views[0]]
+    if not any(rows_kv):
+        src = [c.view(num_blocks, -1).view(torch.complex128) for c in layers]
+        out = regions.view(n, -1).view(torch.complex128)
+        ops[". gather"] = run([lambda s=s: torch.index_select(s, 0, ids, out=out) for s in src])
+        sizes[". gather"] = 2 * half
+    kernel_views = cpu_attn_views(regions.view(n, heads, -1), isa, bs, d)
+    for kv, name in enumerate("KV"):
+        host = chunk[:, kv].narrow(1, 0, n * bs).view(-1, n, bs, heads, d)
+        host = host.permute(0, 1, 3, 2, 4).unbind(0)
+        if rows_kv[kv]:
+            pairs = [
+                _widened(v[kv].reshape(num_blocks, heads, bs, d), h)
+                for v, h in zip(views, host, strict=True)
+            ]
+            ops[f". {name} to slot"] = run(
+                [lambda p=p: torch.index_select(p[0], 0, ids, out=p[1]) for p in pairs]
+            )
+            sizes[f". {name} to slot"] = half
+            continue
+        if any(rows_kv):
+            part = _widened(*(c.view(num_blocks, heads, 2, -1)[:, :, kv] for c in layers))
+            out = _widened(regions[:, :, kv], part[0])[0]
+            ops[f". {name} gather"] = run(
+                [lambda s=s, o=out: torch.index_select(s, 0, ids, out=o) for s in part]
+            )
+            sizes[f". {name} gather"] = half
+        view = kernel_views[kv]
+        order = _widened(view, rows.view(n, heads, *view.shape[2:]))
+        ops[f". {name} order"] = run([lambda o=order: o[1].copy_(o[0])] * len(layers))
+        to_slot = [_widened(rows, h) for h in host]
+        ops[f". {name} rows>slot"] = run([lambda p=p: p[1].copy_(p[0]) for p in to_slot])
+        sizes[f". {name} order"] = sizes[f". {name} rows>slot"] = half
+    return sizes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--tokens", type=int, default=0, help="tokens per call (default: a chunk)")
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="cpu_attn: also time the steps of a save alone (rows starting with '.'; their "
+        "'vs raw' is the raw copy's time over the step's: the steps' inverses add up)",
+    )
     p.add_argument("--num-blocks", type=int, default=0, help="cache blocks (default 4x a chunk)")
     p.add_argument(
         "--threads",
@@ -298,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         f"median of {args.repeats} (+{args.warmup} warmup), {args.clock} clock"
     )
     header = (
-        f"{'layout':<13} {'op':<13} {'GB/s':>7} {'med ms':>8} {'p10 ms':>8} {'p90 ms':>8} "
+        f"{'layout':<13} {'op':<14} {'GB/s':>7} {'med ms':>8} {'p10 ms':>8} {'p90 ms':>8} "
         f"{'submit ms':>9} {'vs raw':>7}  check"
     )
     print(header)
@@ -318,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
             if ratio is not None and (lowest is None or ratio < lowest[0]):
                 lowest = (ratio, f"{layout_} {name}")
             print(
-                f"{layout_:<13} {name:<13} {gbps:7.2f} {med:8.3f} {p10:8.3f} {p90:8.3f} "
+                f"{layout_:<13} {name:<14} {gbps:7.2f} {med:8.3f} {p10:8.3f} {p90:8.3f} "
                 f"{sub:9.3f} {ratio_s}  {ok_s}"
             )
     if lowest is not None:

@@ -7,15 +7,21 @@ ids (vLLM's ``slot_mapping`` convention: ``block_id * block_size + offset_in_blo
 A host chunk slot is one contiguous tensor ``[num_layers, 2, chunk_tokens, num_kv_heads *
 head_size]``: per layer K then V, token-major inside, so a whole chunk is one DMA.
 
-How bytes move: each layer is viewed as rows of ``num_kv_heads * head_size`` elements, one row
-per (K or V, token), and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves
-every token of the call at once. On CUDA this runs on a side stream through a device staging
-buffer, so the host side is one large DMA; on CPU it runs synchronously, straight into or out of
-the host slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
+How bytes move: a call's tokens are split into whole cache blocks, back to back (a request's
+range is at most a partial block, whole blocks, a partial block), and the loose tokens around
+them. Whole blocks move a block at a time: in FlashAttention's and FlashInfer's layouts a
+block's K (or V) is one contiguous row of ``block_size * num_kv_heads * head_size`` elements,
+and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves every block of the
+call; loose tokens move the same way as rows of ``num_kv_heads * head_size`` elements, one row
+per (K or V, token). On CUDA this runs on a side stream through a device staging buffer, so the
+host side is one large DMA; on CPU it runs synchronously, straight into or out of the host
+slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]`` with K and V of a (block, head) in an order of its own kernels
-(``cpu_attn``, below): there every element is moved by its own flat index. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCache's
-``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side
-stream ordered after the compute stream is what vLLM's CPU offloading worker does
+(``cpu_attn``, below): there a layer's whole blocks are gathered whole into a buffer that stays
+in the CPU's cache and put in token order with strided copies (``cpu_attn_views``), and loose
+tokens move element by element. This is, in plain PyTorch, the gather-then-one-DMA scheme of
+LMCache's ``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and
+the side stream ordered after the compute stream is what vLLM's CPU offloading worker does
 (``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
 
 Ordering on CUDA is explicit, against streams the caller names (``after``): a transfer starts
@@ -395,35 +401,60 @@ _WIDE_DTYPES = (
 )
 
 
+# cpu_attn: bytes of the blocks of a group of layers reordered at once in a buffer, small enough
+# to stay in a core's L2 cache (1 to 2 MiB on current x86 server cores) while it is reordered.
+_REORDER_BYTES = 1 << 20
+
+
 def _wide_dtype(*byte_counts: int) -> torch.dtype:
     """The widest of ``_WIDE_DTYPES`` whose size divides every one of ``byte_counts``."""
     g = math.gcd(*byte_counts)
     return next(dtype for size, dtype in _WIDE_DTYPES if g % size == 0)
 
 
-def _widened(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``views`` (one element type, the same last dim, any strides) reinterpreted as the widest
-    element type that keeps each a view of the same bytes, when their last dim is contiguous
-    in all of them (else they come back as they are). A copy between two of them then moves up
-    to 16 bytes per element instead of 2 or 4; the bits are unchanged."""
-    esize = views[0].element_size()
-    if views[0].dim() == 0 or views[0].shape[-1] == 1 or any(v.stride(-1) != 1 for v in views):
-        return views
-    sizes: list[int] = [views[0].shape[-1] * esize]
+def _widest(*views: torch.Tensor) -> torch.dtype:
+    """The widest element type (``_WIDE_DTYPES``) as which every one of ``views`` (one element
+    type, the same last dim, any strides) stays a view of the same bytes: their last dim must be
+    contiguous in all of them; else their own. A copy between two views reinterpreted so moves
+    up to 16 bytes per element instead of 2 or 4; the bits are unchanged."""
+    first = views[0]
+    esize = first.element_size()
+    if first.dim() == 0 or first.shape[-1] == 1 or any(v.stride(-1) != 1 for v in views):
+        return first.dtype
+    sizes: list[int] = [first.shape[-1] * esize]
     for v in views:
         sizes.append(int(v.storage_offset()) * esize)
         sizes.extend(
             st * esize for n, st in zip(v.shape[:-1], v.stride()[:-1], strict=True) if n > 1
         )
     wide = _wide_dtype(*sizes)
-    if torch.empty((), dtype=wide).element_size() <= esize:
-        return views
-    out = []
-    for v in views:
-        # A dim of size 1 is never stepped along: its stride set to 0, view() accepts it.
-        strides = [0 if n == 1 else st for n, st in zip(v.shape[:-1], v.stride()[:-1], strict=True)]
-        out.append(v.as_strided(v.shape, [*strides, 1], v.storage_offset()).view(wide))
-    return tuple(out)
+    return wide if wide.itemsize > esize else first.dtype
+
+
+def _reinterpret(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``view`` read as ``dtype`` (one ``_widest`` allows for it)."""
+    if dtype == view.dtype:
+        return view
+    # A dim of size 1 is never stepped along: its stride set to 0, view() accepts it.
+    strides = [
+        0 if n == 1 else st for n, st in zip(view.shape[:-1], view.stride()[:-1], strict=True)
+    ]
+    return view.as_strided(view.shape, [*strides, 1], view.storage_offset()).view(dtype)
+
+
+def _widened(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``views`` reinterpreted as their ``_widest`` element type."""
+    wide = _widest(*views)
+    return tuple(_reinterpret(v, wide) for v in views)
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if a.itemsize <= b.itemsize else b
+
+
+def _groups(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``t`` cut along its first dim into pieces of ``size`` (the last one may be shorter)."""
+    return [t.narrow(0, i, min(size, t.shape[0] - i)) for i in range(0, t.shape[0], size)]
 
 
 def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, int]:
@@ -509,21 +540,33 @@ class TransferBackend:
         if spec.layout == "cpu_attn":
             assert spec.cpu_isa is not None
             self._cpu_offsets = cpu_attn_offsets(spec.cpu_isa, spec.block_size, spec.head_size)
-            # Buffers of one layer's share of a chunk: its blocks' (block, head) regions as the
-            # kernel orders them, and the same tokens as rows [blocks, H, block_size, D].
+            # Buffers for a group of layers' share of a chunk (_move_cpu_blocks): its blocks'
+            # (block, head) regions as the kernel orders them, and K or V of the same tokens as
+            # rows [blocks, H, block_size, D].
             self._image = spec.num_kv_heads * 2 * spec.block_size * spec.head_size
-            self._cpu_regions = torch.empty(
-                (chunk_tokens // spec.block_size, self._image), dtype=spec.dtype
+            layer_share = chunk_tokens // spec.block_size * self._image
+            chunk_elements = min(
+                max(_REORDER_BYTES // self._esize, layer_share), spec.num_layers * layer_share
             )
-            self._cpu_rows = torch.empty(
-                (
-                    chunk_tokens // spec.block_size,
-                    spec.num_kv_heads,
+            self._cpu_regions = torch.empty(chunk_elements, dtype=spec.dtype)
+            self._cpu_rows = torch.empty(chunk_elements // 2, dtype=spec.dtype)
+            # Each layer's K and V in token order (views of the cache); where the kernel keeps a
+            # block's tokens as rows, a save gathers them straight into the slot.
+            self._cpu_layer_views = [
+                cpu_attn_views(
+                    c.view(spec.num_blocks, spec.num_kv_heads, -1),
+                    spec.cpu_isa,
                     spec.block_size,
                     spec.head_size,
-                ),
-                dtype=spec.dtype,
-            )
+                )
+                for c in self._caches
+            ]
+            self._cpu_token_rows = [bool(v[0, 0].is_contiguous()) for v in self._cpu_layer_views[0]]
+            self._cpu_direct_dtype = [
+                _widest(*(views[kv] for views in self._cpu_layer_views)) if rows else spec.dtype
+                for kv, rows in enumerate(self._cpu_token_rows)
+            ]
+            self._cpu_views: dict[tuple[str, torch.dtype | None], list[torch.Tensor]] = {}
             self._block_align = math.gcd(
                 self._image * self._esize,
                 *(c.storage_offset() * self._esize for c in self._caches),
@@ -680,7 +723,7 @@ class TransferBackend:
                 f"{self.chunk_tokens} tokens"
             )
         if n:
-            lo, hi = int(slots.min()), int(slots.max())
+            lo, hi = (int(x) for x in torch.aminmax(slots))
             limit = self.spec.num_cache_slots
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
@@ -754,6 +797,8 @@ class TransferBackend:
     def _token_rows(self, slots: torch.Tensor) -> torch.Tensor:
         """Token rows of K then V (``[2 * n]``) of the tokens at ``slots``."""
         assert self._row_strides is not None
+        if slots.numel() == 0:
+            return slots
         s_kv, s_blk, s_off = self._row_strides
         bs = self.spec.block_size
         base = (slots // bs) * s_blk + (slots % bs) * s_off
@@ -763,6 +808,8 @@ class TransferBackend:
         """``cpu_attn``: flat element ids ``[2, n * H * D]`` of K and of V of the tokens at
         ``slots``, in the host slot's order (token, head, dim)."""
         assert self._cpu_offsets is not None
+        if slots.numel() == 0:
+            return slots.view(2, 0)
         spec = self.spec
         k_off, v_off = self._cpu_offsets
         bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
@@ -889,56 +936,114 @@ class TransferBackend:
     def _move_cpu_blocks(
         self, chunk: torch.Tensor, start: int, blocks: int, ids: torch.Tensor, *, save: bool
     ) -> None:
-        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``, a layer at a time: the blocks'
-        regions of every head are gathered whole (one ``index_select`` of rows tens of KiB
-        long) into a buffer of one layer's share of a chunk, which stays in the CPU's cache,
-        and put in the slot's order there. Where the kernel keeps a block's tokens as rows
-        (``vec``'s V) one strided ``copy_`` puts them in the slot; elsewhere (K, and ``amx``'s
-        V) the elements are first reordered inside each (block, head) into a second buffer of
-        rows (``cpu_attn_views``), then copied to the slot row by row: a strided copy straight
-        between the kernel's order and the slot's strides through memory and is 2 to 4 times
-        slower (bench/transfer_bench.py). A load runs the same steps backwards and ends in one
-        ``index_copy_``."""
+        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``.
+
+        Where the kernel keeps a block's tokens as rows (``vec``'s V), a save is one
+        ``index_select`` per layer from the cache into the slot's strides. Elsewhere (K, and
+        ``amx``'s V) the elements must be reordered, and a strided copy straight between the
+        kernel's order in the cache and the slot's strides ran 2 to 4 times slower than going
+        through the CPU's cache: the blocks' regions of a few layers are gathered (one
+        ``index_select`` per layer, rows tens of KiB long) into a buffer of at most
+        ``_REORDER_BYTES`` (or one layer's share), reordered inside each (block, head) into a
+        second buffer of rows (``cpu_attn_views``), and the rows copied to the slot. A load
+        runs the steps backwards, rows into regions, then one ``index_copy_`` of whole blocks
+        per layer. Layers go in groups so that a small chunk costs a few copies, not a few per
+        layer."""
         spec = self.spec
         bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
+        num_layers = spec.num_layers
         assert spec.cpu_isa is not None
-        wide = _wide_dtype(self._block_align)
-        images = self._rows_as(wide, blocks=True)
-        regions = self._cpu_regions[:blocks]
-        rows = self._cpu_rows[:blocks]  # [blocks, H, block_size, D]
-        # Per K and V: (kernel-order view, its rows in the staging buffer) where they differ,
-        # the rows to copy to or from the slot, and the slot's views, one per layer.
-        Step = tuple[
-            tuple[torch.Tensor, torch.Tensor] | None, torch.Tensor, tuple[torch.Tensor, ...]
-        ]
-        steps: list[Step] = []
-        for kv, view in enumerate(
-            cpu_attn_views(regions.view(blocks, heads, -1), spec.cpu_isa, bs, d)
-        ):
+        group = max(1, min(num_layers, _REORDER_BYTES // (blocks * self._image * self._esize)))
+        regions = self._cpu_regions[: group * blocks * self._image].view(group, blocks, heads, -1)
+        rows = self._cpu_rows[: group * blocks * heads * bs * d].view(group, blocks, heads, bs, d)
+        # Per K and V: how its bytes go between the regions buffer (or the cache) and the slot.
+        direct: list[tuple[int, tuple[torch.Tensor, ...]]] = []  # save: cache -> slot
+        Reorder = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor]]
+        reorders: list[Reorder] = []
+        gather: list[int] = []  # save: K/V parts gathered into the regions buffer
+        for kv, view in enumerate(cpu_attn_views(regions, spec.cpu_isa, bs, d)):
             # The slot's tokens of this K or V as [layers, blocks, H, block_size, D].
             host = chunk[:, kv].narrow(1, start, blocks * bs).view(-1, blocks, bs, heads, d)
             host = host.permute(0, 1, 3, 2, 4)
-            if view[0, 0].is_contiguous():  # the kernel's tokens are rows already
-                direct, host = _widened(view.reshape(blocks, heads, bs, d), host)
-                steps.append((None, direct, host.unbind(0)))
+            if self._cpu_token_rows[kv]:  # the kernel's tokens are rows already
+                if save:
+                    wide = _narrower(self._cpu_direct_dtype[kv], _widest(host))
+                    direct.append((kv, _reinterpret(host, wide).unbind(0)))
+                    continue
+                tokens, host = _widened(view.reshape(rows.shape), host)
+                reorders.append((tokens, None, _groups(host, group)))
             else:
-                kernel, staged = _widened(view, rows.view(blocks, heads, *view.shape[2:]))
-                rows_w, host = _widened(rows, host)
-                steps.append(((kernel, staged), rows_w, host.unbind(0)))
-        regions_wide = regions.view(wide)
-        for layer in range(spec.num_layers):
+                kernel, staged = _widened(view, rows.view(group, blocks, heads, *view.shape[3:]))
+                tokens, host = _widened(rows, host)
+                reorders.append((tokens, (kernel, staged), _groups(host, group)))
+            gather.append(kv)
+        for kv, slot_views in direct:
+            wide = slot_views[0].dtype
+            for layer, out in enumerate(slot_views):
+                torch.index_select(self._cpu_direct_views(kv, wide)[layer], 0, ids, out=out)
+        if not reorders:
+            return
+        # Whole blocks' regions when both K and V go through the buffer, else that part.
+        part = None if len(gather) == 2 else gather[0]
+        sources = self._cpu_region_views(part)
+        wide = sources[0].dtype
+        halves = regions.view(group, blocks, heads, 2, -1)
+        if part is None:
+            outs = _reinterpret(halves.view(group, blocks, -1), wide).unbind(0)
+        else:
+            outs = _reinterpret(halves[:, :, :, part], wide).unbind(0)
+        for g, first in enumerate(range(0, num_layers, group)):
+            layers = range(first, min(first + group, num_layers))
+            n = len(layers)
             if save:
-                torch.index_select(images[layer], 0, ids, out=regions_wide)
-                for reorder, tokens, host_views in steps:
-                    if reorder is not None:
-                        reorder[1].copy_(reorder[0])
-                    host_views[layer].copy_(tokens)
+                for out, layer in zip(outs, layers, strict=False):
+                    torch.index_select(sources[layer], 0, ids, out=out)
+            for tokens, pair, host_views in reorders:
+                if n < group:  # the last group of layers, smaller
+                    tokens = tokens[:n]
+                    pair = (pair[0][:n], pair[1][:n]) if pair is not None else None
+                if save:
+                    if pair is not None:
+                        pair[1].copy_(pair[0])
+                    host_views[g].copy_(tokens)
+                else:
+                    tokens.copy_(host_views[g])
+                    if pair is not None:
+                        pair[0].copy_(pair[1])
+            if not save:
+                for src, layer in zip(outs, layers, strict=False):
+                    sources[layer].index_copy_(0, ids, src)
+
+    def _cpu_direct_views(self, kv: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """``cpu_attn``: K (``kv`` 0) or V of every layer's cache as ``[num_blocks, H,
+        block_size, D]`` in token order, read as ``dtype``; only where the kernel keeps tokens
+        as rows (``_cpu_token_rows``)."""
+        key = (f"direct{kv}", dtype)
+        views = self._cpu_views.get(key)
+        if views is None:
+            spec = self.spec
+            shape = (spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
+            views = [_reinterpret(v[kv].reshape(shape), dtype) for v in self._cpu_layer_views]
+            self._cpu_views[key] = views
+        return views
+
+    def _cpu_region_views(self, part: int | None) -> list[torch.Tensor]:
+        """``cpu_attn``: every layer's cache as rows of whole blocks (``[num_blocks, H * 2 *
+        block_size * D]``), or with ``part`` 0 (K) or 1 (V) that half of each (block, head)
+        (``[num_blocks, H, block_size * D]``); read as the widest element type they allow."""
+        key = (f"regions{part}", None)
+        views = self._cpu_views.get(key)
+        if views is None:
+            spec = self.spec
+            if part is None:
+                views = [c.view(spec.num_blocks, -1) for c in self._caches]
             else:
-                for reorder, tokens, host_views in steps:
-                    tokens.copy_(host_views[layer])
-                    if reorder is not None:
-                        reorder[0].copy_(reorder[1])
-                images[layer].index_copy_(0, ids, regions_wide)
+                shape = (spec.num_blocks, spec.num_kv_heads, 2, -1)
+                views = [c.view(shape)[:, :, part] for c in self._caches]
+            wide = _widest(*views)
+            views = [_reinterpret(v, wide) for v in views]
+            self._cpu_views[key] = views
+        return views
 
     def _move_indexed(
         self, layer: int, slots: torch.Tensor, piece: torch.Tensor, *, save: bool

@@ -52,24 +52,22 @@ class Shape:
     heads: int
     head_size: int
     chunk_tokens: int
+    # cpu_attn: layers reordered at once, in blocks' worth of bytes (transfer._REORDER_BYTES)
+    reorder_blocks: int = 64
 
 
-def make_caches(s: Shape, seed: int) -> dict[str, torch.Tensor]:
+def make_caches(s: Shape, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     nb, bs, h, d = s.blocks, s.block_size, s.heads, s.head_size
-    caches = {}
-    for i in range(s.layers):
-        if s.layout == "flash_attn":
-            c = random_bits((2, nb, bs, h, d), s.dtype, seed + i)
-        elif s.layout == "flashinfer":
-            c = random_bits((nb, 2, bs, h, d), s.dtype, seed + i)
-        elif s.layout == "flash_attn_hnd":
-            c = random_bits((2, nb, h, bs, d), s.dtype, seed + i).transpose(2, 3)
-        elif s.layout == "flash_attn_padded":
-            c = random_bits((2, nb, bs + 1, h, d), s.dtype, seed + i)[:, :, :bs]
-        else:
-            c = random_bits((nb, h, bs, 2 * d), s.dtype, seed + i)
-        caches[f"model.layers.{i}.self_attn.attn"] = c
-    return caches
+    base, view = {
+        "flash_attn": ((2, nb, bs, h, d), lambda c: c),
+        "flashinfer": ((nb, 2, bs, h, d), lambda c: c),
+        "flash_attn_hnd": ((2, nb, h, bs, d), lambda c: c.transpose(2, 3)),
+        "flash_attn_padded": ((2, nb, bs + 1, h, d), lambda c: c[:, :, :bs]),
+    }.get(s.layout, ((nb, h, bs, 2 * d), lambda c: c))
+    return {
+        f"model.layers.{i}.self_attn.attn": view(random_bits(base, s.dtype, seed + i).to(device))
+        for i in range(s.layers)
+    }
 
 
 def cpu_offsets(isa: str, bs: int, d: int, t: int) -> tuple[list[int], list[int]]:
@@ -149,8 +147,8 @@ def reference_load(
 
 
 @st.composite
-def shapes(draw: st.DrawFn) -> Shape:
-    layout = draw(st.sampled_from(LAYOUTS))
+def shapes(draw: st.DrawFn, layouts: list[str] = LAYOUTS) -> Shape:
+    layout = draw(st.sampled_from(layouts))
     if layout == "cpu_amx":
         block_size = draw(st.sampled_from([16, 32]))
         head_size = draw(st.sampled_from([16, 32]))
@@ -172,6 +170,7 @@ def shapes(draw: st.DrawFn) -> Shape:
         heads=draw(st.integers(1, 3)),
         head_size=head_size,
         chunk_tokens=chunk_tokens,
+        reorder_blocks=draw(st.sampled_from([1, 2, 3, 5, 64])),
     )
 
 
@@ -204,37 +203,68 @@ def backend_for(s: Shape, caches: dict[str, torch.Tensor]) -> TransferBackend:
     return TransferBackend(caches, s.chunk_tokens, layout)
 
 
-@settings(max_examples=300)
-@given(data=st.data(), s=shapes())
-def test_save_and_load_match_the_reference(data: st.DataObject, s: Shape) -> None:
-    """A save fills exactly the slot's rows for its tokens with the reference's bytes; a load
-    of a slot writes exactly the reference's bytes at its slots and nothing else; a save then
-    a load into other blocks round-trips bit for bit."""
-    caches = make_caches(s, seed=1)
-    backend = backend_for(s, caches)
-    layers = list(caches.values())
+def check_against_reference(data: st.DataObject, s: Shape, device: str) -> None:
+    caches = make_caches(s, seed=1, device=device)
+    with pytest.MonkeyPatch.context() as patch:
+        # Groups of layers of every size (a call of b whole blocks reorders
+        # reorder_blocks // b layers at once), and a last group smaller than the others.
+        block = 2 * s.heads * s.block_size * s.head_size * s.dtype.itemsize
+        patch.setattr(transfer, "_REORDER_BYTES", s.reorder_blocks * block)
+        backend = backend_for(s, caches)
+        moves_against_reference(data, s, device, caches, backend)
+
+
+def moves_against_reference(
+    data: st.DataObject,
+    s: Shape,
+    device: str,
+    caches: dict[str, torch.Tensor],
+    backend: TransferBackend,
+) -> None:
+    layers = [c.cpu() for c in caches.values()]
     slots, offset = data.draw(mappings(s), "save mapping")
 
     slot = random_bits(backend.chunk_shape, s.dtype, seed=2)
+    if device == "cuda":
+        slot = slot.pin_memory()
     want = reference_save(s, layers, slot, slots, offset)
     backend.save(slot, slots, offset).synchronize()
     assert torch.equal(bits(slot), bits(want))
 
     targets, src_offset = data.draw(mappings(s), "load mapping")
-    before = [c.clone() for c in layers]
-    want_caches = reference_load(s, before, slot, targets, src_offset)
+    want_caches = reference_load(s, layers, slot, targets, src_offset)
     backend.load(slot, torch.tensor(targets), src_offset).synchronize()
-    for got, exp in zip(layers, want_caches, strict=True):
-        assert torch.equal(bits(got), bits(exp))
+    for got, exp in zip(caches.values(), want_caches, strict=True):
+        assert torch.equal(bits(got.cpu()), bits(exp))
 
     # Round trip: the loaded tokens, saved again, are the slot's rows.
     again = random_bits(backend.chunk_shape, s.dtype, seed=3)
+    if device == "cuda":
+        again = again.pin_memory()
     backend.save(again, targets, src_offset).synchronize()
     n = len(targets)
     assert torch.equal(
         bits(again[:, :, src_offset : src_offset + n]),
         bits(slot[:, :, src_offset : src_offset + n]),
     )
+
+
+@settings(max_examples=300)
+@given(data=st.data(), s=shapes())
+def test_save_and_load_match_the_reference(data: st.DataObject, s: Shape) -> None:
+    """A save fills exactly the slot's rows for its tokens with the reference's bytes; a load
+    of a slot writes exactly the reference's bytes at its slots and nothing else; a save then
+    a load into other blocks round-trips bit for bit."""
+    check_against_reference(data, s, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=100)
+@given(data=st.data(), s=shapes(LAYOUTS_5D))
+def test_cuda_save_and_load_match_the_reference(data: st.DataObject, s: Shape) -> None:
+    """The same on CUDA (the gather or scatter on the device, through the staging buffer)."""
+    check_against_reference(data, s, "cuda")
 
 
 @settings(max_examples=100)
