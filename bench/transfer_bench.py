@@ -52,6 +52,7 @@ GB = 1e9
 
 
 CPU_LAYOUTS = {"cpu_attn_vec": "vec", "cpu_attn_amx": "amx"}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 LAYOUTS = ["flash_attn", "flashinfer", *CPU_LAYOUTS]
 
 
@@ -108,7 +109,7 @@ Row = tuple[str, str, float, float, float, float, float, "float | None", "bool |
 
 
 def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) -> list[Row]:
-    dtype = torch.bfloat16
+    dtype = DTYPES[args.dtype]
     bs = block_size_of(layout, args)
     tokens = args.tokens or args.chunk_tokens
     blocks_per_chunk = -(-args.chunk_tokens // bs)
@@ -320,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layout", default="all", choices=[*LAYOUTS, "all"])
     p.add_argument("--block-order", default="random", choices=["random", "sequential"])
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
@@ -366,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
 
-    token_bytes = args.layers * 2 * args.kv_heads * args.head_size * 2
+    token_bytes = args.layers * 2 * args.kv_heads * args.head_size * DTYPES[args.dtype].itemsize
     chunk_mib = token_bytes * args.chunk_tokens / 2**20
     where = cpu_model()
     if device.type == "cuda":
@@ -377,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     tokens = args.tokens or args.chunk_tokens
     print(
-        f"# L={args.layers} H_kv={args.kv_heads} D={args.head_size} bf16 block_size="
+        f"# L={args.layers} H_kv={args.kv_heads} D={args.head_size} {args.dtype} block_size="
         f"{args.block_size} (cpu_attn {args.cpu_block_size}), one chunk of {args.chunk_tokens} "
         f"tokens = {chunk_mib:.2f} MiB, {tokens} tokens per call, "
         f"{args.block_order} block ids, device {args.device}, "
