@@ -43,6 +43,7 @@ from connector.store import HostChunkPool
 from connector.transfer import (
     TransferBackend,
     TransferHandle,
+    _copy,
     _widened,
     cpu_attn_views,
     slot_mapping_for,
@@ -305,7 +306,7 @@ def cpu_attn_parts(
             sizes[f". {name} gather"] = half
         view = kernel_views[kv]
         order = _widened(view, rows.view(n, heads, *view.shape[2:]))
-        ops[f". {name} order"] = run([lambda o=order: o[1].copy_(o[0])] * len(layers))
+        ops[f". {name} order"] = run([lambda o=order: _copy(o[1], o[0])] * len(layers))
         to_slot = [_widened(rows, h) for h in host]
         ops[f". {name} rows>slot"] = run([lambda p=p: p[1].copy_(p[0]) for p in to_slot])
         sizes[f". {name} order"] = sizes[f". {name} rows>slot"] = half
