@@ -40,14 +40,7 @@ from pathlib import Path
 import torch
 
 from connector.store import HostChunkPool
-from connector.transfer import (
-    TransferBackend,
-    TransferHandle,
-    _copy,
-    _widened,
-    cpu_attn_views,
-    slot_mapping_for,
-)
+from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
 
 GB = 1e9
 
@@ -121,7 +114,7 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         fill_random_bits(cache)
         caches[f"model.layers.{i}.self_attn"] = cache
     if layout in CPU_LAYOUTS:
-        backend = TransferBackend(caches, args.chunk_tokens, cpu_isa=CPU_LAYOUTS[layout])
+        backend = cpu_backend(caches, args.chunk_tokens, CPU_LAYOUTS[layout])
     else:
         backend = TransferBackend(caches, args.chunk_tokens, layout)
     # Slot 0 is the transfer's; slot 1 is the raw copy's host end, the same kind of memory.
@@ -245,6 +238,18 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
     return rows
 
 
+def cpu_backend(caches: dict[str, torch.Tensor], chunk_tokens: int, isa: str) -> TransferBackend:
+    """A backend taking the caches as kernel ``isa``'s. On a commit older than the ``cpu_isa``
+    argument (to compare against it: put its tree first on PYTHONPATH), its pick is patched."""
+    try:
+        return TransferBackend(caches, chunk_tokens, cpu_isa=isa)
+    except TypeError:
+        import connector.transfer as transfer
+
+        transfer.cpu_attn_isa = lambda *_: isa  # type: ignore[assignment]
+        return TransferBackend(caches, chunk_tokens)
+
+
 def cpu_attn_parts(
     ops: dict[str, Callable[[], TransferHandle | None]],
     caches: dict[str, torch.Tensor],
@@ -259,6 +264,8 @@ def cpu_attn_parts(
     blocks when both K and V take this way), their reorder into rows inside the CPU's cache
     ("order") and the copy of the rows to the slot ("rows>slot"). Adds them to ``ops``;
     returns each step's bytes."""
+    from connector.transfer import _copy, _widened, cpu_attn_views
+
     layers = list(caches.values())
     num_blocks, heads, bs, two_d = layers[0].shape
     d = two_d // 2

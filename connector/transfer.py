@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -464,6 +464,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _groups(t: torch.Tensor, size: int) -> list[torch.Tensor]:
     """``t`` cut along its first dim into pieces of ``size`` (the last one may be shorter)."""
     return [t.narrow(0, i, min(size, t.shape[0] - i)) for i in range(0, t.shape[0], size)]
@@ -556,7 +560,7 @@ class TransferBackend:
             # (block, head) regions as the kernel orders them, and K or V of the same tokens as
             # rows [blocks, H, block_size, D].
             self._image = spec.num_kv_heads * 2 * spec.block_size * spec.head_size
-            layer_share = chunk_tokens // spec.block_size * self._image
+            layer_share = max(1, chunk_tokens // spec.block_size) * self._image
             chunk_elements = min(
                 max(_REORDER_BYTES // self._esize, layer_share), spec.num_layers * layer_share
             )
@@ -788,14 +792,17 @@ class TransferBackend:
 
         - 5-D layouts: ``span`` holds the block rows of K then V (``[2 * blocks]``), ``head`` and
           ``tail`` the token rows of K then V (``[2 * tokens]``);
-        - ``cpu_attn``: ``span`` the block ids, ``head`` and ``tail`` flat element ids of K and
-          of V (``[2, tokens * H * D]``) in the host slot's order (token, head, dim);
+        - ``cpu_attn``: ``span`` the block ids, ``head`` and ``tail`` slot ids
+          (``_move_cpu_loose``);
         - the advanced-indexing path (no token rows): every token in ``tail``, as slot ids.
         """
         n = slots.numel()
         if self._cpu_offsets is None and self._row_strides is None:
             return _Plan(n, 0, 0, slots[:0], slots[:0], slots)
-        loose = self._token_rows if self._cpu_offsets is None else self._cpu_elements
+        # cpu_attn: loose tokens stay slot ids, split further by _move_cpu_loose.
+        loose: Callable[[torch.Tensor], torch.Tensor] = (
+            self._token_rows if self._cpu_offsets is None else _same
+        )
         bs = self.spec.block_size
         whole = self._cpu_offsets is not None or self._block_strides is not None
         first, blocks = _whole_blocks(slots, bs) if whole else (0, 0)
@@ -870,9 +877,9 @@ class TransferBackend:
         bs = self.spec.block_size
         end = plan.first + plan.blocks * bs
         if self._cpu_offsets is not None:
-            for start, elements in ((0, plan.head), (end, plan.tail)):
-                if elements.shape[-1]:
-                    self._move_elements(chunk, offset + start, elements, save=save)
+            for start, slots in ((0, plan.head), (end, plan.tail)):
+                if slots.numel():
+                    self._move_cpu_loose(chunk, offset + start, slots, save=save)
             if plan.blocks:
                 self._move_cpu_blocks(chunk, offset + plan.first, plan.blocks, plan.span, save=save)
             return
@@ -928,6 +935,22 @@ class TransferBackend:
             for dst, idx, src in zip(views, indices, pieces, strict=True):
                 dst.index_copy_(0, idx, src)
 
+    def _move_cpu_loose(
+        self, chunk: torch.Tensor, start: int, slots: torch.Tensor, *, save: bool
+    ) -> None:
+        """``cpu_attn``, tokens that are not whole blocks. A run of a block's tokens (the partial
+        block at either end of a request's range) of at least a quarter of a block moves as
+        that block (``_move_cpu_blocks`` with ``within``: a load rewrites the block's other
+        tokens with the bytes they hold); anything else element by element."""
+        bs, n = self.spec.block_size, slots.numel()
+        first = int(slots[0])
+        block, offset = divmod(first, bs)
+        if 4 * n >= bs and offset + n <= bs and torch.equal(slots, first + torch.arange(n)):
+            ids = torch.tensor([block])
+            self._move_cpu_blocks(chunk, start, 1, ids, save=save, within=(offset, n))
+        else:
+            self._move_elements(chunk, start, self._cpu_elements(slots), save=save)
+
     def _move_elements(
         self, chunk: torch.Tensor, start: int, elements: torch.Tensor, *, save: bool
     ) -> None:
@@ -946,9 +969,19 @@ class TransferBackend:
                     flat.index_copy_(0, elements[kv], piece)
 
     def _move_cpu_blocks(
-        self, chunk: torch.Tensor, start: int, blocks: int, ids: torch.Tensor, *, save: bool
+        self,
+        chunk: torch.Tensor,
+        start: int,
+        blocks: int,
+        ids: torch.Tensor,
+        *,
+        save: bool,
+        within: tuple[int, int] | None = None,
     ) -> None:
-        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``.
+        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``; with ``within`` (first token,
+        count), that run of each block's tokens only (a partial block: a save reads the block
+        whole and keeps the run; a load reads it whole, writes the run in, and writes it back,
+        its other tokens' bytes as they were).
 
         Where the kernel keeps a block's tokens as rows (``vec``'s V), a save is one
         ``index_select`` per layer from the cache into the slot's strides. Elsewhere (K, and
@@ -965,6 +998,7 @@ class TransferBackend:
         bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
         num_layers = spec.num_layers
         assert spec.cpu_isa is not None
+        first_token, tokens_per_block = within or (0, bs)
         group = max(1, min(num_layers, _REORDER_BYTES // (blocks * self._image * self._esize)))
         regions = self._cpu_regions[: group * blocks * self._image].view(group, blocks, heads, -1)
         rows = self._cpu_rows[: group * blocks * heads * bs * d].view(group, blocks, heads, bs, d)
@@ -975,24 +1009,27 @@ class TransferBackend:
         gather: list[int] = []  # save: K/V parts gathered into the regions buffer
         for kv, view in enumerate(cpu_attn_views(regions, spec.cpu_isa, bs, d)):
             # The slot's tokens of this K or V as [layers, blocks, H, block_size, D].
-            host = chunk[:, kv].narrow(1, start, blocks * bs).view(-1, blocks, bs, heads, d)
-            host = host.permute(0, 1, 3, 2, 4)
+            host = chunk[:, kv].narrow(1, start, blocks * tokens_per_block)
+            host = host.view(-1, blocks, tokens_per_block, heads, d).permute(0, 1, 3, 2, 4)
             if self._cpu_token_rows[kv]:  # the kernel's tokens are rows already
                 if save:
                     wide = _narrower(self._cpu_direct_dtype[kv], _widest(host))
                     direct.append((kv, _reinterpret(host, wide).unbind(0)))
                     continue
                 tokens, host = _widened(view.reshape(rows.shape), host)
-                reorders.append((tokens, None, _groups(host, group)))
+                pair = None
             else:
-                kernel, staged = _widened(view, rows.view(group, blocks, heads, *view.shape[3:]))
+                pair = _widened(view, rows.view(group, blocks, heads, *view.shape[3:]))
                 tokens, host = _widened(rows, host)
-                reorders.append((tokens, (kernel, staged), _groups(host, group)))
+            tokens = tokens.narrow(3, first_token, tokens_per_block)
+            reorders.append((tokens, (pair[0], pair[1]) if pair else None, _groups(host, group)))
             gather.append(kv)
         for kv, slot_views in direct:
-            wide = slot_views[0].dtype
-            for layer, out in enumerate(slot_views):
-                torch.index_select(self._cpu_direct_views(kv, wide)[layer], 0, ids, out=out)
+            sources = self._cpu_direct_views(kv, slot_views[0].dtype)
+            for source, out in zip(sources, slot_views, strict=True):
+                if within is not None:
+                    source = source.narrow(2, first_token, tokens_per_block)
+                torch.index_select(source, 0, ids, out=out)
         if not reorders:
             return
         # Whole blocks' regions when both K and V go through the buffer, else that part.
@@ -1007,7 +1044,7 @@ class TransferBackend:
         for g, first in enumerate(range(0, num_layers, group)):
             layers = range(first, min(first + group, num_layers))
             n = len(layers)
-            if save:
+            if save or within is not None:
                 for out, layer in zip(outs, layers, strict=False):
                     torch.index_select(sources[layer], 0, ids, out=out)
             for tokens, pair, host_views in reorders:
@@ -1019,6 +1056,8 @@ class TransferBackend:
                         _copy(pair[1], pair[0])
                     host_views[g].copy_(tokens)
                 else:
+                    if pair is not None and within is not None:
+                        _copy(pair[1], pair[0])  # the block's other tokens, to write back
                     tokens.copy_(host_views[g])
                     if pair is not None:
                         _copy(pair[0], pair[1])
