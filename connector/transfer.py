@@ -550,8 +550,8 @@ class TransferBackend:
         self._esize = spec.element_size
         self._cpu_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_strides: tuple[int, int, int] | None = None
-        # Whole-block moves: the block rows of a 5-D layout (one block's K or V, contiguous),
-        # or the (block, head) regions of a cpu_attn block; None where blocks are not whole.
+        # Whole-block moves of a 5-D layout: strides of its block rows (one block's K or V,
+        # contiguous); None where a block's tokens are not consecutive rows.
         self._block_strides: tuple[int, int] | None = None
         if spec.layout == "cpu_attn":
             assert spec.cpu_isa is not None
@@ -583,13 +583,10 @@ class TransferBackend:
                 for kv, rows in enumerate(self._cpu_token_rows)
             ]
             self._cpu_views: dict[tuple[str, torch.dtype | None], list[torch.Tensor]] = {}
-            self._block_align = math.gcd(
-                self._image * self._esize,
-                *(c.storage_offset() * self._esize for c in self._caches),
-            )
         else:
             self._row_strides = self._find_row_strides()
             self._block_strides = self._find_block_strides()
+            # Block rows are reinterpreted as a wider dtype too (see _cache_align).
             self._block_align = math.gcd(
                 spec.block_size * self._row * self._esize,
                 *(c.storage_offset() * self._esize for c in self._caches),
@@ -841,30 +838,26 @@ class TransferBackend:
         return torch.stack([k, v])
 
     def _rows_as(self, dtype: torch.dtype, *, blocks: bool = False) -> list[torch.Tensor]:
-        """Each layer as a 2-D view, reinterpreted as ``dtype``: of token rows ``[rows, H*D]``
-        or, with ``blocks``, of block rows (``[rows, block_size * H*D]``; for ``cpu_attn`` a
-        block's K and V of every head, ``[num_blocks, H * 2 * block_size * D]``)."""
+        """Each layer of a 5-D layout as a 2-D view, reinterpreted as ``dtype``: of token rows
+        ``[rows, H*D]`` or, with ``blocks``, of block rows ``[rows, block_size * H*D]``."""
         key = (blocks, dtype)
         views = self._rows.get(key)
         if views is None:
             spec = self.spec
-            if self._cpu_offsets is not None:
-                views = [c.view(spec.num_blocks, -1).view(dtype) for c in self._caches]
+            assert self._row_strides is not None
+            s_kv, s_blk, s_off = self._row_strides
+            width, n_rows = self._row, 1 + s_kv + (spec.num_blocks - 1) * s_blk
+            if blocks:
+                assert self._block_strides is not None
+                b_kv, b_blk = self._block_strides
+                width *= spec.block_size
+                n_rows = 1 + b_kv + (spec.num_blocks - 1) * b_blk
             else:
-                assert self._row_strides is not None
-                s_kv, s_blk, s_off = self._row_strides
-                width, n_rows = self._row, 1 + s_kv + (spec.num_blocks - 1) * s_blk
-                if blocks:
-                    assert self._block_strides is not None
-                    b_kv, b_blk = self._block_strides
-                    width *= spec.block_size
-                    n_rows = 1 + b_kv + (spec.num_blocks - 1) * b_blk
-                else:
-                    n_rows += (spec.block_size - 1) * s_off
-                views = [
-                    torch.as_strided(c, (n_rows, width), (width, 1), c.storage_offset()).view(dtype)
-                    for c in self._caches
-                ]
+                n_rows += (spec.block_size - 1) * s_off
+            views = [
+                torch.as_strided(c, (n_rows, width), (width, 1), c.storage_offset()).view(dtype)
+                for c in self._caches
+            ]
             self._rows[key] = views
         return views
 
@@ -873,7 +866,8 @@ class TransferBackend:
     def _move(self, chunk: torch.Tensor, offset: int, plan: _Plan, *, save: bool) -> None:
         """Save: ``chunk[:, :, offset:offset+n]`` <- the caches as ``plan`` says; load: the
         reverse. ``chunk`` is ``[L, 2, T, H*D]`` and contiguous (a host slot, or the staging
-        buffer). Whole blocks move a block at a time, loose tokens a token at a time."""
+        buffer). Whole blocks move a block at a time, loose tokens a token at a time (for
+        ``cpu_attn``, a partial block as its block: ``_move_cpu_loose``)."""
         bs = self.spec.block_size
         end = plan.first + plan.blocks * bs
         if self._cpu_offsets is not None:
