@@ -7,15 +7,21 @@ ids (vLLM's ``slot_mapping`` convention: ``block_id * block_size + offset_in_blo
 A host chunk slot is one contiguous tensor ``[num_layers, 2, chunk_tokens, num_kv_heads *
 head_size]``: per layer K then V, token-major inside, so a whole chunk is one DMA.
 
-How bytes move: each layer is viewed as rows of ``num_kv_heads * head_size`` elements, one row
-per (K or V, token), and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves
-every token of the call at once. On CUDA this runs on a side stream through a device staging
-buffer, so the host side is one large DMA; on CPU it runs synchronously, straight into or out of
-the host slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
+How bytes move: a call's tokens are split into whole cache blocks, back to back (a request's
+range is at most a partial block, whole blocks, a partial block), and the loose tokens around
+them. Whole blocks move a block at a time: in FlashAttention's and FlashInfer's layouts a
+block's K (or V) is one contiguous row of ``block_size * num_kv_heads * head_size`` elements,
+and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves every block of the
+call; loose tokens move the same way as rows of ``num_kv_heads * head_size`` elements, one row
+per (K or V, token). On CUDA this runs on a side stream through a device staging buffer, so the
+host side is one large DMA; on CPU it runs synchronously, straight into or out of the host
+slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
 block_size, 2 * head_size]`` with K and V of a (block, head) in an order of its own kernels
-(``cpu_attn``, below): there every element is moved by its own flat index. This is, in plain PyTorch, the gather-then-one-DMA scheme of LMCache's
-``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side
-stream ordered after the compute stream is what vLLM's CPU offloading worker does
+(``cpu_attn``, below): there a layer's whole blocks are gathered whole into a buffer that stays
+in the CPU's cache and put in token order with strided copies (``cpu_attn_views``), and loose
+tokens move element by element. This is, in plain PyTorch, the gather-then-one-DMA scheme of
+LMCache's ``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and
+the side stream ordered after the compute stream is what vLLM's CPU offloading worker does
 (``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
 
 Ordering on CUDA is explicit, against streams the caller names (``after``): a transfer starts
@@ -31,9 +37,9 @@ from __future__ import annotations
 
 import math
 import platform
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
@@ -45,6 +51,7 @@ __all__ = [
     "TransferHandle",
     "cpu_attn_isa",
     "cpu_attn_offsets",
+    "cpu_attn_views",
     "describe_kv_caches",
     "slot_mapping_for",
 ]
@@ -108,12 +115,17 @@ class PagedKVSpec:
 
 
 def describe_kv_caches(
-    kv_caches: Mapping[str, torch.Tensor], layout: str | None = None
+    kv_caches: Mapping[str, torch.Tensor],
+    layout: str | None = None,
+    *,
+    cpu_isa: str | None = None,
 ) -> PagedKVSpec:
     """Check that ``kv_caches`` (layer name -> cache, in layer order) share one paged layout.
 
     Both vLLM layouts are 5-D; when ``layout`` is None it is inferred from which of the first two
     dims has size 2, and a cache where both do (``num_blocks == 2``) must name its layout.
+    ``cpu_isa``: for ``cpu_attn``, the kernel whose order the caches are in (one of
+    ``CPU_ISAS``); by default the one vLLM picks on this machine (``cpu_attn_isa``).
     """
     if layout is not None and layout not in LAYOUTS:
         raise KVCacheLayoutError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
@@ -145,7 +157,7 @@ def describe_kv_caches(
 
     shape = tuple(first.shape)
     if cpu:
-        return _describe_cpu_attn(items, shape, first)
+        return _describe_cpu_attn(items, shape, first, cpu_isa)
     resolved: Layout
     if layout is None:
         if shape[0] == 2 and shape[1] != 2:
@@ -209,7 +221,29 @@ def cpu_attn_offsets(
     (block, head) of a ``cpu_attn`` cache: two int64 ``[block_size, head_size]`` tensors of
     element offsets from the start of that (block, head), whose ``2 * block_size * head_size``
     elements hold all of K, then all of V (vLLM views it as ``[2 * block_size, head_size]``
-    and splits it in two).
+    and splits it in two). Read off ``cpu_attn_views``, the one statement of the order."""
+    regions = torch.arange(2 * block_size * head_size, dtype=torch.int64)
+    k, v = cpu_attn_views(regions, isa, block_size, head_size)
+    return k.reshape(block_size, head_size).contiguous(), v.reshape(
+        block_size, head_size
+    ).contiguous()
+
+
+def _split_last(t: torch.Tensor, *sizes: int) -> torch.Tensor:
+    """``t`` with its last dim split into ``sizes`` (a view)."""
+    return t.view(*t.shape[:-1], *sizes)
+
+
+def cpu_attn_views(
+    regions: torch.Tensor, isa: str, block_size: int, head_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V inside each (block, head) region of a ``cpu_attn`` cache, as views in token-major
+    order: ``regions`` is ``[..., 2 * block_size * head_size]`` (K then V of one (block, head),
+    contiguous along the last dim); K and V come back as views ``[..., *t_dims, *d_dims]``
+    whose trailing dims split the token in its block (``t_dims``, multiplying to
+    ``block_size``), then the head dim (``d_dims``), so that reading one in dim order reads
+    ``X[t, d]`` row by row. Views, not copies: a ``copy_`` to or from one moves whole blocks
+    at once.
 
     The order is the one each kernel's ``reshape_and_cache`` writes and its attention reads
     (vLLM 0.32, ``csrc/cpu/cpu_attn_vec.hpp`` and ``cpu_attn_amx.hpp``); the engine tests
@@ -222,30 +256,33 @@ def cpu_attn_offsets(
       ``[block_size/16, head_size/16, 8, 16, 2]`` over (t//16, d//16, (d%16)//2, t%16, d%2);
       V is ``[head_size/16, block_size/2, 16, 2]`` over (d//16, t//2, d%16, t%2).
     """
-    t = torch.arange(block_size, dtype=torch.int64).view(-1, 1)
-    d = torch.arange(head_size, dtype=torch.int64).view(1, -1)
-    region = block_size * head_size
+    bs, d = block_size, head_size
+    k_reg = regions[..., : bs * d]
+    v_reg = regions[..., bs * d : 2 * bs * d]
+    lead = tuple(range(regions.dim() - 1))
     if isa == "vec":
-        k = d * block_size + t
-        v = t * head_size + d
-    elif isa == "amx":
-        if block_size % 16 or head_size % 16:
+        return _split_last(k_reg, d, bs).transpose(-1, -2), _split_last(v_reg, bs, d)
+    if isa == "amx":
+        if bs % 16 or d % 16:
             raise KVCacheLayoutError(
-                f"cpu_attn amx: block_size {block_size} and head_size {head_size} must be "
-                "multiples of 16"
+                f"cpu_attn amx: block_size {bs} and head_size {d} must be multiples of 16"
             )
-        k = (t // 16) * (16 * head_size) + (d // 16) * 256 + ((d % 16) // 2) * 32
-        k = k + (t % 16) * 2 + d % 2
-        v = (d // 16) * (16 * block_size) + (t // 2) * 32 + (d % 16) * 2 + t % 2
-    else:
-        raise KVCacheLayoutError(f"no known cpu_attn element order for kernel {isa!r}")
-    return k.expand(block_size, head_size).contiguous(), (v + region).expand(
-        block_size, head_size
-    ).contiguous()
+        n = len(lead)
+        # (t//16, d//16, (d%16)//2, t%16, d%2) -> (t//16, t%16, d//16, (d%16)//2, d%2)
+        k = _split_last(k_reg, bs // 16, d // 16, 8, 16, 2)
+        k = k.permute(*lead, n, n + 3, n + 1, n + 2, n + 4)
+        # (d//16, t//2, d%16, t%2) -> (t//2, t%2, d//16, d%16)
+        v = _split_last(v_reg, d // 16, bs // 2, 16, 2)
+        v = v.permute(*lead, n + 1, n + 3, n, n + 2)
+        return k, v
+    raise KVCacheLayoutError(f"no known cpu_attn element order for kernel {isa!r}")
 
 
 def _describe_cpu_attn(
-    items: list[tuple[str, torch.Tensor]], shape: tuple[int, ...], first: torch.Tensor
+    items: list[tuple[str, torch.Tensor]],
+    shape: tuple[int, ...],
+    first: torch.Tensor,
+    cpu_isa: str | None,
 ) -> PagedKVSpec:
     """vLLM's CPU attention layout ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``,
     contiguous, on the CPU, written by a kernel whose element order we know."""
@@ -266,7 +303,9 @@ def _describe_cpu_attn(
                 f"layer {layer!r}: cpu_attn cache of shape {shape} is not contiguous "
                 f"(strides {cache.stride()})"
             )
-    isa = cpu_attn_isa(first.dtype, block_size, head_size)
+    if cpu_isa is not None and cpu_isa not in CPU_ISAS:
+        raise KVCacheLayoutError(f"cpu_isa={cpu_isa!r}: expected one of {CPU_ISAS}")
+    isa = cpu_isa or cpu_attn_isa(first.dtype, block_size, head_size)
     if isa not in CPU_ISAS:
         raise KVCacheLayoutError(
             f"layer {name!r}: got cpu_attn shape {shape} {first.dtype}, which vLLM's CPU "
@@ -362,48 +401,210 @@ _WIDE_DTYPES = (
 )
 
 
+# cpu_attn: bytes of the blocks of a group of layers reordered at once in a buffer, small enough
+# to stay in a core's L2 cache (1 to 2 MiB on current x86 server cores) while it is reordered.
+_REORDER_BYTES = 1 << 20
+
+
 def _wide_dtype(*byte_counts: int) -> torch.dtype:
     """The widest of ``_WIDE_DTYPES`` whose size divides every one of ``byte_counts``."""
     g = math.gcd(*byte_counts)
     return next(dtype for size, dtype in _WIDE_DTYPES if g % size == 0)
 
 
+def _widest(*views: torch.Tensor) -> torch.dtype:
+    """The widest element type (``_WIDE_DTYPES``) as which every one of ``views`` (one element
+    type, the same last dim, any strides) stays a view of the same bytes: their last dim must be
+    contiguous in all of them; else their own. A copy between two views reinterpreted so moves
+    up to 16 bytes per element instead of 2 or 4; the bits are unchanged."""
+    first = views[0]
+    esize = first.element_size()
+    if first.dim() == 0 or first.shape[-1] == 1 or any(v.stride(-1) != 1 for v in views):
+        return first.dtype
+    sizes: list[int] = [first.shape[-1] * esize]
+    for v in views:
+        sizes.append(int(v.storage_offset()) * esize)
+        sizes.extend(
+            st * esize for n, st in zip(v.shape[:-1], v.stride()[:-1], strict=True) if n > 1
+        )
+    wide = _wide_dtype(*sizes)
+    return wide if wide.itemsize > esize else first.dtype
+
+
+def _reinterpret(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``view`` read as ``dtype`` (one ``_widest`` allows for it)."""
+    if dtype == view.dtype:
+        return view
+    # A dim of size 1 is never stepped along: its stride set to 0, view() accepts it.
+    strides = [
+        0 if n == 1 else st for n, st in zip(view.shape[:-1], view.stride()[:-1], strict=True)
+    ]
+    return view.as_strided(view.shape, [*strides, 1], view.storage_offset()).view(dtype)
+
+
+def _widened(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``views`` reinterpreted as their ``_widest`` element type."""
+    wide = _widest(*views)
+    return tuple(_reinterpret(v, wide) for v in views)
+
+
+def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return a if a.itemsize <= b.itemsize else b
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, a slice at a time along ``dst``'s contiguous dim when that dim is a
+    handful of elements long (``amx``'s pairs of tokens): torch's copy loops innermost along it,
+    and an inner loop of two elements ran 3 times slower than 2 slices of 16-element loops."""
+    unit = [i for i in range(dst.dim()) if dst.stride(i) == 1 and dst.shape[i] > 1]
+    if dst.dim() > 1 and unit and dst.shape[unit[0]] <= 4:
+        for i in range(dst.shape[unit[0]]):
+            dst.select(unit[0], i).copy_(src.select(unit[0], i))
+    else:
+        dst.copy_(src)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _groups(t: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``t`` cut along its first dim into pieces of ``size`` (the last one may be shorter)."""
+    return [t.narrow(0, i, min(size, t.shape[0] - i)) for i in range(0, t.shape[0], size)]
+
+
+def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, int]:
+    """``(first, count)``: positions ``[first, first + count * block_size)`` of ``slots`` are
+    ``count`` whole cache blocks back to back, each block's slots in order; ``(0, 0)`` when the
+    slots hold no whole block. The worker's calls (``slot_mapping_for`` over a token range)
+    are at most a partial block, whole blocks, a partial block, and take the first test; any
+    other mapping is scanned for its first run of whole blocks."""
+    n, bs = slots.numel(), block_size
+    if n < bs:
+        return 0, 0
+    first = -int(slots[0]) % bs
+    count = (n - first) // bs
+    if count:
+        starts = slots[first : first + count * bs : bs]
+        run = slots[first : first + count * bs].view(count, bs)
+        if not bool((starts % bs).any()) and torch.equal(
+            run, starts.view(-1, 1) + torch.arange(bs)
+        ):
+            return first, count
+    # A whole block at i: slots[i] starts a block and the next block_size - 1 follow it.
+    breaks = torch.ones(n, dtype=torch.int64)
+    breaks[1:] = (slots[1:] - slots[:-1]) != 1
+    run_id = breaks.cumsum(0)
+    m = n - bs + 1
+    starts = torch.nonzero((slots[:m] % bs == 0) & (run_id[bs - 1 :] == run_id[:m])).view(-1)
+    if starts.numel() == 0:
+        return 0, 0
+    # Two whole blocks never overlap; keep those back to back with the first.
+    first = int(starts[0])
+    back_to_back = starts == first + bs * torch.arange(starts.numel())
+    return first, int(back_to_back.cumprod(0).sum())
+
+
+class _Plan(NamedTuple):
+    """How the ``n`` tokens of one call move: positions ``[first, first + blocks * block_size)``
+    of the call are whole blocks, moved a block at a time; the positions before (``head``) and
+    after (``tail``) token by token. ``span``, ``head`` and ``tail`` are what the layout's moves
+    index with (see ``TransferBackend._plan``)."""
+
+    n: int
+    first: int
+    blocks: int
+    span: torch.Tensor
+    head: torch.Tensor
+    tail: torch.Tensor
+
+    def to(self, device: torch.device) -> _Plan:
+        """The same plan with its indices on ``device``, in one host-to-device copy."""
+        parts = (self.span, self.head, self.tail)
+        flat = torch.cat([p.reshape(-1) for p in parts]).to(device, non_blocking=True)
+        out, start = [], 0
+        for p in parts:
+            out.append(flat.narrow(0, start, p.numel()).view(p.shape))
+            start += p.numel()
+        return self._replace(span=out[0], head=out[1], tail=out[2])
+
+
 class TransferBackend:
     """Gather tokens of the paged caches into host chunk slots (save) and scatter them back (load)."""
 
     def __init__(
-        self, kv_caches: Mapping[str, torch.Tensor], chunk_tokens: int, layout: str | None = None
+        self,
+        kv_caches: Mapping[str, torch.Tensor],
+        chunk_tokens: int,
+        layout: str | None = None,
+        *,
+        cpu_isa: str | None = None,
     ) -> None:
-        self.spec = describe_kv_caches(kv_caches, layout)
+        self.spec = describe_kv_caches(kv_caches, layout, cpu_isa=cpu_isa)
         self.chunk_tokens = chunk_tokens
         self.chunk_shape = self.spec.chunk_shape(chunk_tokens)
         self.slot_bytes = self.spec.chunk_bytes(chunk_tokens)
         self._caches = list(kv_caches.values())
-        self._row = self.spec.num_kv_heads * self.spec.head_size
-        self._esize = self.spec.element_size
+        spec = self.spec
+        self._row = spec.num_kv_heads * spec.head_size
+        self._esize = spec.element_size
         self._cpu_offsets: tuple[torch.Tensor, torch.Tensor] | None = None
-        if self.spec.layout == "cpu_attn":
-            assert self.spec.cpu_isa is not None
-            self._cpu_offsets = cpu_attn_offsets(
-                self.spec.cpu_isa, self.spec.block_size, self.spec.head_size
+        self._row_strides: tuple[int, int, int] | None = None
+        # Whole-block moves of a 5-D layout: strides of its block rows (one block's K or V,
+        # contiguous); None where a block's tokens are not consecutive rows.
+        self._block_strides: tuple[int, int] | None = None
+        if spec.layout == "cpu_attn":
+            assert spec.cpu_isa is not None
+            self._cpu_offsets = cpu_attn_offsets(spec.cpu_isa, spec.block_size, spec.head_size)
+            # Buffers for a group of layers' share of a chunk (_move_cpu_blocks): its blocks'
+            # (block, head) regions as the kernel orders them, and K or V of the same tokens as
+            # rows [blocks, H, block_size, D].
+            self._image = spec.num_kv_heads * 2 * spec.block_size * spec.head_size
+            layer_share = max(1, chunk_tokens // spec.block_size) * self._image
+            chunk_elements = min(
+                max(_REORDER_BYTES // self._esize, layer_share), spec.num_layers * layer_share
             )
-        self._row_strides = None if self._cpu_offsets else self._find_row_strides()
+            self._cpu_regions = torch.empty(chunk_elements, dtype=spec.dtype)
+            self._cpu_rows = torch.empty(chunk_elements // 2, dtype=spec.dtype)
+            # Each layer's K and V in token order (views of the cache); where the kernel keeps a
+            # block's tokens as rows, a save gathers them straight into the slot.
+            self._cpu_layer_views = [
+                cpu_attn_views(
+                    c.view(spec.num_blocks, spec.num_kv_heads, -1),
+                    spec.cpu_isa,
+                    spec.block_size,
+                    spec.head_size,
+                )
+                for c in self._caches
+            ]
+            self._cpu_token_rows = [bool(v[0, 0].is_contiguous()) for v in self._cpu_layer_views[0]]
+            self._cpu_direct_dtype = [
+                _widest(*(views[kv] for views in self._cpu_layer_views)) if rows else spec.dtype
+                for kv, rows in enumerate(self._cpu_token_rows)
+            ]
+            self._cpu_views: dict[tuple[str, torch.dtype | None], list[torch.Tensor]] = {}
+        else:
+            self._row_strides = self._find_row_strides()
+            self._block_strides = self._find_block_strides()
+            # Block rows are reinterpreted as a wider dtype too (see _cache_align).
+            self._block_align = math.gcd(
+                spec.block_size * self._row * self._esize,
+                *(c.storage_offset() * self._esize for c in self._caches),
+            )
         # Row views are reinterpreted as a wider dtype; it must divide the row size and where
         # every layer starts in its storage.
         self._cache_align = math.gcd(
             self._row * self._esize, *(c.storage_offset() * self._esize for c in self._caches)
         )
-        self._rows: dict[torch.dtype, list[torch.Tensor]] = {}
-        self._is_cuda = self.spec.device.type == "cuda"
+        self._rows: dict[tuple[bool, torch.dtype], list[torch.Tensor]] = {}
+        self._is_cuda = spec.device.type == "cuda"
         if self._is_cuda:
             # One side stream for saves and loads alike: transfers then run in issue order, so a
             # load can never overtake a save of the same blocks or slot (vLLM's offloading worker
             # chains its jobs the same way). The staging buffer is only touched on this stream.
             # torch.cuda.Stream and torch.cuda.Event are untyped in torch's own annotations.
-            self._stream = torch.cuda.Stream(device=self.spec.device)  # type: ignore[no-untyped-call]
-            self._staging = torch.empty(
-                self.chunk_shape, dtype=self.spec.dtype, device=self.spec.device
-            )
+            self._stream = torch.cuda.Stream(device=spec.device)  # type: ignore[no-untyped-call]
+            self._staging = torch.empty(self.chunk_shape, dtype=spec.dtype, device=spec.device)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -459,9 +660,9 @@ class TransferBackend:
         n = slots.numel()
         if n == 0:
             return TransferHandle()
-        index = self._index(slots)
+        plan = self._plan(slots)
         if not self._is_cuda:
-            self._move(host, offset, n, index, save=save)
+            self._move(host, offset, plan, save=save)
             return TransferHandle()
 
         stream = self._stream
@@ -474,16 +675,18 @@ class TransferBackend:
             stream.wait_event(ready)
         with torch.cuda.stream(stream):
             # Allocated on the side stream, so the caching allocator recycles it in its order.
-            index_dev = index.to(self.spec.device, non_blocking=True)
+            plan_dev = plan.to(self.spec.device)
             staging = self._staging_for(n)
             if not save:
                 self._copy_region(host, staging, offset, n, to_host=False)
-            self._move(staging, 0, n, index_dev, save=save)
+            # On the device the gather or scatter runs at device-memory speed into or out of
+            # the staging buffer; the host side is the DMA of _copy_region.
+            self._move(staging, 0, plan_dev, save=save)
             if save:
                 self._copy_region(host, staging, offset, n, to_host=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-        return TransferHandle(event, self.spec.device, (host, index_dev))
+        return TransferHandle(event, self.spec.device, (host, plan_dev))
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -533,7 +736,7 @@ class TransferBackend:
                 f"{self.chunk_tokens} tokens"
             )
         if n:
-            lo, hi = int(slots.min()), int(slots.max())
+            lo, hi = (int(x) for x in torch.aminmax(slots))
             limit = self.spec.num_cache_slots
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
@@ -568,93 +771,324 @@ class TransferBackend:
             found = strides
         return found
 
-    def _index(self, slots: torch.Tensor) -> torch.Tensor:
-        """What the per-layer moves index with, the same for every layer: row ids of K then V
-        (``[2 * n]``); for ``cpu_attn``, flat element ids ``[2, n * H * D]`` of K and of V in
-        the host slot's order (token, head, dim); on the advanced-indexing path the slot ids
-        themselves."""
-        if self._cpu_offsets is not None:
-            spec = self.spec
-            k_off, v_off = self._cpu_offsets
-            bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
-            per_head = 2 * bs * d
-            blk, pos = slots // bs, slots % bs
-            # [n, H, 1]: where each token's (block, head) region starts.
-            start = (blk.view(-1, 1) * heads + torch.arange(heads).view(1, -1)) * per_head
-            start = start.unsqueeze(-1)
-            k = (start + k_off[pos].unsqueeze(1)).reshape(-1)
-            v = (start + v_off[pos].unsqueeze(1)).reshape(-1)
-            return torch.stack([k, v])
+    def _find_block_strides(self) -> tuple[int, int] | None:
+        """Strides, in block rows of ``block_size * H*D`` elements, of the (K/V, block) dims;
+        None unless a block's tokens are consecutive token rows, so that one block's K (or V)
+        is one contiguous block row and whole blocks move as rows tens of KiB long."""
         if self._row_strides is None:
+            return None
+        s_kv, s_blk, s_off = self._row_strides
+        bs = self.spec.block_size
+        if (bs > 1 and s_off != 1) or s_kv % bs or s_blk % bs:
+            return None
+        return s_kv // bs, s_blk // bs
+
+    def _plan(self, slots: torch.Tensor) -> _Plan:
+        """Split a call into whole blocks and loose tokens (``_whole_blocks``), with what each
+        part indexes with, the same for every layer:
+
+        - 5-D layouts: ``span`` holds the block rows of K then V (``[2 * blocks]``), ``head`` and
+          ``tail`` the token rows of K then V (``[2 * tokens]``);
+        - ``cpu_attn``: ``span`` the block ids, ``head`` and ``tail`` slot ids
+          (``_move_cpu_loose``);
+        - the advanced-indexing path (no token rows): every token in ``tail``, as slot ids.
+        """
+        n = slots.numel()
+        if self._cpu_offsets is None and self._row_strides is None:
+            return _Plan(n, 0, 0, slots[:0], slots[:0], slots)
+        # cpu_attn: loose tokens stay slot ids, split further by _move_cpu_loose.
+        loose: Callable[[torch.Tensor], torch.Tensor] = (
+            self._token_rows if self._cpu_offsets is None else _same
+        )
+        bs = self.spec.block_size
+        whole = self._cpu_offsets is not None or self._block_strides is not None
+        first, blocks = _whole_blocks(slots, bs) if whole else (0, 0)
+        end = first + blocks * bs
+        span = slots[first:end:bs] // bs
+        if self._block_strides is not None:
+            b_kv, b_blk = self._block_strides
+            span = torch.cat([span * b_blk, span * b_blk + b_kv])
+        return _Plan(n, first, blocks, span, loose(slots[:first]), loose(slots[end:]))
+
+    def _token_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Token rows of K then V (``[2 * n]``) of the tokens at ``slots``."""
+        assert self._row_strides is not None
+        if slots.numel() == 0:
             return slots
         s_kv, s_blk, s_off = self._row_strides
         bs = self.spec.block_size
         base = (slots // bs) * s_blk + (slots % bs) * s_off
         return torch.cat([base, base + s_kv])
 
-    def _rows_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """Each layer as a 2-D ``[rows, H*D]`` view, reinterpreted as ``dtype``."""
-        views = self._rows.get(dtype)
+    def _cpu_elements(self, slots: torch.Tensor) -> torch.Tensor:
+        """``cpu_attn``: flat element ids ``[2, n * H * D]`` of K and of V of the tokens at
+        ``slots``, in the host slot's order (token, head, dim)."""
+        assert self._cpu_offsets is not None
+        if slots.numel() == 0:
+            return slots.view(2, 0)
+        spec = self.spec
+        k_off, v_off = self._cpu_offsets
+        bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
+        blk, pos = slots // bs, slots % bs
+        # [n, H, 1]: where each token's (block, head) region starts.
+        start = (blk.view(-1, 1) * heads + torch.arange(heads).view(1, -1)) * (2 * bs * d)
+        start = start.unsqueeze(-1)
+        k = (start + k_off[pos].unsqueeze(1)).reshape(-1)
+        v = (start + v_off[pos].unsqueeze(1)).reshape(-1)
+        return torch.stack([k, v])
+
+    def _rows_as(self, dtype: torch.dtype, *, blocks: bool = False) -> list[torch.Tensor]:
+        """Each layer of a 5-D layout as a 2-D view, reinterpreted as ``dtype``: of token rows
+        ``[rows, H*D]`` or, with ``blocks``, of block rows ``[rows, block_size * H*D]``."""
+        key = (blocks, dtype)
+        views = self._rows.get(key)
         if views is None:
+            spec = self.spec
             assert self._row_strides is not None
             s_kv, s_blk, s_off = self._row_strides
-            spec = self.spec
-            n_rows = 1 + s_kv + (spec.num_blocks - 1) * s_blk + (spec.block_size - 1) * s_off
+            width, n_rows = self._row, 1 + s_kv + (spec.num_blocks - 1) * s_blk
+            if blocks:
+                assert self._block_strides is not None
+                b_kv, b_blk = self._block_strides
+                width *= spec.block_size
+                n_rows = 1 + b_kv + (spec.num_blocks - 1) * b_blk
+            else:
+                n_rows += (spec.block_size - 1) * s_off
             views = [
-                torch.as_strided(c, (n_rows, self._row), (self._row, 1), c.storage_offset()).view(
-                    dtype
-                )
+                torch.as_strided(c, (n_rows, width), (width, 1), c.storage_offset()).view(dtype)
                 for c in self._caches
             ]
-            self._rows[dtype] = views
+            self._rows[key] = views
         return views
 
     # -- gather / scatter -----------------------------------------------------------------------
 
-    def _move(
-        self, chunk: torch.Tensor, offset: int, n: int, index: torch.Tensor, *, save: bool
-    ) -> None:
-        """Save: ``chunk[:, :, offset:offset+n]`` <- the caches at ``index``; load: the reverse.
-
-        ``chunk`` is ``[L, 2, T, H*D]`` and contiguous (a host slot, or the staging buffer).
-        Views are made in bulk (``unbind``) because per-layer Python indexing costs more than
-        the copy itself for short ranges.
-        """
-        num_layers = self.spec.num_layers
+    def _move(self, chunk: torch.Tensor, offset: int, plan: _Plan, *, save: bool) -> None:
+        """Save: ``chunk[:, :, offset:offset+n]`` <- the caches as ``plan`` says; load: the
+        reverse. ``chunk`` is ``[L, 2, T, H*D]`` and contiguous (a host slot, or the staging
+        buffer). Whole blocks move a block at a time, loose tokens a token at a time (for
+        ``cpu_attn``, a partial block as its block: ``_move_cpu_loose``)."""
+        bs = self.spec.block_size
+        end = plan.first + plan.blocks * bs
         if self._cpu_offsets is not None:
-            # Each (K or V) piece of the host slot is contiguous over its tokens: one
-            # element-wise gather or scatter per layer and K/V half.
-            for layer, cache in enumerate(self._caches):
-                flat = cache.view(-1)
-                for kv in range(2):
-                    piece = chunk[layer, kv].narrow(0, offset, n).view(-1)
-                    if save:
-                        torch.index_select(flat, 0, index[kv], out=piece)
-                    else:
-                        flat.index_copy_(0, index[kv], piece)
+            for start, slots in ((0, plan.head), (end, plan.tail)):
+                if slots.numel():
+                    self._move_cpu_loose(chunk, offset + start, slots, save=save)
+            if plan.blocks:
+                self._move_cpu_blocks(chunk, offset + plan.first, plan.blocks, plan.span, save=save)
             return
         if self._row_strides is None:
-            region = chunk.narrow(2, offset, n)
-            for layer in range(num_layers):
-                self._move_indexed(layer, index, region[layer], save=save)
+            region = chunk.narrow(2, offset, plan.n)
+            for layer in range(self.spec.num_layers):
+                self._move_indexed(layer, plan.tail, region[layer], save=save)
             return
-        wide = _wide_dtype(self._cache_align, int(chunk.storage_offset()) * self._esize)
-        rows = self._rows_as(wide)
-        t = chunk.view(wide)
-        if offset == 0 and n == chunk.shape[2]:
-            # K rows and V rows of a layer are adjacent: one index op per layer.
-            pieces = t.view(num_layers, 2 * n, -1).unbind(0)
+        parts = (
+            (plan.first, plan.first, plan.head, False),
+            (plan.blocks * bs, plan.blocks, plan.span, True),
+            (plan.n - end, plan.n - end, plan.tail, False),
+        )
+        start = offset
+        for tokens, rows, index, blocks in parts:
+            if tokens:
+                self._move_rows(chunk, start, tokens, rows, index, blocks=blocks, save=save)
+            start += tokens
+
+    def _move_rows(
+        self,
+        chunk: torch.Tensor,
+        start: int,
+        tokens: int,
+        rows: int,
+        index: torch.Tensor,
+        *,
+        blocks: bool,
+        save: bool,
+    ) -> None:
+        """Move ``tokens`` tokens at ``chunk[:, :, start:]`` as ``rows`` token rows, or block
+        rows with ``blocks``, of each of K and V (``index``: K's rows then V's): one
+        ``index_select`` or ``index_copy_`` per layer and K/V half, or per layer when the call
+        is the whole chunk (a layer's K rows and V rows are then adjacent in the slot). Views
+        are made in bulk (``unbind``): per-layer Python indexing costs more than a short copy."""
+        num_layers, width = self.spec.num_layers, self._row
+        align = math.gcd(self._block_align if blocks else self._cache_align, width * self._esize)
+        if start == 0 and tokens == chunk.shape[2]:
+            wide = _wide_dtype(align, int(chunk.storage_offset()) * self._esize)
+            pieces = chunk.view(wide).view(num_layers, 2 * rows, -1).unbind(0)
+            views = self._rows_as(wide, blocks=blocks)
             indices = [index] * num_layers
         else:
-            pieces = t.view(2 * num_layers, chunk.shape[2], -1).narrow(1, offset, n).unbind(0)
-            rows = [r for r in rows for _ in range(2)]
-            indices = [index[:n], index[n:]] * num_layers
+            host = chunk.view(2 * num_layers, chunk.shape[2], width).narrow(1, start, tokens)
+            wide = _wide_dtype(align, int(host.storage_offset()) * self._esize)
+            pieces = host.view(wide).view(2 * num_layers, rows, -1).unbind(0)
+            views = [v for v in self._rows_as(wide, blocks=blocks) for _ in range(2)]
+            indices = [index[:rows], index[rows:]] * num_layers
         if save:
-            for src, idx, out in zip(rows, indices, pieces, strict=True):
+            for src, idx, out in zip(views, indices, pieces, strict=True):
                 torch.index_select(src, 0, idx, out=out)
         else:
-            for dst, idx, src in zip(rows, indices, pieces, strict=True):
+            for dst, idx, src in zip(views, indices, pieces, strict=True):
                 dst.index_copy_(0, idx, src)
+
+    def _move_cpu_loose(
+        self, chunk: torch.Tensor, start: int, slots: torch.Tensor, *, save: bool
+    ) -> None:
+        """``cpu_attn``, tokens that are not whole blocks. A run of a block's tokens (the partial
+        block at either end of a request's range) of at least a quarter of a block moves as
+        that block (``_move_cpu_blocks`` with ``within``: a load rewrites the block's other
+        tokens with the bytes they hold); anything else element by element."""
+        bs, n = self.spec.block_size, slots.numel()
+        first = int(slots[0])
+        block, offset = divmod(first, bs)
+        if 4 * n >= bs and offset + n <= bs and torch.equal(slots, first + torch.arange(n)):
+            ids = torch.tensor([block])
+            self._move_cpu_blocks(chunk, start, 1, ids, save=save, within=(offset, n))
+        else:
+            self._move_elements(chunk, start, self._cpu_elements(slots), save=save)
+
+    def _move_elements(
+        self, chunk: torch.Tensor, start: int, elements: torch.Tensor, *, save: bool
+    ) -> None:
+        """``cpu_attn``, loose tokens: each element by its own flat index (``elements``: K's
+        and V's, as ``_cpu_elements`` makes them); each (K or V) piece of the host slot is
+        contiguous over its tokens, so it is one gather or scatter per layer and K/V half."""
+        tokens = elements.shape[-1] // self._row
+        region = chunk.narrow(2, start, tokens)
+        for layer, cache in enumerate(self._caches):
+            flat = cache.view(-1)
+            for kv in range(2):
+                piece = region[layer, kv].view(-1)
+                if save:
+                    torch.index_select(flat, 0, elements[kv], out=piece)
+                else:
+                    flat.index_copy_(0, elements[kv], piece)
+
+    def _move_cpu_blocks(
+        self,
+        chunk: torch.Tensor,
+        start: int,
+        blocks: int,
+        ids: torch.Tensor,
+        *,
+        save: bool,
+        within: tuple[int, int] | None = None,
+    ) -> None:
+        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``; with ``within`` (first token,
+        count), that run of each block's tokens only (a partial block: a save reads the block
+        whole and keeps the run; a load reads it whole, writes the run in, and writes it back,
+        its other tokens' bytes as they were).
+
+        Where the kernel keeps a block's tokens as rows (``vec``'s V), a save is one
+        ``index_select`` per layer from the cache into the slot's strides. Elsewhere (K, and
+        ``amx``'s V) the elements must be reordered, and a strided copy straight between the
+        kernel's order in the cache and the slot's strides ran 2 to 4 times slower than going
+        through the CPU's cache: the blocks' regions of a few layers are gathered (one
+        ``index_select`` per layer, rows tens of KiB long) into a buffer of at most
+        ``_REORDER_BYTES`` (or one layer's share), reordered inside each (block, head) into a
+        second buffer of rows (``cpu_attn_views``), and the rows copied to the slot. A load
+        runs the steps backwards, rows into regions, then one ``index_copy_`` of whole blocks
+        per layer. Layers go in groups so that a small chunk costs a few copies, not a few per
+        layer."""
+        spec = self.spec
+        bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
+        num_layers = spec.num_layers
+        assert spec.cpu_isa is not None
+        first_token, tokens_per_block = within or (0, bs)
+        group = max(1, min(num_layers, _REORDER_BYTES // (blocks * self._image * self._esize)))
+        regions = self._cpu_regions[: group * blocks * self._image].view(group, blocks, heads, -1)
+        rows = self._cpu_rows[: group * blocks * heads * bs * d].view(group, blocks, heads, bs, d)
+        # Per K and V: how its bytes go between the regions buffer (or the cache) and the slot.
+        direct: list[tuple[int, tuple[torch.Tensor, ...]]] = []  # save: cache -> slot
+        Reorder = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor]]
+        reorders: list[Reorder] = []
+        gather: list[int] = []  # save: K/V parts gathered into the regions buffer
+        for kv, view in enumerate(cpu_attn_views(regions, spec.cpu_isa, bs, d)):
+            # The slot's tokens of this K or V as [layers, blocks, H, block_size, D].
+            host = chunk[:, kv].narrow(1, start, blocks * tokens_per_block)
+            host = host.view(-1, blocks, tokens_per_block, heads, d).permute(0, 1, 3, 2, 4)
+            if self._cpu_token_rows[kv]:  # the kernel's tokens are rows already
+                if save:
+                    wide = _narrower(self._cpu_direct_dtype[kv], _widest(host))
+                    direct.append((kv, _reinterpret(host, wide).unbind(0)))
+                    continue
+                tokens, host = _widened(view.reshape(rows.shape), host)
+                pair = None
+            else:
+                pair = _widened(view, rows.view(group, blocks, heads, *view.shape[3:]))
+                tokens, host = _widened(rows, host)
+            tokens = tokens.narrow(3, first_token, tokens_per_block)
+            reorders.append((tokens, (pair[0], pair[1]) if pair else None, _groups(host, group)))
+            gather.append(kv)
+        for kv, slot_views in direct:
+            sources = self._cpu_direct_views(kv, slot_views[0].dtype)
+            for source, out in zip(sources, slot_views, strict=True):
+                if within is not None:
+                    source = source.narrow(2, first_token, tokens_per_block)
+                torch.index_select(source, 0, ids, out=out)
+        if not reorders:
+            return
+        # Whole blocks' regions when both K and V go through the buffer, else that part.
+        part = None if len(gather) == 2 else gather[0]
+        sources = self._cpu_region_views(part)
+        wide = sources[0].dtype
+        halves = regions.view(group, blocks, heads, 2, -1)
+        if part is None:
+            outs = _reinterpret(halves.view(group, blocks, -1), wide).unbind(0)
+        else:
+            outs = _reinterpret(halves[:, :, :, part], wide).unbind(0)
+        for g, first in enumerate(range(0, num_layers, group)):
+            layers = range(first, min(first + group, num_layers))
+            n = len(layers)
+            if save or within is not None:
+                for out, layer in zip(outs, layers, strict=False):
+                    torch.index_select(sources[layer], 0, ids, out=out)
+            for tokens, pair, host_views in reorders:
+                if n < group:  # the last group of layers, smaller
+                    tokens = tokens[:n]
+                    pair = (pair[0][:n], pair[1][:n]) if pair is not None else None
+                if save:
+                    if pair is not None:
+                        _copy(pair[1], pair[0])
+                    host_views[g].copy_(tokens)
+                else:
+                    if pair is not None and within is not None:
+                        _copy(pair[1], pair[0])  # the block's other tokens, to write back
+                    tokens.copy_(host_views[g])
+                    if pair is not None:
+                        _copy(pair[0], pair[1])
+            if not save:
+                for src, layer in zip(outs, layers, strict=False):
+                    sources[layer].index_copy_(0, ids, src)
+
+    def _cpu_direct_views(self, kv: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """``cpu_attn``: K (``kv`` 0) or V of every layer's cache as ``[num_blocks, H,
+        block_size, D]`` in token order, read as ``dtype``; only where the kernel keeps tokens
+        as rows (``_cpu_token_rows``)."""
+        key = (f"direct{kv}", dtype)
+        views = self._cpu_views.get(key)
+        if views is None:
+            spec = self.spec
+            shape = (spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
+            views = [_reinterpret(v[kv].reshape(shape), dtype) for v in self._cpu_layer_views]
+            self._cpu_views[key] = views
+        return views
+
+    def _cpu_region_views(self, part: int | None) -> list[torch.Tensor]:
+        """``cpu_attn``: every layer's cache as rows of whole blocks (``[num_blocks, H * 2 *
+        block_size * D]``), or with ``part`` 0 (K) or 1 (V) that half of each (block, head)
+        (``[num_blocks, H, block_size * D]``); read as the widest element type they allow."""
+        key = (f"regions{part}", None)
+        views = self._cpu_views.get(key)
+        if views is None:
+            spec = self.spec
+            if part is None:
+                views = [c.view(spec.num_blocks, -1) for c in self._caches]
+            else:
+                shape = (spec.num_blocks, spec.num_kv_heads, 2, -1)
+                views = [c.view(shape)[:, :, part] for c in self._caches]
+            wide = _widest(*views)
+            views = [_reinterpret(v, wide) for v in views]
+            self._cpu_views[key] = views
+        return views
 
     def _move_indexed(
         self, layer: int, slots: torch.Tensor, piece: torch.Tensor, *, save: bool

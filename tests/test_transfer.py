@@ -617,3 +617,14 @@ def test_cpu_attn_rejects_what_it_cannot_move(caches, needles):
 def test_cpu_attn_layout_named_for_a_5d_cache_is_refused():
     with pytest.raises(KVCacheLayoutError, match=re.escape("(2, 12, 4, 2, 8)")):
         describe_kv_caches({"a": torch.empty(2, 12, 4, 2, 8)}, "cpu_attn")
+
+
+def test_cpu_isa_names_the_kernel_order():
+    """``cpu_isa`` takes the caches as that kernel's, whatever this CPU would run; a kernel
+    whose order is not known is refused by name."""
+    caches = make_cpu_caches("amx", num_blocks=4, seed=2)
+    assert TransferBackend(caches, C, cpu_isa="amx").spec.cpu_isa == "amx"
+    assert describe_kv_caches(caches, cpu_isa="vec").cpu_isa == "vec"
+    with pytest.raises(KVCacheLayoutError, match=re.escape("cpu_isa='vec16'")) as err:
+        describe_kv_caches(caches, cpu_isa="vec16")
+    assert "('vec', 'amx')" in str(err.value)
