@@ -216,8 +216,8 @@ class AbaCompletionWorker(AsyncStoreWorker):
 
 
 class _ZooKVLedger(KVLedgerConnector):
-    """``KVLedgerConnector`` whose worker role is built by ``worker`` (class attributes: a
-    shape is a class, because vLLM builds a connector from its class alone)."""
+    """``KVLedgerConnector`` whose worker role carries a fault, chosen by class attributes (a
+    shape is a class: vLLM builds a connector from its class alone, with no arguments)."""
 
     load_fault: ClassVar[str | None] = None
     async_store: ClassVar[bool] = False
