@@ -40,6 +40,9 @@ def test_every_rule_is_documented():
         "load_during_save",
         "freed_while_saving",
         "readmission_cached_below_external",
+        "stale_completion",
+        "finished_without_blocks",
+        "connector_raised",
     }
 
 
@@ -208,3 +211,208 @@ def test_an_overclaimed_acceptance_is_named(events, data):
     )
     assert {(v.step, v.req_id) for v in found} == {(e.step, e.req_id)}
     assert {v.rule for v in found} <= {"accepted_beyond_offer", "readmission_cached_below_external"}
+
+
+# --- completions of another life, hand-offs without blocks, raises (the bug-shape zoo) -------
+
+
+def _life(rid, step, *, delay=False, blocks=(1, 2, 3), params=""):
+    """Admitted, computed, finished (``delay``: request_finished keeps the blocks)."""
+    return [
+        *admission(rid, step=step, offered=0, accepted=0, blocks=blocks),
+        ev.Finished(step + 1, rid, "finished_length_capped"),
+        ev.InnerFinishedAnswered(step + 1, rid, delay, blocks, params),
+    ]
+
+
+def named(events):
+    return [(v.rule, v.req_id, v.step) for v in check_recorded(events, BS)]
+
+
+def test_stale_send_completion_for_an_earlier_life():
+    """vLLM #51637's shape: the id comes back as a new request and receives a finished_sending
+    while it runs; the completion of its first life had already come."""
+    first = [*_life("x", 0, delay=True), ev.InnerSendDone(2, "x")]
+    second = admission("x", step=3, offered=0, accepted=0, blocks=(4, 5, 6))
+    assert named([*first, *second, ev.InnerSendDone(4, "x")]) == [("stale_completion", "x", 4)]
+    (v,) = check_recorded([*first, *second, ev.InnerSendDone(4, "x")], BS)
+    assert v.detail["request"].startswith("running") and v.detail["earlier_life_finished"] == 1
+    # Its nearest clean neighbour: the second life finishes keeping its blocks, then the send.
+    done = [ev.Finished(4, "x", "stopped"), ev.InnerFinishedAnswered(4, "x", True, (4, 5, 6))]
+    assert named([*first, *second, *done, ev.InnerSendDone(5, "x")]) == []
+
+
+def test_stale_send_completion_twice_and_for_a_running_request():
+    first = [*_life("x", 0, delay=True), ev.InnerSendDone(2, "x")]
+    assert named([*first, ev.InnerSendDone(3, "x")]) == [("stale_completion", "x", 3)]
+    # A request that never finished cannot have finished sending.
+    assert named([*admission("y"), ev.InnerSendDone(1, "y")]) == [("stale_completion", "y", 1)]
+    # A freed request's late send stays freed_while_saving (not named twice).
+    freed = [*_life("z", 0, delay=False), ev.InnerSendDone(2, "z")]
+    assert named(freed) == [("freed_while_saving", "z", 2)]
+
+
+def test_stale_recv_completion():
+    asked = [
+        ev.RequestAdded(0, "r", PROMPT),
+        *_ask(0, 32, load_async=True),
+        ev.Allocated(0, "r", (1, 2, 3), 32),
+    ]
+    received = [ev.InnerRecvDone(2, "r"), ev.Allocated(2, "r", (1, 2, 3), 0)]
+    computed = [ev.Scheduled(3, "r", 32, 16, 48, (), (1, 2, 3), 1)]
+    assert named([*asked, *received, *computed]) == []
+    assert named([*asked, *received, *computed, ev.InnerRecvDone(4, "r")]) == [
+        ("stale_completion", "r", 4)
+    ]
+    # A receive for a request that accepted no asynchronous load.
+    assert named([*admission("s"), ev.InnerRecvDone(1, "s")]) == [("stale_completion", "s", 1)]
+    # Aborted while loading: vLLM still waits for the receive, which is not stale.
+    aborted = [
+        ev.Finished(1, "r", "finished_aborted"),
+        ev.InnerFinishedAnswered(1, "r", False, ()),
+        ev.InnerRecvDone(2, "r"),
+    ]
+    assert named([*asked, *aborted]) == []
+
+
+def test_completions_the_log_cannot_judge():
+    # An id this log never saw (it began later), and one whose record was lost.
+    assert named([ev.InnerSendDone(0, "old"), ev.InnerRecvDone(0, "old")]) == []
+    lost = [*admission("y"), ev.RecordLost(1, "y", "request_finished", "boom")]
+    assert named([*lost, ev.InnerSendDone(2, "y")]) == []
+
+
+def _handoff(blocks, *, reason="finished_length_capped", computed=True, preempted=True):
+    events = admission("b", offered=0, accepted=0)
+    if not computed:
+        events = events[:4]
+    if preempted:
+        events.append(ev.Preempted(1, "b"))
+    return [
+        *events,
+        ev.Finished(2, "b", reason),
+        ev.InnerFinishedAnswered(2, "b", False, blocks, "do_remote_decode,remote_block_ids"),
+    ]
+
+
+def test_finished_without_blocks():
+    """vLLM #50297's shape: a prefill preempted in its last step (async scheduling) finishes
+    with an empty block list, and the connector hands its KV off anyway."""
+    assert named(_handoff(())) == [("finished_without_blocks", "b", 2)]
+    # Its neighbours: with its blocks; aborted; never computed; no hand-off (a best-effort
+    # cache, which vLLM lets finish so by design).
+    assert named(_handoff((1, 2, 3))) == []
+    assert named(_handoff((), reason="finished_aborted")) == []
+    assert named(_handoff((), computed=False)) == []
+    plain = _handoff(())
+    plain[-1] = ev.InnerFinishedAnswered(2, "b", False, (), "")
+    assert named(plain) == []
+
+
+def test_connector_raised():
+    raised = ev.InnerRaised(3, "r", "update_state_after_alloc", "AssertionError: Mismatch, 1")
+    assert named([*admission("r"), raised]) == [("connector_raised", "r", 3)]
+    (v,) = check_recorded([raised], BS)
+    assert v.detail == {
+        "callback": "update_state_after_alloc",
+        "error": "AssertionError: Mismatch; 1",
+    }
+
+
+@st.composite
+def lives(draw):
+    """Well-behaved histories of what the new rules judge: request ids that come back (a new
+    request once vLLM freed the earlier one: after its finished_sending when request_finished
+    kept the blocks), asynchronous loads reported once in finished_recving (before the request
+    computes, or after it was aborted while loading), preemptions (a preempted request aborted
+    while it waits finishes with no blocks; a best-effort cache's request preempted in its last
+    step finishes with none and hands nothing off), hand-offs of requests that finish with
+    their blocks; another request's steps interleaved."""
+    events: list[ev.Event] = []
+    step = 0
+    next_block = 1
+    for _ in range(draw(st.integers(1, 6))):
+        rid = draw(st.sampled_from(["x", "y"]))
+        length = draw(st.integers(17, 80))
+        blocks = tuple(range(next_block, next_block + -(-length // BS)))
+        next_block += len(blocks)
+        offered = draw(st.integers(0, (length - 1) // BS)) * BS
+        load_async = offered > 0 and draw(st.booleans())
+        events += [
+            ev.RequestAdded(step, rid, tuple(range(length))),
+            ev.LookupAsked(step, rid, 0, length, 0, ()),
+            ev.InnerLookupAnswered(step, rid, offered, load_async),
+            ev.Allocated(step, rid, blocks, offered),
+        ]
+        if load_async and draw(st.booleans()):  # aborted while its load runs
+            events += [
+                ev.Finished(step + 1, rid, "finished_aborted"),
+                ev.InnerFinishedAnswered(step + 1, rid, False, ()),
+                ev.InnerRecvDone(step + 2, rid, draw(st.booleans())),
+            ]
+            step += 3
+            continue
+        if load_async:
+            events += [ev.InnerRecvDone(step + 1, rid), ev.Allocated(step + 1, rid, blocks, 0)]
+            step += 1
+        events.append(ev.Scheduled(step, rid, offered, length - offered, 0, (), blocks, 1))
+        if draw(st.booleans()):  # another request computes meanwhile
+            events.append(ev.Scheduled(step, "other", 0, 1, 0, (), (), 0))
+        step += 1
+        end = draw(st.sampled_from(["finish", "abort_preempted", "best_effort_preempted"]))
+        if end != "finish":
+            events.append(ev.Preempted(step, rid))
+            reason = "finished_aborted" if end == "abort_preempted" else "finished_length_capped"
+            events += [
+                ev.Finished(step, rid, reason),
+                ev.InnerFinishedAnswered(step, rid, False, ()),
+            ]
+            step += 1
+            continue
+        delay = draw(st.booleans())
+        params = draw(st.sampled_from(["", "do_remote_decode,remote_block_ids"]))
+        events += [
+            ev.Finished(step, rid, "finished_stopped"),
+            ev.InnerFinishedAnswered(step, rid, delay, blocks, params),
+        ]
+        if delay:
+            events.append(ev.InnerSendDone(step + 1, rid))
+        step += 2
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(lives())
+def test_well_behaved_lives_are_clean(events):
+    assert named(events) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(lives(), st.data())
+def test_a_repeated_completion_is_named_where_it_comes(events, data):
+    """A completion reported again right after it came (a stale job, a rank reporting twice):
+    named at that step, for that request, and nothing else is."""
+    done = [i for i, e in enumerate(events) if isinstance(e, (ev.InnerSendDone, ev.InnerRecvDone))]
+    if not done:
+        return
+    i = data.draw(st.sampled_from(done))
+    again = events[i]
+    planted = [*events[: i + 1], again, *events[i + 1 :]]
+    assert named(planted) == [("stale_completion", again.req_id, again.step)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(lives(), st.data())
+def test_a_hand_off_without_blocks_is_named(events, data):
+    handoffs = [
+        i
+        for i, e in enumerate(events)
+        if isinstance(e, ev.InnerFinishedAnswered) and e.params and e.block_ids
+    ]
+    if not handoffs:
+        return
+    i = data.draw(st.sampled_from(handoffs))
+    e = events[i]
+    planted = [*events[:i], ev.InnerFinishedAnswered(e.step, e.req_id, e.delay, (), e.params)]
+    planted += events[i + 1 :]
+    assert named(planted) == [("finished_without_blocks", e.req_id, e.step)]

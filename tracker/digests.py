@@ -16,9 +16,10 @@ what comes back.
   reported in ``finished_recving``.
 - **The book** (:class:`DigestBook`): key -> the digests recorded for it (every one: two
   requests that computed the same prefix in different batches may differ in the last bits).
-  A loaded block is judged against it: ``digest_mismatch`` when its digest after the load is
-  none of the key's; ``load_unchanged`` when the load left it as it was (``after == before``:
-  nothing was written); a key with no digest recorded is *unverifiable*, counted, not a
+  A loaded block is judged against it: verified when its digest after the load is one of the
+  key's (even if the load left it as it was: a block vLLM reallocates may already hold that
+  very KV); otherwise ``load_unchanged`` when the load left it as it was (``after ==
+  before``: nothing was written), ``digest_mismatch`` when it changed it; a key with no digest recorded is *unverifiable*, counted, not a
   violation (the prefix was computed before the log began, or by another engine).
 
 Under tensor or pipeline parallelism each rank digests its own share, so the book is keyed by
@@ -503,6 +504,12 @@ class DigestBook:
         for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=False)):
             stats.loaded += 1
             block = e.start + i
+            expected = self._book.get((e.rank, key))
+            if expected and after in expected:
+                # Right, whatever the load did: a block vLLM reallocated may already hold
+                # exactly this KV (the same tokens computed into it before it was freed).
+                stats.verified += 1
+                continue
             if after == before:
                 stats.unchanged += 1
                 out.append(
@@ -515,12 +522,8 @@ class DigestBook:
                     )
                 )
                 continue
-            expected = self._book.get((e.rank, key))
             if not expected:
                 stats.unverifiable += 1
-                continue
-            if after in expected:
-                stats.verified += 1
                 continue
             stats.mismatched += 1
             out.append(

@@ -32,6 +32,21 @@ The rules, each judged only on what the log shows (a connector's private state i
   blocks vLLM had already given away).
 - ``readmission_cached_below_external``: at a (re-)admission with external tokens, vLLM's
   computed-token count is below what it accepted from the connector (vLLM PR #36752).
+- ``stale_completion``: ``finished_sending`` names a request id whose current life has no save
+  in flight (it is still running, or its save already completed), or ``finished_recving`` one
+  with no asynchronous load outstanding. vLLM's API allows a finished send only for a request
+  whose ``request_finished`` kept its blocks, and a finished receive only for an asynchronous
+  load it accepted; anything else is a completion of another life of the id (vLLM #51637:
+  store-job accounting keyed by a reused request id). vLLM 0.33 asserts on it; an older vLLM
+  frees the blocks of whatever request holds the id now. Judged only for ids this log saw.
+- ``finished_without_blocks``: ``request_finished`` came with an empty block list for a request
+  that computed tokens and was not aborted, and the connector handed its KV off anyway
+  (returned ``kv_transfer_params``): the hand-off names no block holding that KV (vLLM #50297:
+  a prefill preempted in its last step under async scheduling still completes). A best-effort
+  cache that returns no parameters is not judged: vLLM lets such a request finish without its
+  blocks by design (``requires_kv_delivery`` False), and a dropped save is only a future miss.
+- ``connector_raised``: a scheduler-side callback of the connector raised (recorded as
+  ``InnerRaised``): vLLM's engine core does not survive it.
 
 ``digest_mismatch`` and ``load_unchanged`` are the digests' (tracker/digests.py), folded by the
 Tracker from ``BlockDigested``/``LoadDigested``.
@@ -56,6 +71,9 @@ RECORDED_RULES: dict[str, str] = {
     "load_during_save": "a load issued while saves of the same request are in flight (#46014)",
     "freed_while_saving": "blocks freed (or reused) while a save still reads them",
     "readmission_cached_below_external": "re-admitted with fewer computed tokens than accepted",
+    "stale_completion": "a transfer completion for a request id with none outstanding (#51637)",
+    "finished_without_blocks": "a hand-off of a request finished with no blocks (#50297)",
+    "connector_raised": "a scheduler-side callback of the connector raised",
 }
 
 
@@ -68,7 +86,10 @@ class _Req:
         "ask_epoch",
         "asked",
         "async_load",
+        "computed",
+        "earlier_finish",
         "external",
+        "finish_reason",
         "load_blocks",
         "load_steps",
         "preempted",
@@ -86,6 +107,9 @@ class _Req:
         self.load_steps = -1  # Scheduled steps since that load's admission (-1: none)
         self.preempted = False
         self.accepted = 0  # external tokens of the allocation not yet seen scheduled
+        self.computed = False  # vLLM scheduled tokens of this life (a preemption keeps it)
+        self.finish_reason = ""  # the Finished record's reason, until the inner's answer
+        self.earlier_finish = -1  # the step an earlier life of the id finished (-1: none)
 
 
 class LookupSeen:
@@ -113,6 +137,14 @@ class RecordedRules:
         # Finished requests whose blocks vLLM freed at once (delay False), for the late
         # finished_sending; bounded by forgetting at the next RequestAdded of the id.
         self._freed: set[str] = set()
+        # Accepted asynchronous loads not yet reported in finished_recving (a request aborted
+        # while loading still gets its report).
+        self._recv_pending: set[str] = set()
+        # Request ids finished in this log -> the step (moved into the next life of the id at
+        # its RequestAdded): a completion for an id the log never saw is not judged.
+        self._finished_at: dict[str, int] = {}
+        # Ids a RecordLost named: the record that would explain a completion may be the lost one.
+        self._lost: set[str] = set()
         self.counts = {"lookups": 0, "loads": 0, "async_loads": 0}
 
     # --- the walk -----------------------------------------------------------------------
@@ -130,7 +162,8 @@ class RecordedRules:
         return r
 
     def _added(self, e: ev.RequestAdded) -> list[Violation]:
-        self._reqs[e.req_id] = _Req()
+        r = self._reqs[e.req_id] = _Req()
+        r.earlier_finish = self._finished_at.pop(e.req_id, -1)
         self._freed.discard(e.req_id)
         return []
 
@@ -234,6 +267,7 @@ class RecordedRules:
         if r.async_load:
             self.counts["async_loads"] += 1
             r.waiting_recv = True
+            self._recv_pending.add(e.req_id)
         else:
             r.load_blocks = blocks
             r.load_steps = 0
@@ -260,9 +294,10 @@ class RecordedRules:
         return out
 
     def _scheduled(self, e: ev.Scheduled) -> list[Violation]:
+        r = self._req(e.req_id)
         if e.num_scheduled > 0:
             self._epoch += 1
-        r = self._req(e.req_id)
+            r.computed = True
         out: list[Violation] = []
         if r.waiting_recv and e.num_scheduled > 0:
             out.append(
@@ -304,14 +339,37 @@ class RecordedRules:
 
     def _finished(self, e: ev.Finished) -> list[Violation]:
         self._epoch += 1
+        self._req(e.req_id).finish_reason = e.reason
         return []
 
     def _finished_answer(self, e: ev.InnerFinishedAnswered) -> list[Violation]:
-        self._reqs.pop(e.req_id, None)
+        r = self._reqs.pop(e.req_id, None)
+        self._finished_at[e.req_id] = e.step
         if e.delay:
             self._saving[e.req_id] = frozenset(e.block_ids)
         else:
             self._freed.add(e.req_id)
+        if (
+            r is not None
+            and r.computed
+            and not e.block_ids
+            and e.params
+            and "abort" not in r.finish_reason
+            and e.req_id not in self._lost
+        ):
+            return [
+                Violation(
+                    "finished_without_blocks",
+                    e.step,
+                    e.req_id,
+                    "InnerFinishedAnswered",
+                    {
+                        "reason": r.finish_reason or "?",
+                        "preempted": r.preempted,
+                        "params": e.params.replace(",", " "),
+                    },
+                )
+            ]
         return []
 
     def _send_done(self, e: ev.InnerSendDone) -> list[Violation]:
@@ -329,13 +387,50 @@ class RecordedRules:
                     {"request_finished": "delay=False"},
                 )
             ]
-        return []
+        return self._stale(e, "finished_sending")
 
     def _recv_done(self, e: ev.InnerRecvDone) -> list[Violation]:
         self._epoch += 1
         r = self._reqs.get(e.req_id)
         if r is not None:
             r.waiting_recv = False
+        if e.req_id in self._recv_pending:
+            self._recv_pending.discard(e.req_id)
+            return []
+        return self._stale(e, "finished_recving")
+
+    def _stale(self, e: ev.Event, completion: str) -> list[Violation]:
+        """A completion with nothing outstanding for it: say which life of the id it reached."""
+        if e.req_id in self._lost:
+            return []
+        r = self._reqs.get(e.req_id)
+        if r is not None:
+            now = "running (request_finished not called)"
+            earlier = r.earlier_finish
+        elif e.req_id in self._finished_at:
+            now = f"finished at step {self._finished_at[e.req_id]}, nothing outstanding"
+            earlier = -1
+        else:
+            return []  # an id this log never saw (it began later): not judged
+        detail: dict[str, Any] = {"completion": completion, "request": now}
+        if earlier >= 0:
+            detail["earlier_life_finished"] = earlier
+        return [Violation("stale_completion", e.step, e.req_id, type(e).__name__, detail)]
+
+    def _raised(self, e: ev.InnerRaised) -> list[Violation]:
+        return [
+            Violation(
+                "connector_raised",
+                e.step,
+                e.req_id,
+                "InnerRaised",
+                {"callback": e.callback, "error": e.error.replace(",", ";")[:200]},
+            )
+        ]
+
+    def _record_lost(self, e: ev.RecordLost) -> list[Violation]:
+        if e.req_id:
+            self._lost.add(e.req_id)
         return []
 
     def _load_errors(self, e: ev.InnerLoadErrors) -> list[Violation]:
@@ -373,6 +468,8 @@ _HANDLERS: dict[type[ev.Event], Callable[[RecordedRules, Any], list[Violation]]]
     ev.InnerSendDone: RecordedRules._send_done,
     ev.InnerRecvDone: RecordedRules._recv_done,
     ev.InnerLoadErrors: RecordedRules._load_errors,
+    ev.InnerRaised: RecordedRules._raised,
+    ev.RecordLost: RecordedRules._record_lost,
 }
 
 

@@ -65,6 +65,10 @@ class EngineSpec:
     extra_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # Injected load failures (FaultyEngineConnector); vLLM then recomputes what failed.
     faulty: bool = False
+    # The connector wrapped in KVLedgerRecorder, with these recorder keys (``inner``: default
+    # KVLedgerConnector; ``digests``...): its log is the recorder's, the extra config above the
+    # inner's.
+    recorder: Mapping[str, Any] | None = None
     dtype: str = "float32"
     seed: int = 0
     # vLLM's stat loggers (its Prometheus metrics, LLM.get_metrics()); off as LLM has them.
@@ -82,6 +86,8 @@ class EngineRun:
     scheduler: dict[str, Any]
     # Requests vLLM's scheduler preempted during the run (counted with or without connector).
     preemptions: int = 0
+    # vLLM's id of each prompt's request, in prompt order.
+    request_ids: list[str] = dataclasses.field(default_factory=list)
 
 
 class Engine:
@@ -101,16 +107,30 @@ class Engine:
             extra: dict[str, Any] = {"chunk_size": spec.block_size, "host_pool_bytes": 64 << 20}
             extra.update(spec.extra_config)
             self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvledger-engine-")
-            extra["log_dir"] = self.log_dir
-            kv = KVTransferConfig(
-                kv_connector="FaultyEngineConnector" if spec.faulty else "KVLedgerConnector",
-                kv_connector_module_path=(
-                    "connector.testing.engine" if spec.faulty else "connector.vllm"
-                ),
-                kv_role="kv_both",
-                kv_load_failure_policy="recompute",
-                kv_connector_extra_config=extra,
-            )
+            if spec.recorder is not None:
+                kv = KVTransferConfig(
+                    kv_connector="KVLedgerRecorder",
+                    kv_connector_module_path="connector.vllm",
+                    kv_role="kv_both",
+                    kv_load_failure_policy="recompute",
+                    kv_connector_extra_config={
+                        "inner": "connector.vllm:KVLedgerConnector",
+                        **spec.recorder,
+                        "inner_extra_config": extra,
+                        "log_dir": self.log_dir,
+                    },
+                )
+            else:
+                extra["log_dir"] = self.log_dir
+                kv = KVTransferConfig(
+                    kv_connector="FaultyEngineConnector" if spec.faulty else "KVLedgerConnector",
+                    kv_connector_module_path=(
+                        "connector.testing.engine" if spec.faulty else "connector.vllm"
+                    ),
+                    kv_role="kv_both",
+                    kv_load_failure_policy="recompute",
+                    kv_connector_extra_config=extra,
+                )
         self.llm = LLM(
             model=spec.model,
             dtype=spec.dtype,  # type: ignore[arg-type]  # a Literal in vLLM; checked there
@@ -162,7 +182,11 @@ class Engine:
     @property
     def log_path(self) -> str | None:
         conn = self.scheduler_connector()
-        return None if conn is None else conn.scheduler_side.log_path
+        if conn is None:
+            return None
+        # The recorder's log, not the inner's.
+        path = conn.log_path if self.spec.recorder is not None else conn.scheduler_side.log_path
+        return None if path is None else str(path)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -188,6 +212,7 @@ class Engine:
             worker,
             sched,
             self.preemptions - before_p,
+            [str(o.request_id) for o in outs],
         )
 
     def _worker_stats(self) -> dict[str, int]:

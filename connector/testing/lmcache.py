@@ -754,18 +754,21 @@ def run_version(
     record_to: str | None = None,
     digests: str = "sampled",
     timeout: float = 1200,
+    bare: bool = True,
 ) -> dict[str, LMCacheReport]:
     """Run workloads against one installed LMCache version, one after the other in one child
     process (its start, importing vLLM and LMCache, is most of the time). Reports by workload
     name; with ``record_to``, each workload runs a second time wrapped in ``KVLedgerRecorder``
-    (logs in that directory, ``digests`` on the worker), reported as ``NAME+recorded``."""
+    (logs in that directory, ``digests`` on the worker), reported as ``NAME+recorded``
+    (``bare=False``: only that run)."""
     if not installed(version):
         raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
     jobs: list[dict[str, Any]] = []
     for workload in workloads:
         spec = WORKLOADS[workload] if isinstance(workload, str) else workload
         fields = dataclasses.asdict(spec)
-        jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
+        if bare or record_to is None:
+            jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
         if record_to is not None:
             kv = recorded_kv_connector(spec, record_to, digests)
             jobs.append({"label": f"{spec.name}+recorded", "spec": fields, "kv_connector": kv})

@@ -90,6 +90,9 @@ class WrappedSpec(RunSpec):
     # The oracle's cache layout: "flashinfer" ([blocks, 2, ...]) gives the per-layer
     # [B, H, N, C] view connectors such as ExampleConnector read and write.
     layout: str = "flashinfer"
+    # The connector's kv_role ("kv_producer": a P/D prefill side, whose requests vLLM frees
+    # as soon as a step is done with them, in flight or not).
+    kv_role: str = "kv_both"
 
 
 @attrs.frozen
@@ -117,9 +120,10 @@ def kv_transfer_config(
     record: bool,
     log_dir: str | None = None,
     digests: str = "off",
+    kv_role: str = "kv_both",
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a run: the recorder wrapping ``inner``, or ``inner``."""
-    base = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    base = {"kv_role": kv_role, "kv_load_failure_policy": "recompute"}
     if record:
         extra: dict[str, Any] = {
             "inner": inner,
@@ -156,7 +160,12 @@ def _output_fields() -> frozenset[str]:
 class _Driver:
     def __init__(self, spec: WrappedSpec, log_dir: str | None) -> None:
         kv = kv_transfer_config(
-            spec.inner, spec.extra_config, record=spec.record, log_dir=log_dir, digests=spec.digests
+            spec.inner,
+            spec.extra_config,
+            record=spec.record,
+            log_dir=log_dir,
+            digests=spec.digests,
+            kv_role=spec.kv_role,
         )
         engine = {f.name: getattr(spec, f.name) for f in dataclasses.fields(HarnessConfig)}
         self.harness = SchedulerHarness(

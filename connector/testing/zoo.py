@@ -1,0 +1,716 @@
+"""The bug-shape zoo: connector bugs reported in the field, rebuilt as faulty connectors under
+vLLM's real scheduler, recorded by ``KVLedgerRecorder``, and judged by ``kvledger check`` of the
+log alone (docs/bug-zoo.md has the table; tests/test_zoo.py and tests/engine/test_engine_zoo.py
+run it).
+
+Each faulty connector is the repo's ``KVLedgerConnector`` with one fault added by subclassing,
+in the scheduler role (what it answers vLLM) or in the worker role (``make_worker_side``: how it
+moves bytes). Each names the upstream report it reproduces. Its clean twin is the same workload
+with the fault taken out: ``KVLedgerConnector`` itself, or the fixed variant named in the
+``Shape``. The faults of LMCache's own adapter are reproduced with LMCache's real releases
+instead (``lmcache_shapes``, run by ``connector.testing.lmcache``).
+
+A shape is a scripted workload (``ZooRequest``: which request arrives when, with which prompt)
+on a small pool, chosen so that the fault's moment happens: a preemption in the step after a
+store was issued, a request id that comes back, a prompt sent twice. ``run_shape`` runs it with
+the faulty connector or its twin: the scheduler role is loaded by vLLM (the recorder, by module
+path, wrapping the inner ``module:Class``), the worker role is driven by hand over the KV-content
+oracle's caches (``connector.testing.recorded``), and the oracle checks every computed token
+after every step. A vLLM assertion the fault trips (vLLM's engine core would die there) ends
+the run; the log is closed and still judged.
+
+Nothing here is imported by what vLLM loads in production.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import attrs
+import torch
+
+from connector.config import ConnectorConfig
+from connector.messages import ChunkTransfer, StepPlan, TransferPlan
+from connector.scheduler import first_group
+from connector.testing.faults import FaultyWorkerSide
+from connector.testing.oracle import Mismatch
+from connector.transfer import slot_mapping_for
+from connector.vllm import KVLedgerConnector
+from connector.worker import WorkerSide
+
+__all__ = [
+    "SHAPES",
+    "AsyncStoreWorker",
+    "EngineLoadFault",
+    "FailedLoadMarkedDone",
+    "FullPromptMatch",
+    "HandoffAfterPreemption",
+    "HandoffDelivered",
+    "KVSwappedOnLoad",
+    "LoadFaultWorker",
+    "LoadIntoLastBlocks",
+    "Shape",
+    "ShortenedHit",
+    "StaleCompletionAfterReuse",
+    "StoreFlushedAtPreemption",
+    "StoreReadsFreedBlocks",
+    "ZooReport",
+    "ZooRequest",
+    "lmcache_shapes",
+    "run_shape",
+    "set_engine_fault",
+]
+
+# --------------------------------------------------------------------------------------------
+# Worker-side faults: how the bytes move
+# --------------------------------------------------------------------------------------------
+
+
+class LoadFaultWorker(FaultyWorkerSide):
+    """``WorkerSide`` whose loads go wrong in one of these ways, each reported as a success
+    (nothing reaches the scheduler: only the bytes are wrong):
+
+    - ``"skip"``: nothing is written (Dynamo #15079);
+    - ``"swap_kv"``: K is written where V belongs and V where K belongs (LMCache #4463);
+    - ``"short"``: only the first chunk of each load is written, the rest silently dropped
+      (SGLang #40193).
+    ``fault`` is read at each load (None: loads are right), so an engine runs with and without.
+    """
+
+    def __init__(self, config: ConnectorConfig, *, fault: Any = None, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self.fault = fault  # a kind above, or a callable returning one (None: no fault)
+
+    def _kind(self) -> str | None:
+        kind: str | None = self.fault() if callable(self.fault) else self.fault
+        return kind
+
+    def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        kind = self._kind()
+        if kind == "skip":
+            return
+        if kind == "short" and chunk is not load.chunks[0]:
+            return
+        super().load_chunk(load, chunk)
+        if kind == "swap_kv":
+            self._swap_kv(load, chunk)
+
+    def _swap_kv(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Exchange K and V of the tokens the chunk just filled, in every layer."""
+        assert self.backend is not None
+        spec = self.backend.spec
+        slots = torch.tensor(
+            slot_mapping_for(load.block_ids, spec.block_size, chunk.token_start, chunk.token_end),
+            dtype=torch.int64,
+            device=spec.device,
+        )
+        blocks, offsets = slots // spec.block_size, slots % spec.block_size
+        for cache in self._caches:
+            # [blocks, 2, block_size, ...] whatever the layout ("flash_attn" is K/V first)
+            view = cache.transpose(0, 1) if spec.layout == "flash_attn" else cache
+            k = view[blocks, 0, offsets].clone()
+            view[blocks, 0, offsets] = view[blocks, 1, offsets]
+            view[blocks, 1, offsets] = k
+
+
+class AsyncStoreWorker(FaultyWorkerSide):
+    """``WorkerSide`` whose saves are asynchronous store jobs, as a store's sending thread runs
+    them (MooncakeStoreConnector's ``KVCacheStoreSendingThread``): a job issued in one step
+    copies its blocks ``latency`` steps later, after that step's forward pass. The request's
+    blocks stay held for a finished request until its jobs ran (``request_finished`` delays
+    the free; ``finished_sending`` follows). A preemption frees a running request's blocks at
+    once, so before the forward pass can reuse them every job of a preempted request is run
+    (``handle_preemptions``: the fix of vLLM PR #52470); ``flush_on_preemption=False`` is the
+    bug (vLLM #52360)."""
+
+    latency: ClassVar[int] = 1
+
+    def __init__(
+        self, config: ConnectorConfig, *, flush_on_preemption: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(config, **kwargs)
+        self.flush_on_preemption = flush_on_preemption
+        self._queued: list[tuple[int, TransferPlan]] = []  # (due at step count, save)
+        self._steps = 0
+        self.jobs_run: list[str] = []  # req ids of the jobs run since the last get_finished
+
+    def handle_preemptions(self, plan: StepPlan | None) -> None:
+        if self.flush_on_preemption and plan is not None and plan.preempted:
+            preempted = set(plan.preempted)
+            self._run_now([s for _, s in self._queued if s.req_id in preempted])
+            self._queued = [(d, s) for d, s in self._queued if s.req_id not in preempted]
+        super().handle_preemptions(plan)
+
+    def wait_for_save(self) -> None:
+        # This step's saves become jobs; the jobs due now run, after this step's forward pass.
+        new, self._to_save = self._to_save, ()
+        self._steps += 1
+        due = [s for d, s in self._queued if d <= self._steps]
+        self._queued = [(d, s) for d, s in self._queued if d > self._steps]
+        self._queued += [(self._steps + self.latency, s) for s in new]
+        self._to_save = tuple(due)
+        self.jobs_run += [s.req_id for s in due]
+        super().wait_for_save()  # issues the due jobs (and takes the step's digests)
+
+    def _run_now(self, saves: Sequence[TransferPlan]) -> None:
+        if not saves:
+            return
+        keep, self._to_save = self._to_save, tuple(saves)
+        self.jobs_run += [s.req_id for s in saves]
+        WorkerSide.wait_for_save(self)
+        self._to_save = keep
+
+    def get_finished(
+        self, finished_req_ids: set[str] | None = None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        # A queued job still reads its request's blocks: count it as a save not yet issued.
+        keep = self._to_save
+        self._to_save = keep + tuple(s for _, s in self._queued)
+        try:
+            sending, recving = super().get_finished(finished_req_ids)
+        finally:
+            self._to_save = keep
+        self.jobs_run = []
+        return sending, recving
+
+    def shutdown(self) -> None:
+        self._run_now([s for _, s in self._queued])
+        self._queued = []
+        super().shutdown()
+
+
+class AbaCompletionWorker(AsyncStoreWorker):
+    """``AsyncStoreWorker`` that keeps what it owes vLLM by request id alone (vLLM #51637,
+    "Request-ID ABA"): an id it owed a ``finished_sending`` stays owed, so when the id comes
+    back as a new request, the first store job of the new request that runs makes the worker
+    report ``finished_sending`` for it again: a completion of the earlier life, delivered to
+    the new one, which is still running."""
+
+    def __init__(self, config: ConnectorConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self._owed_by_id: set[str] = set()
+
+    def bind(self, plan: StepPlan) -> None:
+        super().bind(plan)
+        self._owed_by_id.update(plan.delayed_free)
+
+    def get_finished(
+        self, finished_req_ids: set[str] | None = None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        ran = set(self.jobs_run)
+        busy = {s.req_id for _, s in self._queued}
+        sending, recving = super().get_finished(finished_req_ids)
+        stale = (ran & self._owed_by_id) - busy - (sending or set())
+        return (set(sending or ()) | stale) or None, recving
+
+
+# --------------------------------------------------------------------------------------------
+# The connectors vLLM loads (as the recorder's inner, ``connector.testing.zoo:Class``)
+# --------------------------------------------------------------------------------------------
+
+
+class _ZooKVLedger(KVLedgerConnector):
+    """``KVLedgerConnector`` whose worker role carries a fault, chosen by class attributes (a
+    shape is a class: vLLM builds a connector from its class alone, with no arguments)."""
+
+    load_fault: ClassVar[str | None] = None
+    async_store: ClassVar[bool] = False
+    flush_on_preemption: ClassVar[bool] = True
+    aba: ClassVar[bool] = False
+
+    def make_worker_side(self, config: ConnectorConfig, *, num_slots: int, rank: int) -> WorkerSide:
+        if self.aba:
+            return AbaCompletionWorker(config, num_slots=num_slots, rank=rank)
+        if self.async_store:
+            return AsyncStoreWorker(
+                config,
+                num_slots=num_slots,
+                rank=rank,
+                flush_on_preemption=self.flush_on_preemption,
+            )
+        return LoadFaultWorker(config, num_slots=num_slots, rank=rank, fault=self._fault())
+
+    def _fault(self) -> Any:
+        return self.load_fault
+
+
+class LoadIntoLastBlocks(_ZooKVLedger):
+    """Dynamo #8419 (https://github.com/ai-dynamo/dynamo/issues/8419): onboarding from the host
+    tier writes the loaded chunks into the last N blocks of the request's block table instead of
+    the prefix blocks they belong to; the load reports success. The outputs diverge only after an
+    eviction and an onboarding. Here the scheduler role hands its worker the tail of the table."""
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        tables = {
+            new.req_id: tuple(first_group(new.block_ids))
+            for new in scheduler_output.scheduled_new_reqs
+        }
+        bs = self.scheduler_side.tracker_config.block_size
+        loads = tuple(
+            _to_last_blocks(load, tables.get(load.req_id), bs) for load in meta.plan.loads
+        )
+        meta.plan = attrs.evolve(meta.plan, loads=loads)
+        return meta
+
+
+def _to_last_blocks(load: TransferPlan, table: Sequence[int] | None, bs: int) -> TransferPlan:
+    """The load as Dynamo #8419 executed it: the blocks its chunks cover replaced by as many
+    blocks from the end of the request's whole table."""
+    if not load.chunks or not table:
+        return load
+    first = load.chunks[0].token_start // bs
+    last = (load.chunks[-1].token_end - 1) // bs + 1
+    blocks = list(load.block_ids) + list(table[len(load.block_ids) :])
+    blocks[first:last] = table[len(table) - (last - first) :]
+    return attrs.evolve(load, block_ids=tuple(blocks))
+
+
+class FailedLoadMarkedDone(_ZooKVLedger):
+    """Dynamo #15079 (https://github.com/ai-dynamo/dynamo/issues/15079): a disk-to-GPU transfer
+    that failed is marked complete; nothing is written, no load error is reported
+    (``get_block_ids_with_load_errors`` stays empty), and vLLM computes over whatever the blocks
+    held."""
+
+    load_fault = "skip"
+
+
+class KVSwappedOnLoad(_ZooKVLedger):
+    """LMCache #4463 (https://github.com/LMCache/LMCache/issues/4463, fixed by PR #4467): vLLM
+    0.26's packed K/V layout read with the old layout; with 2 KV heads both layouts have the
+    same shape, so the load "works" and K and V land exchanged."""
+
+    load_fault = "swap_kv"
+
+
+class ShortenedHit(_ZooKVLedger):
+    """SGLang #40193 (https://github.com/sgl-project/sglang/issues/40193): the lower tier
+    reports every page present, but the hit is silently shortened to the host's capacity (here:
+    one chunk per load); the rest of what was offered and accepted is never written and no
+    error is reported."""
+
+    load_fault = "short"
+
+
+class StoreReadsFreedBlocks(_ZooKVLedger):
+    """vLLM #52360 (https://github.com/vllm-project/vllm/issues/52360, fixed by PR #52372): an
+    asynchronous store job still reads a request's GPU blocks after a preemption freed them and
+    another request's forward pass wrote them: the other request's KV is stored under the
+    preempted request's keys, and every later hit of those keys loads it."""
+
+    async_store = True
+    flush_on_preemption = False
+
+
+class StoreFlushedAtPreemption(_ZooKVLedger):
+    """The clean twin of ``StoreReadsFreedBlocks`` and ``StaleCompletionAfterReuse``: the same
+    asynchronous store jobs, every job of a preempted request run before the forward pass can
+    reuse its blocks (vLLM PR #52470), ``finished_sending`` owed per request life."""
+
+    async_store = True
+
+
+class StaleCompletionAfterReuse(_ZooKVLedger):
+    """vLLM #51637 (https://github.com/vllm-project/vllm/issues/51637, fixed by PR #51662):
+    store-job accounting keyed by the reusable request id. Here the worker keeps the
+    ``finished_sending`` it owed an id after reporting it; when the id comes back as a new
+    request, that request's first store job "completes" the earlier life: ``finished_sending``
+    for a request that is running (vLLM 0.33's scheduler asserts on it)."""
+
+    aba = True
+
+
+class FullPromptMatch(_ZooKVLedger):
+    """vLLM #55113 (https://github.com/vllm-project/vllm/issues/55113): a store lookup that
+    matches the whole prompt offers every token of it, leaving none for vLLM to compute; with a
+    synchronous load, vLLM's scheduler asserts ``num_new_tokens > 0``."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        total = len(request.all_token_ids)
+        chunk = self.kv_config.chunk_size
+        # kvledger leaves the last token to compute: an answer one short of the whole prompt,
+        # on a prompt of whole chunks, means the pool holds every chunk of it.
+        if n and num_computed_tokens + n == total - 1 and total % chunk == 0:
+            n += 1
+        return n, load_async
+
+
+class HandoffAfterPreemption(_ZooKVLedger):
+    """vLLM #50297 (https://github.com/vllm-project/vllm/pull/50297): a connector that hands a
+    finished request's KV off (P/D prefill side: ``kv_transfer_params`` naming the blocks the
+    decode side reads) but tells vLLM it does not need the KV delivered. Under async scheduling
+    a prefill preempted in its last step still completes, and ``request_finished`` gets an
+    empty block list: the hand-off names no block."""
+
+    kv_delivery: ClassVar[bool] = False
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return self.kv_delivery
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, _ = super().request_finished(request, block_ids)
+        params = {
+            "do_remote_decode": True,
+            "remote_block_ids": [int(b) for b in block_ids],
+            "remote_num_tokens": int(request.num_computed_tokens),
+        }
+        return delay, params
+
+
+class HandoffDelivered(HandoffAfterPreemption):
+    """The clean twin of ``HandoffAfterPreemption``: ``requires_kv_delivery`` is True (vLLM's
+    fix: a request preempted with its hand-off pending drops its stale output and is
+    recomputed)."""
+
+    kv_delivery = True
+
+
+# The engine suite (tests/engine) runs every byte fault through one connector class: vLLM
+# builds it from the class alone, so the fault is read from here at each load.
+_ENGINE_FAULT: list[str | None] = [None]
+
+
+def set_engine_fault(kind: str | None) -> None:
+    """The load fault ``EngineLoadFault`` applies from now on (a ``LoadFaultWorker`` kind, or
+    None: loads are right)."""
+    _ENGINE_FAULT[0] = kind
+
+
+class EngineLoadFault(_ZooKVLedger):
+    """For vLLM's real engine (tests/engine/test_engine_zoo.py): the load faults above, the
+    current one chosen by ``set_engine_fault``."""
+
+    def _fault(self) -> Any:
+        return lambda: _ENGINE_FAULT[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Shapes: workloads that make the fault happen
+# --------------------------------------------------------------------------------------------
+
+_THIS = __name__
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooRequest:
+    """One request of a shape's workload. It arrives before step ``at``, or (``after``) once
+    that request finished and vLLM freed its blocks. Its prompt is the first ``prompt_len``
+    tokens of the shape's token stream ``prompt``: requests naming the same stream share a
+    prefix (the same tokens, when their lengths are equal)."""
+
+    req_id: str
+    prompt: str
+    prompt_len: int
+    max_tokens: int
+    at: int = 0
+    after: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """A field report rebuilt: the faulty connector, its clean twin, the workload."""
+
+    name: str
+    report: str
+    url: str
+    faulty: str  # "module:Class" the recorder wraps
+    fixed: str
+    requests: tuple[ZooRequest, ...]
+    # HarnessConfig fields for vLLM's scheduler (block size, pool, batch, async...).
+    engine: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    extra_config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"chunk_size": 32})
+    digests: str = "off"
+    kv_role: str = "kv_both"
+    seed: int = 0
+
+    def prompts(self) -> dict[str, list[int]]:
+        """The token stream of each prompt name, seeded (token ids 10 to 999), as long as the
+        longest request naming it: a request's prompt is the first ``prompt_len`` of them."""
+        rng = random.Random(f"{self.name}:{self.seed}")
+        longest: dict[str, int] = {}
+        for r in self.requests:
+            longest[r.prompt] = max(longest.get(r.prompt, 0), r.prompt_len)
+        return {name: [rng.randrange(10, 1000) for _ in range(n)] for name, n in longest.items()}
+
+
+def _inner(cls: type) -> str:
+    return f"{_THIS}:{cls.__name__}"
+
+
+_KVLEDGER = "connector.vllm:KVLedgerConnector"
+_NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+# A prompt computed and stored, then sent again with a suffix (no prefix cache): the second
+# request loads the first one's chunks. Block 16, chunk 32: 4 blocks, 2 chunks loaded.
+_RELOAD = (
+    ZooRequest("first", "p", 64, 4),
+    ZooRequest("again", "p", 80, 4, after="first"),
+)
+
+SHAPES: dict[str, Shape] = {
+    # Dynamo's reproduction: 65 tokens, block size 32, 2 external blocks, temperature 0.
+    "dynamo_8419": Shape(
+        "dynamo_8419",
+        "Dynamo #8419",
+        "https://github.com/ai-dynamo/dynamo/issues/8419",
+        _inner(LoadIntoLastBlocks),
+        _KVLEDGER,
+        (ZooRequest("first", "p", 65, 4), ZooRequest("again", "p", 65, 4, after="first")),
+        engine={**_NO_PREFIX_CACHE, "block_size": 32, "num_gpu_blocks": 12},
+        digests="sampled",
+    ),
+    "dynamo_15079": Shape(
+        "dynamo_15079",
+        "Dynamo #15079",
+        "https://github.com/ai-dynamo/dynamo/issues/15079",
+        _inner(FailedLoadMarkedDone),
+        _KVLEDGER,
+        _RELOAD,
+        engine=_NO_PREFIX_CACHE,
+        digests="sampled",
+    ),
+    "lmcache_4463": Shape(
+        "lmcache_4463",
+        "LMCache #4463",
+        "https://github.com/LMCache/LMCache/issues/4463",
+        _inner(KVSwappedOnLoad),
+        _KVLEDGER,
+        _RELOAD,
+        engine=_NO_PREFIX_CACHE,
+        digests="sampled",
+    ),
+    "sglang_40193": Shape(
+        "sglang_40193",
+        "SGLang #40193",
+        "https://github.com/sgl-project/sglang/issues/40193",
+        _inner(ShortenedHit),
+        _KVLEDGER,
+        _RELOAD,
+        engine=_NO_PREFIX_CACHE,
+        digests="sampled",
+    ),
+    # "b" (admitted after "a") is preempted in the step after its prefill, while its store job
+    # is queued: "a" needs a block for its first decode token and gets b's last block, whose
+    # slot it writes in that step's forward; the job then copies it. When the pool has room
+    # again "b" comes back and reloads its chunks.
+    "vllm_52360": Shape(
+        "vllm_52360",
+        "vLLM #52360",
+        "https://github.com/vllm-project/vllm/issues/52360",
+        _inner(StoreReadsFreedBlocks),
+        _inner(StoreFlushedAtPreemption),
+        (ZooRequest("a", "pa", 64, 6), ZooRequest("b", "pb", 64, 6)),
+        engine={**_NO_PREFIX_CACHE, "num_gpu_blocks": 9},
+        digests="sampled",
+    ),
+    # "x" finishes with a store job queued (its free is delayed until finished_sending); the
+    # client then sends another request with the same id, which stores chunks of its own.
+    "vllm_51637": Shape(
+        "vllm_51637",
+        "vLLM #51637",
+        "https://github.com/vllm-project/vllm/issues/51637",
+        _inner(StaleCompletionAfterReuse),
+        _inner(StoreFlushedAtPreemption),
+        (ZooRequest("x", "p1", 64, 1), ZooRequest("x", "p2", 64, 6, after="x")),
+        engine=_NO_PREFIX_CACHE,
+    ),
+    # The P/D prefill side (kv_producer: vLLM frees a request's blocks even while a step of it
+    # is in flight), async scheduling: "b" (one output token, a prefill) is scheduled with
+    # "a"; in the next step, scheduled before b's output is known, "a" needs a block and the
+    # pool is full: "b", the last admitted, is preempted, and its output, already computed,
+    # finishes it.
+    "vllm_50297": Shape(
+        "vllm_50297",
+        "vLLM #50297",
+        "https://github.com/vllm-project/vllm/pull/50297",
+        _inner(HandoffAfterPreemption),
+        _inner(HandoffDelivered),
+        (ZooRequest("a", "pa", 32, 10), ZooRequest("b", "pb", 32, 1)),
+        engine={"async_scheduling": True, "num_gpu_blocks": 5},
+        kv_role="kv_producer",
+    ),
+    # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
+    "vllm_55113": Shape(
+        "vllm_55113",
+        "vLLM #55113",
+        "https://github.com/vllm-project/vllm/issues/55113",
+        _inner(FullPromptMatch),
+        _KVLEDGER,
+        (ZooRequest("first", "p", 64, 4), ZooRequest("again", "p", 64, 4, after="first")),
+        engine=_NO_PREFIX_CACHE,
+    ),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Running a shape
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ZooReport:
+    """What one run of a shape did."""
+
+    shape: str
+    fixed: bool
+    log_path: str | None
+    steps: int
+    preemptions: int
+    finished: tuple[str, ...]
+    # (req id, step): the step whose call to the scheduler saw the request finish. The
+    # recorder stamps what vLLM reports after a step's forward pass with the next step.
+    finished_at: tuple[tuple[str, int], ...]
+    # (step, first wrong token of a running request), as the oracle found them.
+    mismatches: tuple[tuple[int, Mismatch], ...]
+    # A vLLM (or connector) exception that ended the run: "Type: message (file:line)".
+    error: str | None
+    error_step: int | None
+    leaks: tuple[str, ...]
+    seconds: float
+
+    def first_mismatch(self, req_id: str | None = None) -> tuple[int, Mismatch] | None:
+        for step, m in self.mismatches:
+            if req_id is None or m.req_id == req_id:
+                return step, m
+        return None
+
+
+def run_shape(
+    shape: Shape, *, fixed: bool = False, log_dir: str, max_steps: int = 400
+) -> ZooReport:
+    """Run ``shape`` with its faulty connector (or, ``fixed``, its twin) wrapped in
+    ``KVLedgerRecorder``, its log in ``log_dir``; see the module docstring."""
+    from connector.testing.recorded import WrappedSpec, _Driver
+
+    started = time.perf_counter()
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    spec = WrappedSpec(
+        inner=shape.fixed if fixed else shape.faulty,
+        digests=shape.digests,
+        kv_role=shape.kv_role,
+        extra_config=dict(shape.extra_config),
+        seed=shape.seed,
+        **dict(shape.engine),
+    )
+    driver = _Driver(spec, log_dir)
+    harness = driver.harness
+    prompts = shape.prompts()
+    waiting = list(shape.requests)
+    mismatches: list[tuple[int, Mismatch]] = []
+    finished_at: list[tuple[str, int]] = []
+    error: str | None = None
+    error_step: int | None = None
+    steps = 0
+
+    def arrive() -> None:
+        for r in list(waiting):
+            gone = r.after is not None and (
+                r.after in harness.finished and r.after not in harness.scheduler.requests
+            )
+            if (r.after is None and r.at <= steps) or gone:
+                waiting.remove(r)
+                # A request id that comes back is a new request: forget the old one's tokens.
+                driver.tokens.pop(r.req_id, None)
+                driver.oracle.forget(r.req_id)
+                harness.finished.pop(r.req_id, None)
+                harness.add_request(r.req_id, prompts[r.prompt][: r.prompt_len], r.max_tokens)
+
+    try:
+        while steps < max_steps:
+            arrive()
+            result = harness.step()
+            if result is None:
+                if not waiting:
+                    break
+                steps += 1  # idle until the next arrival
+                continue
+            steps += 1
+            finished_at += [(r, result.step) for r in result.finished]
+            mismatches += [(result.step, m) for m in driver.verify()]
+    except Exception as exc:  # vLLM's engine core would die here: say where, keep the log
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        error = f"{message} ({Path(where.filename).name}:{where.lineno})"
+        error_step = steps
+    leaks: list[str] = []
+    if error is None and not harness.is_done():
+        leaks.append(f"not done after {steps} steps: {harness.describe()}")
+    connector = harness.connector
+    try:
+        connector.shutdown()  # closes the recorder's log
+    finally:
+        try:
+            driver.worker.shutdown()
+            harness.close()
+        except Exception:  # a scheduler that asserted may not shut down cleanly
+            pass
+    return ZooReport(
+        shape=shape.name,
+        fixed=fixed,
+        log_path=getattr(connector, "log_path", None),
+        steps=steps,
+        preemptions=harness.stats.preemptions,
+        finished=tuple(sorted(harness.finished)),
+        finished_at=tuple(finished_at),
+        mismatches=tuple(mismatches),
+        error=error,
+        error_step=error_step,
+        leaks=tuple(leaks),
+        seconds=time.perf_counter() - started,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# LMCache's own bugs: LMCache's real adapter, pinned releases (connector/testing/lmcache.py)
+# --------------------------------------------------------------------------------------------
+
+
+def lmcache_shapes() -> dict[str, Any]:
+    """The zoo's LMCache shapes: ``LMCacheRun`` workloads, each run on the release with the bug
+    and the release with its fix (tests/test_zoo.py names them)."""
+    from connector.testing.lmcache import WORKLOADS, LMCacheRun
+
+    return {
+        # LMCache #1969: the rig's own workload (0.3.9.post2 faulty, 0.3.10 fixed).
+        "lmcache_1969": WORKLOADS["issue1969"],
+        # The "Mismatch in tokens to load" assertion (the seed's #2158): chunks of 64 over
+        # blocks of 16, so vLLM's prefix cache holds more of a shared prefix (80 tokens) than
+        # LMCache (64). The second request cannot be allocated while the first decodes, so its
+        # lookup is asked again every step; 0.3.10's lookup cache then returns the raw hit,
+        # vLLM accepts it on top of its own 80, and update_state_after_alloc asserts.
+        "lmcache_mismatch": LMCacheRun(
+            "lmcache_mismatch",
+            num_requests=2,
+            prompt_len=200,
+            max_tokens=10,
+            num_gpu_blocks=17,
+            chunk_size=64,
+            shared_prefix=90,
+        ),
+        # LMCache #2821 (the decode-save bug, fixed by PR #2929): under async scheduling the
+        # cached request's new tokens are sliced from num_computed_tokens, which vLLM already
+        # advanced: the tracker never grows and decode KV is never saved. #1969's workload with
+        # decode saving on, and a pool of 8 blocks: both requests decode past two chunk
+        # boundaries (48, 64) before req-1 is preempted, then resumes with a lookup over its
+        # prompt and outputs.
+        "lmcache_2821": LMCacheRun(
+            "lmcache_2821",
+            max_tokens=40,
+            num_gpu_blocks=9,
+            enable_prefix_caching=False,
+            async_scheduling=True,
+            lmcache={"save_decode_cache": True},
+        ),
+    }

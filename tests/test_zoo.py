@@ -1,0 +1,304 @@
+"""The bug-shape zoo (connector/testing/zoo.py, docs/bug-zoo.md): each bug reported in the field
+rebuilt as a faulty connector under vLLM 0.33's real scheduler, recorded by KVLedgerRecorder,
+and named by ``kvledger check`` of the log alone (the rule, the request, the step), while the
+KV-content oracle or vLLM itself shows that the bug happened. Each shape's clean twin (the same
+workload, the fault taken out) checks clean. LMCache's own bugs run LMCache's real releases.
+
+The verdicts are read through ``check``, never from the recorder's record layout. A digest
+verdict is accepted at the step of the load it judges or the step after: the recorder reports
+the worker's digests with the step whose output carried them, and may come to stamp them at
+the load's own step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.testing.harness import skip_reason
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
+]
+
+# A shape's faulty run: the first problem check names (rule, request) and every rule it names.
+BYTES = {  # only the KV-content digests can see these: the connector API shows nothing wrong
+    "dynamo_8419": ("again", {"load_unchanged", "digest_mismatch"}),
+    "dynamo_15079": ("again", {"load_unchanged"}),
+    "lmcache_4463": ("again", {"digest_mismatch"}),
+    "sglang_40193": ("again", {"load_unchanged"}),
+    "vllm_52360": ("b", {"digest_mismatch"}),
+}
+API = {  # visible at the connector API: named with digests off
+    "vllm_51637": ("x", {"stale_completion"}),
+    "vllm_50297": ("b", {"finished_without_blocks"}),
+    "vllm_55113": ("again", {"full_hit_no_last_token"}),
+}
+ALL = {**BYTES, **API}
+
+
+def _check(path: str, **kw: Any) -> Any:
+    from replay.replayer import check
+
+    return check(path, **kw)
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    """Each shape run once per module, faulty or fixed (or with its digests off), on demand."""
+    from connector.testing.zoo import SHAPES, run_shape
+
+    cache: dict[tuple[str, bool, str | None], Any] = {}
+
+    def get(name: str, *, fixed: bool = False, digests: str | None = None) -> Any:
+        key = (name, fixed, digests)
+        if key not in cache:
+            shape = SHAPES[name]
+            if digests is not None:
+                import dataclasses
+
+                shape = dataclasses.replace(shape, digests=digests)
+            logs = tmp_path_factory.mktemp(f"{name}-{'fixed' if fixed else 'faulty'}")
+            cache[key] = run_shape(shape, fixed=fixed, log_dir=str(logs))
+        return cache[key]
+
+    return get
+
+
+def test_every_shape_of_the_zoo_is_tested() -> None:
+    from connector.testing.zoo import SHAPES
+
+    assert set(SHAPES) == set(ALL)
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_the_faulty_connector_is_named_by_check_of_its_log(zoo: Any, name: str) -> None:
+    report = zoo(name)
+    req, rules = ALL[name]
+    result = _check(report.log_path)
+    assert result.exit_code == 1, report
+    first = result.problems[0]
+    assert (first.kind, first.req_id) == ("violation", req)
+    assert first.name in rules
+    assert {p.name for p in result.problems} <= rules
+    assert {p.req_id for p in result.problems} == {req}
+    if name in BYTES:
+        # The oracle saw the wrong KV of that request, in the step of its load; the digest
+        # verdict names that load (its step, or the step whose output reported it).
+        hit = report.first_mismatch(req)
+        assert hit is not None and report.error is None
+        assert first.step in (hit[0], hit[0] + 1)
+    else:
+        _assert_api_step(name, report, first)
+
+
+def _assert_api_step(name: str, report: Any, problem: Any) -> None:
+    """The step of an API verdict, from what vLLM did: a lookup is recorded in the step vLLM
+    schedules; what vLLM reports after a step's forward pass (a finish, a transfer result) in
+    the step after it."""
+    if name == "vllm_55113":
+        # vLLM's scheduler asserted num_new_tokens > 0 in the very schedule() that asked.
+        assert report.error is not None and "AssertionError" in report.error
+        assert "scheduler.py" in report.error
+        assert problem.step == report.error_step
+        assert "external=64" in problem.detail and "num_tokens=64" in problem.detail
+    elif name == "vllm_51637":
+        # vLLM 0.33's scheduler asserted the request finished, freeing the blocks of x's
+        # second life for a finished_sending of its first one.
+        assert report.error is not None and "AssertionError" in report.error
+        assert problem.step == report.error_step + 1
+        assert "completion=finished_sending" in problem.detail
+        assert "request=running" in problem.detail and "earlier_life_finished=" in problem.detail
+    elif name == "vllm_50297":
+        assert report.error is None and report.preemptions == 1
+        (step,) = [s for r, s in report.finished_at if r == "b"]
+        assert problem.step == step + 1
+        assert "preempted=True" in problem.detail and "remote_block_ids" in problem.detail
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_the_clean_twin_checks_clean(zoo: Any, name: str) -> None:
+    """The same workload with the bug fixed: every computed token right, vLLM never asserts,
+    every block returned, and the log clean; where digests are on, every load verified."""
+    report = zoo(name, fixed=True)
+    assert report.error is None and report.leaks == ()
+    assert [m.describe() for _, m in report.mismatches] == []
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    digests = result.counts["digests"]
+    if name in BYTES:
+        assert digests["loaded"] > 0 and digests["verified"] == digests["loaded"]
+    faulty = zoo(name)
+    # The twin ran the shape's moment too: the same preemptions; for a byte fault the same
+    # loads accepted (the connector's answers are the same, only its bytes were wrong).
+    assert report.preemptions == faulty.preemptions
+    if name in BYTES:
+        loads = result.counts["recorded"]["loads"]
+        assert loads == _check(faulty.log_path).counts["recorded"]["loads"] > 0
+
+
+@pytest.mark.parametrize("name", sorted(BYTES))
+def test_without_digests_a_byte_fault_checks_clean(zoo: Any, name: str) -> None:
+    """What the digests add: the same faulty run recorded with digests off. The oracle still
+    sees the wrong KV; nothing in the log does."""
+    report = zoo(name, digests="off")
+    assert report.mismatches
+    assert _check(report.log_path).exit_code == 0
+
+
+def test_vllm_36752_trigger_checks_clean(zoo: Any) -> None:
+    """vLLM #36752 is vLLM's own prompt-token stats (a stale ``num_cached_tokens`` after a
+    preemption), which never reach the connector API. Its trigger, a preempted request
+    re-admitted with a larger external hit than its first admission, happens in vllm_52360's
+    clean twin ("b": 0 external tokens, then 64 after its preemption); vLLM 0.33, which
+    carries the fix, reports a computed-token count that covers the external tokens, and
+    ``readmission_cached_below_external`` holds."""
+    from replay.source import open_log
+    from tracker import events as ev
+
+    report = zoo("vllm_52360", fixed=True)
+    accepted = [
+        e.num_external
+        for frame in open_log(report.log_path).frames()
+        for e in frame.events
+        if isinstance(e, ev.Allocated) and e.req_id == "b"
+    ]
+    assert accepted[0] == 0 and max(accepted[1:]) > 0
+    assert _check(report.log_path).exit_code == 0
+
+
+# --- the committed example logs of docs/bug-zoo.md ------------------------------------------
+
+DATA = Path(__file__).parent / "data" / "zoo"
+
+
+@pytest.mark.parametrize("name", ["vllm_51637", "vllm_50297", "vllm_55113"])
+def test_the_docs_example_logs_are_what_the_zoo_records(zoo: Any, name: str) -> None:
+    """docs/bug-zoo.md runs ``kvledger check`` on logs kept in tests/data/zoo
+    (``python tests/data/make_zoo_logs.py`` writes them): a run now is judged the same."""
+
+    def verdict(path: str) -> list[tuple[str, str, int, str]]:
+        return [(p.name, p.req_id, p.step, p.detail) for p in _check(path).problems]
+
+    assert verdict(str(DATA / f"{name}.kvlog")) == verdict(zoo(name).log_path)
+
+
+# --- LMCache's own bugs, on its real releases --------------------------------------------------
+
+# version -> the zoo's LMCache workloads run against it (only recorded, digests sampled).
+LMCACHE = {
+    "0.3.9.post2": ["lmcache_1969"],
+    "0.3.10": ["lmcache_1969", "lmcache_mismatch"],
+    "0.4.2": ["lmcache_mismatch", "lmcache_2821"],
+    "0.5.6": ["lmcache_2821"],
+}
+
+
+@pytest.fixture(scope="module")
+def lmcache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every version's child process, two at a time (importing vLLM and LMCache is most of
+    their time); reports by version, then workload."""
+    from connector.testing.lmcache import run_version
+    from connector.testing.zoo import lmcache_shapes
+    from tests._lmcache import require_lmcache
+
+    require_lmcache(list(LMCACHE))
+
+    def run(version: str) -> dict[str, Any]:
+        logs = tmp_path_factory.mktemp(f"zoo-lmcache-{version}")
+        shapes = lmcache_shapes()
+        specs = [shapes[n] for n in LMCACHE[version]]
+        reports = run_version(version, specs, record_to=str(logs), bare=False)
+        return {n: reports[f"{shapes[n].name}+recorded"] for n in LMCACHE[version]}
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(LMCACHE, pool.map(run, LMCACHE), strict=True))
+
+
+def _error_step(report: Any) -> int:
+    match = re.match(r"step (\d+): ", report.error or "")
+    assert match is not None, report.error
+    return int(match.group(1))
+
+
+@pytest.mark.lmcache
+@pytest.mark.slow
+def test_lmcache_1969_resumed_request_never_reloads(lmcache: Any) -> None:
+    """0.3.9.post2: vLLM counts 34 tokens of req-1 as loaded on its resumption and the adapter
+    never loads them. Only the digests see it: the two full blocks vLLM accepted are unchanged
+    by the load. 0.3.10 (PR #2007) reloads them: clean, both verified."""
+    report = lmcache["0.3.9.post2"]["lmcache_1969"]
+    first_wrong = report.first_mismatch()
+    assert first_wrong is not None and first_wrong["req_id"] == "req-1"
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    assert [(p.name, p.req_id) for p in result.problems] == [("load_unchanged", "req-1")] * 2
+    assert result.problems[0].step in (first_wrong["step"], first_wrong["step"] + 1)
+    fixed = lmcache["0.3.10"]["lmcache_1969"]
+    assert fixed.clean
+    result = _check(fixed.log_path)
+    assert result.exit_code == 0
+    assert result.counts["digests"]["verified"] == result.counts["digests"]["loaded"] == 2
+
+
+@pytest.mark.lmcache
+@pytest.mark.slow
+def test_lmcache_mismatch_in_tokens_to_load(lmcache: Any) -> None:
+    """0.3.10: req-1 waits for blocks with 80 tokens in vLLM's prefix cache and 64 in LMCache;
+    re-asked, the lookup cache returns the raw 64, vLLM accepts them on top of its 80, and
+    LMCache's update_state_after_alloc asserts (the seed's "Mismatch in tokens to load",
+    LMCache #2158). ``check`` names the raise; the differential names the first answer that
+    kvledger would not give. 0.4.2 answers 0 every time: clean."""
+    report = lmcache["0.3.10"]["lmcache_mismatch"]
+    assert report.error is not None
+    assert "Mismatch in tokens to load: 64 vs 64 (tokens in lmcache) - 80 (tokens in vllm)" in (
+        report.error
+    )
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    (problem,) = result.problems
+    assert (problem.name, problem.req_id, problem.step) == (
+        "connector_raised",
+        "req-1",
+        _error_step(report),
+    )
+    assert "callback=update_state_after_alloc" in problem.detail
+    assert "Mismatch in tokens to load" in problem.detail
+    diff = [p for p in _check(report.log_path, differential=True).problems if p.kind != "violation"]
+    raw = [s for s, r, local, answer, _ in report.lookups if r == "req-1" and answer == 64]
+    assert (diff[0].req_id, diff[0].step) == ("req-1", raw[0])
+    assert "offered 64 external tokens, kvledger would offer 0" in diff[0].detail
+    fixed = lmcache["0.4.2"]["lmcache_mismatch"]
+    assert fixed.error is None and fixed.clean
+    assert _check(fixed.log_path).exit_code == 0
+    assert _check(fixed.log_path, differential=True).exit_code == 0
+
+
+@pytest.mark.lmcache
+@pytest.mark.slow
+def test_lmcache_2821_decode_kv_never_saved_under_async_scheduling(lmcache: Any) -> None:
+    """0.4.2 under async scheduling with decode saving on: the adapter slices a cached
+    request's new tokens from vLLM's num_computed_tokens, already advanced, so its tracker never
+    grows and no decode chunk is saved. No rule is broken (saving less only costs hits), so
+    ``check`` is clean; the differential, told that kvledger saves decode chunks too, names
+    req-1's first lookup after its preemption: 32 offered where 48 were computed and saveable.
+    0.5.6 (PR #2929) saves them and agrees."""
+    report = lmcache["0.4.2"]["lmcache_2821"]
+    assert report.error is None and report.clean
+    assert _check(report.log_path).exit_code == 0
+    result = _check(report.log_path, differential=True, save_decode_cache=True)
+    assert result.exit_code == 1
+    first = result.problems[0]
+    ((preempted_at, who),) = report.preemptions
+    assert (first.kind, first.req_id, first.step) == ("differential", who, preempted_at + 1)
+    assert "offered 32 external tokens, kvledger would offer 48" in first.detail
+    fixed = lmcache["0.5.6"]["lmcache_2821"]
+    assert fixed.clean
+    assert _check(fixed.log_path).exit_code == 0
+    assert _check(fixed.log_path, differential=True, save_decode_cache=True).exit_code == 0
