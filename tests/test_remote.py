@@ -36,23 +36,6 @@ def _store(url: str, **kw: object) -> RemoteStore:
 # --- configuration ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("url", "says"),
-    [
-        ("http://127.0.0.1:6379", "must start with redis://"),
-        ("redis://127.0.0.1:notaport", "bad port"),
-        ("redis://:secret@127.0.0.1:6379/zero", "database must be a number"),
-        ("redis://", "names no host"),
-        (6379, "must be a Redis URL string"),
-    ],
-)
-def test_a_bad_remote_url_is_a_startup_error_naming_the_key(url: object, says: str) -> None:
-    with pytest.raises(ConnectorConfigError, match="remote_url") as info:
-        ConnectorConfig.from_extra_config({"remote_url": url}, environ={})
-    assert says in str(info.value)
-    assert "secret" not in str(info.value)  # a password is never echoed
-
-
 @pytest.mark.parametrize("key", ["remote_timeout_ms", "remote_lookup_timeout_ms", "remote_ttl_s"])
 def test_a_bad_remote_bound_is_a_startup_error_naming_the_key(key: str) -> None:
     with pytest.raises(ConnectorConfigError, match=key):
