@@ -65,7 +65,7 @@ import torch
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
-from connector.remote import RemoteStore, RemoteUnavailable
+from connector.remote import REFUSED, UNAVAILABLE, RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
 from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
 from tracker.chunks import REMOTE_SLOT
@@ -123,7 +123,9 @@ class WorkerSide:
         self._to_upload: list[tuple[str, bytes, int]] = []
         if config.remote_url is not None:
             self.remote = RemoteStore.from_config(config, rank=rank, scheduler=False)
-            down = self.remote.check()  # bad credentials raise; a server down is served around
+            # A server that refuses the credentials or the database raises; one down is served
+            # around (the scheduler records the outage).
+            down = self.remote.check(startup=True)
             if down is not None:
                 _log.warning("kvledger.remote_unavailable", rank=rank, error=down)
         self.stats.update(remote_chunks_loaded=0, remote_chunks_saved=0)
@@ -252,7 +254,9 @@ class WorkerSide:
         )
 
     def _fetch_remote(self, loads: tuple[TransferPlan, ...]) -> None:
-        """Read every chunk this step loads from the remote store, in one round trip."""
+        """Read every chunk this step loads from the remote store, in one round trip. Whatever
+        the read raises fails every chunk of it, ``unavailable: <error>``: a load failure
+        vLLM recomputes, and an outage the scheduler records; never a raise into vLLM."""
         keys = list(
             dict.fromkeys(ch.key for load in loads for ch in load.chunks if ch.slot == REMOTE_SLOT)
         )
@@ -260,14 +264,20 @@ class WorkerSide:
             return
         _, pool = self._ready()
         if self.remote is None or not self.remote.available():
-            self._fetched = dict.fromkeys(keys, "unavailable")
+            self._fetched = dict.fromkeys(keys, UNAVAILABLE)
             return
+        got: list[memoryview | str]
         try:
             got = self.remote.get(keys, pool.slot_bytes)
-        except RemoteUnavailable as exc:
-            _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
-            got = ["unavailable"] * len(keys)
+        except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+            why = f"{UNAVAILABLE}: {self._remote_error(exc)}"
+            _log.warning("kvledger.remote_unavailable", rank=self.rank, error=why)
+            got = [why] * len(keys)
         self._fetched = dict(zip(keys, got, strict=True))
+
+    def _remote_error(self, exc: Exception) -> str:
+        assert self.remote is not None
+        return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
 
     def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
         """Fill one chunk from the bytes fetched from the remote store; a key gone, a short or
@@ -429,26 +439,32 @@ class WorkerSide:
         if not items or self.remote is None or self.pool is None:
             return
         pool = self.pool
-        by_req: dict[str, list[bytes]] = {}
-        for req_id, key, _ in items:
-            by_req.setdefault(req_id, []).append(key)
-        what, why = "saved", ""
+        results: list[str | None]
         if not self.remote.available():
-            what, why = "save_failed", "unavailable"
+            results = [UNAVAILABLE] * len(items)
         else:
             try:
-                self.remote.put([(key, _bytes_of(pool.slot(slot))) for _, key, slot in items])
-                self.stats["remote_chunks_saved"] += len(items)
-            except RemoteUnavailable as exc:
-                _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
-                what, why = "save_failed", "unavailable"
-            except Exception as exc:  # a server error (out of memory, say): these chunks only
-                _log.warning("kvledger.remote_save_failed", rank=self.rank, error=repr(exc))
-                what, why = "save_failed", type(exc).__name__
+                results = self.remote.put(
+                    [(key, _bytes_of(pool.slot(slot))) for _, key, slot in items]
+                )
+            except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+                down = f"{UNAVAILABLE}: {self._remote_error(exc)}"
+                _log.warning("kvledger.remote_unavailable", rank=self.rank, error=down)
+                results = [down] * len(items)
+        # (what, request, why) -> keys: a write the server refused fails alone.
+        outcomes: dict[tuple[str, str, str], list[bytes]] = {}
+        for (req_id, key, _), why in zip(items, results, strict=True):
+            what = "saved" if why is None else "save_failed"
+            outcomes.setdefault((what, req_id, why or ""), []).append(key)
+        self.stats["remote_chunks_saved"] += results.count(None)
+        for why in {w for w in results if w is not None and w.startswith(REFUSED)}:
+            _log.warning("kvledger.remote_save_failed", rank=self.rank, error=why)
         self._report = self._report.merged(
             WorkerReport(
                 rank=self.rank,
-                remote=tuple((what, r, tuple(keys), why) for r, keys in by_req.items()),
+                remote=tuple(
+                    (what, r, tuple(keys), why) for (what, r, why), keys in outcomes.items()
+                ),
             )
         )
 

@@ -244,3 +244,44 @@ def test_an_outage_mid_run_is_survived_recorded_once_and_sharing_resumes(
     _assert_clean(third)
     assert sum(_remote_tokens(_events(third.log_path)).values()) > 0
     _check_clean(third.log_path)
+
+
+# Each wrong type Redis has, written under a key the way another program would.
+_WRONG_TYPES: tuple[Callable[[Any, bytes], Any], ...] = (
+    lambda raw, name: raw.rpush(name, b"a", b"b"),
+    lambda raw, name: raw.hset(name, b"field", b"value"),
+    lambda raw, name: raw.sadd(name, b"member"),
+    lambda raw, name: raw.zadd(name, {b"member": 1.0}),
+    lambda raw, name: raw.xadd(name, {b"field": b"value"}),
+)
+
+
+def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Every chunk key replaced by a list, hash, set, sorted set or stream: each GET is a
+    WRONGTYPE error reply. A load failure for that chunk, recorded and recomputed; never a
+    raise into vLLM, never an outage; the recomputed chunk's write replaces the key."""
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    raw = redis_server.client()
+    names = sorted(raw.keys(b"kvledger:*"))
+    assert len(names) >= 4
+    values = {name: raw.get(name) for name in names}
+    for i, name in enumerate(names):
+        raw.delete(name)
+        _WRONG_TYPES[i % len(_WRONG_TYPES)](raw, name)
+    report = _run(redis_server.url, tmp_path / "b")
+    _assert_clean(report)  # every request finished, the oracle held at every step
+    assert report.load_errors > 0
+    events = _events(report.log_path)
+    failed = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
+    assert failed
+    for e in failed:
+        assert e.reason.startswith("refused: ResponseError: WRONGTYPE"), e.reason
+    assert not [e for e in events if isinstance(e, ev.RemoteOutage)]  # the server stayed up
+    _check_clean(report.log_path)
+    # The recomputed chunks were written again: RENAME replaced the wrong-type keys with the
+    # very bytes the first replica wrote (the same tokens, the same KV).
+    healed = [name for name in names if raw.type(name) == b"string"]
+    assert healed
+    assert all(raw.get(name) == values[name] for name in healed)
