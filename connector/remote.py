@@ -163,9 +163,75 @@ def _refused(exc: BaseException) -> str | None:
     return None
 
 
-def _client(url: str, timeout_s: float) -> Any:
+class _Deadline:
+    """When the current exchange must be over (``time.monotonic()``); None: no bound."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+
+class _BoundedSocket:
+    """A connection's socket whose every read and write ends by the exchange's deadline, so
+    that the whole exchange is bounded, not each read: a server that answers each of a
+    lookup's replies (or the handshake's) just under the timeout, or drips them a byte at a
+    time, cannot hold vLLM's scheduler thread past the lookup's bound. Past it, a read raises
+    ``socket.timeout``, which redis-py turns into its ``TimeoutError``."""
+
+    def __init__(self, sock: Any, deadline: _Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout: float | None = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _bound(self) -> None:
+        at = self._deadline.at
+        if at is None:
+            return
+        left = at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the exchange's time is spent")  # socket.timeout
+        timeout = self._timeout
+        self._sock.settimeout(left if timeout is None or timeout > left else timeout)
+
+    def recv(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv_into(*args)
+
+    def sendall(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _bounded(connection_class: Any, deadline: _Deadline) -> Any:
+    """``connection_class`` whose sockets are ``_BoundedSocket``s of ``deadline``."""
+
+    class Bounded(connection_class):  # type: ignore[misc]
+        def _connect(self) -> Any:
+            return _BoundedSocket(super()._connect(), deadline)
+
+    Bounded.__name__ = Bounded.__qualname__ = f"Bounded{connection_class.__name__}"
+    return Bounded
+
+
+def _client(url: str, timeout_s: float, deadline: _Deadline | None) -> Any:
     """A ``redis.Redis`` for a checked URL, parsed by redis-py's own ``parse_url``, with the
-    tier's bounds set last so that nothing in the URL overrides them."""
+    tier's bounds set last so that nothing in the URL overrides them; with ``deadline``,
+    every exchange also ends by it (``_BoundedSocket``)."""
     check_remote_url(url)  # also when the URL did not come through ConnectorConfig
     try:
         import redis
@@ -190,6 +256,9 @@ def _client(url: str, timeout_s: float) -> Any:
         # RESP2 with every redis-py (8 defaults to RESP3): any server, no HELLO handshake.
         protocol=2,
     )
+    if deadline is not None:
+        base = kwargs.get("connection_class", redis.Connection)
+        kwargs["connection_class"] = _bounded(base, deadline)
     try:
         return redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
     except Exception as exc:
@@ -259,9 +328,10 @@ def decode_value(value: bytes | None, expected_len: int) -> memoryview | str:
 
 
 class RemoteStore:
-    """One client of the server, with its bounds: ``timeout_s`` for every command (connect
-    included), and a back-off after a failure during which nothing is sent. Its commands
-    raise ``RemoteUnavailable`` and nothing else."""
+    """One client of the server, with its bounds: ``timeout_s`` for every read, write and
+    connect; with ``bounded``, for each whole exchange too (the scheduler's lookups and probes,
+    handshake included); and a back-off after a failure during which nothing is sent. Its
+    commands raise ``RemoteUnavailable`` and nothing else."""
 
     def __init__(
         self,
@@ -271,6 +341,7 @@ class RemoteStore:
         retry_s: float,
         ttl_s: int = 0,
         rank: int = 0,
+        bounded: bool = False,
         client: Any = None,
     ) -> None:
         self.url = url
@@ -280,7 +351,9 @@ class RemoteStore:
         self._backoff = retry_s
         self._next_try = 0.0
         self._secrets = _secrets(url)
-        self.client = _client(url, timeout_s) if client is None else client
+        self._total_s = timeout_s
+        self._deadline = _Deadline() if bounded else None
+        self.client = _client(url, timeout_s, self._deadline) if client is None else client
 
     def __repr__(self) -> str:
         return f"RemoteStore({redacted(self.url)}, rank={self.rank})"
@@ -295,6 +368,8 @@ class RemoteStore:
             retry_s=config.remote_retry_ms / 1000,
             ttl_s=config.remote_ttl_s,
             rank=rank,
+            # On vLLM's scheduler thread the lookup's bound holds for the whole exchange.
+            bounded=scheduler,
         )
 
     # --- availability ----------------------------------------------------------------------
@@ -315,10 +390,12 @@ class RemoteStore:
         """``Type: message`` of ``exc`` with this URL's credentials scrubbed."""
         return describe(exc, self._secrets)
 
-    def _call(self, fn: Callable[[], Any]) -> Any:
+    def _call(self, fn: Callable[[], Any], *, whole: bool = True) -> Any:
         """Run one exchange with the server: anything it raises is ``RemoteUnavailable``,
         the connections are dropped (a reply stream read halfway must not serve the next
-        command) and the store backs off."""
+        command) and the store backs off. A bounded store ends it by its bound (``whole``)."""
+        if self._deadline is not None and whole:
+            self._deadline.at = time.monotonic() + self._total_s
         try:
             result = fn()
         except Exception as exc:
@@ -326,20 +403,24 @@ class RemoteStore:
             with contextlib.suppress(Exception):
                 self.client.connection_pool.disconnect()
             raise RemoteUnavailable(self.describe(exc), refused=_refused(exc)) from None
+        finally:
+            if self._deadline is not None:
+                self._deadline.at = None
         self._ok()
         return result
 
     def check(self, *, startup: bool = False) -> str | None:
         """One ``PING``: None if the server answers, else why not. At ``startup``, a server
         that answers but refuses the credentials or the database (``/99999`` on a server
-        with 16) raises ``ConnectorConfigError`` naming ``remote_url``."""
+        with 16) raises ``ConnectorConfigError`` naming ``remote_url``; and the exchange,
+        the first handshake, is bounded read by read only (engine startup is not a step)."""
 
         def ping() -> None:
             if self.client.ping() is not True:
                 raise UnexpectedReply("PING did not answer PONG")
 
         try:
-            self._call(ping)
+            self._call(ping, whole=not startup)
         except RemoteUnavailable as exc:
             if startup and exc.refused:
                 raise ConnectorConfigError(

@@ -30,6 +30,7 @@ import pytest
 
 __all__ = [
     "CODES",
+    "DRIP_S",
     "ERRORS",
     "FAULTS",
     "RedisServer",
@@ -153,8 +154,11 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 # - slow: the right reply, after longer than any client's timeout here;
 # - error: an error reply (ERRORS: the one a real server would give that command, or CODES);
 # - shape: valid RESP of a type the command never returns (an array).
+# And drip (not in FAULTS: a worker's reads are bounded one by one, not as a whole): the right
+# reply, a byte at a time, each a little later.
 FAULTS = ("garbage", "truncated", "slow", "error", "shape")
 SLOW_S = 1.5
+DRIP_S = 0.06
 # A real server's error reply to each command, of the kind that command can meet.
 ERRORS = {
     "AUTH": b"-WRONGPASS invalid username-password pair or user is disabled.",
@@ -270,6 +274,10 @@ class StandIn:
             conn.sendall((self.error or ERRORS.get(name, b"-ERR injected")) + b"\r\n")
         elif fault == "shape":
             conn.sendall(b"*2\r\n:1\r\n$1\r\nx\r\n")
+        elif fault == "drip":
+            for i in range(len(reply)):
+                time.sleep(DRIP_S)
+                conn.sendall(reply[i : i + 1])
         else:
             conn.sendall(reply)
         return True

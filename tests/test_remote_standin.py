@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _redis import CODES, ERRORS, FAULTS, StandIn, standin
+from _redis import CODES, DRIP_S, ERRORS, FAULTS, StandIn, standin
 
 from connector.remote import TIER_COMMANDS, RemoteStore, RemoteUnavailable
 from tracker import events as ev
@@ -215,6 +215,33 @@ def test_any_exception_redis_py_raises_is_reported_never_raised(
     assert all(exc_class.__name__ in text for text in outcomes), outcomes
     monkeypatch.undo()
     _assert_answers_right(store)
+
+
+@pytest.mark.parametrize("command", ["AUTH", "CLIENT", "SELECT", "PING", "EXISTS"])
+def test_a_lookup_is_bounded_as_a_whole_not_read_by_read(standin: StandIn, command: str) -> None:
+    """The scheduler's exchanges (a lookup, a probe, the handshake of either) end by the
+    lookup's bound however the server spreads its replies: each byte of them in time for the
+    socket's timeout, but all of them not. A worker's store, bounded read by read, waits."""
+    scheduler = RemoteStore(standin.url("/1", QUERY), timeout_s=0.2, retry_s=0.001, bounded=True)
+    worker = _store(standin)
+    assert scheduler.check(startup=True) is None and worker.check(startup=True) is None
+    assert worker.put([(k, memoryview(PAYLOAD)) for k in KEYS]) == [None] * len(KEYS)
+    standin.fail(command, "drip")  # every reply byte DRIP_S apart: each read in time
+    assert DRIP_S < 0.2
+    outcomes: list[str] = []
+    for op in (scheduler.check, lambda: scheduler.exists(KEYS)):
+        while not scheduler.available():
+            time.sleep(0.001)
+        try:
+            result = op()
+        except RemoteUnavailable as exc:
+            outcomes.append(str(exc))
+        else:
+            outcomes.append(str(result))  # check() says why not
+    assert any("TimeoutError" in text for text in outcomes), outcomes
+    assert worker.check() is None and worker.exists(KEYS) == [1, 1, 1]  # slowly, but read
+    standin.fail(None)
+    _assert_answers_right(scheduler)
 
 
 # --- under vLLM's real scheduler -------------------------------------------------------------------
