@@ -243,6 +243,7 @@ class WorkerSide:
                 self._step_load_errors.update(bad)
             else:
                 done.append(load.req_id)
+        self._report_unusable(plan.loads)
         self._read_remote.update(
             (k, None) for k, got in self._fetched.items() if type(got) is not str
         )
@@ -279,17 +280,32 @@ class WorkerSide:
         assert self.remote is not None
         return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
 
-    def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
-        """Fill one chunk from the bytes fetched from the remote store; a key gone, a short or
-        corrupt value is reported (the tracker forgets the key) and fails the load."""
-        backend, pool = self._ready()
-        payload = self._fetched.get(chunk.key, "unavailable")
-        if isinstance(payload, str):
-            self._report = self._report.merged(
-                WorkerReport(
-                    rank=self.rank, remote=(("load_failed", load.req_id, (chunk.key,), payload),)
-                )
+    def _report_unusable(self, loads: tuple[TransferPlan, ...]) -> None:
+        """Every chunk this step read from the remote store and could not use (a key gone, a
+        short, corrupt or refused value, the server down), each once, under the first load
+        that needed it: the tracker forgets them all, not only the first of each load (a
+        failed load stops at its first bad chunk)."""
+        seen: set[bytes] = set()
+        unusable: dict[tuple[str, str], list[bytes]] = {}  # (request, why) -> keys
+        for load in loads:
+            for chunk in load.chunks:
+                why = self._fetched.get(chunk.key)
+                if chunk.slot == REMOTE_SLOT and isinstance(why, str) and chunk.key not in seen:
+                    seen.add(chunk.key)
+                    unusable.setdefault((load.req_id, why), []).append(chunk.key)
+        if unusable:
+            entries = tuple(
+                ("load_failed", req_id, tuple(keys), why)
+                for (req_id, why), keys in unusable.items()
             )
+            self._report = self._report.merged(WorkerReport(rank=self.rank, remote=entries))
+
+    def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Fill one chunk from the bytes fetched from the remote store; a key gone, a short,
+        corrupt or refused value fails the load (``_report_unusable`` reports it)."""
+        backend, pool = self._ready()
+        payload = self._fetched.get(chunk.key, UNAVAILABLE)
+        if isinstance(payload, str):
             raise OSError(f"remote chunk {chunk.key.hex()}: {payload}")
         with warnings.catch_warnings():  # read-only bytes from the client: only read here
             warnings.simplefilter("ignore", UserWarning)
