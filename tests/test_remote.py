@@ -221,3 +221,37 @@ def test_a_load_plan_names_remote_chunks_by_the_remote_slot() -> None:
     )
     load = next(d for d in decisions if isinstance(d, ev.LoadPlanned))
     assert (load.start, load.end, load.slots) == (0, 96, (REMOTE_SLOT,) * 3)
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_an_outage_between_a_lookup_and_its_load_plan_is_no_broken_rule(restored: bool) -> None:
+    """Another request's lookup times out after this one counted remote chunks, in the same
+    step (and the probe may even see the server back before the step's plans): the load is
+    still planned from the server, whose read then fails or not; no lookup after the outage
+    offers what the server held before it."""
+    t = _tracker()
+    prompt = list(range(100, 200))
+    t.add_request("a", prompt)
+    keys = t.state("a").keys[:3]  # type: ignore[union-attr]
+    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
+    assert t.lookup("a", 0, prompt) == 96
+    t.allocated("a", tuple(range(1, 8)), 96)
+    t.apply(ev.RemoteOutage(t.step, "", "TimeoutError: Timeout reading from socket"))
+    if restored:
+        t.apply(ev.RemoteRestored(t.step, ""))
+    t.add_request("b", prompt)
+    assert t.lookup("b", 0, prompt) == 0  # nothing is offered from before the outage
+    decisions = t.scheduled(
+        "a",
+        num_computed=96,
+        num_scheduled=4,
+        block_ids=tuple(range(1, 8)),
+        admission=ev.Admission.NEW,
+        all_token_ids=prompt,
+    )
+    load = next(d for d in decisions if isinstance(d, ev.LoadPlanned))
+    assert (load.start, load.end, load.slots) == (0, 96, (REMOTE_SLOT,) * 3)
+    assert t.violations == []
+    # A key a load then found gone is not loadable any more.
+    t.apply(ev.RemoteLoadFailed(t.step, "a", (keys[0],), "unavailable"))
+    assert not t.index.remote.loadable(keys[0]) and t.index.remote.loadable(keys[1])

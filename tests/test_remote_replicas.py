@@ -283,6 +283,16 @@ def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
     assert failed
     for e in failed:
         assert e.reason.startswith("refused: ResponseError: WRONGTYPE"), e.reason
+    # Every wrong-type chunk a failed load read is recorded, not only the first of the load.
+    refused = {k for e in failed for k in e.keys}
+    planned: dict[str, set[bytes]] = {}
+    for e in events:
+        if isinstance(e, ev.LoadPlanned):
+            planned[e.req_id] = {
+                k for k, slot in zip(e.keys, e.slots, strict=True) if slot == REMOTE_SLOT
+            }
+        elif isinstance(e, ev.LoadFailed):
+            assert planned.get(e.req_id, set()) <= refused, e.req_id
     assert not [e for e in events if isinstance(e, ev.RemoteOutage)]  # the server stayed up
     _check_clean(report.log_path)
     # The recomputed chunks were written again: RENAME replaced the wrong-type keys with the
@@ -290,3 +300,37 @@ def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
     healed = [name for name in names if raw.type(name) == b"string"]
     assert healed
     assert all(raw.get(name) == values[name] for name in healed)
+
+
+@pytest.mark.parametrize("method", ["exists", "get", "put"])
+def test_an_unforeseen_exception_in_the_tier_is_an_outage_never_a_raise(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+) -> None:
+    """Whatever the store itself raises (a bug, say), the connector's boundary catches: the
+    lookup is a miss, the load is recomputed, the save fails; an outage is recorded naming
+    it; nothing reaches vLLM, not even as an adapter error."""
+    from connector.remote import RemoteStore
+
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    real = getattr(RemoteStore, method)
+    calls: list[int] = []
+
+    def broken(self: RemoteStore, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError(f"unforeseen in {method}")
+        return real(self, *args)
+
+    if method == "put":
+        redis_server.client().flushall()  # nothing to find: the second replica writes
+    monkeypatch.setattr(RemoteStore, method, broken)
+    report = _run(redis_server.url, tmp_path / "b", extra={"remote_lookup_timeout_ms": 2000})
+    _assert_clean(report)
+    assert calls
+    events = _events(report.log_path)
+    errors = [e.error for e in events if isinstance(e, ev.RemoteOutage)]
+    assert any(f"RuntimeError: unforeseen in {method}" in text for text in errors), errors
+    _check_clean(report.log_path)

@@ -143,7 +143,7 @@ def plan_load(
         else:  # the hit ends in a partial chunk saved at the end of a prefill
             key = _tail_key(state, config, state.lookup.hit)
         slot = index.slot_of(key)
-        if slot is None and key in index.remote:
+        if slot is None and index.remote.loadable(key):
             slot = REMOTE_SLOT  # the worker reads it from the remote store
         if slot is None:
             return refuse("load_chunks_present", chunk=chunk)
