@@ -203,14 +203,18 @@ def test_a_lookup_counts_only_what_the_store_was_seen_holding() -> None:
     assert t.lookup("a", 0, prompt) == 96
 
 
-def test_a_load_plan_names_remote_chunks_by_the_remote_slot() -> None:
-    t = _tracker()
-    prompt = list(range(100, 200))
+def _counted_remote(t: Tracker, prompt: list[int]) -> list[bytes]:
+    """Request "a": a lookup that counts its 3 full chunks from the server, then allocated."""
     t.add_request("a", prompt)
     keys = t.state("a").keys[:3]  # type: ignore[union-attr]
     t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
     assert t.lookup("a", 0, prompt) == 96
     t.allocated("a", tuple(range(1, 8)), 96)
+    return keys
+
+
+def _load_plan(t: Tracker, prompt: list[int]) -> ev.LoadPlanned:
+    """Request "a" admitted at 96 computed tokens: its load plan."""
     decisions = t.scheduled(
         "a",
         num_computed=96,
@@ -219,7 +223,14 @@ def test_a_load_plan_names_remote_chunks_by_the_remote_slot() -> None:
         admission=ev.Admission.NEW,
         all_token_ids=prompt,
     )
-    load = next(d for d in decisions if isinstance(d, ev.LoadPlanned))
+    return next(d for d in decisions if isinstance(d, ev.LoadPlanned))
+
+
+def test_a_load_plan_names_remote_chunks_by_the_remote_slot() -> None:
+    t = _tracker()
+    prompt = list(range(100, 200))
+    _counted_remote(t, prompt)
+    load = _load_plan(t, prompt)
     assert (load.start, load.end, load.slots) == (0, 96, (REMOTE_SLOT,) * 3)
 
 
@@ -231,25 +242,13 @@ def test_an_outage_between_a_lookup_and_its_load_plan_is_no_broken_rule(restored
     offers what the server held before it."""
     t = _tracker()
     prompt = list(range(100, 200))
-    t.add_request("a", prompt)
-    keys = t.state("a").keys[:3]  # type: ignore[union-attr]
-    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
-    assert t.lookup("a", 0, prompt) == 96
-    t.allocated("a", tuple(range(1, 8)), 96)
+    keys = _counted_remote(t, prompt)
     t.apply(ev.RemoteOutage(t.step, "", "TimeoutError: Timeout reading from socket"))
     if restored:
         t.apply(ev.RemoteRestored(t.step, ""))
     t.add_request("b", prompt)
     assert t.lookup("b", 0, prompt) == 0  # nothing is offered from before the outage
-    decisions = t.scheduled(
-        "a",
-        num_computed=96,
-        num_scheduled=4,
-        block_ids=tuple(range(1, 8)),
-        admission=ev.Admission.NEW,
-        all_token_ids=prompt,
-    )
-    load = next(d for d in decisions if isinstance(d, ev.LoadPlanned))
+    load = _load_plan(t, prompt)
     assert (load.start, load.end, load.slots) == (0, 96, (REMOTE_SLOT,) * 3)
     assert t.violations == []
     # A key a load then found gone is not loadable any more.

@@ -65,15 +65,10 @@ def _expected(command: str, fault: str, error: bytes | None) -> tuple[str, ...]:
     }[fault]
 
 
-def _exercise(store: RemoteStore, outcomes: list[str]) -> None:
-    """Every operation of the tier once, each after the store's back-off: what each says
-    went wrong goes to ``outcomes``. Nothing but ``RemoteUnavailable`` may be raised."""
-    ops: list[Callable[[], Any]] = [
-        store.check,
-        lambda: store.exists(KEYS),
-        lambda: store.get(KEYS, len(PAYLOAD)),
-        lambda: store.put([(k, memoryview(PAYLOAD)) for k in KEYS]),
-    ]
+def _run_ops(store: RemoteStore, ops: list[Callable[[], Any]], outcomes: list[str]) -> None:
+    """Each operation, after the store's back-off: what each says went wrong (what it
+    raised, ``check``'s why-not, a chunk's reason) goes to ``outcomes``. Nothing but
+    ``RemoteUnavailable`` may be raised."""
     for op in ops:
         while not store.available():
             time.sleep(0.001)
@@ -86,6 +81,17 @@ def _exercise(store: RemoteStore, outcomes: list[str]) -> None:
             outcomes.append(result)
         elif isinstance(result, list):
             outcomes.extend(r for r in result if isinstance(r, str))
+
+
+def _exercise(store: RemoteStore, outcomes: list[str]) -> None:
+    """Every operation of the tier once (``_run_ops``)."""
+    ops: list[Callable[[], Any]] = [
+        store.check,
+        lambda: store.exists(KEYS),
+        lambda: store.get(KEYS, len(PAYLOAD)),
+        lambda: store.put([(k, memoryview(PAYLOAD)) for k in KEYS]),
+    ]
+    _run_ops(store, ops, outcomes)
 
 
 def _assert_answers_right(store: RemoteStore) -> None:
@@ -229,15 +235,7 @@ def test_a_lookup_is_bounded_as_a_whole_not_read_by_read(standin: StandIn, comma
     standin.fail(command, "drip")  # every reply byte DRIP_S apart: each read in time
     assert DRIP_S < 0.2
     outcomes: list[str] = []
-    for op in (scheduler.check, lambda: scheduler.exists(KEYS)):
-        while not scheduler.available():
-            time.sleep(0.001)
-        try:
-            result = op()
-        except RemoteUnavailable as exc:
-            outcomes.append(str(exc))
-        else:
-            outcomes.append(str(result))  # check() says why not
+    _run_ops(scheduler, [scheduler.check, lambda: scheduler.exists(KEYS)], outcomes)
     assert any("TimeoutError" in text for text in outcomes), outcomes
     assert worker.check() is None and worker.exists(KEYS) == [1, 1, 1]  # slowly, but read
     standin.fail(None)
