@@ -51,7 +51,7 @@ def _pos_int(name: str, value: Any) -> int:
 # --- remote_url ------------------------------------------------------------------------------
 # Checked here without importing redis (this module stays light); connector/remote.py then
 # hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
-# reads the same way and what cannot loosen the tier's bounds: docs/remote.md#settings.
+# reads the same way and what cannot loosen the tier's bounds: docs/remote.md#remote_url.
 
 # The query options remote_url accepts; every other one is refused by name.
 REMOTE_URL_OPTIONS = ("client_name", "db")

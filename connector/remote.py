@@ -40,6 +40,12 @@ scrubbed from it, its length bounded. Two kinds (docs/remote.md, "What each erro
 
 A server that answers but refuses the credentials or the database at startup is
 ``ConnectorConfigError`` naming ``remote_url``; later it is an outage like any other.
+
+Bounds: every read, write and connect by ``timeout_s``; on vLLM's scheduler thread, each
+whole exchange too (``bounded``: its sockets are ``_BoundedSocket``s), so that no server,
+however it spreads its replies, holds a lookup past its bound. None of them can be set from
+the URL: redis-py is given the URL's host, port, database, credentials and client name, and
+the bounds after them.
 """
 
 from __future__ import annotations
@@ -156,7 +162,8 @@ def _refused(exc: BaseException) -> str | None:
         from redis import exceptions as rx
     except ImportError:  # pragma: no cover - a client given without redis-py
         return None
-    if isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)):
+    authorization = getattr(rx, "AuthorizationError", rx.AuthenticationError)  # redis-py 6+
+    if isinstance(exc, (rx.AuthenticationError, authorization, rx.NoPermissionError)):
         return "the credentials"
     if type(exc) is rx.ResponseError and getattr(exc, "status_code", "ERR") == "ERR":
         return "the connection"
