@@ -8,15 +8,23 @@ with defaults.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote_plus, urlsplit
 
 import attrs
 
 from tracker.digests import DIGEST_MODES
 
-__all__ = ["ENV_LOG_DIR", "ConnectorConfig", "ConnectorConfigError"]
+__all__ = [
+    "ENV_LOG_DIR",
+    "REMOTE_URL_OPTIONS",
+    "ConnectorConfig",
+    "ConnectorConfigError",
+    "check_remote_url",
+    "redacted",
+]
 
 # Turns the event log on without touching the serving command line.
 ENV_LOG_DIR = "KVLEDGER_LOG_DIR"
@@ -40,31 +48,164 @@ def _pos_int(name: str, value: Any) -> int:
     return value
 
 
-def _redis_url(value: Any) -> str:
-    """A Redis URL redis-py accepts, checked without importing it (the password is never
-    echoed back)."""
-    if not isinstance(value, str) or not value:
-        raise ConnectorConfigError(f"remote_url must be a Redis URL string, got {value!r}")
-    parts = urlsplit(value)
-    shown = value if parts.password is None else value.replace(parts.password, "***")
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConnectorConfigError(
-            f"remote_url must start with redis://, rediss:// or unix://, got {shown!r}"
+# --- remote_url ------------------------------------------------------------------------------
+# Checked here without importing redis (this module stays light); connector/remote.py then
+# hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
+# reads the same way and what cannot loosen the tier's bounds: docs/remote.md#remote_url.
+
+# The query options remote_url accepts; every other one is refused by name.
+REMOTE_URL_OPTIONS = ("client_name", "db")
+_SCHEMES = ("redis", "rediss", "unix")
+# redis-py options that would loosen a bound the tier relies on (the lookup's 50 ms on vLLM's
+# scheduler thread, the workers' command timeout, no retries inside the client).
+_BOUND_OPTIONS = frozenset(
+    {
+        "health_check_interval",
+        "max_connections",
+        "retry",
+        "retry_on_error",
+        "retry_on_timeout",
+        "socket_connect_timeout",
+        "socket_keepalive",
+        "socket_keepalive_options",
+        "socket_read_size",
+        "socket_timeout",
+        "timeout",
+    }
+)
+_OPTION_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,39}")
+_CLIENT_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_DB = re.compile(r"[0-9]{1,10}")
+_HOST = re.compile(r"[A-Za-z0-9._-]{1,253}")
+_IPV6 = re.compile(r"[0-9A-Fa-f:.]{2,45}")
+_MAX_DB = 2**31 - 1  # Redis's `databases` is an int; the server says how many it has
+_SHOWN = 200
+
+
+def redacted(url: str) -> str:
+    """``url`` fit for an error or a log line: everything before its last ``@`` (the userinfo,
+    with whatever it holds), every query value and the fragment masked. Masked by position in
+    the raw text, so a URL too malformed to parse (an unencoded ``/``, ``?`` or ``#`` in a
+    password, say) is masked the same; repr-escaped and bounded in length."""
+    head, sep, rest = url.partition("://")
+    if not sep:
+        head, rest = "", url
+    at = rest.rfind("@")
+    if at >= 0:
+        rest = "***@" + rest[at + 1 :]
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=len(rest))
+    tail = rest[cut:]
+    rest = rest[:cut]
+    if tail.startswith("?"):
+        query = tail[1:].partition("#")[0]
+        fields = []
+        for field in query.split("&"):
+            name, eq, _ = field.partition("=")
+            shown = name if _OPTION_NAME.fullmatch(name) else "***"
+            fields.append(f"{shown}=***" if eq else shown)
+        rest += "?" + "&".join(fields) + ("#***" if "#" in tail else "")
+    elif tail:
+        rest += "#***"
+    shown = repr(head + sep + rest)
+    return shown if len(shown) <= _SHOWN else shown[: _SHOWN - 4] + "...'"
+
+
+def _option(name: str, value: str, url: str) -> str | int:
+    """One query option's value, checked."""
+    if name == "db":
+        if not _DB.fullmatch(value) or int(value) > _MAX_DB:
+            raise _url_error(f"has a bad db option (a number from 0 to {_MAX_DB})", url)
+        return int(value)
+    if not _CLIENT_NAME.fullmatch(value):
+        raise _url_error("has a bad client_name (1 to 64 letters, digits or . _ : -)", url)
+    return value
+
+
+def _url_error(why: str, url: str) -> ConnectorConfigError:
+    return ConnectorConfigError(f"remote_url {why}: {redacted(url)}")
+
+
+def _refused_option(name: str) -> str:
+    accepted = ", ".join(REMOTE_URL_OPTIONS)
+    if name in ("password", "username"):
+        hint = (
+            "credentials go in the URL's userinfo, redis://[user]:PASSWORD@host:port/db, "
+            "with any of : / ? # @ % in them percent-encoded"
         )
+    elif name in _BOUND_OPTIONS:
+        hint = (
+            "the tier's bounds are remote_timeout_ms, remote_lookup_timeout_ms and "
+            "remote_retry_ms, never the URL's"
+        )
+    else:
+        hint = f"accepted: {accepted}"
+    return f"query option {name!r} is not accepted ({hint})"
+
+
+def check_remote_url(value: Any) -> str:
+    """``value`` if it is a Redis URL the remote tier accepts, else ``ConnectorConfigError``
+    naming ``remote_url`` and what is wrong, with the URL shown ``redacted``: no password, no
+    query value. Accepted: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` the
+    same, ``unix://[[user]:password@]/path/to/socket``; query options ``REMOTE_URL_OPTIONS``
+    only (``db``, for a socket; ``client_name``)."""
+    if not isinstance(value, str) or not value:
+        got = repr(value) if isinstance(value, str) else type(value).__name__
+        raise ConnectorConfigError(f"remote_url must be a Redis URL string, got {got}")
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise _url_error("has a space or a control character (percent-encode it)", value)
+    scheme, sep, _ = value.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        case = " (in lower case)" if scheme.lower() in _SCHEMES else ""
+        raise _url_error(f"must start with redis://, rediss:// or unix://{case}", value)
+    try:
+        parts = urlsplit(value)
+    except ValueError:  # an unclosed [ of an IPv6 host; characters NFKC folds into / ? # @
+        raise _url_error("is not a URL (a bad [IPv6] host?)", value) from None
+    if "@" in parts.path + parts.query + parts.fragment:
+        raise _url_error(
+            "has an @ after its host: percent-encode / ? # @ in a password (%2F %3F %23 %40)",
+            value,
+        )
+    if parts.fragment or value.endswith("#"):
+        raise _url_error("has a fragment (#...): percent-encode # in a password as %23", value)
     try:
         port = parts.port
     except ValueError:
-        raise ConnectorConfigError(f"remote_url has a bad port: {shown!r}") from None
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ConnectorConfigError(f"remote_url names no socket path: {shown!r}")
-    elif not parts.hostname:
-        raise ConnectorConfigError(f"remote_url names no host: {shown!r}")
-    db = parts.path.lstrip("/") if parts.scheme != "unix" else ""
-    if db and not db.isdigit():
-        raise ConnectorConfigError(
-            f"remote_url's database must be a number (redis://host:{port or 6379}/0), got {shown!r}"
-        )
+        raise _url_error("has a bad port (a number from 1 to 65535)", value) from None
+    options: dict[str, str | int] = {}
+    for field in parts.query.split("&") if parts.query else ():
+        raw_name, eq, raw_value = field.partition("=")
+        name = unquote_plus(raw_name)
+        if not _OPTION_NAME.fullmatch(name):
+            raise _url_error("has a query option that is not a name", value)
+        if name not in REMOTE_URL_OPTIONS:
+            raise _url_error(_refused_option(name), value)
+        if not eq:
+            raise _url_error(f"gives query option {name!r} no value", value)
+        if name in options:
+            raise _url_error(f"gives query option {name!r} twice", value)
+        options[name] = _option(name, unquote_plus(raw_value), value)
+    host = parts.hostname or ""
+    if scheme == "unix":
+        if host or port is not None:
+            raise _url_error("names a host: a socket is unix:///path/to/redis.sock", value)
+        if parts.path in ("", "/"):
+            raise _url_error("names no socket path (unix:///path/to/redis.sock)", value)
+        return value
+    if not host:
+        raise _url_error("names no host (redis://host:6379/0)", value)
+    if not (_HOST.fullmatch(host) or ("[" in parts.netloc and _IPV6.fullmatch(host))):
+        raise _url_error("has a bad host name", value)
+    if port == 0:
+        raise _url_error("has a bad port (a number from 1 to 65535)", value)
+    if parts.path not in ("", "/"):
+        db = parts.path[1:]
+        if not _DB.fullmatch(db) or int(db) > _MAX_DB:
+            raise _url_error(
+                f"has a bad database (a number from 0 to {_MAX_DB}: redis://host:6379/0)", value
+            )
+        if "db" in options:
+            raise _url_error("gives the database twice (the path /N and ?db=)", value)
     return value
 
 
@@ -93,7 +234,9 @@ class ConnectorConfig:
     strict: bool = False
     # The remote chunk tier (connector/remote.py, docs/remote.md): a Redis URL
     # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://); None: no remote tier.
-    remote_url: str | None = None
+    remote_url: str | None = attrs.field(
+        default=None, repr=lambda url: "None" if url is None else redacted(url)
+    )
     # Bounds: every command of the worker's client; every lookup on the scheduler thread (a
     # lookup that waits longer counts the server as down); the first back-off after a failure
     # (doubling, at most 30 s); a chunk larger than remote_max_chunk_bytes refuses to start.
@@ -164,7 +307,7 @@ class ConnectorConfig:
                 )
             values["remote_ttl_s"] = ttl
         if extra.get("remote_url") is not None:
-            values["remote_url"] = _redis_url(extra["remote_url"])
+            values["remote_url"] = check_remote_url(extra["remote_url"])
         log_dir = extra.get("log_dir", environ.get(ENV_LOG_DIR) or None)
         if log_dir is not None and not isinstance(log_dir, str):
             raise ConnectorConfigError(f"log_dir must be a path string, got {log_dir!r}")

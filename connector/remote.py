@@ -3,7 +3,7 @@
 Rule of this module: it moves bytes to and from the server and says what happened; it decides
 nothing. Which chunks a lookup may count on is the tracker's decision, made from the facts the
 connector records (``tracker/remote.py``): which keys a lookup found, which writes the server
-confirmed, which reads came back missing, short or corrupt, when the server went away.
+confirmed, which reads came back missing, short, corrupt or refused, when the server went away.
 
 The value of a chunk is a header then the chunk's bytes::
 
@@ -21,11 +21,31 @@ Keys: ``kvledger:<chunk key hex>:<rank>``. The chunk key already names the model
 layout and the request's cache salt; the rank separates the shares of a chunk that each
 tensor-parallel worker holds.
 
-Failures: a connection that is refused, reset or times out raises ``RemoteUnavailable``, and
-the store backs off (``retry_s``, doubling up to ``MAX_BACKOFF_S``) before it tries again:
-meanwhile ``available()`` is False and the connector serves from the host pool alone. A
-server that refuses the credentials is ``ConnectorConfigError`` at startup, naming
-``remote_url``.
+Failures. Nothing the client raises leaves this module but ``RemoteUnavailable`` (and
+``ConnectorConfigError`` at startup): every error of redis-py, and anything unforeseen, is
+caught at the store's boundary and reported as ``Type: message``, the URL's credentials
+scrubbed from it, its length bounded. Two kinds (docs/remote.md, "What each error becomes"):
+
+- the server is not serving us: whatever the call raised (a refused, reset or timed-out
+  connection, a reply that is not RESP or not of the shape its command returns, a server
+  loading its data set, refused credentials, anything unforeseen), and any error reply to
+  ``EXISTS`` or ``PING``, which do not depend on a key's value. ``RemoteUnavailable``: the
+  store drops its connections (none goes back to the pool out of step) and backs off
+  (``retry_s``, doubling up to ``MAX_BACKOFF_S``); meanwhile ``available()`` is False and the
+  connector serves from the host pool alone;
+- this chunk is bad: an error reply to one chunk's own command (``WRONGTYPE`` to its ``GET``,
+  when a ``kvledger:*`` key holds a list, say; out of memory or a read-only replica to its
+  write). That chunk's read or write fails, ``refused: <error>``; the call's other chunks and
+  the server are unaffected.
+
+A server that answers but refuses the credentials or the database at startup is
+``ConnectorConfigError`` naming ``remote_url``; later it is an outage like any other.
+
+Bounds: every read, write and connect by ``timeout_s``; on vLLM's scheduler thread, each
+whole exchange too (``bounded``: its sockets are ``_BoundedSocket``s), so that no server,
+however it spreads its replies, holds a lookup past its bound. None of them can be set from
+the URL: redis-py is given the URL's host, port, database, credentials and client name, and
+the bounds after them.
 """
 
 from __future__ import annotations
@@ -35,20 +55,24 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import quote, unquote, urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.config import ConnectorConfig, ConnectorConfigError, check_remote_url, redacted
 
 __all__ = [
     "MISSING",
+    "REFUSED",
+    "TIER_COMMANDS",
+    "UNAVAILABLE",
     "RemoteStore",
     "RemoteUnavailable",
+    "UnexpectedReply",
     "decode_value",
+    "describe",
     "encode_header",
-    "redacted",
     "remote_key",
 ]
 
@@ -59,25 +83,195 @@ MAX_BACKOFF_S = 30.0
 # A write's temporary key expires after this long should its RENAME never come.
 _TEMP_TTL_S = 300
 MISSING = "missing"
+# Why a chunk's read or write failed, beyond missing/length/checksum: "refused: <error>" (an
+# error reply to its own command), "unavailable: <error>" (the server was not serving us).
+REFUSED = "refused"
+UNAVAILABLE = "unavailable"
+# Every command the tier sends, connecting included (redis-py's handshake: AUTH with a
+# password, CLIENT SETINFO, SELECT for a database other than 0, CLIENT SETNAME with a
+# client_name). tests/test_remote_standin.py fails each of them every way a server can, and
+# fails should the tier send one not listed here.
+TIER_COMMANDS = (
+    "AUTH",
+    "CLIENT",
+    "SELECT",
+    "PING",
+    "EXISTS",
+    "GET",
+    "SET",
+    "SETRANGE",
+    "RENAME",
+    "EXPIRE",
+    "PERSIST",
+)
 _CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvledger-crc")
+_MESSAGE_CHARS = 300  # a hostile server's error text is kept, bounded
+# The connection settings a checked URL gives redis-py (connector/config.py refuses the rest).
+_URL_KWARGS = frozenset(
+    {"client_name", "connection_class", "db", "host", "password", "path", "port", "username"}
+)
 
 
 class RemoteUnavailable(Exception):
-    """The server did not answer (refused, reset, timed out)."""
+    """The server is not serving us; the message is ``Type: message`` of the cause.
+    ``refused``: it answered, but refused ``"the credentials"`` or ``"the connection"`` (the
+    database, the command); at startup, a configuration error."""
+
+    def __init__(self, message: str, *, refused: str | None = None) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class UnexpectedReply(Exception):
+    """A reply of a shape its command never returns: the peer does not speak Redis."""
 
 
 def remote_key(key: bytes, rank: int) -> bytes:
     return b"kvledger:%s:%d" % (key.hex().encode(), rank)
 
 
-def redacted(url: str) -> str:
-    """``url`` with its password replaced, for errors and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+def _secrets(url: str) -> tuple[str, ...]:
+    """The URL's credentials in each form a message could echo them in: as written, decoded,
+    percent-encoded, and escaped as in a bytes repr; longest first."""
+    try:
+        parts = urlsplit(url)
+        found = [p for p in (parts.password, parts.username) if p]
+    except ValueError:
+        return ()
+    forms: set[str] = set()
+    for raw in found:
+        for text in (raw, unquote(raw)):
+            forms.update((text, quote(text, safe=""), repr(text.encode())[2:-1]))
+    return tuple(sorted(forms, key=len, reverse=True))
+
+
+def describe(exc: BaseException, secrets: Sequence[str] = ()) -> str:
+    """``Type: message`` of an exception, fit for the log: ``secrets`` scrubbed, one line,
+    bounded."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text if len(text) <= _MESSAGE_CHARS else text[: _MESSAGE_CHARS - 3] + "..."
+
+
+def _refused(exc: BaseException) -> str | None:
+    """The server answered and refused us: credentials, permission, or a plain ``ERR`` (an
+    out-of-range database, an unknown command). Transient states (``LOADING``, ``BUSY``,
+    ``MASTERDOWN``, ...) have codes of their own and are not refusals."""
+    try:
+        from redis import exceptions as rx
+    except ImportError:  # pragma: no cover - a client given without redis-py
+        return None
+    authorization = getattr(rx, "AuthorizationError", rx.AuthenticationError)  # redis-py 6+
+    if isinstance(exc, (rx.AuthenticationError, authorization, rx.NoPermissionError)):
+        return "the credentials"
+    if type(exc) is rx.ResponseError and getattr(exc, "status_code", "ERR") == "ERR":
+        return "the connection"
+    return None
+
+
+class _Deadline:
+    """When the current exchange must be over (``time.monotonic()``); None: no bound."""
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+
+class _BoundedSocket:
+    """A connection's socket whose every read and write ends by the exchange's deadline, so
+    that the whole exchange is bounded, not each read: a server that answers each of a
+    lookup's replies (or the handshake's) just under the timeout, or drips them a byte at a
+    time, cannot hold vLLM's scheduler thread past the lookup's bound. Past it, a read raises
+    ``socket.timeout``, which redis-py turns into its ``TimeoutError``."""
+
+    def __init__(self, sock: Any, deadline: _Deadline) -> None:
+        self._sock = sock
+        self._deadline = deadline
+        self._timeout: float | None = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _bound(self) -> None:
+        at = self._deadline.at
+        if at is None:
+            return
+        left = at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the exchange's time is spent")  # socket.timeout
+        timeout = self._timeout
+        self._sock.settimeout(left if timeout is None or timeout > left else timeout)
+
+    def recv(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv(*args)
+
+    def recv_into(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.recv_into(*args)
+
+    def sendall(self, *args: Any) -> Any:
+        self._bound()
+        return self._sock.sendall(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def _bounded(connection_class: Any, deadline: _Deadline) -> Any:
+    """``connection_class`` whose sockets are ``_BoundedSocket``s of ``deadline``."""
+
+    class Bounded(connection_class):  # type: ignore[misc]
+        def _connect(self) -> Any:
+            return _BoundedSocket(super()._connect(), deadline)
+
+    Bounded.__name__ = Bounded.__qualname__ = f"Bounded{connection_class.__name__}"
+    return Bounded
+
+
+def _client(url: str, timeout_s: float, deadline: _Deadline | None) -> Any:
+    """A ``redis.Redis`` for a checked URL, parsed by redis-py's own ``parse_url``, with the
+    tier's bounds set last so that nothing in the URL overrides them; with ``deadline``,
+    every exchange also ends by it (``_BoundedSocket``)."""
+    check_remote_url(url)  # also when the URL did not come through ConnectorConfig
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.connection import parse_url
+        from redis.retry import Retry
+    except ImportError:  # pragma: no cover - the `remote` extra is not installed
+        raise ConnectorConfigError(
+            "remote_url needs the redis client: pip install 'kvledger[remote]'"
+        ) from None
+    try:
+        kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
+    except Exception:
+        raise ConnectorConfigError(f"remote_url redis-py cannot read: {redacted(url)}") from None
+    if not set(kwargs) <= _URL_KWARGS:  # check_remote_url refuses every other option
+        raise ConnectorConfigError(f"remote_url sets options it may not: {redacted(url)}")
+    kwargs.update(
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),  # one bounded attempt, then the store's back-off
+        health_check_interval=0,
+        # RESP2 with every redis-py (8 defaults to RESP3): any server, no HELLO handshake.
+        protocol=2,
+    )
+    if deadline is not None:
+        base = kwargs.get("connection_class", redis.Connection)
+        kwargs["connection_class"] = _bounded(base, deadline)
+    try:
+        return redis.Redis(connection_pool=redis.ConnectionPool(**kwargs))
+    except Exception as exc:
+        raise ConnectorConfigError(
+            f"remote_url {redacted(url)}: {describe(exc, _secrets(url))}"
+        ) from None
 
 
 def _pieces(payload: memoryview) -> list[memoryview]:
@@ -141,8 +335,10 @@ def decode_value(value: bytes | None, expected_len: int) -> memoryview | str:
 
 
 class RemoteStore:
-    """One client of the server, with its bounds: ``timeout_s`` for every command (connect
-    included), and a back-off after a failure during which nothing is sent."""
+    """One client of the server, with its bounds: ``timeout_s`` for every read, write and
+    connect; with ``bounded``, for each whole exchange too (the scheduler's lookups and probes,
+    handshake included); and a back-off after a failure during which nothing is sent. Its
+    commands raise ``RemoteUnavailable`` and nothing else."""
 
     def __init__(
         self,
@@ -152,6 +348,7 @@ class RemoteStore:
         retry_s: float,
         ttl_s: int = 0,
         rank: int = 0,
+        bounded: bool = False,
         client: Any = None,
     ) -> None:
         self.url = url
@@ -160,24 +357,13 @@ class RemoteStore:
         self._retry_s = retry_s
         self._backoff = retry_s
         self._next_try = 0.0
-        if client is None:
-            try:
-                import redis
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
-            except ImportError:  # pragma: no cover - the `remote` extra is not installed
-                raise ConnectorConfigError(
-                    "remote_url needs the redis client: pip install 'kvledger[remote]'"
-                ) from None
-            # No retries inside the client: one bounded attempt, then our back-off.
-            client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-            )
-        self.client = client
+        self._secrets = _secrets(url)
+        self._total_s = timeout_s
+        self._deadline = _Deadline() if bounded else None
+        self.client = _client(url, timeout_s, self._deadline) if client is None else client
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({redacted(self.url)}, rank={self.rank})"
 
     @classmethod
     def from_config(cls, config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> RemoteStore:
@@ -189,6 +375,8 @@ class RemoteStore:
             retry_s=config.remote_retry_ms / 1000,
             ttl_s=config.remote_ttl_s,
             rank=rank,
+            # On vLLM's scheduler thread the lookup's bound holds for the whole exchange.
+            bounded=scheduler,
         )
 
     # --- availability ----------------------------------------------------------------------
@@ -205,68 +393,111 @@ class RemoteStore:
         self._backoff = self._retry_s
         self._next_try = 0.0
 
-    def _call(self, fn: Any) -> Any:
-        import redis
+    def describe(self, exc: BaseException) -> str:
+        """``Type: message`` of ``exc`` with this URL's credentials scrubbed."""
+        return describe(exc, self._secrets)
 
+    def _call(self, fn: Callable[[], Any], *, whole: bool = True) -> Any:
+        """Run one exchange with the server: anything it raises is ``RemoteUnavailable``,
+        the connections are dropped (a reply stream read halfway must not serve the next
+        command) and the store backs off. A bounded store ends it by its bound (``whole``)."""
+        if self._deadline is not None and whole:
+            self._deadline.at = time.monotonic() + self._total_s
         try:
             result = fn()
-        except (redis.AuthenticationError, redis.exceptions.NoPermissionError) as exc:
-            raise ConnectorConfigError(
-                f"remote_url {redacted(self.url)}: the server refused the credentials ({exc})"
-            ) from None
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        except Exception as exc:
             self._failed()
-            raise RemoteUnavailable(f"{type(exc).__name__}: {exc}") from None
-        except redis.ResponseError as exc:
-            if str(exc).startswith(("NOAUTH", "WRONGPASS")):
-                raise ConnectorConfigError(
-                    f"remote_url {redacted(self.url)}: the server refused the credentials ({exc})"
-                ) from None
-            raise
+            with contextlib.suppress(Exception):
+                self.client.connection_pool.disconnect()
+            raise RemoteUnavailable(self.describe(exc), refused=_refused(exc)) from None
+        finally:
+            if self._deadline is not None:
+                self._deadline.at = None
         self._ok()
         return result
 
-    def check(self) -> str | None:
-        """Startup: None if the server answers; why not if it cannot be reached. Bad
-        credentials raise ``ConnectorConfigError``."""
+    def check(self, *, startup: bool = False) -> str | None:
+        """One ``PING``: None if the server answers, else why not. At ``startup``, a server
+        that answers but refuses the credentials or the database (``/99999`` on a server
+        with 16) raises ``ConnectorConfigError`` naming ``remote_url``; and the exchange,
+        the first handshake, is bounded read by read only (engine startup is not a step)."""
+
+        def ping() -> None:
+            if self.client.ping() is not True:
+                raise UnexpectedReply("PING did not answer PONG")
+
         try:
-            self._call(self.client.ping)
+            self._call(ping, whole=not startup)
         except RemoteUnavailable as exc:
+            if startup and exc.refused:
+                raise ConnectorConfigError(
+                    f"remote_url {redacted(self.url)}: the server refused {exc.refused} ({exc})"
+                ) from None
             return str(exc)
         return None
 
     # --- commands ---------------------------------------------------------------------------
 
-    def exists(self, keys: Sequence[bytes]) -> list[int]:
-        """1 for each key the server holds, else 0: one round trip."""
+    def _error_class(self) -> type[Exception]:
+        from redis.exceptions import ResponseError
 
-        def run() -> list[Any]:
+        return ResponseError
+
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        """1 for each key the server holds, else 0: one round trip. ``EXISTS`` takes a key
+        of any type, so an error reply is the server's, not the key's: ``RemoteUnavailable``."""
+
+        def run() -> list[int]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.exists(remote_key(key, self.rank))
-            return list(pipe.execute())
+            replies = list(pipe.execute(raise_on_error=False))
+            if len(replies) != len(keys):
+                raise UnexpectedReply(f"{len(replies)} replies to {len(keys)} EXISTS")
+            for reply in replies:
+                if isinstance(reply, BaseException):
+                    raise reply
+                if type(reply) is not int or reply < 0:
+                    raise UnexpectedReply(f"EXISTS answered {type(reply).__name__}")
+            return [1 if n else 0 for n in replies]
 
-        return [1 if n else 0 for n in self._call(run)]
+        found: list[int] = self._call(run)
+        return found
 
-    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> None:
+    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
         """Write every (key, payload), each with its header, published atomically: one
-        round trip. Returns once the server confirmed them all.
+        round trip. Returns, for each item, None once the server confirmed it, or why it
+        was not written (``refused: <error reply>``: out of memory, a read-only replica, its
+        temporary key lost; the other items are unaffected).
 
         The checksums are computed on the CRC threads while the payloads are on the wire,
         not before: each value goes out as a zeroed header then its payload (one ``SET`` to a
         temporary key, sent from the host slot without a copy), a ``SETRANGE`` writes the
         header over the zeros once its checksums are known, and a ``RENAME`` publishes it
-        under its key: no reader ever sees the zeroed header. (``MULTI``/``EXEC`` would be
-        atomic too, but inside a transaction the ``SETRANGE`` copies the whole value: half
-        the throughput.) The temporary key expires on its own should the connection die
-        before the ``RENAME``."""
+        under its key, replacing whatever was there, of any type: no reader ever sees the
+        zeroed header. (``MULTI``/``EXEC`` would be atomic too, but inside a transaction the
+        ``SETRANGE`` copies the whole value: half the throughput.) The temporary key expires
+        on its own should the connection die before the ``RENAME``."""
         crcs = [[_CRC_POOL.submit(zlib.crc32, p) for p in _pieces(payload)] for _, payload in items]
         names = [remote_key(key, self.rank) for key, _ in items]
         temps = [b"%s:tmp:%s" % (name, os.urandom(8).hex().encode()) for name in names]
+        error_class = self._error_class()
+        # What each reply must be, in the order sent: SET, SETRANGE, RENAME, EXPIRE/PERSIST.
+        shapes: tuple[Callable[[Any], bool], ...] = (_is_ok, _is_count, _is_ok, _is_count)
 
-        def run() -> list[Any]:
+        def run() -> list[str | None]:
             pool = self.client.connection_pool
-            conn = pool.get_connection("SET")
+            try:
+                conn = pool.get_connection()
+            except TypeError:  # redis-py before 5.3 wants the command's name
+                conn = pool.get_connection("SET")
+
+            def read() -> Any:
+                try:
+                    return conn.read_response()
+                except error_class as exc:  # an error reply, read whole: still in step
+                    return exc
+
             try:
                 for (_, payload), futures, temp in zip(items, crcs, temps, strict=True):
                     conn.send_packed_command(_set_command(temp, payload, len(futures), _TEMP_TTL_S))
@@ -280,27 +511,62 @@ class RemoteStore:
                             [("SETRANGE", temp, 0, header), ("RENAME", temp, name), ttl]
                         )
                     )
-                # An error reply (a RENAME whose temporary key the server evicted) raises.
-                return [conn.read_response() for _ in range(4 * len(items))]
+                # The replies come in the order sent: every SET, then each item's three.
+                replies = [read() for _ in items] + [read() for _ in range(3 * len(items))]
+                results: list[str | None] = []
+                for i in range(len(items)):
+                    why: str | None = None
+                    mine = [replies[i], *replies[len(items) + 3 * i : len(items) + 3 * i + 3]]
+                    for reply, shape in zip(mine, shapes, strict=True):
+                        if isinstance(reply, error_class):
+                            why = why or f"{REFUSED}: {self.describe(reply)}"
+                        elif not shape(reply):
+                            raise UnexpectedReply(f"a write was answered {type(reply).__name__}")
+                    results.append(why)
+                return results
             except BaseException:
                 conn.disconnect()  # a half-read reply stream must not go back to the pool
                 raise
             finally:
                 pool.release(conn)
 
-        self._call(run)
+        written: list[str | None] = self._call(run)
+        return written
 
     def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
-        """Each key's verified payload, or why it cannot be used (``decode_value``)."""
+        """Each key's verified payload, or why it cannot be used: ``decode_value``'s reasons,
+        or ``refused: <error reply>`` (a key of another type: ``WRONGTYPE``)."""
+        error_class = self._error_class()
 
         def run() -> list[Any]:
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(remote_key(key, self.rank))
-            return list(pipe.execute())
+            replies = list(pipe.execute(raise_on_error=False))
+            if len(replies) != len(keys):
+                raise UnexpectedReply(f"{len(replies)} replies to {len(keys)} GET")
+            for reply in replies:
+                if not (reply is None or type(reply) is bytes or isinstance(reply, error_class)):
+                    raise UnexpectedReply(f"GET answered {type(reply).__name__}")
+            return replies
 
-        return [decode_value(v, expected_len) for v in self._call(run)]
+        return [
+            f"{REFUSED}: {self.describe(v)}"
+            if isinstance(v, BaseException)
+            else decode_value(v, expected_len)
+            for v in self._call(run)
+        ]
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # a dead connection: nothing left to close
             self.client.close()
+        with contextlib.suppress(Exception):
+            self.client.connection_pool.disconnect()
+
+
+def _is_ok(reply: Any) -> bool:
+    return reply in (b"OK", "OK")
+
+
+def _is_count(reply: Any) -> bool:
+    return type(reply) is int and reply >= 0

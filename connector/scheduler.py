@@ -27,7 +27,7 @@ from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.logwriter import LogWriteError
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.metrics import Counters
-from connector.remote import RemoteStore, RemoteUnavailable
+from connector.remote import UNAVAILABLE, RemoteStore, RemoteUnavailable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestPlanner
@@ -222,7 +222,9 @@ class SchedulerSide:
         self._remote_acks: dict[bytes, _Ack] = {}
         if config.remote_url is not None:
             self.remote = RemoteStore.from_config(config, scheduler=True)
-            down = self.remote.check()  # bad credentials raise ConnectorConfigError
+            # A server that refuses the credentials or the database raises
+            # ConnectorConfigError; one down is an outage, recorded.
+            down = self.remote.check(startup=True)
             if down is not None:
                 self._remote_outage(down)
 
@@ -300,8 +302,8 @@ class SchedulerSide:
             return
         try:
             found = self.remote.exists(ask)
-        except RemoteUnavailable as exc:
-            self._remote_outage(str(exc))
+        except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+            self._remote_outage(self._remote_error(exc))
             return
         self._remote_back()
         self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
@@ -313,12 +315,15 @@ class SchedulerSide:
         if not self.remote.available():
             return
         try:
-            down = self.remote.check()
-        except ConnectorConfigError as exc:  # credentials changed under us: stay down
-            _log.error("kvledger.remote_refused", error=str(exc))
-            return
+            down = self.remote.check()  # refused credentials, now, are an outage like any
+        except Exception as exc:  # the tier's boundary: nothing unforeseen reaches vLLM
+            down = self._remote_error(exc)
         if down is None:
             self._remote_back()
+
+    def _remote_error(self, exc: Exception) -> str:
+        assert self.remote is not None
+        return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
 
     def _remote_back(self) -> None:
         if self._remote_down:
@@ -708,8 +713,8 @@ class SchedulerSide:
                 self.tracker.apply(ev.RemoteSaveDone(step, req_id, tuple(confirmed)))
         else:
             raise TypeError(f"unknown remote result {what!r}")
-        if why == "unavailable":
-            self._remote_outage(f"worker rank {rank}: the server did not answer")
+        if str(why).startswith(UNAVAILABLE):  # "unavailable", or "unavailable: <error>"
+            self._remote_outage(f"worker rank {rank}: {why}")
 
     def _load_failed(self, req_id: str, blocks: tuple[int, ...], rank: int) -> None:
         ack = self._load_acks.setdefault(req_id, _Ack())

@@ -65,7 +65,7 @@ import torch
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
-from connector.remote import RemoteStore, RemoteUnavailable
+from connector.remote import REFUSED, UNAVAILABLE, RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
 from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
 from tracker.chunks import REMOTE_SLOT
@@ -123,7 +123,9 @@ class WorkerSide:
         self._to_upload: list[tuple[str, bytes, int]] = []
         if config.remote_url is not None:
             self.remote = RemoteStore.from_config(config, rank=rank, scheduler=False)
-            down = self.remote.check()  # bad credentials raise; a server down is served around
+            # A server that refuses the credentials or the database raises; one down is served
+            # around (the scheduler records the outage).
+            down = self.remote.check(startup=True)
             if down is not None:
                 _log.warning("kvledger.remote_unavailable", rank=rank, error=down)
         self.stats.update(remote_chunks_loaded=0, remote_chunks_saved=0)
@@ -241,6 +243,7 @@ class WorkerSide:
                 self._step_load_errors.update(bad)
             else:
                 done.append(load.req_id)
+        self._report_unusable(plan.loads)
         self._read_remote.update(
             (k, None) for k, got in self._fetched.items() if type(got) is not str
         )
@@ -252,7 +255,9 @@ class WorkerSide:
         )
 
     def _fetch_remote(self, loads: tuple[TransferPlan, ...]) -> None:
-        """Read every chunk this step loads from the remote store, in one round trip."""
+        """Read every chunk this step loads from the remote store, in one round trip. Whatever
+        the read raises fails every chunk of it, ``unavailable: <error>``: a load failure
+        vLLM recomputes, and an outage the scheduler records; never a raise into vLLM."""
         keys = list(
             dict.fromkeys(ch.key for load in loads for ch in load.chunks if ch.slot == REMOTE_SLOT)
         )
@@ -260,26 +265,47 @@ class WorkerSide:
             return
         _, pool = self._ready()
         if self.remote is None or not self.remote.available():
-            self._fetched = dict.fromkeys(keys, "unavailable")
+            self._fetched = dict.fromkeys(keys, UNAVAILABLE)
             return
+        got: list[memoryview | str]
         try:
             got = self.remote.get(keys, pool.slot_bytes)
-        except RemoteUnavailable as exc:
-            _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
-            got = ["unavailable"] * len(keys)
+        except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+            why = f"{UNAVAILABLE}: {self._remote_error(exc)}"
+            _log.warning("kvledger.remote_unavailable", rank=self.rank, error=why)
+            got = [why] * len(keys)
         self._fetched = dict(zip(keys, got, strict=True))
 
-    def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
-        """Fill one chunk from the bytes fetched from the remote store; a key gone, a short or
-        corrupt value is reported (the tracker forgets the key) and fails the load."""
-        backend, pool = self._ready()
-        payload = self._fetched.get(chunk.key, "unavailable")
-        if isinstance(payload, str):
-            self._report = self._report.merged(
-                WorkerReport(
-                    rank=self.rank, remote=(("load_failed", load.req_id, (chunk.key,), payload),)
-                )
+    def _remote_error(self, exc: Exception) -> str:
+        assert self.remote is not None
+        return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
+
+    def _report_unusable(self, loads: tuple[TransferPlan, ...]) -> None:
+        """Every chunk this step read from the remote store and could not use (a key gone, a
+        short, corrupt or refused value, the server down), each once, under the first load
+        that needed it: the tracker forgets them all, not only the first of each load (a
+        failed load stops at its first bad chunk)."""
+        seen: set[bytes] = set()
+        unusable: dict[tuple[str, str], list[bytes]] = {}  # (request, why) -> keys
+        for load in loads:
+            for chunk in load.chunks:
+                why = self._fetched.get(chunk.key)
+                if chunk.slot == REMOTE_SLOT and isinstance(why, str) and chunk.key not in seen:
+                    seen.add(chunk.key)
+                    unusable.setdefault((load.req_id, why), []).append(chunk.key)
+        if unusable:
+            entries = tuple(
+                ("load_failed", req_id, tuple(keys), why)
+                for (req_id, why), keys in unusable.items()
             )
+            self._report = self._report.merged(WorkerReport(rank=self.rank, remote=entries))
+
+    def _load_remote(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Fill one chunk from the bytes fetched from the remote store; a key gone, a short,
+        corrupt or refused value fails the load (``_report_unusable`` reports it)."""
+        backend, pool = self._ready()
+        payload = self._fetched.get(chunk.key, UNAVAILABLE)
+        if isinstance(payload, str):
             raise OSError(f"remote chunk {chunk.key.hex()}: {payload}")
         with warnings.catch_warnings():  # read-only bytes from the client: only read here
             warnings.simplefilter("ignore", UserWarning)
@@ -429,26 +455,32 @@ class WorkerSide:
         if not items or self.remote is None or self.pool is None:
             return
         pool = self.pool
-        by_req: dict[str, list[bytes]] = {}
-        for req_id, key, _ in items:
-            by_req.setdefault(req_id, []).append(key)
-        what, why = "saved", ""
+        results: list[str | None]
         if not self.remote.available():
-            what, why = "save_failed", "unavailable"
+            results = [UNAVAILABLE] * len(items)
         else:
             try:
-                self.remote.put([(key, _bytes_of(pool.slot(slot))) for _, key, slot in items])
-                self.stats["remote_chunks_saved"] += len(items)
-            except RemoteUnavailable as exc:
-                _log.warning("kvledger.remote_unavailable", rank=self.rank, error=str(exc))
-                what, why = "save_failed", "unavailable"
-            except Exception as exc:  # a server error (out of memory, say): these chunks only
-                _log.warning("kvledger.remote_save_failed", rank=self.rank, error=repr(exc))
-                what, why = "save_failed", type(exc).__name__
+                results = self.remote.put(
+                    [(key, _bytes_of(pool.slot(slot))) for _, key, slot in items]
+                )
+            except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+                down = f"{UNAVAILABLE}: {self._remote_error(exc)}"
+                _log.warning("kvledger.remote_unavailable", rank=self.rank, error=down)
+                results = [down] * len(items)
+        # (what, request, why) -> keys: a write the server refused fails alone.
+        outcomes: dict[tuple[str, str, str], list[bytes]] = {}
+        for (req_id, key, _), why in zip(items, results, strict=True):
+            what = "saved" if why is None else "save_failed"
+            outcomes.setdefault((what, req_id, why or ""), []).append(key)
+        self.stats["remote_chunks_saved"] += results.count(None)
+        for why in {w for w in results if w is not None and w.startswith(REFUSED)}:
+            _log.warning("kvledger.remote_save_failed", rank=self.rank, error=why)
         self._report = self._report.merged(
             WorkerReport(
                 rank=self.rank,
-                remote=tuple((what, r, tuple(keys), why) for r, keys in by_req.items()),
+                remote=tuple(
+                    (what, r, tuple(keys), why) for (what, r, why), keys in outcomes.items()
+                ),
             )
         )
 

@@ -48,11 +48,15 @@ def _extra(url: str, **more: Any) -> dict[str, Any]:
 
 
 def _run(
-    url: str, log_dir: Path, progress: Callable[[int, int, int], None] | None = None, **kw: Any
+    url: str,
+    log_dir: Path,
+    progress: Callable[[int, int, int], None] | None = None,
+    extra: dict[str, Any] | None = None,
+    **kw: Any,
 ) -> Any:
     from connector.testing.run import RunSpec, run
 
-    spec = RunSpec(**{**WORKLOAD, **kw, "extra_config": _extra(url)})
+    spec = RunSpec(**{**WORKLOAD, **kw, "extra_config": _extra(url, **(extra or {}))})
     return run(spec, log_dir=str(log_dir), progress=progress)
 
 
@@ -244,3 +248,89 @@ def test_an_outage_mid_run_is_survived_recorded_once_and_sharing_resumes(
     _assert_clean(third)
     assert sum(_remote_tokens(_events(third.log_path)).values()) > 0
     _check_clean(third.log_path)
+
+
+# Each wrong type Redis has, written under a key the way another program would.
+_WRONG_TYPES: tuple[Callable[[Any, bytes], Any], ...] = (
+    lambda raw, name: raw.rpush(name, b"a", b"b"),
+    lambda raw, name: raw.hset(name, b"field", b"value"),
+    lambda raw, name: raw.sadd(name, b"member"),
+    lambda raw, name: raw.zadd(name, {b"member": 1.0}),
+    lambda raw, name: raw.xadd(name, {b"field": b"value"}),
+)
+
+
+def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Every chunk key replaced by a list, hash, set, sorted set or stream: each GET is a
+    WRONGTYPE error reply. A load failure for that chunk, recorded and recomputed; never a
+    raise into vLLM, never an outage; the recomputed chunk's write replaces the key."""
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    raw = redis_server.client()
+    names = sorted(raw.keys(b"kvledger:*"))
+    assert len(names) >= 4
+    values = {name: raw.get(name) for name in names}
+    for i, name in enumerate(names):
+        raw.delete(name)
+        _WRONG_TYPES[i % len(_WRONG_TYPES)](raw, name)
+    # A lookup bound a loaded test machine cannot miss: no outage here is the server's.
+    report = _run(redis_server.url, tmp_path / "b", extra={"remote_lookup_timeout_ms": 2000})
+    _assert_clean(report)  # every request finished, the oracle held at every step
+    assert report.load_errors > 0
+    events = _events(report.log_path)
+    failed = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
+    assert failed
+    for e in failed:
+        assert e.reason.startswith("refused: ResponseError: WRONGTYPE"), e.reason
+    # Every wrong-type chunk a failed load read is recorded, not only the first of the load.
+    refused = {k for e in failed for k in e.keys}
+    planned: dict[str, set[bytes]] = {}
+    for e in events:
+        if isinstance(e, ev.LoadPlanned):
+            planned[e.req_id] = {
+                k for k, slot in zip(e.keys, e.slots, strict=True) if slot == REMOTE_SLOT
+            }
+        elif isinstance(e, ev.LoadFailed):
+            assert planned.get(e.req_id, set()) <= refused, e.req_id
+    assert not [e for e in events if isinstance(e, ev.RemoteOutage)]  # the server stayed up
+    _check_clean(report.log_path)
+    # The recomputed chunks were written again: RENAME replaced the wrong-type keys with the
+    # very bytes the first replica wrote (the same tokens, the same KV).
+    healed = [name for name in names if raw.type(name) == b"string"]
+    assert healed
+    assert all(raw.get(name) == values[name] for name in healed)
+
+
+@pytest.mark.parametrize("method", ["exists", "get", "put"])
+def test_an_unforeseen_exception_in_the_tier_is_an_outage_never_a_raise(
+    redis_server: RedisServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+) -> None:
+    """Whatever the store itself raises (a bug, say), the connector's boundary catches: the
+    lookup is a miss, the load is recomputed, the save fails; an outage is recorded naming
+    it; nothing reaches vLLM, not even as an adapter error."""
+    from connector.remote import RemoteStore
+
+    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    real = getattr(RemoteStore, method)
+    calls: list[int] = []
+
+    def broken(self: RemoteStore, *args: Any) -> Any:
+        calls.append(1)
+        if len(calls) % 2:
+            raise RuntimeError(f"unforeseen in {method}")
+        return real(self, *args)
+
+    if method == "put":
+        redis_server.client().flushall()  # nothing to find: the second replica writes
+    monkeypatch.setattr(RemoteStore, method, broken)
+    report = _run(redis_server.url, tmp_path / "b", extra={"remote_lookup_timeout_ms": 2000})
+    _assert_clean(report)
+    assert calls
+    events = _events(report.log_path)
+    errors = [e.error for e in events if isinstance(e, ev.RemoteOutage)]
+    assert any(f"RuntimeError: unforeseen in {method}" in text for text in errors), errors
+    _check_clean(report.log_path)

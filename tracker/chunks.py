@@ -292,10 +292,13 @@ class RemoteKeys:
     dropped when a lookup or a load found them gone. During an outage it holds nothing and
     offers nothing. Changed only by ``tracker.remote``'s fold of recorded events."""
 
-    __slots__ = ("_present", "up")
+    __slots__ = ("_before", "_present", "up")
 
     def __init__(self) -> None:
         self._present: OrderedDict[bytes, None] = OrderedDict()
+        # What it held when it last went down: a lookup answered just before (earlier in the
+        # same step) counted on these, and its load may still read them (``loadable``).
+        self._before: OrderedDict[bytes, None] = OrderedDict()
         self.up = True
 
     def __contains__(self, key: object) -> bool:
@@ -303,6 +306,14 @@ class RemoteKeys:
 
     def __len__(self) -> int:
         return len(self._present) if self.up else 0
+
+    def loadable(self, key: bytes) -> bool:
+        """A load may name ``key`` as remote: it is held, or was when the store last went
+        down. A lookup offers only what is held (``in``); a load plans what its lookup
+        counted, and an outage between the two (another request's lookup timing out in the
+        same step) does not make that load a broken rule: the worker reads the key, and one
+        gone is a load failure vLLM recomputes."""
+        return key in self._present or key in self._before
 
     def add(self, keys: Iterable[bytes]) -> None:
         present = self._present
@@ -315,10 +326,14 @@ class RemoteKeys:
     def discard(self, keys: Iterable[bytes]) -> None:
         for key in keys:
             self._present.pop(key, None)
+            self._before.pop(key, None)
 
     def set_up(self, up: bool) -> None:
         # A store that went away may come back empty (a restart without persistence):
         # nothing it held before counts until it is seen again.
+        if not up and self.up:
+            self._before = self._present
+            self._present = OrderedDict()
         self._present.clear()
         self.up = up
 

@@ -300,7 +300,9 @@ class RemoteSaveDone(InputEvent):
 
 @attrs.frozen(slots=True)
 class RemoteSaveFailed(InputEvent):
-    """These chunks could not be written to the remote store; ``reason`` says why."""
+    """These chunks could not be written to the remote store; ``reason`` says why:
+    ``refused: <error>`` (the server refused the write: out of memory, a read-only replica) or
+    ``unavailable[: <error>]`` (the store was down)."""
 
     TAG: ClassVar[int] = 32
     keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
@@ -311,8 +313,9 @@ class RemoteSaveFailed(InputEvent):
 class RemoteLoadFailed(InputEvent):
     """A load read these chunks from the remote store and could not use them: the key was
     gone (``missing``), the value had the wrong length (``length``) or the wrong bytes
-    (``checksum``), or the store did not answer (``unavailable``). The load itself is
-    reported as ``LoadFailed``."""
+    (``checksum``), the server refused the read (``refused: <error>``: a key of another
+    type), or the store was down (``unavailable[: <error>]``). The load itself is reported as
+    ``LoadFailed``."""
 
     TAG: ClassVar[int] = 33
     keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
@@ -321,7 +324,9 @@ class RemoteLoadFailed(InputEvent):
 
 @attrs.frozen(slots=True)
 class RemoteOutage(InputEvent):
-    """The remote store stopped answering (recorded once per outage). ``req_id`` is empty."""
+    """The remote store stopped serving us (recorded once per outage): ``error`` is the
+    cause, ``Type: message`` (refused, timed out, a reply that is not RESP, ...). ``req_id``
+    is empty."""
 
     TAG: ClassVar[int] = 34
     error: str = ""

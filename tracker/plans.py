@@ -238,7 +238,7 @@ def plan_load(
         stored = index.resolve(key)
         if stored is not None:
             key, slot = stored, index.slot_of(stored)
-        elif key in index.remote:
+        elif index.remote.loadable(key):
             slot = REMOTE_SLOT  # the worker reads it from the remote store
         else:
             return refuse("load_chunks_present", chunk=chunk)

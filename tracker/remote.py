@@ -9,7 +9,8 @@ replay of the log rebuilds it, hence every lookup answer and load plan that coun
 - ``RemoteSaveDone``: a write was confirmed: present. ``RemoteSaveFailed`` changes nothing;
 - ``RemoteLoadFailed``: a load found the key gone, short or corrupt: not present;
 - ``RemoteOutage`` / ``RemoteRestored``: the store is down (nothing is offered from it, and
-  what it held before is forgotten) or back.
+  what it held before is forgotten, except by a load its lookup already counted:
+  ``RemoteKeys.loadable``) or back.
 
 No I/O: the connector (``connector/remote.py``) talks to the store and reports these facts.
 """
