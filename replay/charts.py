@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from replay.extras import pyplot, write_atomic
-from replay.lives import RequestNotFound
+from replay.naming import resolve
 from replay.source import LogPath, LogSource, open_log
 from replay.tables import Row, collect
 from tracker import events as ev
@@ -330,18 +330,13 @@ def _choose(
     lives that overlap the step range."""
     reqs = rows["requests"]
     if wanted:
-        labels = {r["request"] for r in reqs}
-        by_id: dict[str, list[str]] = defaultdict(list)
-        for r in sorted(reqs, key=lambda r: (r["added_step"], r["request"])):
-            by_id[r["req_id"]].append(r["request"])
+        lives = {
+            r["request"]: r["req_id"]
+            for r in sorted(reqs, key=lambda r: (r["added_step"], r["request"]))
+        }
         chosen: dict[str, None] = {}
         for name in wanted:
-            if name in labels:
-                chosen[name] = None
-            elif name in by_id:
-                chosen.update(dict.fromkeys(by_id[name]))
-            else:
-                raise RequestNotFound(name, sorted(i for i in by_id if name in i))
+            chosen.update(dict.fromkeys(resolve(name, lives)))
         return list(chosen)
     problems = Counter(p["request"] for p in rows["problems"] if p["request"] is not None)
     live = [r for r in reqs if _lifespan(r)[0] <= hi and _lifespan(r)[1] >= lo]

@@ -31,6 +31,7 @@ from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
 from replay.format import event_fields, format_event
 from replay.logreader import newest_log
+from replay.naming import RequestNotFound
 from replay.source import LogUnreadable, MissingSegments, take_opened, watch_opened
 from tracker.config import ConfigError
 from tracker.framing import StopInfo
@@ -337,7 +338,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     w("summary\n")
     w(f"  log       {', '.join(result.paths)} ({', '.join(made)})\n")
     cfg = {k: v for k, v in result.config.items() if k not in ("salt", "strict")}
-    w(f"  config    {' '.join(f'{k}={v}' for k, v in cfg.items())}\n")
+    which = "   (kvledger's, for --differential)" if "recorded" in c else ""
+    w(f"  config    {' '.join(f'{k}={v}' for k, v in cfg.items())}{which}\n")
     w(
         f"  read      {_n(c.get('events', 0))} events ({_n(c.get('inputs', 0))} inputs, "
         f"{_n(c.get('decisions', 0))} decisions) in {_n(c.get('steps', 0))} steps, "
@@ -534,14 +536,19 @@ def _add_views(sub: Any) -> None:
 
     p = sub.add_parser(
         "show",
-        help="one request's life: each event and the request's state after it",
-        description="Fold the recorded events of one request and print, for each, the state "
-        "after it: tokens known / num_tokens, blocks, saved watermark, loaded range, "
-        "preempted, recompute_only.",
+        help="the requests of a log, or one request's life: each event and its state after it",
+        description="Without --request: every request of the log, one line each (admissions, "
+        "preemptions, tokens asked, hit in vLLM's cache, loaded from the pool, missed, check's "
+        "problems, how it ended). With --request: fold the recorded events of that request "
+        "and print, for each, the state after it: tokens known / num_tokens, blocks, saved "
+        "watermark, loaded range, preempted, recompute_only.",
     )
     _log_argument(p)
     p.add_argument(
-        "--request", "-r", required=True, metavar="ID", help="the request id (or part of one)"
+        "--request",
+        "-r",
+        metavar="ID",
+        help="the request id (or part of one); without it, the list of requests",
     )
     p.add_argument(
         "--collapse",
@@ -788,7 +795,7 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
             raise
         except LogUnreadable as e:
             message = f"cannot read the log: {e}"
-        except (lives.RequestNotFound, MissingExtra, ValueError) as e:
+        except (RequestNotFound, MissingExtra, ValueError) as e:
             message = str(e)
         except OSError as e:  # an output path that cannot be written (no such directory, ...)
             # Name the output asked for: the file that failed may be a writer's temporary one.
@@ -957,6 +964,8 @@ def _brief(at: EventAt | None, fields: Sequence[str]) -> str:
 
 @_guard
 def _show(args: argparse.Namespace) -> int:
+    if args.request is None:
+        return _show_requests(args)
     types = lives.parse_types(args.type) if args.type else None
     steps = lives.parse_steps(args.steps) if args.steps is not None else None
     life = lives.show(args.log, args.request)
@@ -1031,6 +1040,36 @@ def _show(args: argparse.Namespace) -> int:
     return status
 
 
+def _show_requests(args: argparse.Namespace) -> int:
+    """``show LOG``: every request, one line each, and how to see one."""
+    lines, damage = lives.request_lines(args.log)
+    status = args.exit_code = _warn_damage(args.log, damage)
+    if args.json:
+        _json({"log": str(args.log), "requests": [r.to_dict() for r in lines]})
+        return status
+    out = Output()
+    out.line(f"{len(lines)} request{'s' if len(lines) != 1 else ''} in {args.log}")
+    out.table(
+        ["request", "admissions", "preempted", "prompt", "asked", "local", "loaded", "missed",
+         "problems", "end"],
+        [
+            [r.request, r.admissions, r.preemptions, r.prompt, r.asked, r.local, r.loaded,
+             r.missed, r.problems, r.end]
+            for r in lines
+        ],
+        right=("admissions", "preempted", "prompt", "asked", "local", "loaded", "missed",
+               "problems"),
+        styles=["red" if r.problems else ("yellow" if r.preemptions else "") for r in lines],
+    )  # fmt: skip
+    out.line(
+        "asked: tokens the admissions' lookups asked about; local: of them in vLLM's prefix "
+        "cache; loaded: from the pool; missed: kvledger explain's; problems: kvledger check's"
+    )
+    if lines:
+        out.line(f"one request's life: kvledger show {args.log} --request {lines[0].request}")
+    return status
+
+
 def _blocks(ids: Sequence[int]) -> str:
     if not ids:
         return "0"
@@ -1073,14 +1112,15 @@ def _stats(args: argparse.Namespace) -> int:
         ["preemptions", f"{st.preemptions} ({st.readmissions} re-admissions)"],
     ]
     for name, lk in (("first admission", st.first_lookup), ("every admission", st.all_lookups)):
-        rows.append(
-            [
-                f"lookups, {name}",
-                f"{lk.admissions} admissions, {lk.tokens} tokens asked: pool hit {lk.hit} "
-                f"({_pct(lk.hit_rate)}), vLLM prefix cache {lk.local} ({_pct(lk.local_rate)}), "
-                f"loaded from pool {lk.external} ({_pct(lk.external_rate)})",
-            ]
-        )
+        asked = f"{lk.admissions} admissions, {lk.tokens} tokens asked: "
+        local = f"vLLM prefix cache {lk.local} ({_pct(lk.local_rate)})"
+        accepted = f"{lk.external} ({_pct(lk.external_rate)})"
+        if st.recorded:  # the wrapped connector's own hits are not in the log
+            line = f"{asked}{local}, accepted from the wrapped connector {accepted}"
+        else:
+            pool = f"pool hit {lk.hit} ({_pct(lk.hit_rate)})"
+            line = f"{asked}{pool}, {local}, loaded from the pool {accepted}"
+        rows.append([f"lookups, {name}", line])
     rows += [
         [
             "loads",

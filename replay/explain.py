@@ -43,7 +43,6 @@ it the oldest are forgotten and counted in ``forgotten``), plus a few numbers pe
 from __future__ import annotations
 
 import bisect
-import difflib
 import struct
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -51,7 +50,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from replay.lives import RequestNotFound
+from replay.naming import resolve
 from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
@@ -1258,7 +1257,7 @@ def explain(
     explainer.finish()
     chosen = list(labels)
     if request is not None:
-        chosen = _choose(request, labels)
+        chosen = resolve(request, labels)
     requests = [by_request[label] for label in chosen if label in by_request]
     for r in requests:
         r.admissions.sort(key=lambda a: a.admission)
@@ -1272,26 +1271,3 @@ def explain(
         request=request,
         damage=src.damage,
     )
-
-
-def _choose(request: str, labels: dict[str, str]) -> list[str]:
-    if request in labels:
-        return [request]
-    lives = [label for label, rid in labels.items() if rid == request]
-    if lives:
-        return lives
-    names = sorted({*labels, *labels.values()})
-    near = difflib.get_close_matches(request, names, n=5, cutoff=0.5)
-    near += [n for n in names if request in n and n not in near][: 5 - len(near)]
-    raise _NotFound(request, near)
-
-
-class _NotFound(RequestNotFound):
-    def __init__(self, request: str, near: Sequence[str]) -> None:
-        super().__init__(request, ())
-        self.candidates = tuple(near)
-        hint = f"; nearest: {', '.join(near)}" if near else ""
-        self.args = (f"no request {request!r} in the log{hint}",)
-
-    def __str__(self) -> str:
-        return str(self.args[0])

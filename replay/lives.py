@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 
 from replay.format import describe_event
+from replay.naming import RequestNotFound, resolve
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.config import TrackerConfig
@@ -23,29 +24,16 @@ from tracker.history import POOL, Folded, walk
 __all__ = [
     "Fold",
     "RequestLife",
+    "RequestLine",
     "RequestNotFound",
     "Row",
     "collapse",
     "parse_steps",
     "parse_types",
+    "request_lines",
     "select",
     "show",
 ]
-
-
-class RequestNotFound(LookupError):
-    """``show`` found no request with that id; ``candidates`` are ids that contain it."""
-
-    def __init__(self, request: str, candidates: Sequence[str] = ()) -> None:
-        self.request = request
-        self.candidates = tuple(candidates)
-        if len(self.candidates) > 1:
-            shown = ", ".join(self.candidates[:10])
-            more = "" if len(self.candidates) <= 10 else f" (+{len(self.candidates) - 10} more)"
-            msg = f"request {request!r} is ambiguous: {shown}{more}"
-        else:
-            msg = f"no request {request!r} in the log"
-        super().__init__(msg)
 
 
 @attrs.frozen
@@ -146,23 +134,21 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
     """One request's life: a :class:`Row` per event of the request (every life of the id,
     when vLLM reused it), with the request's state after the event.
 
-    ``request`` is the exact id, or a part of exactly one id (vLLM's ids carry long random
-    suffixes); :class:`RequestNotFound` otherwise, with the ids that matched."""
+    ``request`` names the request as every command does (``replay.naming``): an id, or a part
+    of exactly one id (vLLM's ids carry long random suffixes); :class:`RequestNotFound`
+    otherwise, with the ids that contain it or the nearest ones."""
     src = open_log(path)
     config, _ = src.lenient_config()
     rows = [_row(s) for s in walk(src.frames(), config, lambda rid: rid == request)]
     if rows:
         return RequestLife(rows, request, config, src.damage, src.name)
     damage = src.damage
-    candidates: dict[str, None] = {}
+    ids: dict[str, str] = {}  # every id, in arrival order (its lives are read below)
     for frame in src.frames():
         for e in frame.events:
-            if request in e.req_id and e.req_id != POOL:
-                candidates[e.req_id] = None
-    candidates_list = list(candidates)
-    if len(candidates_list) != 1:
-        raise RequestNotFound(request, candidates_list)
-    rid = candidates_list[0]
+            if e.req_id and e.req_id != POOL:
+                ids.setdefault(e.req_id, e.req_id)
+    rid = ids[resolve(request, ids)[0]]
     rows = [_row(s) for s in walk(src.frames(), config, lambda r: r == rid)]
     return RequestLife(rows, rid, config, src.damage or damage, src.name)
 
@@ -358,3 +344,65 @@ def collapse(rows: Sequence[Row]) -> list[Entry]:
             j = i + 1
         i = j
     return out
+
+
+# --- every request, one line each ----------------------------------------------------------
+
+
+@attrs.frozen
+class RequestLine:
+    """One request life in ``show``'s list: what ``show --request`` would tell at length."""
+
+    request: str  # its life label (id, or id#2 for a reused id's second life)
+    req_id: str
+    admissions: int
+    preemptions: int
+    prompt: int
+    asked: int  # tokens its admissions' lookups asked about
+    local: int  # of them, in vLLM's own prefix cache
+    loaded: int  # tokens loaded from the pool (planned), whole life
+    missed: int  # tokens missed (kvledger explain), by its admissions' lookups
+    problems: int  # kvledger check's problems about it
+    end: str  # its finish reason, or its phase at the end of the log
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def request_lines(path: LogPath | LogSource) -> tuple[list[RequestLine], StopInfo | None]:
+    """Every request life of a log, in arrival order, from its tidy tables
+    (``replay.tables``: the same numbers as ``export``, ``sql``, ``stats`` and ``explain``),
+    and the log's damage."""
+    from replay.tables import collect  # the tables' builder: loaded only for the list
+
+    rows, info = collect(path, ["requests", "admissions", "misses", "problems"])
+    asked: dict[str, int] = {}
+    local: dict[str, int] = {}
+    for a in rows["admissions"]:
+        asked[a["request"]] = asked.get(a["request"], 0) + (a["asked"] or 0)
+        local[a["request"]] = local.get(a["request"], 0) + (a["local_hit"] or 0)
+    missed: dict[str, int] = {}
+    for m in rows["misses"]:
+        missed[m["request"]] = missed.get(m["request"], 0) + m["tokens"]
+    problems: dict[str, int] = {}
+    for p in rows["problems"]:
+        if p["request"] is not None:
+            problems[p["request"]] = problems.get(p["request"], 0) + 1
+    requests = sorted(rows["requests"], key=lambda r: (r["added_step"], r["request"]))
+    lines = [
+        RequestLine(
+            r["request"],
+            r["req_id"],
+            r["admissions"],
+            r["preemptions"],
+            r["prompt_len"],
+            asked.get(r["request"], 0),
+            local.get(r["request"], 0),
+            r["tokens_loaded"],
+            missed.get(r["request"], 0),
+            problems.get(r["request"], 0),
+            r["finish_reason"] or r["phase"],
+        )
+        for r in requests
+    ]
+    return lines, info.damage

@@ -83,6 +83,8 @@ def check_recorded_into(
             result.problems.append(problem)
         return first
 
+    live: set[str] = set()  # requests added and not finished: vLLM's, as the log tells
+    peak_live = 0
     for frame in source.frames():
         frames += 1
         if frame.step != last_step:
@@ -95,6 +97,10 @@ def check_recorded_into(
                 seen_request = True
             if e.__class__ is ev.RequestAdded:
                 requests += 1
+                live.add(e.req_id)
+                peak_live = max(peak_live, len(live))
+            elif e.__class__ is ev.Finished:
+                live.discard(e.req_id)
             found: list[Violation] = rules.apply(e)
             if e.__class__ in (ev.BlockDigested, ev.LoadDigested):
                 found = found + book.apply(e)
@@ -156,7 +162,7 @@ def check_recorded_into(
         "frames": frames,
         "steps": steps,
         "requests": requests,
-        "peak_live_requests": 0,
+        "peak_live_requests": peak_live,
         "steady_decode_steps": 0,
         "by_type": by_type,
         "recorded": {

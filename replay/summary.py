@@ -104,6 +104,9 @@ class Stats:
     format_version: str = ""
     run_id: str = ""
     config_problem: str | None = None
+    # A recorder's log (connector/recorder.py): the lookups are the wrapped connector's, whose
+    # own hits are not in the log; only vLLM's prefix cache and what vLLM accepted are.
+    recorded: bool = False
     damage: StopInfo | None = None
 
     @property
@@ -149,6 +152,7 @@ def stats(path: LogPath | LogSource) -> Stats:
         format_version=f"{h.get('major', '?')}.{h.get('minor', '?')}",
         run_id=str(h.get("run_id", "")),
         config_problem=config_problem,
+        recorded=is_recorded(src.run_info),
     )
     by_type: Counter[type[ev.Event]] = Counter()
     reasons: Counter[str] = Counter()

@@ -180,7 +180,7 @@ def test_every_command_takes_json() -> None:
     [
         ["stats", "--json"],  # LOG missing
         ["check", str(LOG), "--limit", "-1", "--json"],
-        ["show", str(LOG), "--json"],  # --request missing
+        ["show", "--json"],  # LOG missing
         ["demo", "--blocks", "2", "--json"],  # refused before vLLM is imported
     ],
 )
