@@ -62,7 +62,7 @@ def test_show_without_a_request_lists_them(capsys: Any) -> None:
 def test_a_typo_gets_the_nearest_ids(capsys: Any) -> None:
     lines, _ = lives.request_lines(CLEAN)
     name = lines[0].req_id
-    typo = name + "1"  # a stray key: the id itself is the nearest
+    typo = name[:2] + name[2] + name[2:]  # a key struck twice: the id itself is the nearest
     for argv in (["show", str(CLEAN), "-r", typo], ["explain", str(CLEAN), "--request", typo]):
         assert main(argv) == 2
         err = capsys.readouterr().err
