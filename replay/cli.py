@@ -421,6 +421,9 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         w(f"  ERROR     {result.error}\n")
     if result.incomplete is not None:
         w(f"  INCOMPLETE {result.incomplete}\n")
+    elif result.stopped_by is not None:
+        w(f"  ended     on {result.stopped_by}: the log was sealed when the engine was asked to "
+          "stop (docs/using-with-vllm.md, How the log ends)\n")  # fmt: skip
     elif result.ending == "unknown":
         w("  ending    written before end records existed (format 1.0): whether the log is "
           "complete cannot be told\n")  # fmt: skip

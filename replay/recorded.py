@@ -152,6 +152,7 @@ def check_recorded_into(
         result.error = f"no request {request!r} in the log"
     result.stop = source.stop
     result.ending = source.ending
+    result.stopped_by = source.stopped_by
     if result.incomplete is None and source.ending in ("open", "rotated"):
         result.incomplete = source.describe_ending()
     inputs = sum(n for t, n in by_type.items() if t in {c.__name__ for c in _INPUTS})

@@ -272,6 +272,8 @@ class CheckResult:
     # the writer dropped. None: complete (or too old to tell: ``ending`` is "unknown").
     incomplete: str | None = None
     ending: str | None = None
+    # A log sealed when the engine was asked to stop: the signal (connector/stopping.py).
+    stopped_by: str | None = None
     stopped_early: bool = False
     counts: dict[str, Any] = attrs.field(factory=dict)
     totals: dict[str, dict[str, int]] = attrs.field(
@@ -314,6 +316,7 @@ class CheckResult:
             "bad_option": self.bad_option,
             "stop": None if self.stop is None else attrs.asdict(self.stop),
             "ending": self.ending,
+            "stopped_by": self.stopped_by,
             "incomplete": self.incomplete,
             "request": self.request,
             "first": self.first,
@@ -780,6 +783,7 @@ class _Checker:
             progress(total_bytes, total_bytes)
         result.stop = source.stop
         result.ending = source.ending
+        result.stopped_by = source.stopped_by
         if result.incomplete is None and source.ending in ("open", "rotated"):
             result.incomplete = source.describe_ending()
         result.counts = {

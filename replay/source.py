@@ -158,6 +158,14 @@ class LogSource:
         return self._reader.ending
 
     @property
+    def stopped_by(self) -> str | None:
+        """For a log sealed when the engine was asked to stop (connector/stopping.py), how it
+        was asked: the end record's ``stop`` (``"SIGINT"``, ``"SIGTERM"``); else None."""
+        end = self._reader.end
+        stop = None if end is None else end.get("stop")
+        return stop if isinstance(stop, str) else None
+
+    @property
     def last_step(self) -> int | None:
         return self._reader.last_step
 
@@ -187,7 +195,10 @@ class LogSource:
         ending = self.ending
         if ending is None:
             return ""
-        return ENDINGS[ending].format(last_step=self.last_step)
+        text = ENDINGS[ending].format(last_step=self.last_step)
+        if self.last_step is None:  # killed before its first step was written
+            text = text.replace("after step None", "before its first step")
+        return text
 
     def config(self) -> TrackerConfig:
         """The run's ``TrackerConfig``, strictly read (a bad header value raises

@@ -143,3 +143,24 @@ def test_after_a_seal_every_write_leaves_a_complete_log_of_everything_written(
     w.close()
     frames, reader = snapshot(w.path, tmp)
     assert reader.ending == "closed" and [e.req_id for e in events_of(frames)] == appended
+
+
+def test_check_says_how_a_sealed_log_ended(tmp_path: Path, capsys: object) -> None:
+    """``kvledger check`` of a sealed log exits 0 and names the stop; of a log whose engine
+    was killed before its first step, it says so in words."""
+    from replay.cli import main
+    from replay.replayer import check
+
+    w = LogWriter(tmp_path / "run.kvlog", {"block_size": 16, "chunk_size": 32}, fsync="never")
+    w.append(ev.RequestAdded(0, "a", (1, 2, 3)))
+    w.seal("SIGTERM")
+    result = check(w.path)
+    assert result.exit_code == 0 and result.stopped_by == "SIGTERM"
+    assert result.to_dict()["stopped_by"] == "SIGTERM"
+    assert main(["check", str(w.path)]) == 0
+    assert "ended     on SIGTERM: the log was sealed" in capsys.readouterr().out  # type: ignore[attr-defined]
+    empty = LogWriter(tmp_path / "empty.kvlog", {"block_size": 16, "chunk_size": 32})
+    result = check(empty.path)
+    assert result.exit_code == 3 and result.stopped_by is None
+    assert result.incomplete is not None and "before its first step" in result.incomplete
+    empty.close()
