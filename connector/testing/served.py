@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Server", "ServerSpec", "free_port"]
+__all__ = ["Server", "ServerSpec", "free_port", "group_members"]
 
 
 def free_port() -> int:
@@ -123,15 +123,21 @@ class Server:
             f"vLLM's server did not serve in {timeout:.0f} s:\n{self.output()[-4000:]}"
         )
 
-    def group_alive(self) -> bool:
-        """Whether any process of the server's group (the server, its engine core, the
-        engine core's workers) is still running."""
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        # A zombie server (not reaped yet) still counts the group as present.
-        return self.proc.poll() is None or _group_has_live(self.proc.pid)
+    def engine_core(self) -> int:
+        """The pid of the server's engine core (vLLM names the process ``VLLM::EngineCore``)."""
+        cores = [p for p, name in group_members(self.proc.pid).items() if "EngineCore" in name]
+        if len(cores) != 1:
+            raise RuntimeError(f"expected one engine core, found {group_members(self.proc.pid)}")
+        return cores[0]
+
+    def wait_group(self, timeout: float = 120.0) -> None:
+        """Wait until every process of the server's group has ended."""
+        deadline = time.monotonic() + timeout
+        while _group_has_live(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _group_has_live(self.proc.pid):
+            self.kill()
+            raise TimeoutError(f"the server's process group outlived {timeout} s")
 
     def stop(self, sig: signal.Signals, *, group: bool, timeout: float = 120.0) -> int:
         """Send ``sig`` to the whole process group (``group=True``: a terminal's Ctrl-C) or
@@ -141,13 +147,8 @@ class Server:
             os.killpg(self.proc.pid, sig)
         else:
             self.proc.send_signal(sig)
-        deadline = time.monotonic() + timeout
         self.returncode = self.proc.wait(timeout)
-        while _group_has_live(self.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if _group_has_live(self.proc.pid):
-            self.kill()
-            raise TimeoutError(f"the server's process group outlived {sig.name} by {timeout} s")
+        self.wait_group(timeout)
         return self.returncode
 
     def kill(self) -> None:
@@ -205,17 +206,27 @@ class Server:
         return total
 
 
-def _group_has_live(pgid: int) -> bool:
-    """Whether a process of group ``pgid`` is alive and not a zombie (read from /proc)."""
+def group_members(pgid: int) -> dict[int, str]:
+    """The live processes of group ``pgid`` (not zombies), pid -> name (``VLLM::EngineCore``,
+    ``VLLM::Worker``: vLLM names its processes), read from /proc."""
+    found: dict[int, str] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                head, tail = f.read().rsplit(")", 1)
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
+        fields = tail.split()
         state, pgrp = fields[0], int(fields[2])
         if pgrp == pgid and state != "Z":
-            return True
-    return False
+            found[int(entry)] = cmdline or head.split("(", 1)[1]
+    return found
+
+
+def _group_has_live(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` is alive and not a zombie."""
+    return bool(group_members(pgid))

@@ -40,11 +40,17 @@ def rounds(model: str) -> list[tuple[list[list[int]], int]]:
     return [(overflow, 96), (overflow, 16), (shared, 16)]
 
 
-def serve(model: str, kv: dict[str, Any] | None, sig: signal.Signals, group: bool) -> Any:
+def serve(
+    model: str,
+    kv: dict[str, Any] | None,
+    sig: signal.Signals,
+    group: bool,
+    extra_args: Sequence[str] = (),
+) -> Any:
     """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``."""
     from connector.testing.served import Server, ServerSpec
 
-    spec = ServerSpec(model, kv_transfer_config=kv, **ENGINE)
+    spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **ENGINE)
     with Server(spec) as server:
         outputs = [server.complete(p, n) for p, n in rounds(model)]
         preemptions = server.metric("vllm:num_preemptions_total")
@@ -89,14 +95,28 @@ def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"]
+    ("sig", "group", "extra_args"),
+    [
+        (signal.SIGINT, True, ()),
+        (signal.SIGTERM, False, ()),
+        (signal.SIGTERM, False, ("--shutdown-timeout", "10")),
+    ],
+    ids=["ctrl-c", "sigterm", "sigterm-shutdown-timeout"],
 )
 def test_served_outputs_and_a_complete_log(
-    tiny_model: str, base: Any, tmp_path: Path, sig: signal.Signals, group: bool
+    tiny_model: str,
+    base: Any,
+    tmp_path: Path,
+    sig: signal.Signals,
+    group: bool,
+    extra_args: tuple[str, ...],
 ) -> None:
-    """Same tokens as without the connector; preempted and pool-hit requests; after the stop,
-    the log is complete and checks clean, and stats shows the preemptions and the loads."""
-    outputs, preemptions, _, output = serve(tiny_model, connector_config(tmp_path), sig, group)
+    """Same tokens as without the connector; preempted and pool-hit requests; after the stop
+    (by Ctrl-C; by SIGTERM to the server, which vLLM follows with SIGKILL to the engine core at
+    once, or after draining with --shutdown-timeout), the log is complete and checks clean, and
+    stats shows the preemptions and the loads."""
+    kv = connector_config(tmp_path)
+    outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, extra_args)
     base_outputs, base_preemptions, _, _ = base
     assert_same(base_outputs, outputs)
     assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
@@ -112,3 +132,60 @@ def test_served_outputs_and_a_complete_log(
     doc = json.loads(stats.stdout)
     assert doc["preemptions"] > 0
     assert doc["tokens_loaded"] > 0
+
+
+# --- the other ordinary ways an engine stops --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mp", "end"),
+    [("1", "normal"), ("0", "normal"), ("1", "raise")],
+    ids=["multiprocessing", "in-process", "uncaught-exception"],
+)
+def test_an_offline_script_ends_with_a_complete_log(
+    tiny_model: str, tmp_path: Path, mp: str, end: str
+) -> None:
+    """``vllm.LLM`` in a script that just ends (vLLM's default multiprocessing, or the engine
+    in the script's process, or an uncaught exception after generating): nothing closes the
+    connector by hand, and the log is complete."""
+    import json
+
+    done = subprocess.run(
+        [sys.executable, "-m", "connector.testing.offline", tiny_model, str(tmp_path),
+         "--multiprocessing", mp, "--end", end],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == (0 if end == "normal" else 1), done.stderr[-3000:]
+    outputs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert outputs[0] == outputs[1] and all(len(o) == 48 for o in outputs[0])
+    check = kvledger("check", the_log(tmp_path))
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_killed_server_leaves_its_engine_core_writing_until_it_is_stopped(
+    tiny_model: str, tmp_path: Path
+) -> None:
+    """The server SIGKILLed: vLLM 0.32's engine core does not watch its parent, so it lives
+    on, and its log is honestly open (check exits 3: the engine is still writing it). The
+    orphan stopped by SIGTERM (a service manager cleaning up) seals it: complete, exit 0."""
+    from connector.testing.served import Server, ServerSpec
+
+    spec = ServerSpec(tiny_model, kv_transfer_config=connector_config(tmp_path), **ENGINE)
+    with Server(spec) as server:
+        server.complete(rounds(tiny_model)[0][0], 16)
+        core = server.engine_core()
+        server.proc.kill()
+        server.proc.wait(60)
+        import os
+        import time
+
+        time.sleep(5)
+        os.kill(core, 0)  # still alive: an orphan
+        still = kvledger("check", the_log(tmp_path))
+        assert still.returncode == 3 and "still writing" in still.stdout, still.stdout
+        os.kill(core, signal.SIGTERM)
+        server.wait_group()
+        server.returncode = -9
+    check = kvledger("check", the_log(tmp_path))
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "ended     on SIGTERM" in check.stdout
