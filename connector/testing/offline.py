@@ -6,7 +6,7 @@ processes, so the work sits under ``if __name__ == "__main__"``)::
 
 ``--multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING`` (1, vLLM's default: the engine
 core in a process of its own; 0: in this one). ``--end raise``: the script ends by an uncaught
-exception instead of returning. Prints the generated token ids as JSON on its last line.
+exception instead of returning. Prints the generated token ids as JSON on a line starting with ``OUTPUTS``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def main() -> None:
         [list(o.outputs[0].token_ids) for o in llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)]
         for _ in range(2)
     ]  # fmt: skip
-    print(json.dumps(outs), flush=True)
+    print("OUTPUTS", json.dumps(outs), flush=True)
     if args.end == "raise":
         raise RuntimeError("the script fails after generating (an uncaught exception)")
 

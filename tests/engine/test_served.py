@@ -156,7 +156,8 @@ def test_an_offline_script_ends_with_a_complete_log(
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert done.returncode == (0 if end == "normal" else 1), done.stderr[-3000:]
-    outputs = json.loads(done.stdout.strip().splitlines()[-1])
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("OUTPUTS ")]
+    outputs = json.loads(line.removeprefix("OUTPUTS "))
     assert outputs[0] == outputs[1] and all(len(o) == 48 for o in outputs[0])
     check = kvledger("check", the_log(tmp_path))
     assert check.returncode == 0, check.stdout + check.stderr
