@@ -668,6 +668,12 @@ def _add_views(sub: Any) -> None:
     p.add_argument(
         "--tables", action="store_true", help="list the tables and their columns (no query)"
     )
+    p.add_argument(
+        "--allow-files",
+        action="store_true",
+        help="let the query read and write files, attach databases and load extensions "
+        "(DuckDB's defaults); without it a query reads the tables and nothing else",
+    )
     p.set_defaults(handler=_sql)
 
     p = sub.add_parser(
@@ -1197,7 +1203,7 @@ def _sql(args: argparse.Namespace) -> int:
     if len(args.sources) < 2:
         return _fail('sql: give a source and a query: kvledger sql LOG "SELECT ..."')
     *sources, query = args.sources
-    result = sql.query(sources, query)
+    result = sql.query(sources, query, allow_files=args.allow_files)
     status = _warn_damage(", ".join(sources), *result.damage)
     if args.json:
         _json(result.to_dicts())
