@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from replay.format import describe_event
+from replay.format import describe_event, elide
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.config import TrackerConfig
@@ -40,7 +40,7 @@ class RequestNotFound(LookupError):
         self.request = request
         self.candidates = tuple(candidates)
         if len(self.candidates) > 1:
-            shown = ", ".join(self.candidates[:10])
+            shown = ", ".join(elide(c) for c in self.candidates[:10])
             more = "" if len(self.candidates) <= 10 else f" (+{len(self.candidates) - 10} more)"
             msg = f"request {request!r} is ambiguous: {shown}{more}"
         else:
