@@ -1078,6 +1078,15 @@ def _stats(args: argparse.Namespace) -> int:
         ],
         ["violations", str(st.violations_total)],
     ]
+    if st.malformed:
+        rows.append(
+            [
+                "malformed",
+                f"{sum(st.malformed.values())} (events that say something impossible: "
+                + ", ".join(f"{k} x{n}" for k, n in st.malformed.items())
+                + ")",
+            ]
+        )
     dg = st.digests
     if dg.get("digested") or dg.get("loaded"):
         rows.insert(

@@ -1,5 +1,6 @@
 """``stats``: what a log holds, counted in one pass: requests, steps, events by type,
-preemptions, lookup hit rates, tokens loaded and saved, violations by rule, bytes per event."""
+preemptions, lookup hit rates, tokens loaded and saved, violations by rule, events that say
+something impossible by rule (``tracker.wellformed``), bytes per event."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tracker.digests import DigestBook
 from tracker.history import walk
 from tracker.log import Frame, StopInfo
 from tracker.state import RequestState
+from tracker.wellformed import Wellformed
 
 __all__ = ["LookupStats", "Stats", "stats"]
 
@@ -89,6 +91,9 @@ class Stats:
     chunks_confirmed: int = 0
     chunks_failed: int = 0
     violations: dict[str, int] = attrs.field(factory=dict)
+    # Events that say something impossible, by the rule of tracker/wellformed.py they break
+    # (a ViolationRecorded of the run names them too, when it recorded them).
+    malformed: dict[str, int] = attrs.field(factory=dict)
     # KV-content digests (tracker/digests.py): blocks digested, loaded blocks judged, verified,
     # mismatched, unchanged, unverifiable.
     digests: dict[str, int] = attrs.field(factory=dict)
@@ -156,6 +161,8 @@ def stats(path: LogPath | LogSource) -> Stats:
     last_pos = -1
     decoded = 0
     book = DigestBook()
+    wellformed = Wellformed()
+    malformed: Counter[str] = Counter()
     for item in walk(src.frames(), config):
         pos = item.pos
         if pos == last_pos:
@@ -173,6 +180,9 @@ def stats(path: LogPath | LogSource) -> Stats:
                 prev_step = frame.step
         cls = e.__class__
         by_type[cls] += 1
+        bad = wellformed.check(e)
+        if bad:
+            malformed.update(v.rule for v in bad)
         if cls is ev.Scheduled:
             if e.admission is running:  # type: ignore[attr-defined]
                 continue  # the hot path: nothing to count beyond the type
@@ -232,6 +242,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     st.events_by_type = {cls.__name__: n for cls, n in by_type.most_common()}
     st.finish_reasons = dict(reasons.most_common())
     st.violations = dict(rules.most_common())
+    st.malformed = dict(malformed.most_common())
     st.digests = book.stats.to_dict()
     st.damage = src.damage
     return st

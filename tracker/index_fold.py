@@ -15,6 +15,9 @@ The effects:
   saves over the failed range (their KV was computed over wrong KV);
 - any other event that revoked a load still in flight (a preemption) unpins its chunks. A
   finished request keeps its pins until its load result: the worker may still read the slots.
+
+A pool event or a plan that says something impossible (``tracker.wellformed``: an empty key, a
+negative slot, keys and slots of different lengths) changes nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.plans import failed_load_keys
 from tracker.state import RequestState
+from tracker.wellformed import malformed
 
 __all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input"]
 
@@ -53,7 +57,7 @@ def _revoke(
 
 def _save_planned(index: ChunkIndex, e: ev.Event, *_: object) -> None:
     assert isinstance(e, ev.SavePlanned)
-    if e.keys:
+    if e.keys and not malformed(e):
         index.apply_save_planned(e.keys, e.slots, e.evicted)
 
 
@@ -110,12 +114,14 @@ def _load_failed(
 
 def _chunk_stored(index: ChunkIndex, e: ev.Event, *_: object) -> None:
     assert isinstance(e, ev.ChunkStored)
-    index.apply_stored(e.key, e.slot)
+    if not malformed(e):
+        index.apply_stored(e.key, e.slot)
 
 
 def _chunk_evicted(index: ChunkIndex, e: ev.Event, *_: object) -> None:
     assert isinstance(e, ev.ChunkEvicted)
-    index.apply_evicted(e.key)
+    if not malformed(e):
+        index.apply_evicted(e.key)
 
 
 def _nothing(*_: object) -> None:
