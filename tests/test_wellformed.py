@@ -220,3 +220,11 @@ def test_the_recorded_rules_judge_nothing_malformed() -> None:
     assert [v.rule for v in rules.apply(ev.Allocated(0, "a", (1, 2, 3), 16))] == [
         "accepted_beyond_offer"
     ]
+
+
+def test_a_value_of_the_wrong_type_is_named_not_raised() -> None:
+    """Events read from a log hold the codec's types; one built in memory may not (a None
+    where vLLM gave nothing): the check stays total."""
+    e = ev.Scheduled(0, "a", None, 1)  # type: ignore[arg-type]
+    assert not wf.sound(e)
+    assert [(v.rule, v.detail["field"]) for v in wf.malformed(e)] == [("field_range", "?")]

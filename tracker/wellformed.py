@@ -266,9 +266,12 @@ def malformed(event: ev.Event) -> list[Violation]:
     """What is impossible about ``event`` on its own (empty when nothing): a ``Violation``
     per broken rule, naming the field. Never raises."""
     entry = _TABLE.get(event.__class__)
-    if entry is None or entry[2](event):  # sound: the common case, a few comparisons
-        return []
-    found = broken(event)
+    try:
+        if entry is None or entry[2](event):  # sound: the common case, a few comparisons
+            return []
+        found = broken(event)
+    except Exception as exc:  # a value of a type no log holds (an event built in memory)
+        found = [("field_range", "?", {"error": f"{type(exc).__name__}: {exc}"[:200]})]
     name = event.__class__.__name__
     rid = event.req_id
     return [Violation(rule, event.step, rid, name, {"field": f, **d}) for rule, f, d in found]
@@ -339,9 +342,12 @@ def broken(event: ev.Event) -> list[tuple[str, str, dict[str, Any]]]:
 
 def sound(event: ev.Event) -> bool:
     """Whether ``event`` breaks none of its type's rules: the check :func:`malformed` runs
-    first, generated from :data:`SPECS` (a type it does not know is sound)."""
+    first, generated from :data:`SPECS` (a type it does not know is sound). Never raises."""
     entry = _TABLE.get(event.__class__)
-    return entry is None or bool(entry[2](event))
+    try:
+        return entry is None or bool(entry[2](event))
+    except Exception:
+        return False
 
 
 class Wellformed:
