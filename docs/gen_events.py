@@ -178,7 +178,10 @@ def _enclosing(before: str) -> str:
 
 def rules_table() -> str:
     """Every rule name the core can report, and the function that reports it."""
-    found: dict[str, list[str]] = {}
+    from tracker.wellformed import RULES
+
+    # tracker/wellformed.py's rules come from its table, not from a call naming each.
+    found: dict[str, list[str]] = {rule: ["`tracker/wellformed.py` `malformed`"] for rule in RULES}
     for path in sorted((ROOT / "tracker").glob("*.py")):
         src = path.read_text()
         for m in re.finditer(r'(?:_violation|_v|Violation|refuse)\(\s*"(\w+)"', src):
@@ -256,12 +259,71 @@ def records_table() -> str:
     return "\n".join(out)
 
 
+def wellformed_table() -> str:
+    """What no event of each type can say: tracker/wellformed.py's table, in words."""
+    import typing
+
+    from tracker import wellformed as wf
+
+    about = {
+        wf.ONE: "empty (`field_empty`)",
+        wf.NONE: "set (`req_id_unexpected`)",
+        wf.ANY: "(either is fine)",
+    }
+    out = ["| tag | type | impossible, each a violation (its rule) |", "|---|---|---|"]
+    for cls in sorted(ev.EVENT_TYPES, key=lambda c: c.TAG):
+        spec = wf.SPECS[cls]
+        hints = typing.get_type_hints(cls)
+
+        def each(names: tuple[str, ...] | list[str]) -> str:
+            return ", ".join(
+                f"an element of `{n}`" if typing.get_origin(hints[n]) is tuple else f"`{n}`"
+                for n in names
+            )
+
+        said = [f"`req_id` {about[spec.about]}"]
+        wide = [f for f in wf._int_fields(cls) if f not in spec.nonneg]
+        if wide:
+            said.append(f"{each(wide)} beyond a signed 64 bits (`field_range`)")
+        if spec.nonneg:
+            said.append(
+                f"{each(spec.nonneg)} below 0 (`field_negative`) or beyond 64 bits (`field_range`)"
+            )
+        if spec.signed64:
+            said.append(f"{each(spec.signed64)} beyond a signed 64 bits (`field_range`)")
+        for group in spec.pairs:
+            said.append(f"{_names(group)} of different lengths (`field_lengths`)")
+        for low, high in spec.order:
+            said.append(f"`{low}` > `{high}` (`field_order`)")
+        if spec.nonempty:
+            said.append(f"{each(spec.nonempty)} empty (`field_empty`)")
+        for name in spec.distinct:
+            said.append(f"a number twice in `{name}` (`field_repeated`)")
+        if spec.extra is not None:
+            said.append(f"{' '.join((spec.extra.__doc__ or '').split())} (`{spec.extra_rule}`)")
+        if cls is ev.RemoteOutage:
+            said.append(
+                "right after another, with no `RemoteRestored` between (`remote_outage_twice`)"
+            )
+        if cls is ev.RemoteRestored:
+            said.append(
+                "with no `RemoteOutage` before it since the last one (`remote_restored_twice`)"
+            )
+        out.append(f"| {cls.TAG} | `{cls.__name__}` | {'; '.join(said)} |")
+    return "\n".join(out)
+
+
+def _names(fields: tuple[str, ...] | list[str]) -> str:
+    return ", ".join(f"`{f}`" for f in fields)
+
+
 TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "events": (events_table, "docs/events.md"),
     "admission": (admission_table, "docs/events.md"),
     "transitions": (transitions_table, "docs/architecture.md"),
     "rules": (rules_table, "docs/debugging.md"),
     "records": (records_table, "docs/log-format.md"),
+    "wellformed": (wellformed_table, "docs/reliability.md"),
 }
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 from replay import charts, demo, lives, summary, tail
 from replay.divergence import ORDERS, DiffResult, EventAt, diff
 from replay.extras import MissingExtra, Output, progress_bar
-from replay.format import event_fields, format_event
+from replay.format import WIDE, elide, event_fields, format_event
 from replay.logreader import newest_log
 from replay.naming import RequestNotFound
 from replay.source import LogUnreadable, MissingSegments, take_opened, watch_opened
@@ -283,7 +283,7 @@ def _fmt_decisions(ds: Sequence[Any]) -> list[str]:
 
 def render_problem(n: int, p: Problem, out: TextIO) -> None:
     w = out.write
-    w(f"problem {n}: step {p.step}, request {p.req_id or '-'}: {p.headline()}\n")
+    w(f"problem {n}: step {p.step}, request {elide(p.req_id) or '-'}: {elide(p.headline())}\n")
     if p.event is not None:
         w(f"  event     {format_event(p.event)}\n")
     if p.offset >= 0:
@@ -302,13 +302,17 @@ def render_problem(n: int, p: Problem, out: TextIO) -> None:
         for line in lines[1:]:
             w(f"            {line}\n")
     if p.detail and p.kind != "error":
-        w(f"  detail    {p.detail}\n")
+        w(f"  detail    {elide(p.detail, _LINE)}\n")
     w(f"  before    {_state_line(p.before)}\n")
     w(f"  after     {_state_change(p.before, p.after)}\n")
 
 
 def _n(x: int) -> str:
     return f"{x:,}"
+
+
+# The widest line of prose a value from a log (an error, a problem's detail) may make.
+_LINE = 2 * WIDE
 
 
 def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
@@ -330,11 +334,11 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         _render_what_if(result, out, limit)
     c = result.counts
     info = result.run_info
-    made = [f"format {info.get('major', '?')}.{info.get('minor', '?')}"]
+    made = [elide(f"format {info.get('major', '?')}.{info.get('minor', '?')}")]
     if "library_version" in info:
-        made.append(f"kvledger {info['library_version']}")
+        made.append(f"kvledger {elide(str(info['library_version']))}")
     if "vllm_version" in info:
-        made.append(f"vLLM {info['vllm_version']}")
+        made.append(f"vLLM {elide(str(info['vllm_version']))}")
     w("summary\n")
     w(f"  log       {', '.join(result.paths)} ({', '.join(made)})\n")
     cfg = {k: v for k, v in result.config.items() if k not in ("salt", "strict")}
@@ -349,7 +353,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     rec, der = result.totals["recorded"], result.totals["derived"]
     recorder = c.get("recorded")
     if recorder is not None:  # a recorder's log: the wrapped connector's answers, judged
-        inner = (result.run_info.get("recorder") or {}).get("inner", "?")
+        inner = elide(str((result.run_info.get("recorder") or {}).get("inner", "?")))
         w(
             f"  recorder  wrapping {inner}: {_n(recorder['lookups'])} lookups answered, "
             f"{_n(recorder['loads'])} loads accepted by vLLM ({recorder['async_loads']} async)\n"
@@ -390,11 +394,11 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         rules = Counter(v.rule for v in result.recorded_violations)
         w(
             "  recorded violations (facts of the run, applied as recorded): "
-            + ", ".join(f"{r} x{n}" for r, n in rules.items())
+            + ", ".join(f"{elide(r)} x{n}" for r, n in rules.items())
             + "\n"
         )
         for v in result.recorded_violations[:limit]:
-            w(f"            {v.describe()}\n")
+            w(f"            {elide(v.describe(), _LINE)}\n")
     if result.request is not None:
         w(f"  request   only {result.request}'s problems are reported")
         w(f" ({result.problems_elsewhere} elsewhere)\n" if result.problems_elsewhere else "\n")
@@ -402,11 +406,14 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         names = Counter(f"{p.name}" for p in result.problems)
         w(
             f"  problems  {result.problems_total}: "
-            + ", ".join(f"{k} x{n}" for k, n in names.most_common())
+            + ", ".join(f"{elide(k)} x{n}" for k, n in names.most_common())
             + "\n"
         )
         first = result.problems[0]
-        w(f"  first     step {first.step}, request {first.req_id or '-'}: {first.headline()}\n")
+        w(
+            f"  first     step {first.step}, request {elide(first.req_id) or '-'}: "
+            f"{elide(first.headline())}\n"
+        )
         if result.stopped_early:
             w("            (stopped there: --first)\n")
         elif result.problems_total > 1:
@@ -418,7 +425,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
             f"            every complete frame before it was checked\n"
         )
     if result.error is not None:
-        w(f"  ERROR     {result.error}\n")
+        w(f"  ERROR     {elide(result.error, _LINE)}\n")
     if result.incomplete is not None:
         w(f"  INCOMPLETE {result.incomplete}\n")
     elif result.stopped_by is not None:
@@ -439,7 +446,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     elif code == 3:
         verdict = "incomplete: no problem in what the log holds, but it is not the whole run"
     elif result.stop is None and result.error is not None:
-        verdict = result.error  # read to its end, yet not checkable as asked (--request ...)
+        # Read to its end, yet not checkable as asked (--request ...).
+        verdict = elide(result.error, _LINE)
     else:
         verdict = "the log could not be read to its end" + (
             f"; {result.problems_total} problems before that" if result.problems_total else ""
@@ -466,6 +474,7 @@ def _render_what_if(result: CheckResult, out: TextIO, limit: int) -> None:
         for r, v in rows
         if v["loaded"][0] != v["loaded"][1] or v["saved"][0] != v["saved"][1]
     ]
+    differing = [(elide(r), v) for r, v in differing]
     width = max([len("request"), *(len(r) for r, _ in differing[:limit])])
     w(
         f"  {'request':<{width}}  {'loaded: recorded -> what-if':>28}  {'saved: recorded -> what-if':>27}\n"
@@ -682,6 +691,12 @@ def _add_views(sub: Any) -> None:
     p.add_argument(
         "--tables", action="store_true", help="list the tables and their columns (no query)"
     )
+    p.add_argument(
+        "--allow-files",
+        action="store_true",
+        help="let the query read and write files, attach databases and load extensions "
+        "(DuckDB's defaults); without it a query reads the tables and nothing else",
+    )
     p.set_defaults(handler=_sql)
 
     p = sub.add_parser(
@@ -829,10 +844,10 @@ def _tail(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(item.to_dict()), flush=True)
         else:
-            print(item.describe(), flush=True)
+            print(elide(item.describe(), 4 * _LINE), flush=True)
 
     def started(follower: Any) -> None:
-        run = (follower.header or {}).get("run_id", "?")
+        run = elide(str((follower.header or {}).get("run_id", "?")))
         print(f"kvledger: following {follower.first} (run {run})", file=sys.stderr, flush=True)
         if follower.missing_start is not None:  # what check says: exit 2 at the end
             why = MissingSegments(str(follower.first), 0, before=follower.missing_start).why()
@@ -886,7 +901,7 @@ def _print_diff(r: DiffResult, out: Output) -> None:
     out.line(f"A: {r.a} ({r.events_a} events)")
     out.line(f"B: {r.b} ({r.events_b} events)")
     for key, (va, vb) in r.config_changes.items():
-        out.line(f"config {key}: {va!r} -> {vb!r}", style="yellow")
+        out.line(f"config {elide(key)}: {elide(repr(va))} -> {elide(repr(vb))}", style="yellow")
     how = ", ".join(f"{n} by {k}" for k, n in r.aligned_by.items() if n)
     out.line(
         f"requests: {len(r.matched)} matched ({how or 'none'}), "
@@ -904,7 +919,7 @@ def _print_diff(r: DiffResult, out: Output) -> None:
         return
     for side, names in (("A", r.unmatched_a), ("B", r.unmatched_b)):
         if names:
-            shown = ", ".join(names[:10]) + (
+            shown = ", ".join(map(elide, names[:10])) + (
                 f" (+{len(names) - 10} more)" if len(names) > 10 else ""
             )
             out.line(f"only in {side}: {shown}", style="yellow")
@@ -919,16 +934,16 @@ def _print_diff(r: DiffResult, out: Output) -> None:
     }[first.kind]
     of = "the request" if first.stream == "events" else f"its {first.stream}"
     out.line(
-        f"first divergence: step {first.step}, request {first.request}, "
+        f"first divergence: step {first.step}, request {elide(first.request)}, "
         f"event {first.position} of {of}: {what}",
         style="bold red",
     )
     for text in first.describe().splitlines()[1:]:
-        out.line(text)
+        out.line(elide(text, _LINE))
     if first.context:
         out.line("  before it, both logs agree on:")
         for c in first.context:
-            out.line(f"     {c.describe()}")
+            out.line(f"     {elide(c.describe(), _LINE)}")
     out.line()
     renamed = any(d.request_a != d.request_b for d in r.per_request.values())
     columns = ["request", *(["in B"] if renamed else []), "kind", "event #", "step A", "step B"]
@@ -985,7 +1000,7 @@ def _show(args: argparse.Namespace) -> int:
     c = life.config
     shown = "" if len(chosen) == len(life) else f" ({len(chosen)} shown)"
     out.line(
-        f"{life.request}: {len(life)} events{shown} in {life.log} "
+        f"{elide(life.request)}: {len(life)} events{shown} in {life.log} "
         f"(block_size {c.block_size}, chunk_size {c.chunk_size})"
     )
     rows = []
@@ -1137,6 +1152,15 @@ def _stats(args: argparse.Namespace) -> int:
         ],
         ["violations", str(st.violations_total)],
     ]
+    if st.malformed:
+        rows.append(
+            [
+                "malformed",
+                f"{sum(st.malformed.values())} (events that say something impossible: "
+                + ", ".join(f"{k} x{n}" for k, n in st.malformed.items())
+                + ")",
+            ]
+        )
     dg = st.digests
     if dg.get("digested") or dg.get("loaded"):
         rows.insert(
@@ -1330,11 +1354,14 @@ def _timeline(args: argparse.Namespace) -> int:
     result = charts.timeline(args.log, args.out, top=args.top, requests=wanted, steps=steps)
     status = _warn_damage(args.log, result.damage)
     if result.check_error:
-        print(f"kvledger: timeline: problems incomplete: {result.check_error}", file=sys.stderr)
+        print(
+            f"kvledger: timeline: problems incomplete: {elide(result.check_error, _LINE)}",
+            file=sys.stderr,
+        )
     if args.json:
         _json(result.to_dict() | {"exit_code": status})
         return status
-    names = ", ".join(s.label for s in result.series)
+    names = ", ".join(elide(s.label) for s in result.series)
     lo, hi = result.steps
     print(
         f"wrote {result.out}: {len(result.series)} of {result.requests} requests"
@@ -1342,13 +1369,16 @@ def _timeline(args: argparse.Namespace) -> int:
     )
     names_count = Counter(m.name for s in result.series for m in s.problems)
     names_count.update(m.name for m in result.run.problems)
-    marked = ", ".join(f"{name} x{n}" for name, n in names_count.most_common())
+    marked = ", ".join(f"{elide(name)} x{n}" for name, n in names_count.most_common())
     print(
         f"problems: {result.problems_drawn} marked ({marked or 'none'}) of "
         f"{result.problems_total} check found"
     )
     for label, a in result.short_loads():
-        print(f"short load: {label} at step {a.step}: loaded {a.loaded} of {a.accepted} accepted")
+        print(
+            f"short load: {elide(label)} at step {a.step}: loaded {a.loaded} of {a.accepted} "
+            "accepted"
+        )
     return status
 
 
@@ -1414,7 +1444,7 @@ def _sql(args: argparse.Namespace) -> int:
     if len(args.sources) < 2:
         return _fail('sql: give a source and a query: kvledger sql LOG "SELECT ..."')
     *sources, query = args.sources
-    result = sql.query(sources, query)
+    result = sql.query(sources, query, allow_files=args.allow_files)
     status = _warn_damage(", ".join(sources), *result.damage)
     if args.json:
         _json(result.to_dicts())

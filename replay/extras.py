@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import IO, Any, Literal
 
+from replay.format import elide
+
 __all__ = [
     "MissingExtra",
     "Output",
@@ -91,7 +93,8 @@ def progress_bar(stream: IO[str], label: str, *, unit: Literal["bytes", "request
 
 
 class Output:
-    """Tables and lines: rich on a terminal, plain text otherwise."""
+    """Tables and lines: rich on a terminal, plain text otherwise. A table cell wider than
+    :data:`replay.format.WIDE` is elided (:func:`replay.format.elide`)."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream if stream is not None else sys.stdout
@@ -116,7 +119,9 @@ class Output:
         right: Sequence[str] = (),
         styles: Sequence[str] | None = None,
     ) -> None:
-        cells = [["" if v is None else str(v) for v in row] for row in rows]
+        # A cell holds a value read from a log, of any size: each is elided, so that no row
+        # (and, in plain text, no column's padding) grows with it. --json prints it whole.
+        cells = [["" if v is None else elide(str(v)) for v in row] for row in rows]
         if self.console is not None:
             from rich.table import Table
 

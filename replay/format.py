@@ -7,7 +7,10 @@
   them;
 - :func:`event_content`: what two runs must agree on (``diff``);
 - :func:`describe_event`: one short line for a table cell (``show``, ``diff``);
-- :func:`format_event`: the event as a line of ``name=value`` (``check``'s problems).
+- :func:`format_event`: the event as a line of ``name=value`` (``check``'s problems);
+- :func:`elide`: a text cut to a width, saying how long it was: what every command prints of
+  a value read from a log (a 5 MB string is as valid on the wire as a 5-byte one). Tables
+  elide each cell; ``--json`` keeps every value whole.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ import attrs
 from tracker import events as ev
 
 __all__ = [
+    "WIDE",
     "PlainField",
     "describe_event",
+    "elide",
     "event_content",
     "event_dict",
     "event_fields",
@@ -36,6 +41,21 @@ __all__ = [
 _FIELDS: dict[type[ev.Event], tuple[str, ...]] = {
     cls: tuple(f.name for f in attrs.fields(cls))[2:] for cls in ev.EVENT_TYPES
 }
+
+
+WIDE = 200
+"""The widest a value read from a log is printed (a table cell, a field in a line), in
+characters; past it, :func:`elide` cuts it."""
+
+
+def elide(text: str, width: int = WIDE) -> str:
+    """``text`` if it fits in ``width`` characters, else its head and how long it was:
+    ``abc… (5,242,880 chars)``, at most ``width`` characters (a width below 32 still keeps
+    the count)."""
+    if len(text) <= width:
+        return text
+    tail = f"… ({len(text):,} chars)"
+    return text[: max(0, width - len(tail))] + tail
 
 
 def field_names(cls: type[ev.Event]) -> tuple[str, ...]:
@@ -182,7 +202,7 @@ def _value(name: str, v: Any) -> str:
         items = [_value(name, x) for x in v[:12]]
         more = f", ... ({len(v)} in all)" if len(v) > 12 else ""
         return "[" + ", ".join(items) + more + "]"
-    return repr(v) if isinstance(v, str) else str(v)
+    return repr(elide(v)) if isinstance(v, str) else str(v)
 
 
 def _is_default(field: Any, value: Any) -> bool:
@@ -197,7 +217,7 @@ def _is_default(field: Any, value: Any) -> bool:
 def format_event(event: Any) -> str:
     """``Scheduled num_computed=0 num_scheduled=49 ... admission=resumed``: the fields but
     ``step``, ``req_id`` and those at their default; chunk keys as their first 8 hex digits,
-    long token lists cut."""
+    long token lists cut, long strings elided (:func:`elide`)."""
     if event is None:
         return "-"
     fields = [

@@ -3,7 +3,9 @@
 States are the recorded ones: the walk (``tracker.history.walk``) folds the recorded events,
 input facts *and* decisions, under the configuration of the log's header, so each state is
 exactly what the recording Tracker held after that event. (Re-deriving the decisions with this
-version of the code and comparing them is ``kvledger check``'s job, not a view's.)
+version of the code and comparing them is ``kvledger check``'s job, not a view's.) An event
+that says something impossible (``tracker.wellformed``) says so on its row: its ``detail``
+ends with the rules it breaks, and ``violation`` names them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.framing import StopInfo
 from tracker.history import POOL, Folded, walk
+from tracker.wellformed import malformed
 
 __all__ = [
     "Fold",
@@ -57,7 +60,9 @@ class Row:
     preempted: bool
     preemptions: int
     recompute_only: bool
-    violation: str = ""  # the rule, on a ViolationRecorded row
+    # The rule, on a ViolationRecorded row; on an event that breaks tracker.wellformed's
+    # rules, those rules (comma-separated).
+    violation: str = ""
 
     @property
     def blocks(self) -> int:
@@ -105,14 +110,20 @@ class RequestLife(list[Row]):
 def _row(item: Folded) -> Row:
     pos, e, label, s = item.pos, item.event, item.life, item.after
     violation = e.rule if isinstance(e, ev.ViolationRecorded) else ""
+    detail = describe_event(e)
+    bad = malformed(e)
+    if bad:
+        violation = ",".join(dict.fromkeys(v.rule for v in bad))
+        said = ", ".join(f"{v.rule} {v.detail.get('field', '')}".rstrip() for v in bad)
+        detail = f"{detail} ! malformed: {said}".lstrip()
     if s is None:  # an event about a request the log never added
-        return Row(pos, e.step, type(e).__name__, describe_event(e), label,
+        return Row(pos, e.step, type(e).__name__, detail, label,
                    "unknown", 0, 0, 0, (), 0, 0, None, False, False, 0, False, violation)  # fmt: skip
     return Row(
         index=pos,
         step=e.step,
         event=type(e).__name__,
-        detail=describe_event(e),
+        detail=detail,
         life=label,
         phase=s.phase.name.lower(),
         tokens_known=len(s.token_ids),

@@ -49,6 +49,7 @@ from tracker.config import ConfigError, TrackerConfig
 from tracker.framing import LogFormatError, StopInfo
 from tracker.state import RequestState
 from tracker.tracker import Tracker
+from tracker.wellformed import malformed
 
 __all__ = [
     "DIVERGENT_ADMISSION_RULES",
@@ -131,6 +132,8 @@ class Problem:
         elif self.kind == "violation":
             event = type(self.event).__name__ if self.event is not None else "?"
             seen = "recorded by the run too" if self.recorded_too else "not recorded by the run"
+            if self.event is not None and self.event.KIND == "decision":
+                seen = "in a decision the run recorded"  # tracker/wellformed.py's rules
             what = f"rule {self.name} broken at {event} ({seen})"
         elif self.kind == "differential":
             what = f"the wrapped connector's {self.name} differs from kvledger's"
@@ -534,6 +537,29 @@ class _Checker:
                     )
                 )
 
+    def _malformed(self, d: ev.Event, frame: Any, index: int) -> bool:
+        """A recorded decision that says something impossible (tracker/wellformed.py): each
+        rule it breaks is a problem. It is still compared with what this code derives, as
+        any recorded decision. Returns whether the check is done (``--first``)."""
+        for v in malformed(d):
+            detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
+            self._add(
+                Problem(
+                    "violation",
+                    v.rule,
+                    d.step,
+                    d.req_id,
+                    d,
+                    recorded=(typing.cast(ev.DecisionEvent, d),),
+                    path=frame.path,
+                    offset=frame.offset,
+                    seq=frame.seq,
+                    index=index,
+                    detail=detail,
+                )
+            )
+        return self.done
+
     def _unexplained(self, d: ev.DecisionEvent, frame: Any, index: int) -> None:
         self._add(
             Problem(
@@ -680,6 +706,7 @@ class _Checker:
         RequestAdded = ev.RequestAdded
         ViolationRecorded = ev.ViolationRecorded
         StepDecoded = ev.StepDecoded
+        bad_decision = malformed
         steady = 0
         wanted = self.request
         gaps = source.gaps  # filled as the reader meets loss records
@@ -757,6 +784,8 @@ class _Checker:
                         if self.done:
                             break
                     pending = (e, before, pending_derived, frame, index)
+                elif bad_decision(e) and self._malformed(e, frame, index):
+                    break
                 elif e.__class__ is ViolationRecorded and e.rule in EXTERNAL_RULES:
                     self._fact(e, frame, index)
                 elif pending is None:

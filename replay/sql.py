@@ -7,8 +7,17 @@ The sources, each a view per table of :data:`replay.tables.TABLES`:
   runs in each view;
 - an export directory (``kvledger export LOG -o DIR``): its ``<table>.parquet`` or
   ``<table>.jsonl`` files;
-- a Hive tree (``kvledger export LOG... -o TREE --partition run``): read with
-  ``hive_partitioning``, so ``run`` is a column.
+- a Hive tree (``kvledger export LOG... -o TREE --partition run``): its Hive partitions, so
+  ``run`` is a column.
+
+**Files.** By default a query reads these tables and nothing else: the sources are read
+through pyarrow (a log's tables computed in memory, an export's files as pyarrow datasets,
+scanned lazily), and DuckDB itself runs with its access to the outside turned off and its
+configuration locked (:data:`LOCKED`): no ``read_csv('/etc/passwd')``, no ``COPY ... TO``, no
+``ATTACH``, no ``INSTALL`` or ``LOAD``, no ``SET`` that turns any of it back on. DuckDB never
+opens a source file, so a query cannot write over one either. ``allow_files=True`` (``kvledger
+sql --allow-files``) gives DuckDB its defaults: a query may then read and write any file the
+user can.
 
 Needs the ``sql`` extra (duckdb, pyarrow). A query DuckDB refuses raises :class:`SqlError`
 with DuckDB's message.
@@ -24,20 +33,24 @@ from typing import Any
 import attrs
 
 from replay.extras import require
-from replay.tables import TABLES, Column, collect
+from replay.tables import TABLES, collect
 from tracker.framing import StopInfo
 
-__all__ = ["QueryResult", "SqlError", "connect", "query", "source_kind"]
+__all__ = ["LOCKED", "QueryResult", "SqlError", "connect", "query", "source_kind"]
 
 _WHAT = "kvledger sql"
-_DUCK_TYPES = {
-    "int": "BIGINT",
-    "float": "DOUBLE",
-    "bool": "BOOLEAN",
-    "str": "VARCHAR",
-    "int_list": "BIGINT[]",
-    "str_list": "VARCHAR[]",
+
+LOCKED: dict[str, Any] = {
+    # No file, network or extension directory: COPY, ATTACH, EXPORT, INSTALL, LOAD, the file
+    # readers, and the scans of Python variables by name are all refused.
+    "enable_external_access": False,
+    # An extension a query names is neither fetched nor loaded behind its back.
+    "autoinstall_known_extensions": False,
+    "autoload_known_extensions": False,
+    # Last: no SET or RESET of any setting, these included, until the connection closes.
+    "lock_configuration": True,
 }
+"""DuckDB's configuration for a connection that may read its views and nothing else."""
 
 
 class SqlError(ValueError):
@@ -67,49 +80,85 @@ def source_kind(path: str) -> tuple[str, str]:
     return "log", ""
 
 
-def _reader(files: str, fmt: str, columns: Sequence[Column], hive: bool) -> str:
-    quoted = files.replace("'", "''")
+def _dataset(files: list[str], fmt: str, table: str, hive_root: str | None) -> Any:
+    """An export's files of ``table`` as a pyarrow dataset of the table's schema (plus the
+    ``run`` partition of a Hive tree): DuckDB scans it through pyarrow, lazily, without
+    opening a file itself."""
+    pa = require("pyarrow", "sql", _WHAT)
+    ds = require("pyarrow.dataset", "sql", _WHAT)
+    from replay.writers import arrow_schema
+
+    schema = arrow_schema(TABLES[table])
+    full = schema if hive_root is None else schema.append(pa.field("run", pa.string()))
     if fmt == "parquet":
-        return f"read_parquet('{quoted}', hive_partitioning = {str(hive).lower()})"
-    cols = ", ".join(f"'{c.name}': '{_DUCK_TYPES[c.kind]}'" for c in columns)
-    return (
-        f"read_json('{quoted}', format = 'newline_delimited', columns = {{{cols}}}, "
-        f"hive_partitioning = {str(hive).lower()})"
+        file_format = ds.ParquetFileFormat()
+    else:
+        pj = require("pyarrow.json", "sql", _WHAT)
+        options = pj.ParseOptions(explicit_schema=schema, unexpected_field_behavior="ignore")
+        file_format = ds.JsonFileFormat(parse_options=options)
+        # An empty table is an empty file, which pyarrow's JSON reader refuses to open.
+        files = [f for f in files if os.path.getsize(f) > 0]
+        if not files:
+            return full.empty_table()
+    if hive_root is None:
+        return ds.dataset(files, schema=full, format=file_format)
+    partitioning = ds.partitioning(pa.schema([("run", pa.string())]), flavor="hive")
+    return ds.dataset(
+        files,
+        schema=full,
+        format=file_format,
+        partitioning=partitioning,
+        partition_base_dir=hive_root,
     )
 
 
 def connect(
-    sources: Sequence[str], *, problems: bool = True, damage: list[StopInfo] | None = None
+    sources: Sequence[str],
+    *,
+    problems: bool = True,
+    damage: list[StopInfo] | None = None,
+    allow_files: bool = False,
 ) -> Any:
     """A DuckDB connection with one view per table over ``sources`` (see the module
     docstring). ``problems=False`` leaves a log's ``problems`` view empty (no replay); the
-    damage of logs read only in part is appended to ``damage``."""
+    damage of logs read only in part is appended to ``damage``. Unless ``allow_files``, the
+    connection is :data:`LOCKED` once the views exist: queries read them and nothing else."""
     duckdb = require("duckdb", "sql", _WHAT)
     if not sources:
         raise SqlError("no source: name a log, an export directory or a tree")
     kinds = [source_kind(os.fspath(s)) for s in sources]
-    con = duckdb.connect()
-    if len(sources) == 1 and kinds[0][0] != "log":
-        path = os.fspath(sources[0])
-        kind, fmt = kinds[0]
-        ext = "." + fmt
-        for table, columns in TABLES.items():
-            if kind == "tree":
-                files = os.path.join(path, table, "*", "*" + ext)
-                if not glob.glob(files):
-                    continue  # a table no run of the tree has
-            else:
-                files = os.path.join(path, table + ext)
-                if not os.path.exists(files):
-                    continue
-            con.execute(
-                f'CREATE VIEW "{table}" AS SELECT * FROM {_reader(files, fmt, columns, kind == "tree")}'
-            )
-        return con
-    if any(kind != "log" for kind, _ in kinds):
+    if len(sources) > 1 and any(kind != "log" for kind, _ in kinds):
         raise SqlError("several sources must all be logs (a tree already holds many runs)")
-    _register_logs(con, [os.fspath(s) for s in sources], problems, damage)
+    con = duckdb.connect()
+    try:
+        if kinds[0][0] != "log":
+            _register_export(con, os.fspath(sources[0]), *kinds[0])
+        else:
+            _register_logs(con, [os.fspath(s) for s in sources], problems, damage)
+        if not allow_files:
+            for name, value in LOCKED.items():  # lock_configuration last (dicts keep order)
+                con.execute(f"SET {name} = {str(value).lower()}")
+    except BaseException:
+        con.close()
+        raise
     return con
+
+
+def _register_export(con: Any, path: str, kind: str, fmt: str) -> None:
+    """One view per table of an export directory or a Hive tree."""
+    ext = "." + fmt
+    for table in TABLES:
+        if kind == "tree":
+            root = os.path.join(path, table)
+            files = sorted(glob.glob(os.path.join(glob.escape(root), "*", "*" + ext)))
+        else:
+            root = None
+            one = os.path.join(path, table + ext)
+            files = [one] if os.path.exists(one) else []
+        if not files:
+            continue  # a table this export (or no run of the tree) has
+        con.register(f"_{table}", _dataset(files, fmt, table, root))
+        con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM "_{table}"')
 
 
 def _register_logs(
@@ -136,23 +185,44 @@ def _register_logs(
         con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM "_{table}"')
 
 
-def query(sources: Sequence[str], sql: str, *, problems: bool | None = None) -> QueryResult:
+def query(
+    sources: Sequence[str],
+    sql: str,
+    *,
+    problems: bool | None = None,
+    allow_files: bool = False,
+) -> QueryResult:
     """Run ``sql`` over ``sources``. The ``problems`` table costs a replay of each log; it is
-    computed when the query names it (``problems=None``), or as told."""
+    computed when the query names it (``problems=None``), or as told. ``allow_files``: see
+    the module docstring (off: the query reads the tables and nothing else)."""
     duckdb = require("duckdb", "sql", _WHAT)
+    pa = require("pyarrow", "sql", _WHAT)
+    # DuckDB's refusals, and pyarrow's when an export's file does not hold what its table
+    # says (read while the query scans it).
+    refused = (duckdb.Error, pa.ArrowException)
     if problems is None:
         problems = "problems" in sql.lower()
     damage: list[StopInfo] = []
     try:
-        con = connect(sources, problems=problems, damage=damage)
-    except duckdb.Error as e:
+        con = connect(sources, problems=problems, damage=damage, allow_files=allow_files)
+    except refused as e:
         raise SqlError(str(e)) from None
     try:
         rel = con.sql(sql)
         if rel is None:  # a statement with no result (CREATE, SET, ...)
             return QueryResult([], [], [], damage)
         return QueryResult(list(rel.columns), [str(t) for t in rel.types], rel.fetchall(), damage)
-    except duckdb.Error as e:
-        raise SqlError(str(e)) from None
+    except refused as e:
+        message = str(e)
+        if not allow_files and any(word in message for word in _LOCK_WORDS):
+            message += (
+                " (kvledger sql reads its sources and nothing else: --allow-files, or "
+                "allow_files=True, lets a query use files; docs/sql.md)"
+            )
+        raise SqlError(message) from None
     finally:
         con.close()
+
+
+# What DuckDB says when the lock refused a query.
+_LOCK_WORDS = ("disabled by configuration", "disabled through configuration", "been locked")

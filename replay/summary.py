@@ -1,7 +1,8 @@
 """``stats``: what a log holds, counted in one pass: requests, steps, events by type,
 preemptions, lookup hit rates, tokens loaded and saved, missed tokens by reason (counted by
 ``replay.explain``'s one ``Explainer``, as ``kvledger explain`` counts them), violations by
-rule, bytes per event."""
+rule, events that say something impossible by rule (``tracker.wellformed``), bytes per
+event."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tracker.digests import DigestBook
 from tracker.framing import Frame, StopInfo
 from tracker.history import walk
 from tracker.state import RequestState
+from tracker.wellformed import Wellformed
 
 __all__ = ["LookupStats", "Stats", "stats"]
 
@@ -96,6 +98,9 @@ class Stats:
     # Every admission's lookup explained (replay.explain): tokens asked, hit by part, missed
     # by reason, as `kvledger explain` totals them.
     misses: dict[str, Any] = attrs.field(factory=dict)
+    # Events that say something impossible, by the rule of tracker/wellformed.py they break
+    # (a ViolationRecorded of the run names them too, when it recorded them).
+    malformed: dict[str, int] = attrs.field(factory=dict)
     # KV-content digests (tracker/digests.py): blocks digested, loaded blocks judged, verified,
     # mismatched, unchanged, unverifiable.
     digests: dict[str, int] = attrs.field(factory=dict)
@@ -169,6 +174,8 @@ def stats(path: LogPath | LogSource) -> Stats:
     book = DigestBook()
     tally = Tally()
     explainer = Explainer(config, tally.add, recorded=is_recorded(src.run_info))
+    wellformed = Wellformed()
+    malformed: Counter[str] = Counter()
     for item in walk(src.frames(), config):
         explainer.feed(item)
         pos = item.pos
@@ -187,6 +194,9 @@ def stats(path: LogPath | LogSource) -> Stats:
                 prev_step = frame.step
         cls = e.__class__
         by_type[cls] += 1
+        bad = wellformed.check(e)
+        if bad:
+            malformed.update(v.rule for v in bad)
         if cls is ev.Scheduled:
             if e.admission is running:  # type: ignore[attr-defined]
                 continue  # the hot path: nothing to count beyond the type
@@ -246,6 +256,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     st.events_by_type = {cls.__name__: n for cls, n in by_type.most_common()}
     st.finish_reasons = dict(reasons.most_common())
     st.violations = dict(rules.most_common())
+    st.malformed = dict(malformed.most_common())
     st.digests = book.stats.to_dict()
     explainer.finish()
     st.misses = tally.to_dict()

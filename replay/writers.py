@@ -360,11 +360,26 @@ def arrow_schema(columns: Sequence[Column]) -> Any:
 
 
 def arrow_table(table: str, rows: Sequence[Row]) -> Any:
-    """Rows of one of :data:`TABLES` as a pyarrow table of its schema."""
+    """Rows of one of :data:`TABLES` as a pyarrow table of its schema. An integer its
+    64-bit column cannot hold (a hostile log's: ``kvledger check`` names the event,
+    ``field_range``) is null there."""
     pa = require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     columns = TABLES[table]
     data = {c.name: [row.get(c.name) for row in rows] for c in columns}
-    return pa.Table.from_pydict(data, schema=arrow_schema(columns))
+    schema = arrow_schema(columns)
+    try:
+        return pa.Table.from_pydict(data, schema=schema)
+    except (OverflowError, pa.ArrowInvalid):
+        for c in columns:
+            if c.kind == "int":
+                data[c.name] = [_int64(v) for v in data[c.name]]
+            elif c.kind == "int_list":
+                data[c.name] = [None if v is None else [_int64(x) for x in v] for v in data[c.name]]
+        return pa.Table.from_pydict(data, schema=schema)
+
+
+def _int64(value: Any) -> Any:
+    return value if value is None or -(1 << 63) <= value < 1 << 63 else None
 
 
 class _ParquetSink(_Sink):

@@ -1,10 +1,14 @@
 """Every ``kvledger`` command over a corpus of hostile files: no traceback, a documented exit
-status, a message on stderr, and bounded memory. Seeded: the same corpus every run.
+status, a message on stderr, bounded memory and bounded output. Seeded: the same corpus every
+run.
 
 The corpus starts from a real log (vLLM's scheduler with the connector) and breaks it the ways
 files break: random bytes, single-bit flips, garbage overwrites, truncations, a frame claiming
 gigabytes, msgpack bombs behind valid checksums, hostile header values, an empty file, a
-directory that holds no log, a missing path.
+directory that holds no log, a missing path. Then logs whose every frame is sound but whose
+events are not: fields that contradict each other (a connector's log and a recorder's), 5 MB
+values in every text field, integers at and past the 64-bit edges. ``pytest -s`` prints the
+figures docs/reliability.md reports.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from test_bounded_output import _wide_log
+from test_check_malformed import CONNECTOR, RECORDER
+from test_check_malformed import _write as _write_steps
 from test_replay_fuzz import _BOMBS, BYTES, FRAMES, frame
 
 from connector.logwriter import LogWriter
 from replay.cli import main
+from tracker import events as ev
 from tracker.config import TrackerConfig
 
 EXITS = {0, 1, 2, 3}
@@ -73,7 +81,27 @@ def _corpus(tmp: Path) -> dict[str, Path]:
     (tmp / "no-log-here").mkdir()
     out["a directory without a log"] = tmp / "no-log-here"
     out["a missing path"] = tmp / "missing.kvlog"
+    # Sound frames, impossible events.
+    out["malformed events"] = _write_steps(tmp / "malformed.kvlog", CONNECTOR)
+    out["malformed recorder events"] = _write_steps(
+        tmp / "malformed-recorder.kvlog", RECORDER, recorder=True
+    )
+    out["5 MB values"] = _wide_log(tmp / "wide.kvlog")
+    out["64-bit edges"] = _write_steps(tmp / "edges.kvlog", _EDGES)
     return out
+
+
+_TOP = (1 << 64) - 1  # the largest integer msgpack carries
+_EDGES = [
+    [ev.RequestAdded(0, "req-1", tuple(range(40)))],
+    [ev.LookupAsked(1, "req-1", 1 << 63, _TOP), ev.LookupAnswered(1, "req-1", _TOP, 1 << 63)],
+    [ev.Allocated(2, "req-1", (_TOP, -(1 << 63)), _TOP)],
+    [ev.Scheduled(3, "req-1", _TOP, _TOP, _TOP, (), (_TOP,), ev.Admission.NEW)],
+    [ev.SavePlanned(4, "req-1", _TOP, -(1 << 63), (b"k" * 16,), (_TOP,), (), _TOP)],
+    [ev.BlockDigested(5, "req-1", _TOP, (b"k" * 16,), (_TOP,), _TOP)],
+    [ev.StepDecoded(6, "", (_TOP, 0), (_TOP, _TOP))],
+    [ev.ChunkStored(7, "", b"k" * 16, _TOP, _TOP), ev.Finished(7, "req-1")],
+]
 
 
 COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
@@ -91,12 +119,17 @@ COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
 }
 
 
+# What a command may print for any file of the corpus (the largest prints a few KiB).
+OUTPUT_BOUND = 256 << 10
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_command_survives_the_hostile_corpus(
     command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     corpus = _corpus(tmp_path)
     failures = []
+    printed = 0
     tracemalloc.start()
     try:
         for name, path in corpus.items():
@@ -108,6 +141,9 @@ def test_every_command_survives_the_hostile_corpus(
                 failures.append(f"{name}: raised {type(e).__name__}: {e}")
                 continue
             out, err = capsys.readouterr()
+            printed = max(printed, len(out) + len(err))
+            if "--json" not in COMMANDS[command](path, tmp_path) and printed > OUTPUT_BOUND:
+                failures.append(f"{name}: printed {len(out) + len(err):,} characters")
             if code not in EXITS:
                 failures.append(f"{name}: exit {code}")
             elif code == 2 and not (
@@ -123,5 +159,10 @@ def test_every_command_survives_the_hostile_corpus(
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
+    with capsys.disabled():  # the figures of docs/reliability.md (pytest -s)
+        print(
+            f"\n{command}: {len(corpus)} files, peak {peak / (1 << 20):.1f} MiB, "
+            f"at most {printed:,} characters printed"
+        )
     assert failures == [], f"{len(failures)} of {len(corpus)}: {failures[:6]}"
     assert peak < 256 << 20, f"peak {peak >> 20} MiB"

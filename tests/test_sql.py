@@ -255,3 +255,88 @@ def test_without_duckdb_it_says_what_to_install(
         sql.query([str(SHORT)], "SELECT 1")
     code, _, err = _cli(capsys, "sql", str(SHORT), "SELECT 1")
     assert code == 2 and "pip install kvledger[sql]" in err
+
+
+# --- files: a query reads the tables and nothing else ---------------------------------------
+
+_REFUSED = {
+    "read a file": "SELECT count(*) FROM read_csv('{secret}')",
+    "read a file's text": "SELECT content FROM read_text('{secret}')",
+    "read a file by name": "SELECT * FROM '{secret}'",
+    "list files": "SELECT * FROM glob('{dir}/*')",
+    "write a file": "COPY (SELECT 1 AS x) TO '{dir}/written.csv'",
+    "export the database": "EXPORT DATABASE '{dir}/exported'",
+    "attach a database": "ATTACH '{dir}/attached.duckdb' AS other",
+    "install an extension": "INSTALL httpfs",
+    "load an extension": "LOAD httpfs",
+    "turn file access back on": "SET enable_external_access = true",
+    "unlock the configuration": "SET lock_configuration = false",
+    "reset the lock": "RESET lock_configuration",
+    "allow a directory": "SET allowed_directories = ['/']",
+}
+
+
+@pytest.mark.parametrize("what", list(_REFUSED))
+def test_by_default_a_query_touches_no_file(what: str, tmp_path: Path, capsys: Any) -> None:
+    """Shared log servers: ``kvledger sql`` reads its sources, then DuckDB's access to files,
+    extensions and its own settings is off (docs/sql.md, "Files")."""
+    secret = tmp_path / "secret.csv"
+    secret.write_text("password\nhunter2\n")
+    query = _REFUSED[what].format(secret=secret, dir=tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(sql.SqlError) as refused:
+        sql.query([str(SHORT)], query)
+    assert "hunter2" not in str(refused.value)
+    assert any(word in str(refused.value) for word in ("disabled", "locked", "Permission")), (
+        refused.value
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "a file was written"
+    code, out, err = _cli(capsys, "sql", str(SHORT), query)
+    assert code == 2 and "hunter2" not in out + err and err.startswith("kvledger: ")
+
+
+def test_by_default_etc_passwd_cannot_be_read(capsys: Any) -> None:
+    code, out, err = _cli(capsys, "sql", str(SHORT), "SELECT * FROM read_csv('/etc/passwd')")
+    assert code == 2 and "root" not in out and "disabled by configuration" in err
+
+
+def test_the_sources_are_read_and_cannot_be_overwritten(tmp_path: Path) -> None:
+    """An export directory and a Hive tree are read before the lock, through pyarrow: the
+    query sees their tables, and can neither write over their files nor read beside them."""
+    writers.export_runs([CLEAN, SHORT], tmp_path / "tree")
+    replay.export(SHORT, tmp_path / "jsonl", "jsonl")
+    part = next((tmp_path / "tree" / "requests").glob("run=*/*.parquet"))
+    data = part.read_bytes()
+    count = "SELECT count(*) FROM requests"
+    assert sql.query([str(tmp_path / "tree")], count).rows == [(26,)]
+    assert sql.query([str(tmp_path / "jsonl")], count).rows == [(13,)]
+    for query in (
+        f"COPY (SELECT 1 AS x) TO '{part}' (USE_TMP_FILE false)",
+        f"COPY (SELECT 1 AS x) TO '{tmp_path / 'tree' / 'x.csv'}'",
+        f"SELECT count(*) FROM read_parquet('{part}')",
+        f"SELECT count(*) FROM read_json('{tmp_path / 'jsonl' / 'steps.jsonl'}')",
+    ):
+        with pytest.raises(sql.SqlError, match="disabled by configuration"):
+            sql.query([str(tmp_path / "tree")], query)
+    assert part.read_bytes() == data
+    assert sql.query([str(tmp_path / "tree")], count).rows == [(26,)]
+
+
+def test_allow_files_gives_duckdb_its_files_back(tmp_path: Path, capsys: Any) -> None:
+    secret = tmp_path / "notes.csv"
+    secret.write_text("word\nhello\n")
+    read = f"SELECT word FROM read_csv('{secret}')"
+    assert sql.query([str(SHORT)], read, allow_files=True).rows == [("hello",)]
+    code, out, _ = _cli(capsys, "sql", str(SHORT), read, "--allow-files")
+    assert code == 0 and "hello" in out
+    out_file = tmp_path / "requests.csv"
+    code, _, _ = _cli(capsys, "sql", "--allow-files", str(SHORT), f"COPY requests TO '{out_file}'")
+    assert code == 0 and out_file.read_text().count("\n") == 14  # a header and 13 requests
+    # The tables, from every kind of source, are the same either way.
+    writers.export_runs([CLEAN, SHORT], tmp_path / "tree")
+    runs = "SELECT run, count(*) FROM admissions GROUP BY run ORDER BY run"
+    assert (
+        sql.query([str(tmp_path / "tree")], runs, allow_files=True).rows
+        == sql.query([str(tmp_path / "tree")], runs).rows
+        == [("replay-clean", 21), ("replay-short-load", 21)]
+    )

@@ -37,6 +37,7 @@ import attrs
 from tracker import events as ev
 from tracker.chunks import chunk_keys, root_key
 from tracker.state import Violation
+from tracker.wellformed import malformed
 
 __all__ = [
     "DIGEST_MODES",
@@ -466,7 +467,9 @@ class BookStats:
 class DigestBook:
     """The recorded digests, (rank, key) -> the distinct digests seen, and the rules that
     judge a load against them. ``apply(event)`` takes any event and returns the violations it
-    shows (only ``LoadDigested`` can show any)."""
+    shows (only ``LoadDigested`` can show any). A malformed digest event (keys and digests of
+    different lengths, ...: ``tracker.wellformed``, whose reader names it) is neither
+    recorded nor judged."""
 
     def __init__(self, max_keys: int = BOOK_KEYS) -> None:
         self.max_keys = max_keys
@@ -477,16 +480,16 @@ class DigestBook:
         return self._book.get((rank, key), ())
 
     def apply(self, event: ev.Event) -> list[Violation]:
+        if not isinstance(event, (ev.BlockDigested, ev.LoadDigested)) or malformed(event):
+            return []
         if isinstance(event, ev.BlockDigested):
             self._record(event)
             return []
-        if isinstance(event, ev.LoadDigested):
-            return self._judge(event)
-        return []
+        return self._judge(event)
 
     def _record(self, e: ev.BlockDigested) -> None:
         book = self._book
-        for key, digest in zip(e.keys, e.digests, strict=False):
+        for key, digest in zip(e.keys, e.digests, strict=True):
             self.stats.digested += 1
             k = (e.rank, key)
             seen = book.get(k, ())
@@ -501,7 +504,7 @@ class DigestBook:
     def _judge(self, e: ev.LoadDigested) -> list[Violation]:
         out: list[Violation] = []
         stats = self.stats
-        for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=False)):
+        for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=True)):
             stats.loaded += 1
             block = e.start + i
             expected = self._book.get((e.rank, key))

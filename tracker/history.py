@@ -12,7 +12,8 @@ from what the Tracker did and show a state the run never had.
   the ``Finished`` starts a new life, labelled ``id#2``, ``id#3`` (:class:`Lives`).
 - **Request numbers and steady decode steps**: a ``StepDecoded`` names requests by number
   (``tracker.numbering``); each number stands for one more single-token step of that request
-  (:func:`tracker.state.advance_decoded`).
+  (:func:`tracker.state.advance_decoded`). A malformed one (a number twice, a negative one:
+  ``tracker.wellformed``) advances no request, as in the ``Tracker``.
 
 :func:`walk` folds recorded events, input facts *and* decisions, with
 :func:`tracker.state.fold`, so each state it yields is exactly what the recording Tracker held
@@ -30,6 +31,7 @@ from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.numbering import RequestNumbers
 from tracker.state import Phase, RequestState, advance_decoded, fold
+from tracker.wellformed import sound
 
 __all__ = [
     "GLOBAL_TYPES",
@@ -203,7 +205,7 @@ def walk(
             if not rid and cls in GLOBAL_TYPES:
                 if want is None:
                     yield new(Folded, (pos, frame, e, POOL, POOL, False, None, None))
-                if cls is decoded:
+                if cls is decoded and sound(e):  # a malformed one advances no request
                     assert isinstance(e, ev.StepDecoded)
                     grew = e.new_blocks() or {}
                     for num in e.nums:

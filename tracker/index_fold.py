@@ -15,6 +15,9 @@ The effects:
   saves over the failed range (their KV was computed over wrong KV);
 - any other event that revoked a load still in flight (a preemption) unpins its chunks. A
   finished request keeps its pins until its load result: the worker may still read the slots.
+
+A pool event or a plan that says something impossible (``tracker.wellformed``: an empty key, a
+negative slot, keys and slots of different lengths) changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from tracker.config import TrackerConfig
 from tracker.plans import failed_load_keys, save_aliases
 from tracker.remote import REMOTE_TYPES, apply_remote
 from tracker.state import RequestState
+from tracker.wellformed import malformed
 
 __all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input", "apply_recorded"]
 
@@ -60,7 +64,7 @@ def _save_planned(
     config: TrackerConfig,
 ) -> None:
     assert isinstance(e, ev.SavePlanned)
-    if e.keys:
+    if e.keys and not malformed(e):
         aliases = save_aliases(e, after, config) if after is not None else ()
         index.apply_save_planned(e.keys, e.slots, e.evicted, aliases)
 
@@ -118,12 +122,14 @@ def _load_failed(
 
 def _chunk_stored(index: ChunkIndex, e: ev.Event, *_: object) -> None:
     assert isinstance(e, ev.ChunkStored)
-    index.apply_stored(e.key, e.slot)
+    if not malformed(e):
+        index.apply_stored(e.key, e.slot)
 
 
 def _chunk_evicted(index: ChunkIndex, e: ev.Event, *_: object) -> None:
     assert isinstance(e, ev.ChunkEvicted)
-    index.apply_evicted(e.key)
+    if not malformed(e):
+        index.apply_evicted(e.key)
 
 
 def _nothing(*_: object) -> None:
@@ -193,16 +199,10 @@ def apply_recorded(
     if cls in REMOTE_TYPES:
         apply_remote(index, event)
     elif cls.KIND == "decision":
-        if _well_formed(event):
+        # A log may hold anything (a hostile or damaged one): a malformed plan is left out
+        # of the index, and kvledger check names it (tracker/wellformed.py).
+        if not malformed(event):
             apply_decision(index, event, config, after)  # type: ignore[arg-type]
     elif after is not None or cls in _POOL_INPUTS:
         apply_input(index, event, before, after, config)
 
-
-def _well_formed(decision: ev.Event) -> bool:
-    """A recorded plan names one slot per key, as every plan the Tracker derives does. A log
-    may hold anything (a hostile or damaged one): a plan that does not is left out of the
-    index, and ``kvledger check`` reports it as a decision this code would not make."""
-    if isinstance(decision, (ev.SavePlanned, ev.LoadPlanned)):
-        return len(decision.keys) == len(decision.slots)
-    return True

@@ -50,6 +50,10 @@ The rules, each judged only on what the log shows (a connector's private state i
 
 ``digest_mismatch`` and ``load_unchanged`` are the digests' (tracker/digests.py), folded by the
 Tracker from ``BlockDigested``/``LoadDigested``.
+
+Every event is first asked what it says that is impossible (``tracker.wellformed``: a
+negative count, lengths that do not pair up, ...); such an event is named by those rules and
+judged by none of the rules above, which would only draw conclusions from it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ from typing import Any
 
 from tracker import events as ev
 from tracker.state import Violation
+from tracker.wellformed import Wellformed
 
 __all__ = ["RECORDED_RULES", "RecordedRules", "check_recorded"]
 
@@ -146,10 +151,14 @@ class RecordedRules:
         # Ids a RecordLost named: the record that would explain a completion may be the lost one.
         self._lost: set[str] = set()
         self.counts = {"lookups": 0, "loads": 0, "async_loads": 0}
+        self._wellformed = Wellformed()
 
     # --- the walk -----------------------------------------------------------------------
 
     def apply(self, e: ev.Event) -> list[Violation]:
+        found = self._wellformed.check(e)
+        if found:
+            return found
         handler = _HANDLERS.get(e.__class__)
         if handler is None:
             return []

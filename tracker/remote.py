@@ -12,6 +12,9 @@ replay of the log rebuilds it, hence every lookup answer and load plan that coun
   what it held before is forgotten, except by a load its lookup already counted:
   ``RemoteKeys.loadable``) or back.
 
+A fact that says something impossible (``tracker.wellformed``: a ``RemoteFound`` with 2 keys
+and 5 answers, say) changes nothing: nothing says which answer belongs to which key.
+
 No I/O: the connector (``connector/remote.py``) talks to the store and reports these facts.
 """
 
@@ -22,14 +25,15 @@ from collections.abc import Callable, Sequence
 from tracker import events as ev
 from tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
 from tracker.state import RequestState
+from tracker.wellformed import malformed
 
 __all__ = ["REMOTE_EFFECTS", "REMOTE_TYPES", "apply_remote", "lookup_keys"]
 
 
 def _found(remote: RemoteKeys, e: ev.Event) -> None:
     assert isinstance(e, ev.RemoteFound)
-    remote.add(k for k, f in zip(e.keys, e.found, strict=False) if f)
-    remote.discard(k for k, f in zip(e.keys, e.found, strict=False) if not f)
+    remote.add(k for k, f in zip(e.keys, e.found, strict=True) if f)
+    remote.discard(k for k, f in zip(e.keys, e.found, strict=True) if not f)
 
 
 def _saved(remote: RemoteKeys, e: ev.Event) -> None:
@@ -60,8 +64,9 @@ REMOTE_TYPES: tuple[type[ev.Event], ...] = tuple(REMOTE_EFFECTS)
 
 
 def apply_remote(index: ChunkIndex, event: ev.Event) -> None:
-    """Fold one remote fact into the index's remote keys."""
-    REMOTE_EFFECTS[event.__class__](index.remote, event)
+    """Fold one remote fact into the index's remote keys (a malformed one: no change)."""
+    if not malformed(event):
+        REMOTE_EFFECTS[event.__class__](index.remote, event)
 
 
 def lookup_keys(

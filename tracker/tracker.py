@@ -39,6 +39,7 @@ from tracker.state import (
     steady_decode,
     steady_limit,
 )
+from tracker.wellformed import Wellformed
 
 __all__ = ["LogSink", "Tracker"]
 
@@ -113,6 +114,8 @@ class Tracker:
         # The KV-content digests recorded so far, and the rules that judge a load by them
         # (tracker/digests.py).
         self.digests = DigestBook()
+        # What no event can say (tracker/wellformed.py), asked about every event applied.
+        self._wellformed = Wellformed()
 
     # --- the core verb ------------------------------------------------------------------
 
@@ -120,7 +123,36 @@ class Tracker:
         """Fold an input event, derive and fold its decisions, check, log. Never raises for
         bad input unless the configuration is strict."""
         self.counts["events"] += 1
-        return self._APPLY.get(event.__class__, Tracker._apply_request_event)(self, event)
+        handler = self._APPLY.get(event.__class__, Tracker._apply_request_event)
+        found = self._wellformed.check(event)
+        if found:
+            return self._apply_malformed(event, handler, found)
+        return handler(self, event)
+
+    def _apply_malformed(
+        self,
+        event: ev.Event,
+        handler: Callable[[Tracker, Any], list[ev.DecisionEvent]],
+        found: list[Violation],
+    ) -> list[ev.DecisionEvent]:
+        """An event that says something impossible (tracker/wellformed.py), each rule it
+        breaks a violation. A fact about one request is folded as any other (the fold is
+        total) and the request falls back to recompute before anything is decided for it.
+        The pool's, the remote store's and the digests' folds take in nothing malformed
+        (nothing says which part of it is right), and a malformed ``StepDecoded`` advances
+        no request: the request it names is checked at its next event."""
+        if handler is Tracker._apply_request_event:
+            return self._apply_request_event(event, tuple(found))
+        if event.__class__ is ev.StepDecoded:
+            self._record(event, ())
+            decisions: list[ev.DecisionEvent] = []
+        else:
+            decisions = handler(self, event)
+        state = self.state(event.req_id) if event.req_id else None
+        if state is not None and not state.recompute_only:
+            state = state._replace(recompute_only=True)
+            self._store(event.req_id, state)
+        return decisions + self._report(found, state)
 
     def _apply_pool_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         """ChunkStored, ChunkEvicted: the index alone changes."""
@@ -149,7 +181,9 @@ class Tracker:
             decisions.extend(self._report((v,), state))
         return decisions
 
-    def _apply_request_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
+    def _apply_request_event(
+        self, event: ev.Event, malformed: tuple[Violation, ...] = ()
+    ) -> list[ev.DecisionEvent]:
         config = self.config
         req_id = event.req_id
         if req_id in self._pending:
@@ -160,10 +194,12 @@ class Tracker:
                 Violation("event_after_finish", event.step, req_id, type(event).__name__, {}),
             )
             self._record(event, ())
+            reported = self._report(malformed, None)
             self._report(violations, None)
-            return []
+            return reported
         reserved = self._reserved.pop(req_id, ())  # released once this event is decided
         state, violations = fold(before, event, config)
+        violations = malformed + violations
         if state is not None:
             apply_input(self.index, event, before, state, config)
             if before is not None and state.life.num_preemptions > before.life.num_preemptions:
