@@ -35,6 +35,10 @@ The rules, each judged only on what the log shows (a connector's private state i
 
 ``digest_mismatch`` and ``load_unchanged`` are the digests' (tracker/digests.py), folded by the
 Tracker from ``BlockDigested``/``LoadDigested``.
+
+A recorder's ``StepDecoded`` (its steady decode steps, tracker/recorded_steps.py) is judged as
+the ``Scheduled`` events it stands for: :meth:`RecordedRules.apply` expands it, so every rule
+sees the same events whether the recorder batched those steps or not.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tracker import events as ev
+from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 
 __all__ = ["RECORDED_RULES", "RecordedRules", "check_recorded"]
@@ -114,10 +119,19 @@ class RecordedRules:
         # finished_sending; bounded by forgetting at the next RequestAdded of the id.
         self._freed: set[str] = set()
         self.counts = {"lookups": 0, "loads": 0, "async_loads": 0}
+        # What a StepDecoded leaves out, to judge it as the Scheduled events it stands for.
+        self._steps = RecordedSteps()
 
     # --- the walk -----------------------------------------------------------------------
 
     def apply(self, e: ev.Event) -> list[Violation]:
+        if e.__class__ is ev.StepDecoded:
+            assert isinstance(e, ev.StepDecoded)
+            scheduled, out = self._steps.expand(e)
+            for s in scheduled:
+                out += _HANDLERS[ev.Scheduled](self, s)
+            return out
+        self._steps.follow(e)
         handler = _HANDLERS.get(e.__class__)
         if handler is None:
             return []

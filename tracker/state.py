@@ -442,6 +442,14 @@ def advance_decoded(state: RequestState, steps: int, blocks: Sequence[int] = ())
     )
 
 
+def learn_decoded(
+    state: RequestState, token: int, e: ev.Event, config: TrackerConfig
+) -> RequestState:
+    """The state after a recorder's steady step made ``token`` known (``StepDecoded.tokens``,
+    tracker/recorded_steps.py): appended to the known ids, as its ``Scheduled`` would have."""
+    return _learn_tokens(state, len(state.token_ids), (token,), e, config)[0]
+
+
 _UNBOUNDED = 1 << 62
 
 
