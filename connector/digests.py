@@ -37,6 +37,7 @@ import torch
 from connector.transfer import describe_kv_caches
 from tracker import events as ev
 from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
+from tracker.recorded_steps import RecordedSteps
 
 __all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests", "make_recorder_hooks"]
 
@@ -266,25 +267,29 @@ class RecorderDigests:
     def __init__(self, recording: Any, block_size: int) -> None:
         self.planner = DigestPlanner(block_size)
         self._recording = recording
+        # The recorder's view of what the log says (tracker/recorded_steps.py): a StepDecoded
+        # is planned as the Scheduled events it stands for, read before the log takes it.
+        self._steps: RecordedSteps | None = getattr(recording, "steps", None)
         self._block_of: dict[tuple[str, int], int] = {}
         self._load_errors: set[int] = set()
-        if recording is None:
-            return
-        write = recording.write
+        if recording is not None:
+            recording.observe = self.observe
 
-        def observed(*events: ev.Event) -> None:
-            try:
-                for e in events:
-                    self._observe(e)
-            except Exception as exc:  # the plan loses a fact; the record is still written
-                _log.warning("kvledger.digest_observe_failed", error=repr(exc))
-            write(*events)
-
-        recording.write = observed
+    def observe(self, *events: ev.Event) -> None:
+        """Told of each event the recorder is about to write."""
+        try:
+            for e in events:
+                self._observe(e)
+        except Exception as exc:  # the plan loses a fact; the record is still written
+            _log.warning("kvledger.digest_observe_failed", error=repr(exc))
 
     def _observe(self, e: ev.Event) -> None:
         if isinstance(e, ev.InnerLoadErrors):
             self._load_errors.update(e.block_ids)
+        elif isinstance(e, ev.StepDecoded):
+            if self._steps is not None:
+                for scheduled in self._steps.scheduled_of(e)[0]:
+                    self.planner.observe(scheduled)
         else:
             self.planner.observe(e)
 
