@@ -151,7 +151,7 @@ class WorkerDigests:
         # Digests before the load, of loads not verified yet (asynchronous ones wait here).
         self._before_of: dict[tuple[str, int], int] = {}
         self._blocks: list[tuple[str, int, bytes, int]] = []
-        self._loads: list[tuple[str, int, bytes, int, int]] = []
+        self._loads: list[tuple[str, int, bytes, int, int, int]] = []
         self.errors = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -232,8 +232,8 @@ class WorkerDigests:
             else:
                 for b, v in zip(blocks, values, strict=True):
                     was = self._before_of.pop((b.req_id, b.block_index), None)
-                    if was is not None:
-                        self._loads.append((b.req_id, b.block_index, b.key, was, v))
+                    if was is not None:  # stamped with this plan's step: the load's
+                        self._loads.append((b.req_id, b.block_index, b.key, was, v, plan.step))
 
     def _failed(self, where: str, exc: Exception) -> None:
         self.errors += 1

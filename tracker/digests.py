@@ -115,10 +115,12 @@ class DigestPlan:
 class DigestReport:
     """What one worker rank digested (worker -> scheduler): ``blocks`` as
     (req id, block index, key, digest), ``loads`` as (req id, block index, key, before,
-    after). Digests are 64-bit, as signed ints (what Arrow and SQL hold)."""
+    after, step), ``step`` that of the plan that digested the block after the load (the
+    report reaches the scheduler a step later: a verdict is stamped with the load's step).
+    Digests are 64-bit, as signed ints (what Arrow and SQL hold)."""
 
     blocks: tuple[tuple[str, int, bytes, int], ...] = ()
-    loads: tuple[tuple[str, int, bytes, int, int], ...] = ()
+    loads: tuple[tuple[str, int, bytes, int, int, int], ...] = ()
     rank: int = 0
 
     def __bool__(self) -> bool:
@@ -135,7 +137,7 @@ class DigestReport:
         blocks, loads, rank = data
         return cls(
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in blocks),
-            tuple((str(r), int(i), bytes(k), int(b), int(a)) for r, i, k, b, a in loads),
+            tuple((str(r), int(i), bytes(k), int(b), int(a), int(s)) for r, i, k, b, a, s in loads),
             int(rank),
         )
 
@@ -154,7 +156,7 @@ class DigestReport:
                     self.rank,
                 )
             )
-        for req_id, start, lrows in _runs(self.loads):
+        for req_id, start, lrows in _runs(self.loads, by_step=True):
             out.append(
                 ev.LoadDigested(
                     step,
@@ -164,15 +166,19 @@ class DigestReport:
                     tuple(r[3] for r in lrows),
                     tuple(r[4] for r in lrows),
                     self.rank,
+                    lrows[0][5],
                 )
             )
         return out
 
 
-def _runs(rows: Sequence[Any]) -> Iterable[tuple[str, int, list[Any]]]:
+def _runs(rows: Sequence[Any], by_step: bool = False) -> Iterable[tuple[str, int, list[Any]]]:
+    """Runs of consecutive blocks of one request (of one load step: ``by_step``)."""
     run: list[Any] = []
     for row in rows:
-        if run and (row[0] != run[-1][0] or row[1] != run[-1][1] + 1):
+        if run and (
+            row[0] != run[-1][0] or row[1] != run[-1][1] + 1 or (by_step and row[5] != run[-1][5])
+        ):
             yield run[0][0], run[0][1], run
             run = []
         run.append(row)
@@ -498,8 +504,11 @@ class DigestBook:
             book.popitem(last=False)
 
     def _judge(self, e: ev.LoadDigested) -> list[Violation]:
+        """The violations of a load, stamped with the step of the load (``judged_step``), not
+        the later step whose output carried the report."""
         out: list[Violation] = []
         stats = self.stats
+        step = e.judged_step
         for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=False)):
             stats.loaded += 1
             block = e.start + i
@@ -508,7 +517,7 @@ class DigestBook:
                 out.append(
                     Violation(
                         "load_unchanged",
-                        e.step,
+                        step,
                         e.req_id,
                         "LoadDigested",
                         {"block": block, "key": key.hex(), "digest": _hex(after)},
@@ -526,7 +535,7 @@ class DigestBook:
             out.append(
                 Violation(
                     "digest_mismatch",
-                    e.step,
+                    step,
                     e.req_id,
                     "LoadDigested",
                     {
