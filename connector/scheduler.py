@@ -580,7 +580,7 @@ class SchedulerSide:
 
     def _reports_of(self, connector_output: Any) -> list[Any]:
         """The worker reports in vLLM's ``KVConnectorOutput``: our worker metadata (one report
-        per rank, or a bare or wrapped single report), else (vLLM < 0.18) the plain reports in
+        per rank, or a bare or wrapped single report), else (no worker metadata) the plain reports in
         the connector stats. Anything else there is not ours and is ignored."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         reports = getattr(meta, "reports", None)
@@ -589,7 +589,7 @@ class SchedulerSide:
         if meta is not None:  # a single report, bare or wrapped; not ours unless a report
             single = getattr(meta, "report", meta)
             return [single] if isinstance(single, WorkerReport) else []
-        # vLLM < 0.18 has no worker metadata: the reports ride in the connector stats.
+        # No worker metadata (connector/edge.py): the reports ride in the connector stats.
         stats = getattr(connector_output, "kv_connector_stats", None)
         plain = getattr(stats, "data", None)
         if not isinstance(plain, dict) or "kvledger_reports" not in plain:

@@ -183,7 +183,8 @@ class Scheduled(InputEvent):
 
 @attrs.frozen(slots=True)
 class Preempted(InputEvent):
-    """``preempted_req_ids`` (vLLM >= 0.12), or inferred at re-admission: blocks revoked."""
+    """``preempted_req_ids``, or inferred at re-admission where vLLM has none (the releases:
+    connector/edge.py): blocks revoked."""
 
     TAG: ClassVar[int] = 5
 
@@ -383,7 +384,7 @@ class InnerSendDone(InputEvent):
 @attrs.frozen(slots=True)
 class InnerRecvDone(InputEvent):
     """The worker reported the request in ``finished_recving`` (an asynchronous load ended);
-    ``failed``: also in ``failed_recving`` (vLLM >= 0.30)."""
+    ``failed``: also in ``failed_recving`` (where vLLM has it: connector/edge.py)."""
 
     TAG: ClassVar[int] = 43
     failed: bool = False
