@@ -14,8 +14,12 @@ Load it the way ``KVLedgerConnector`` is loaded, naming the connector it wraps::
 ``inner`` is a name in vLLM's connector registry or ``module:Class``; ``inner_extra_config``
 becomes the inner's own ``kv_connector_extra_config`` (it sees a copy of the vLLM config whose
 ``kv_transfer_config`` carries it, under its own name). ``log_dir`` (or ``KVLEDGER_LOG_DIR``)
-is where the log goes; ``digests`` (``off``, ``sampled``, ``full``) turns on the KV-content
-digests of the worker side.
+is where the log goes, and the other log keys (``log_rotate_bytes``, ``log_fsync``,
+``log_background``, ``log_queue_bytes``, ``log_required``) mean what they mean for
+``KVLedgerConnector``: both classes read their settings through connector/config.py and open
+the log through connector/logfile.py. ``digests`` (``off``, ``sampled``, ``full``) turns on the
+KV-content digests of the worker side; ``steady_decode`` (default true) batches steady decode
+steps into ``StepDecoded`` records (``SchedulerRecorder``).
 
 Three promises, in this order:
 
@@ -23,7 +27,9 @@ Three promises, in this order:
    vLLM unchanged (it is recorded as ``InnerRaised`` on the way).
 2. A failure of the recording itself never reaches vLLM: it costs the record being written,
    which is replaced by a ``RecordLost`` naming the callback and the error.
-3. Facts are copied at the moment of the callback (token ids, block ids), never read later.
+3. Facts are copied at the moment of the callback (token ids, block ids), never read later
+   (a request's token ids are read from vLLM's list of them at ``build_connector_meta``, as
+   ``connector.scheduler`` reads them).
 
 Where the inner lacks a method, the base class's default runs on the inner, which is exactly
 what vLLM does for that connector unwrapped. Every method and property of the installed
@@ -62,7 +68,7 @@ from connector.scheduler import first_group, status_name
 from tracker import events as ev
 from tracker.codec import EncodeError
 from tracker.config import TrackerConfig
-from tracker.recorded_steps import Life, RecordedSteps, advance
+from tracker.recorded_steps import Life, RecordedSteps
 
 __all__ = [
     "RECORDER_KEYS",
@@ -205,39 +211,53 @@ def _params_text(params: Any) -> str:
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _KNOWN = operator.attrgetter("known")
+_NEXT = (1).__add__
 
 
 class _Batch:
     """The cached requests of the last step that was steady whole: every one an entry of one
-    ``StepDecoded``, each token read from its list (connector/edge.py, ``token_list``). While
-    vLLM schedules exactly these again, in the same order, each one token at the count the log
-    gave it, with its next token id known and at most one new block, the step is checked with a
-    few list comparisons and maps (loops in C) instead of request by request: the decode step
-    of a steady batch, the common case. It writes exactly what the request-by-request path
-    would; anything else in a step, and that path decides."""
+    ``StepDecoded``, each token read from its list (connector/edge.py, ``token_list``), each
+    with the token at its count the next to record (synchronous scheduling). While vLLM
+    schedules exactly these again, in the same order, each one token at the count the log gave
+    it, with at most one new block, the step is checked with a few list comparisons and maps
+    (loops in C) and the lives advance by one shared counter (``RecordedSteps.defer``) instead
+    of request by request: the decode step of a steady batch, the common case. It writes
+    exactly what the request-by-request path would; anything else in a step, and that path
+    decides."""
 
-    __slots__ = ("lists", "lives", "nums", "ones", "req_ids")
+    __slots__ = ("changes", "counts", "lists", "lives", "nums", "req_ids")
 
     def __init__(
-        self, req_ids: list[str], lives: list[Life], nums: list[int], lists: dict[str, Any]
+        self,
+        req_ids: list[str],
+        lives: list[Life],
+        nums: list[int],
+        lists: dict[str, Any],
+        steps: RecordedSteps,
     ) -> None:
         self.req_ids = list(req_ids)
         self.lives = lives
         self.nums = tuple(nums)
-        self.ones = [1] * len(lives)
         self.lists = [lists[r] for r in req_ids]
+        self.counts = list(map(_NUM_TOKENS, lives))  # each life's count, as the log gives it
+        self.changes = steps.changes
 
     def step(self, rec: SchedulerRecorder, cached: Any, scheduled: Any, resumed: Any) -> bool:
         """Write this step of the batch (True), or leave it to the request-by-request path."""
-        req_ids, lives = cached.req_ids, self.lives
+        req_ids, lives, steps = cached.req_ids, self.lives, rec.steps
         if resumed or req_ids != self.req_ids:
             return False
-        counts = list(map(_NUM_TOKENS, lives))
+        if steps.changes != self.changes:  # the log took other facts since: read the lives
+            steps.settle()
+            counts = list(map(_NUM_TOKENS, lives))
+            if list(map(_KNOWN, lives)) != counts or list(map(rec._lives.get, req_ids)) != lives:
+                return False
+            self.counts, self.changes = counts, steps.changes
+        counts = self.counts
         if (
             cached.num_computed_tokens != counts
-            or list(map(_KNOWN, lives)) != counts  # the token at each count is the next
-            or list(map(scheduled.get, req_ids)) != self.ones
-            or list(map(rec._lives.get, req_ids)) != lives  # still these lives
+            # every one scheduled (KeyError if not) one token (each at least one: the sum)
+            or sum(map(scheduled.__getitem__, req_ids)) != len(req_ids)
         ):
             return False
         grown: list[Any] = []
@@ -254,7 +274,10 @@ class _Batch:
             tokens = list(map(operator.getitem, self.lists, counts))
         except IndexError:  # a token not known yet
             return False
-        return rec._decoded(lives, self.nums, tokens, grown)
+        if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
+            return False
+        self.counts = list(map(_NEXT, counts))
+        return True
 
 
 class SchedulerRecorder:
@@ -347,6 +370,7 @@ class SchedulerRecorder:
 
     def _known(self, req_id: str) -> int:
         """How many of the request's token ids the log holds (0 for a request it lacks)."""
+        self.steps.settle()
         life = self._lives.get(req_id)
         return life.known if life is not None else 0
 
@@ -425,6 +449,7 @@ class SchedulerRecorder:
                     return
             except Exception:  # anything unexpected: decided request by request below
                 pass
+        self.steps.settle()  # the lives, read directly below
         whole = steady  # every cached request an entry, its token read from its list
         scheduled_tokens = num_scheduled.get
         lives, lists = self._lives, self._token_lists
@@ -476,16 +501,23 @@ class SchedulerRecorder:
                 cached_all.get(req_id),
             )
         if run and self._decoded(run, nums, tokens, grown) and whole:
-            self._batch = _Batch(req_ids, run, nums, lists)
+            self._batch = _Batch(req_ids, run, nums, lists, self.steps)
 
-    def _decoded(self, run: list[Life], nums: Any, tokens: list[Any], grown: list[Any]) -> bool:
+    def _decoded(
+        self, run: list[Life], nums: Any, tokens: list[Any], grown: list[Any], batch: bool = False
+    ) -> bool:
         """One run of steady steps, as one ``StepDecoded``; its requests advance once the log
-        took it (as a reader's ``RecordedSteps.follow`` advances them). False: lost."""
+        took it (as a reader's ``RecordedSteps.follow`` advances them; a batch's lazily).
+        False: lost."""
         if self.log is None:
             return False
         try:
             event = ev.StepDecoded(
-                self.step, "", tuple(nums), ev.int_tuple(grown), ev.int_tuple(tokens)
+                self.step,
+                "",
+                tuple(nums),
+                ev.int_tuple(grown) if grown else (),
+                ev.int_tuple(tokens),
             )
             if self.observe is not None:
                 self.observe(event)
@@ -499,7 +531,10 @@ class SchedulerRecorder:
         except Exception as exc:
             self._log_failed(exc)
             return False
-        advance(run)
+        if batch:
+            self.steps.defer(run)
+        else:
+            self.steps.advance(run)
         return True
 
     def _guarded_one(
@@ -544,17 +579,21 @@ class SchedulerRecorder:
 
     def connector_output(self, output: Any) -> None:
         """The worker's results of a step, as vLLM hands them to ``update_connector_output``."""
+        recving = getattr(output, "finished_recving", None) or ()
         failed = set(getattr(output, "failed_recving", None) or ())
-        for req_id in sorted(getattr(output, "finished_recving", None) or ()):
-            self.write(ev.InnerRecvDone(self.step, str(req_id), req_id in failed))
-        for req_id in sorted(failed - set(getattr(output, "finished_recving", None) or ())):
-            self.write(ev.InnerRecvDone(self.step, str(req_id), True))
-        for req_id in sorted(getattr(output, "finished_sending", None) or ()):
-            self.write(ev.InnerSendDone(self.step, str(req_id)))
+        sending = getattr(output, "finished_sending", None) or ()
         invalid = getattr(output, "invalid_block_ids", None)
+        stats = getattr(output, "kv_connector_stats", None)
+        if not (recving or failed or sending or invalid) and stats is None:
+            return  # most steps: nothing to record
+        for req_id in sorted(recving):
+            self.write(ev.InnerRecvDone(self.step, str(req_id), req_id in failed))
+        for req_id in sorted(failed - set(recving)):
+            self.write(ev.InnerRecvDone(self.step, str(req_id), True))
+        for req_id in sorted(sending):
+            self.write(ev.InnerSendDone(self.step, str(req_id)))
         if invalid:
             self.write(ev.InnerLoadErrors(self.step, "", tuple(sorted(int(b) for b in invalid))))
-        stats = getattr(output, "kv_connector_stats", None)
         if stats is not None and not _empty_stats(stats):
             self.write(ev.InnerStats(self.step, "", "worker", _stats_text(stats)))
 

@@ -65,18 +65,52 @@ class RecordedSteps:
     """Follows a recorder's events in log order (:meth:`follow`), keeping per live request
     what a steady entry leaves out; :meth:`expand` turns a ``StepDecoded`` back into its
     ``Scheduled`` events, :meth:`fits` says whether a ``Scheduled`` can be written as one.
-    ``lives`` is read directly on the recorder's hot path."""
 
-    __slots__ = ("_numbers", "_req_of", "lives")
+    For the recorder's hot path: ``lives`` may be read directly after :meth:`settle`;
+    :meth:`defer` advances a batch of lives lazily (one counter for all of them, written into
+    them when next read); ``changes`` counts the events followed that touched a life."""
+
+    __slots__ = ("_deferred", "_numbers", "_pending", "_req_of", "changes", "lives")
 
     def __init__(self) -> None:
         self._numbers = RequestNumbers()
         self._req_of = self._numbers.req_of
         self.lives: dict[str, Life] = {}
+        self.changes = 0
+        self._deferred: list[Life] = []
+        self._pending = 0
+
+    def advance(self, lives: list[Life]) -> None:
+        """These lives each took one steady step (a ``StepDecoded`` the log took)."""
+        self.settle()
+        advance(lives)
+        self.changes += 1
+
+    def defer(self, lives: list[Life]) -> None:
+        """:meth:`advance`, for the same list step after step: one counter moves now, the
+        lives when next read (:meth:`settle`)."""
+        if lives is not self._deferred:
+            self.settle()
+            self._deferred = lives
+        self._pending += 1
+
+    def settle(self) -> None:
+        """Write the deferred steps into their lives."""
+        n = self._pending
+        if n:
+            for life in self._deferred:
+                life.num_tokens += n
+                life.known += n
+            self._pending = 0
+        self._deferred = []
 
     def follow(self, e: ev.Event) -> None:
         """One event the log holds (or, for the writer, just took)."""
+        if self._pending:
+            self.settle()
         cls = e.__class__
+        if cls is not ev.StepDecoded:
+            self.changes += 1
         if cls is ev.Scheduled:
             assert isinstance(e, ev.Scheduled)
             life = self.lives.get(e.req_id)
@@ -109,6 +143,7 @@ class RecordedSteps:
     def fits(self, e: ev.Scheduled) -> int | None:
         """The request's number if ``e`` can be written as an entry of a ``StepDecoded`` (see
         the module docstring); None: it must be written as it is."""
+        self.settle()
         life = self.lives.get(e.req_id)
         if (
             life is None
@@ -133,6 +168,7 @@ class RecordedSteps:
     def scheduled_of(self, e: ev.StepDecoded) -> tuple[list[ev.Scheduled], list[Violation]]:
         """:meth:`expand` without following ``e`` (the recorder's digests read a step's
         entries before the log takes it)."""
+        self.settle()
         bad: list[Violation] = []
         grown = e.new_blocks()
         nums, tokens = e.nums, e.tokens
