@@ -15,6 +15,8 @@ Variants:
   recsync the same, the log written on the scheduler thread (log_background false)
   recfull (--full) the log on its own thread, steady decode steps not batched
           (steady_decode false: one Scheduled per request per step, the format before)
+  recdig  (--digests) reclog with digests sampled: the scheduler side's part of them (which
+          blocks to digest each step; the digests themselves are the worker's)
 
 The target line compares each recorder variant with ``null``, the wrapped connector alone:
 what recording costs a connector (its own work comes on top in both). The worker side is not
@@ -50,7 +52,7 @@ NULL = {
 
 
 def recorder_spec(
-    log_dir: str | None, background: bool = True, steady: bool = True
+    log_dir: str | None, background: bool = True, steady: bool = True, digests: str = "off"
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"inner": "bench.scheduler_overhead:NullConnector"}
     if log_dir is not None:
@@ -58,6 +60,8 @@ def recorder_spec(
         extra["log_background"] = background
     if not steady:
         extra["steady_decode"] = False
+    if digests != "off":
+        extra["digests"] = digests
     return {
         "kv_connector": "KVLedgerRecorder",
         "kv_connector_module_path": "connector.vllm",
@@ -78,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--full", action="store_true", help="also time steady_decode false")
+    p.add_argument(
+        "--digests", action="store_true", help="also time digests sampled (the planner's part)"
+    )
     p.add_argument("--profile", action="store_true", help="cProfile reclog's steps")
     p.add_argument("--profile-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
@@ -113,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if args.full:
                 specs.append(("recfull", recorder_spec(os.path.join(tmp, "full"), steady=False)))
+            if args.digests:
+                spec = recorder_spec(os.path.join(tmp, "dig"), digests="sampled")
+                specs.append(("recdig", spec))
             for name, spec in specs:
                 variants.append(so.Variant(name, cfg.with_(kv_connector=spec), None))
             for v in variants:

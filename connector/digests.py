@@ -287,9 +287,17 @@ class RecorderDigests:
         if isinstance(e, ev.InnerLoadErrors):
             self._load_errors.update(e.block_ids)
         elif isinstance(e, ev.StepDecoded):
-            if self._steps is not None:
-                for scheduled in self._steps.scheduled_of(e)[0]:
-                    self.planner.observe(scheduled)
+            steps = self._steps
+            if steps is None:
+                return
+            columns = steps.columns(e)
+            if columns is None:  # not plain: entry by entry
+                self.planner.decoded(steps.entries(e)[0])
+                return
+            rids, counts, starts = columns
+            grown = e.new_blocks() or {}
+            by_rid = {rids[e.nums.index(num)]: block for num, block in grown.items()}
+            self.planner.decoded_columns(rids, counts, starts, e.tokens, by_rid)
         else:
             self.planner.observe(e)
 

@@ -27,8 +27,10 @@ Under tensor or pipeline parallelism each rank digests its own share, so the boo
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import operator
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import attrs
@@ -187,6 +189,10 @@ def _runs(rows: Sequence[Any], by_step: bool = False) -> Iterable[tuple[str, int
 
 
 # --- the plan -----------------------------------------------------------------------------
+
+_NEXT = (1).__add__
+_LOAD = operator.attrgetter("load")
+_NEXT_FULL = operator.attrgetter("next_full")
 
 
 class _Req:
@@ -423,6 +429,82 @@ class DigestPlanner:
                     r.async_load = ()
             else:
                 self.finished_recving((rid,))
+
+    def decoded_columns(
+        self,
+        rids: list[str],
+        counts: list[int],
+        starts: list[int],
+        tokens: Sequence[int],
+        grown: dict[str, int],
+    ) -> None:
+        """:meth:`decoded` for a ``StepDecoded``'s plain entries as columns
+        (``RecordedSteps.columns``; ``grown``: req id -> new block): the tokens are learned
+        and the entries that can plan nothing are told apart with loops in C; the rest go
+        through :meth:`scheduled`, in the entries' order, as :meth:`decoded` would send them."""
+        bs = self.block_size
+        known = list(map(self._tokens.get, rids))
+        reqs = list(map(self._reqs.get, rids))
+        if None in known or None in reqs or list(map(len, known)) != starts:  # type: ignore[arg-type]
+            self.decoded(zip(rids, counts, starts, tokens, map(grown.get, rids), strict=True))
+            return
+        deque(map(list.append, known, tokens), maxlen=0)  # type: ignore[arg-type]
+        floors = list(map(operator.floordiv, counts, repeat(bs)))
+        # Each entry fills no block, appends none, has no load and no block waiting: it plans
+        # nothing (scheduled() would return at once). The others go through scheduled().
+        special = set(grown)
+        special.update(self.deferred.intersection(rids))
+        fills = list(map(operator.floordiv, map(_NEXT, counts), repeat(bs)))
+        if fills != floors:
+            special.update(r for r, f, c in zip(rids, fills, floors, strict=True) if f != c)
+        if list(map(_LOAD, reqs)).count(None) != len(reqs):
+            special.update(r for r, q in zip(rids, reqs, strict=True) if q.load is not None)  # type: ignore[union-attr]
+        if any(map(operator.lt, map(_NEXT_FULL, reqs), floors)):
+            special.update(
+                r
+                for r, q, f in zip(rids, reqs, floors, strict=True)
+                if q.next_full < f  # type: ignore[union-attr]
+            )
+        if not special:
+            return
+        for rid, nc, ids in zip(rids, counts, known, strict=True):
+            if rid in special:
+                block = grown.get(rid)
+                self.scheduled(
+                    rid,
+                    replace=False,
+                    block_ids=() if block is None else (block,),
+                    num_computed=nc,
+                    num_scheduled=1,
+                    token_ids=ids,  # type: ignore[arg-type]
+                )
+
+    def decoded(self, entries: Iterable[tuple[str, int, int, int, int | None]]) -> None:
+        """A recorder's steady entries (``RecordedSteps.entries``: req id, num_computed,
+        token_start, token id, new block or None), each observed as the one-token ``Scheduled``
+        of a running request it stands for, without building it. A step that fills no block
+        and appends none (most of them) only learns its token."""
+        bs = self.block_size
+        reqs = self._reqs
+        for rid, nc, start, token, block in entries:
+            tokens = self._learn(rid, start, (token,))
+            r = reqs.get(rid)
+            if (
+                r is not None
+                and block is None
+                and r.load is None
+                and (nc + 1) // bs <= min(r.next_full, nc // bs)
+            ):
+                self.deferred.discard(rid)  # what scheduled() does for such a step
+                continue
+            self.scheduled(
+                rid,
+                replace=False,
+                block_ids=() if block is None else (block,),
+                num_computed=nc,
+                num_scheduled=1,
+                token_ids=tokens,
+            )
 
     def _learn(self, rid: str, start: int, token_ids: Sequence[int]) -> list[int]:
         tokens = self._tokens.setdefault(rid, [])

@@ -24,6 +24,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from tracker import events as ev
@@ -38,6 +39,10 @@ DECODED_RULES: dict[str, str] = {
     "decoded_unknown": "a StepDecoded names a number no live request holds",
     "decoded_not_steady": "a StepDecoded names a request the log never scheduled in this life",
 }
+
+
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_KNOWN = operator.attrgetter("known")
 
 
 class Life:
@@ -166,8 +171,43 @@ class RecordedSteps:
         return out
 
     def scheduled_of(self, e: ev.StepDecoded) -> tuple[list[ev.Scheduled], list[Violation]]:
-        """:meth:`expand` without following ``e`` (the recorder's digests read a step's
-        entries before the log takes it)."""
+        """:meth:`expand` without following ``e``."""
+        entries, bad = self.entries(e)
+        running = ev.Admission.RUNNING
+        return [
+            ev.Scheduled(
+                e.step, rid, nc, 1, known, (token,), () if block is None else (block,), running
+            )
+            for rid, nc, known, token, block in entries
+        ], bad
+
+    def columns(self, e: ev.StepDecoded) -> tuple[list[str], list[int], list[int]] | None:
+        """:meth:`entries`' request ids, counts and token starts as three lists, read with
+        loops in C (the recorder's digests, every step); None when an entry is not plain (use
+        :meth:`entries`, which names it)."""
+        self.settle()
+        nums = e.nums
+        if len(e.tokens) != len(nums) or len(set(nums)) != len(nums) or e.new_blocks() is None:
+            return None
+        found: list[Any] = list(map(self._req_of.get, nums))
+        if None in found:
+            return None
+        rids: list[str] = found
+        found = list(map(self.lives.get, rids))
+        if None in found:
+            return None
+        counts: list[int] = list(map(_NUM_TOKENS, found))
+        if counts and min(counts) < 0:
+            return None
+        return rids, counts, list(map(_KNOWN, found))
+
+    def entries(
+        self, e: ev.StepDecoded
+    ) -> tuple[list[tuple[str, int, int, int, int | None]], list[Violation]]:
+        """What each entry of a recorder's ``StepDecoded`` stands for, as ``(req id,
+        num_computed, token_start, token id, new block or None)`` (its ``Scheduled``: one token,
+        running), and the violations of the entries that stand for none. Does not follow ``e``
+        (the recorder's digests read a step's entries before the log takes it)."""
         self.settle()
         bad: list[Violation] = []
         grown = e.new_blocks()
@@ -183,9 +223,8 @@ class RecordedSteps:
                 )
             )
             return [], bad
-        out: list[ev.Scheduled] = []
+        out: list[tuple[str, int, int, int, int | None]] = []
         req_of, lives = self._req_of, self.lives
-        running = ev.Admission.RUNNING
         for num, token in zip(nums, tokens, strict=True):
             rid = req_of.get(num)
             life = lives.get(rid) if rid is not None else None
@@ -195,19 +234,7 @@ class RecordedSteps:
             if life.num_tokens < 0:
                 bad.append(Violation("decoded_not_steady", e.step, rid, "StepDecoded", {}))
                 continue
-            block = grown.get(num)
-            out.append(
-                ev.Scheduled(
-                    e.step,
-                    rid,
-                    life.num_tokens,
-                    1,
-                    life.known,
-                    (token,),
-                    () if block is None else (block,),
-                    running,
-                )
-            )
+            out.append((rid, life.num_tokens, life.known, token, grown.get(num)))
         return out, bad
 
     def encode(self, events: Any) -> list[ev.Event]:
