@@ -287,17 +287,8 @@ class RecorderDigests:
         if isinstance(e, ev.InnerLoadErrors):
             self._load_errors.update(e.block_ids)
         elif isinstance(e, ev.StepDecoded):
-            steps = self._steps
-            if steps is None:
-                return
-            columns = steps.columns(e)
-            if columns is None:  # not plain: entry by entry
-                self.planner.decoded(steps.entries(e)[0])
-                return
-            rids, counts, starts = columns
-            grown = e.new_blocks() or {}
-            by_rid = {rids[e.nums.index(num)]: block for num, block in grown.items()}
-            self.planner.decoded_columns(rids, counts, starts, e.tokens, by_rid)
+            if self._steps is not None:
+                self.planner.observe_decoded(e, self._steps)
         else:
             self.planner.observe(e)
 

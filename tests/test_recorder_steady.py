@@ -265,6 +265,39 @@ def test_check_of_a_batched_log_is_check_of_the_full_one(events: list[ev.Event])
             assert verdicts(batched_log, **kw) == verdicts(full_log, **kw)
 
 
+def _plans(events: list[ev.Event]) -> list[Any]:
+    """The digest plans a recorder's planner makes of these events, step by step
+    (connector/digests.py's RecorderDigests: a StepDecoded observed as what it stands for)."""
+    from tracker.digests import DigestPlanner
+
+    planner, steps = DigestPlanner(BS), RecordedSteps()
+    plans: list[Any] = []
+    step = events[0].step if events else 0
+    for e in events:
+        if e.step != step:
+            plans.append(planner.plan(step))
+            step = e.step
+        if isinstance(e, ev.StepDecoded):
+            planner.observe_decoded(e, steps)
+        else:
+            planner.observe(e)
+        steps.follow(e)
+    plans.append(planner.plan(step))
+    return plans
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(recorder_histories())
+def test_the_digests_plan_a_batched_log_as_the_full_one(events: list[ev.Event]) -> None:
+    """Which blocks the worker digests each step (blocks filled, loads before and after):
+    the same plans whether the recorder batched its steady steps or not."""
+    assert _plans(RecordedSteps().encode(events)) == _plans(events)
+
+
 def test_the_histories_batch_and_break_rules() -> None:
     """The strategy is worth its examples: batched steps and broken rules both occur."""
     seen = {"batched": 0, "rules": 0}

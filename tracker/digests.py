@@ -37,6 +37,7 @@ import attrs
 
 from tracker import events as ev
 from tracker.chunks import chunk_keys, root_key
+from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 
 __all__ = [
@@ -429,6 +430,18 @@ class DigestPlanner:
                     r.async_load = ()
             else:
                 self.finished_recving((rid,))
+
+    def observe_decoded(self, e: ev.StepDecoded, steps: RecordedSteps) -> None:
+        """A recorder's ``StepDecoded``, observed as the ``Scheduled`` events it stands for
+        (``steps``: the recorder's view of its log, before it takes ``e``)."""
+        columns = steps.columns(e)
+        if columns is None:  # not plain: entry by entry
+            self.decoded(steps.entries(e)[0])
+            return
+        rids, counts, starts = columns
+        grown = e.new_blocks() or {}
+        by_rid = {rids[e.nums.index(num)]: block for num, block in grown.items()}
+        self.decoded_columns(rids, counts, starts, e.tokens, by_rid)
 
     def decoded_columns(
         self,
