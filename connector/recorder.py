@@ -668,8 +668,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         return SchedulerRecorder(log, steady=config.steady_decode)
 
     def _make_digest_hooks(self, vllm_config: Any, kv_cache_config: Any, role: Any) -> None:
-        """The digests' planner (scheduler) or digester (worker), when digests are on and
-        ``connector.digests`` provides them; the recorder works without them."""
+        """The digests' planner (scheduler) or digester (worker), when digests are on."""
         if self.digests == "off":
             return
         from connector.digests import make_recorder_hooks as make  # torch: only when asked
