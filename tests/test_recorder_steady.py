@@ -379,3 +379,119 @@ def test_lmcache_recorded_both_ways_gets_the_same_verdicts(tmp_path, version: st
         assert [(p[1], p[2], p[3]) for p in found["problems"]] == [
             ("load_unchanged", 35, "req-1")
         ] * 2
+
+
+# --- the writer, driven directly (vLLM's objects as the tests' stand-ins) -------------------
+
+
+class _Sink:
+    """A log that keeps the events, and can say it dropped a step (``lost_frames``)."""
+
+    def __init__(self) -> None:
+        self.events: list[ev.Event] = []
+        self.lost_frames = 0
+
+    def append(self, e: ev.Event) -> None:
+        self.events.append(e)
+
+    def end_step(self, step: int) -> None:
+        pass
+
+
+def _drive(steady: bool, *, legacy: bool, view: bool, lose_at: int = -1) -> list[ev.Event]:
+    """Four requests admitted, then decode steps as vLLM schedules them: a block every 16
+    tokens, request r1 not scheduled in step 5, r2 preempted in step 7 and resumed in step 9,
+    and (``lose_at``) the log dropping a step."""
+    from fakes import (
+        CachedRequestData,
+        FakeRequest,
+        LegacyCachedRequestData,
+        LegacySchedulerOutput,
+        NewRequestData,
+        SchedulerOutput,
+    )
+
+    from connector.recorder import SchedulerRecorder
+
+    sink = _Sink()
+    rec = SchedulerRecorder(sink, steady=steady)
+    requests = [FakeRequest(f"r{i}", list(range(10 + i, 40 + i))) for i in range(4)]
+    if view:  # vLLM's own read-only view over the list it appends to
+        from vllm.v1.utils import ConstantList
+
+        for r in requests:
+            r.all_token_ids = ConstantList(list(r.prompt_token_ids))  # type: ignore[assignment]
+    tables = {r.request_id: [1 + 8 * i, 2 + 8 * i] for i, r in enumerate(requests)}
+    computed = {}
+    out_cls = LegacySchedulerOutput if legacy else SchedulerOutput
+    cached_cls = LegacyCachedRequestData if legacy else CachedRequestData
+    for r in requests:
+        rec.see(r)
+    new = [
+        NewRequestData(r.request_id, r.prompt_token_ids, (tables[r.request_id],), 0)
+        for r in requests
+    ]
+    rec.scheduled(
+        out_cls(scheduled_new_reqs=new, num_scheduled_tokens={r.request_id: 30 for r in requests})
+    )
+    rec.end_step()
+    computed = {r.request_id: 30 for r in requests}
+    for step in range(1, 14):
+        if step == lose_at:
+            sink.lost_frames = 1
+        cached = cached_cls()
+        scheduled: dict[str, int] = {}
+        preempted: set[str] = set()
+        for r in requests:
+            rid = r.request_id
+            ids = r.all_token_ids
+            raw = ids._x if hasattr(ids, "_x") else ids
+            raw.append(step % 7)  # vLLM appended the token it sampled
+            if rid == "r1" and step == 5:
+                continue
+            if rid == "r2" and step in (7, 8):
+                if step == 7:
+                    preempted.add(rid)
+                continue
+            resumed = rid == "r2" and step == 9
+            nc = computed[rid]
+            grow = None
+            if resumed:
+                nc, grow = 0, tables[rid] + [90]
+                tables[rid] = grow
+            elif nc + 1 > len(tables[rid]) * 16:
+                grow = [100 + step]
+                tables[rid].append(grow[0])
+            ns = len(ids) - nc if resumed else 1
+            cached.add(rid, nc, grow, resumed=resumed)
+            scheduled[rid] = ns
+            computed[rid] = nc + ns
+        out = out_cls(scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled)
+        if not legacy:
+            out.preempted_req_ids = preempted
+        rec.scheduled(out)
+        rec.end_step()
+    return sink.events
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+@pytest.mark.parametrize("view", [False, True])
+def test_the_writer_batches_and_expands_back_exactly(legacy: bool, view: bool) -> None:
+    """The recorder's own choice, on both of vLLM's output shapes and both token views (a
+    plain list: request by request; vLLM's ConstantList: the steady batch): the batched log
+    expands to the full one, event for event."""
+    if view:
+        pytest.importorskip("vllm")
+    batched = _drive(True, legacy=legacy, view=view)
+    full = _drive(False, legacy=legacy, view=view)
+    assert any(isinstance(e, ev.StepDecoded) for e in batched)
+    assert not any(isinstance(e, ev.StepDecoded) for e in full)
+    assert expanded(batched) == full
+
+
+def test_after_the_log_drops_a_step_every_step_is_written_in_full() -> None:
+    """A reader cannot resolve request numbers across a gap: from the step after the loss on,
+    no StepDecoded."""
+    events = _drive(True, legacy=False, view=False, lose_at=4)
+    assert {e.step for e in events if isinstance(e, ev.StepDecoded)} == {1, 2, 3}
+    assert expanded(events) == _drive(False, legacy=False, view=False)
