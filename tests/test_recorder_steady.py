@@ -495,3 +495,17 @@ def test_after_the_log_drops_a_step_every_step_is_written_in_full() -> None:
     events = _drive(True, legacy=False, view=False, lose_at=4)
     assert {e.step for e in events if isinstance(e, ev.StepDecoded)} == {1, 2, 3}
     assert expanded(events) == _drive(False, legacy=False, view=False)
+
+
+def test_the_tables_hold_the_steady_steps_tokens(tmp_path: Path) -> None:
+    """``export`` and ``sql`` read a recorder's batched log with the token each steady step
+    made known (``ev_step_decoded.token``), the ids its full twin holds in ``ev_scheduled``."""
+    from replay.tables import collect
+
+    batched = _write(tmp_path / "b.kvlog", _drive(True, legacy=False, view=True))
+    full = _write(tmp_path / "f.kvlog", _drive(False, legacy=False, view=True))
+    steady = collect(batched, ["ev_step_decoded"], problems=False)[0]["ev_step_decoded"]
+    assert steady and all(r["token"] is not None for r in steady)
+    scheduled = collect(full, ["ev_scheduled"], problems=False)[0]["ev_scheduled"]
+    by_step = {(r["step"], r["req_id"]): r["token_ids"] for r in scheduled}
+    assert all(by_step[(r["step"], r["req_id"])] == [r["token"]] for r in steady)
