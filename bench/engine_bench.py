@@ -128,6 +128,84 @@ class Proc:
             self.p.kill()
 
 
+# --- what every engine bench shares (this one, bench/digest_engine_bench.py) -------------------
+
+
+def bench_engine(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(the model's directory, the ``EngineSpec`` fields every variant shares): the model made
+    here with a fixed seed, large enough that a long prefill takes seconds on CPU, and room
+    for the batch (``args.batch`` prompts of ``args.batch_prompt`` + ``args.batch_tokens``)
+    or the ``args.long`` prompt at once, with headroom."""
+    from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
+
+    model_spec = TinyLlamaSpec(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=64,
+    )
+    model = str(build_tiny_llama(model_spec))
+    block = 32
+    max_len = args.long + 64
+    # The KV of one token is 2 (K, V) x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB.
+    tokens = max(args.batch * (args.batch_prompt + args.batch_tokens), args.long) + 4 * block
+    num_blocks = -(-tokens // block) + 8
+    return model, dict(
+        model=model,
+        num_blocks=num_blocks,
+        block_size=block,
+        max_model_len=max_len,
+        max_num_seqs=max(args.batch, 4),
+        max_num_batched_tokens=max_len,
+        kv_cache_memory_bytes=(num_blocks + 8) * block * 32 * 1024,
+    )
+
+
+class Results:
+    """Figures by name, one per round: medians, and medians of per-round ratios."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def add(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(value)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.values
+
+    def med(self, name: str) -> float:
+        return statistics.median(self.values[name])
+
+    def ratio(self, a: str, b: str) -> float:
+        pairs = zip(self.values[a], self.values[b], strict=True)
+        return statistics.median(x / y for x, y in pairs)
+
+
+def start_engines(specs: dict[str, dict[str, Any]], stack: contextlib.ExitStack) -> dict[str, Proc]:
+    """One engine process per spec, started one at a time (each start loads the model),
+    closed when ``stack`` is."""
+    procs: dict[str, Proc] = {}
+    print(f"starting {len(specs)} engines ({', '.join(specs)}) ...", flush=True)
+    for name, spec in specs.items():
+        procs[name] = Proc(name, spec)
+        procs[name].ready()
+        stack.callback(procs[name].close)
+    return procs
+
+
+def vocab_size(model: str) -> int:
+    return int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+
+
+def prompts(vocab: int) -> Any:
+    """``prompt(n)``: n tokens drawn from the tokenizer's ordinary ones (the 3 special ones
+    left out), the same sequence in every run."""
+    rng = random.Random(0)
+    return lambda n: [rng.randrange(3, vocab) for _ in range(n)]
+
+
 # --- the driver ---------------------------------------------------------------------------------
 
 
@@ -146,32 +224,7 @@ def main() -> None:
         serve(args.serve)
         return
 
-    from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
-
-    model_spec = TinyLlamaSpec(
-        hidden_size=1024,
-        intermediate_size=2816,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=64,
-    )
-    model = str(build_tiny_llama(model_spec))
-    block = 32
-    max_len = args.long + 64
-    # Room for the batch or the long prompt at once, with headroom; the KV of one token is
-    # 2 (K, V) x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB.
-    tokens = max(args.batch * (args.batch_prompt + args.batch_tokens), args.long) + 4 * block
-    num_blocks = -(-tokens // block) + 8
-    base = dict(
-        model=model,
-        num_blocks=num_blocks,
-        block_size=block,
-        max_model_len=max_len,
-        max_num_seqs=max(args.batch, 4),
-        max_num_batched_tokens=max_len,
-        kv_cache_memory_bytes=(num_blocks + 8) * block * 32 * 1024,
-    )
+    model, base = bench_engine(args)
     pool = {"chunk_size": args.chunk_size, "host_pool_bytes": 1 << 30}
     specs: dict[str, dict[str, Any]] = {
         "none": {**base, "connector": False},
@@ -193,27 +246,14 @@ def main() -> None:
                 # answer must not count the server as down and skip the variant measured.
                 remote = {"remote_url": url, "remote_lookup_timeout_ms": 2000}
                 specs[name] = {**base, "extra_config": {**pool, **remote}}
-        procs: dict[str, Proc] = {}
-        print(f"starting {len(specs)} engines ({', '.join(specs)}) ...", flush=True)
-        for name, spec in specs.items():  # one at a time: each start loads the model
-            procs[name] = Proc(name, spec)
-            procs[name].ready()
-            stack.callback(procs[name].close)
-        # Prompts draw from the tokenizer's ordinary tokens (the 3 special ones left out).
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
-        run(args, procs, vocab)
+        procs = start_engines(specs, stack)
+        run(args, procs, vocab_size(model))
 
 
 def run(args: argparse.Namespace, procs: dict[str, Proc], vocab: int) -> None:
-    rng = random.Random(0)
-
-    def prompt(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    results: dict[str, list[float]] = {}
-
-    def add(name: str, value: float) -> None:
-        results.setdefault(name, []).append(value)
+    prompt = prompts(vocab)
+    results = Results()
+    add, med, ratio = results.add, results.med, results.ratio
 
     # Warm-up: one small request per engine (first-call costs out of the figures).
     for proc in procs.values():
@@ -251,12 +291,6 @@ def run(args: argparse.Namespace, procs: dict[str, Proc], vocab: int) -> None:
                 print(f"  round {r + 1}: no chunk read from the server, not counted: {out}")
             remote_seen = prompt(args.long)
             reader.generate([remote_seen], 1)
-
-    def med(name: str) -> float:
-        return statistics.median(results[name])
-
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(results[a], results[b], strict=True))
 
     print()
     print(

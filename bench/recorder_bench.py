@@ -2,20 +2,27 @@
 """Scheduler-side overhead of KVLedgerRecorder: vLLM's real scheduler, a do-nothing connector
 bare and wrapped.
 
-Run by hand; it prints numbers and never passes or fails on them. The method is
-bench/scheduler_overhead.py's (its harness variants, timers, warm-up and report are reused):
-decode steps of ``--requests`` running requests, the variants interleaved a few steps at a time,
-only ``schedule()`` + ``update_from_output()`` timed. Variants:
+Run by hand; it prints numbers and never passes or fails on them. The method and the timed
+loop are bench/scheduler_overhead.py's (``run_timed``; its harness variants, timers, warm-up
+and report are reused): decode steps of ``--requests`` running requests, the variants
+interleaved a few steps at a time, only ``schedule()`` + ``update_from_output()`` timed.
+Variants:
 
   base    no connector
   null    NullConnector (bench/scheduler_overhead.py): vLLM's own cost of having a connector
   rec     KVLedgerRecorder wrapping NullConnector, no log_dir: the forwarding alone
   reclog  the same, recording to a log in a temp dir (written on the log's own thread)
   recsync the same, the log written on the scheduler thread (log_background false)
+  recfull (--full) the log on its own thread, steady decode steps not batched
+          (steady_decode false: one Scheduled per request per step, the format before)
+  recdig  (--digests) reclog with digests sampled: the scheduler side's part of them (which
+          blocks to digest each step; the digests themselves are the worker's)
 
-"+us/step over null" is what recording costs a connector; the wrapped connector's own work
-comes on top in both cases. The worker side is not timed here (no worker runs: the harness
-reports empty connector outputs). Digests are off (their cost is bench/digest_bench.py's).
+The target line compares each recorder variant with ``null``, the wrapped connector alone:
+what recording costs a connector (its own work comes on top in both). The worker side is not
+timed here (no worker runs: the harness reports empty connector outputs). Digests are off
+(their cost is bench/digest_bench.py's and bench/engine_bench.py's). ``--profile`` runs
+``--profile-steps`` more (untimed) steps of ``reclog`` under cProfile.
 
   python bench/recorder_bench.py
   python bench/recorder_bench.py --requests 128 --steps 200 --rounds 5 --prompt-len 512
@@ -24,12 +31,10 @@ reports empty connector outputs). Digests are off (their cost is bench/digest_be
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +51,17 @@ NULL = {
 }
 
 
-def recorder_spec(log_dir: str | None, background: bool = True) -> dict[str, Any]:
+def recorder_spec(
+    log_dir: str | None, background: bool = True, steady: bool = True, digests: str = "off"
+) -> dict[str, Any]:
     extra: dict[str, Any] = {"inner": "bench.scheduler_overhead:NullConnector"}
     if log_dir is not None:
         extra["log_dir"] = log_dir
         extra["log_background"] = background
+    if not steady:
+        extra["steady_decode"] = False
+    if digests != "off":
+        extra["digests"] = digests
     return {
         "kv_connector": "KVLedgerRecorder",
         "kv_connector_module_path": "connector.vllm",
@@ -70,16 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--warmup-steps", type=int, default=10)
+    p.add_argument("--full", action="store_true", help="also time steady_decode false")
+    p.add_argument(
+        "--digests", action="store_true", help="also time digests sampled (the planner's part)"
+    )
+    p.add_argument("--profile", action="store_true", help="cProfile reclog's steps")
+    p.add_argument("--profile-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.profile_steps = 0
+    if not args.profile:
+        args.profile_steps = 0
     logging.getLogger("vllm").setLevel(logging.ERROR)
     reason = skip_reason()
     if reason is not None:
         print(reason, file=sys.stderr)
         return 2
     per_round = args.steps // args.rounds
-    decode = args.warmup_steps + 4 + per_round * args.rounds + 16
+    decode = args.warmup_steps + 4 + per_round * args.rounds + args.profile_steps + 16
     args.max_tokens = decode
     cfg = so.make_config(args, decode)
     print("recorder overhead: vLLM's real Scheduler, decode steps, CPU")
@@ -93,40 +111,31 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[so.Variant] = []
     with tempfile.TemporaryDirectory(prefix="kvledger-recbench-") as tmp:
         try:
-            sync_dir = os.path.join(tmp, "sync")
-            for name, spec in (
+            specs: list[tuple[str, dict[str, Any] | None]] = [
                 ("base", None),
                 ("null", NULL),
                 ("rec", recorder_spec(None)),
-                ("reclog", recorder_spec(tmp)),
-                ("recsync", recorder_spec(sync_dir, background=False)),
-            ):
+                ("reclog", recorder_spec(os.path.join(tmp, "bg"))),
+                ("recsync", recorder_spec(os.path.join(tmp, "sync"), background=False)),
+            ]
+            if args.full:
+                specs.append(("recfull", recorder_spec(os.path.join(tmp, "full"), steady=False)))
+            if args.digests:
+                spec = recorder_spec(os.path.join(tmp, "dig"), digests="sampled")
+                specs.append(("recdig", spec))
+            for name, spec in specs:
                 variants.append(so.Variant(name, cfg.with_(kv_connector=spec), None))
             for v in variants:
                 so.warm_up(v, args)
-            for v in variants:
-                for stat in v.timer.per_method.values():
-                    stat[:] = [0, 0]
-            gc.collect()
-            gc.freeze()
-            t1 = time.perf_counter()
-            turn = 0
-            for _ in range(args.rounds):
-                for v in variants:
-                    v.rounds.append([])
-                done = 0
-                while done < per_round:
-                    n = min(args.block, per_round - done)
-                    for v in variants if turn % 2 == 0 else variants[::-1]:
-                        v.run_block(n, args.requests)
-                    done += n
-                    turn += 1
-            print(f"timed phase took {time.perf_counter() - t1:.1f}s wall")
-            so.report(variants, args)
+            wall = so.run_timed(variants, args)
+            print(f"timed phase took {wall:.1f}s wall")
+            so.report(variants, args, reference="null")
             for v in variants:
                 path = getattr(v.connector, "log_path", None)
                 if path:
                     print(f"{v.name}: log {os.path.getsize(path)} bytes so far")
+            if args.profile:
+                so.profile(next(v for v in variants if v.name == "reclog"), args)
         finally:
             for v in variants:
                 v.close()

@@ -1,15 +1,19 @@
-"""``kv_connector_extra_config``: every key, its default, and its validation.
+"""``kv_connector_extra_config``: every key, its default, and its validation, for both
+connector classes vLLM loads.
 
 An unknown key or a bad value is an error at construction that names the key and what is
 accepted, so a typo in ``--kv-transfer-config`` fails at startup instead of silently running
-with defaults.
+with defaults. A key means the same in ``KVLedgerConnector`` (:class:`ConnectorConfig`) and
+``KVLedgerRecorder`` (:class:`RecorderConfig`): each key has one validator (:data:`_CHECKS`),
+so a bad value gets the same error from both; the event log's keys are declared once
+(:class:`LogSettings`, which both classes' settings extend).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote_plus, urlsplit
 
@@ -22,12 +26,19 @@ __all__ = [
     "REMOTE_URL_OPTIONS",
     "ConnectorConfig",
     "ConnectorConfigError",
+    "LogSettings",
+    "RecorderConfig",
+    "check_chunk_size",
     "check_remote_url",
     "redacted",
 ]
 
 # Turns the event log on without touching the serving command line.
 ENV_LOG_DIR = "KVLEDGER_LOG_DIR"
+
+# The recorder's default chunk size for `check --differential` (when not given, the largest
+# multiple of vLLM's block size not above it).
+DEFAULT_CHUNK_SIZE = 256
 
 
 class ConnectorConfigError(ValueError):
@@ -209,18 +220,124 @@ def check_remote_url(value: Any) -> str:
     return value
 
 
-@attrs.frozen
-class ConnectorConfig:
-    """The connector's settings (see docs/using-with-vllm.md for each one)."""
+def _nonneg_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConnectorConfigError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
 
-    chunk_size: int = 256
-    host_pool_bytes: int = 4 << 30
-    save_decode_cache: bool = False
-    discard_partial_chunks: bool = True
+
+def _fsync_mode(name: str, value: Any) -> str:
+    if value not in ("close", "step", "never"):
+        raise ConnectorConfigError(f"{name} must be 'close', 'step' or 'never', got {value!r}")
+    return str(value)
+
+
+def _digest_mode(name: str, value: Any) -> str:
+    if not isinstance(value, str) or value not in DIGEST_MODES:
+        raise ConnectorConfigError(
+            f"{name} must be one of {', '.join(map(repr, DIGEST_MODES))}, got {value!r}"
+        )
+    return value
+
+
+def _path(name: str, value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise ConnectorConfigError(f"{name} must be a path string, got {value!r}")
+    return value
+
+
+def _connector_name(name: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConnectorConfigError(
+            f"{name} must name a connector (a vLLM registry name or module:Class), got {value!r}"
+        )
+    return value
+
+
+def _map(name: str, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ConnectorConfigError(f"{name} must be a map, got {value!r}")
+    return dict(value)
+
+
+# One validator per key, for both classes. (remote_url has its own: ConnectorConfig.)
+_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    **dict.fromkeys(
+        (
+            "chunk_size",
+            "host_pool_bytes",
+            "log_rotate_bytes",
+            "log_queue_bytes",
+            "remote_timeout_ms",
+            "remote_lookup_timeout_ms",
+            "remote_retry_ms",
+            "remote_max_chunk_bytes",
+        ),
+        _pos_int,
+    ),
+    **dict.fromkeys(
+        (
+            "save_decode_cache",
+            "discard_partial_chunks",
+            "block_hits",
+            "strict",
+            "log_background",
+            "log_required",
+            "steady_decode",
+        ),
+        _bool,
+    ),
+    "remote_ttl_s": _nonneg_int,
+    "log_fsync": _fsync_mode,
+    "digests": _digest_mode,
+    "log_dir": _path,
+    "inner": _connector_name,
+    "inner_extra_config": _map,
+}
+
+
+def _read(
+    cls: type, extra: Any, environ: Mapping[str, str] | None, *, hint: str = ""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the validated values of ``extra``'s keys, ``extra`` as a dict): an unknown key or a
+    bad value raises :class:`ConnectorConfigError` naming it. ``log_dir`` falls back on the
+    environment (:data:`ENV_LOG_DIR`)."""
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, Mapping):
+        raise ConnectorConfigError(f"kv_connector_extra_config must be a map, got {extra!r}")
+    extra = dict(extra)
+    environ = os.environ if environ is None else environ
+    known = {f.name for f in attrs.fields(cls)}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise ConnectorConfigError(
+            f"unknown kv_connector_extra_config key(s) {unknown}; accepted keys: "
+            f"{sorted(known)}{hint}"
+        )
+    values = {name: _CHECKS[name](name, extra[name]) for name in extra if name in _CHECKS}
+    values["log_dir"] = _path("log_dir", extra.get("log_dir", environ.get(ENV_LOG_DIR) or None))
+    return values, extra
+
+
+def check_chunk_size(chunk_size: int, block_size: int) -> None:
+    """A chunk is whole blocks of vLLM's: the rule of both classes."""
+    if chunk_size % block_size:
+        raise ConnectorConfigError(
+            f"chunk_size ({chunk_size}) must be a multiple of vLLM's block_size "
+            f"({block_size}); for example {block_size * max(1, chunk_size // block_size)}"
+        )
+
+
+@attrs.frozen
+class LogSettings:
+    """The event log's settings: the same keys, defaults and meaning for both classes
+    (connector/logfile.py opens the log by them)."""
+
     log_dir: str | None = None
     log_rotate_bytes: int = 256 << 20
-    # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
-    block_hits: bool = True
     # Durability of the log, like SQLite's `synchronous`: "close" fsyncs at each rotation and
     # at close, "step" after every step too, "never" leaves it to the OS.
     log_fsync: str = "close"
@@ -231,6 +348,18 @@ class ConnectorConfig:
     # A log_dir that cannot be written: by default a loud error and the engine serves without
     # a log; with log_required, the connector refuses to start, naming the directory.
     log_required: bool = False
+
+
+@attrs.frozen
+class ConnectorConfig(LogSettings):
+    """``KVLedgerConnector``'s settings (see docs/using-with-vllm.md for each one)."""
+
+    chunk_size: int = 256
+    host_pool_bytes: int = 4 << 30
+    save_decode_cache: bool = False
+    discard_partial_chunks: bool = True
+    # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
+    block_hits: bool = True
     strict: bool = False
     # The remote chunk tier (connector/remote.py, docs/remote.md): a Redis URL
     # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://); None: no remote tier.
@@ -254,69 +383,46 @@ class ConnectorConfig:
     def from_extra_config(
         cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
     ) -> ConnectorConfig:
-        extra = dict(extra or {})
-        environ = os.environ if environ is None else environ
-        known = {f.name for f in attrs.fields(cls)}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConnectorConfigError(
-                f"unknown kv_connector_extra_config key(s) {unknown}; accepted keys: "
-                f"{sorted(known)}"
-            )
-        values: dict[str, Any] = {}
-        for name in (
-            "chunk_size",
-            "host_pool_bytes",
-            "log_rotate_bytes",
-            "log_queue_bytes",
-            "remote_timeout_ms",
-            "remote_lookup_timeout_ms",
-            "remote_retry_ms",
-            "remote_max_chunk_bytes",
-        ):
-            if name in extra:
-                values[name] = _pos_int(name, extra[name])
-        for name in (
-            "save_decode_cache",
-            "discard_partial_chunks",
-            "block_hits",
-            "strict",
-            "log_background",
-            "log_required",
-        ):
-            if name in extra:
-                values[name] = _bool(name, extra[name])
-        if "log_fsync" in extra:
-            if extra["log_fsync"] not in ("close", "step", "never"):
-                raise ConnectorConfigError(
-                    f"log_fsync must be 'close', 'step' or 'never', got {extra['log_fsync']!r}"
-                )
-            values["log_fsync"] = extra["log_fsync"]
-        if "digests" in extra:
-            mode = extra["digests"]
-            if mode not in DIGEST_MODES:
-                raise ConnectorConfigError(
-                    f"digests must be one of {', '.join(map(repr, DIGEST_MODES))}, got {mode!r}"
-                )
-            values["digests"] = mode
-        if "remote_ttl_s" in extra:
-            ttl = extra["remote_ttl_s"]
-            if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
-                raise ConnectorConfigError(
-                    f"remote_ttl_s must be a non-negative integer, got {ttl!r}"
-                )
-            values["remote_ttl_s"] = ttl
+        values, extra = _read(cls, extra, environ)
         if extra.get("remote_url") is not None:
             values["remote_url"] = check_remote_url(extra["remote_url"])
-        log_dir = extra.get("log_dir", environ.get(ENV_LOG_DIR) or None)
-        if log_dir is not None and not isinstance(log_dir, str):
-            raise ConnectorConfigError(f"log_dir must be a path string, got {log_dir!r}")
-        values["log_dir"] = log_dir
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:
-        if self.chunk_size % block_size:
-            raise ConnectorConfigError(
-                f"chunk_size ({self.chunk_size}) must be a multiple of vLLM's block_size "
-                f"({block_size}); for example {block_size * max(1, self.chunk_size // block_size)}"
-            )
+        check_chunk_size(self.chunk_size, block_size)
+
+
+@attrs.frozen
+class RecorderConfig(LogSettings):
+    """``KVLedgerRecorder``'s settings (docs/recording.md): the connector it wraps and that
+    connector's own extra config, the chunk size ``check --differential`` gives kvledger's
+    pool by default (None: :data:`DEFAULT_CHUNK_SIZE`, rounded down to whole blocks), the
+    digests, whether steady decode steps are batched, and the event log's settings, as
+    ``KVLedgerConnector`` takes them."""
+
+    inner: str = ""
+    inner_extra_config: dict[str, Any] = attrs.field(factory=dict)
+    chunk_size: int | None = None
+    digests: str = "off"
+    # Steady decode steps batched into one StepDecoded record per run (tracker/recorded_steps.py);
+    # false: every scheduled request its own Scheduled record, as before the batching.
+    steady_decode: bool = True
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, environ: Mapping[str, str] | None = None
+    ) -> RecorderConfig:
+        values, extra = _read(
+            cls, extra, environ, hint=" (the inner's own keys go in inner_extra_config)"
+        )
+        if "inner" not in extra:
+            raise ConnectorConfigError("KVLedgerRecorder needs `inner`: the connector it wraps")
+        return cls(**values)
+
+    def chunk_size_for(self, block_size: int) -> int:
+        """The chunk size for vLLM's ``block_size``: the one given, which must be whole blocks
+        (as for ``KVLedgerConnector``), else the default in whole blocks."""
+        if self.chunk_size is None:
+            return max(block_size, DEFAULT_CHUNK_SIZE // block_size * block_size)
+        check_chunk_size(self.chunk_size, block_size)
+        return self.chunk_size

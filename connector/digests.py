@@ -37,6 +37,7 @@ import torch
 from connector.transfer import describe_kv_caches
 from tracker import events as ev
 from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
+from tracker.recorded_steps import RecordedSteps
 
 __all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests", "make_recorder_hooks"]
 
@@ -150,7 +151,7 @@ class WorkerDigests:
         # Digests before the load, of loads not verified yet (asynchronous ones wait here).
         self._before_of: dict[tuple[str, int], int] = {}
         self._blocks: list[tuple[str, int, bytes, int]] = []
-        self._loads: list[tuple[str, int, bytes, int, int]] = []
+        self._loads: list[tuple[str, int, bytes, int, int, int]] = []
         self.errors = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -231,8 +232,8 @@ class WorkerDigests:
             else:
                 for b, v in zip(blocks, values, strict=True):
                     was = self._before_of.pop((b.req_id, b.block_index), None)
-                    if was is not None:
-                        self._loads.append((b.req_id, b.block_index, b.key, was, v))
+                    if was is not None:  # stamped with this plan's step: the load's
+                        self._loads.append((b.req_id, b.block_index, b.key, was, v, plan.step))
 
     def _failed(self, where: str, exc: Exception) -> None:
         self.errors += 1
@@ -266,25 +267,28 @@ class RecorderDigests:
     def __init__(self, recording: Any, block_size: int) -> None:
         self.planner = DigestPlanner(block_size)
         self._recording = recording
+        # The recorder's view of what the log says (tracker/recorded_steps.py): a StepDecoded
+        # is planned as the Scheduled events it stands for, read before the log takes it.
+        self._steps: RecordedSteps | None = getattr(recording, "steps", None)
         self._block_of: dict[tuple[str, int], int] = {}
         self._load_errors: set[int] = set()
-        if recording is None:
-            return
-        write = recording.write
+        if recording is not None:
+            recording.observe = self.observe
 
-        def observed(*events: ev.Event) -> None:
-            try:
-                for e in events:
-                    self._observe(e)
-            except Exception as exc:  # the plan loses a fact; the record is still written
-                _log.warning("kvledger.digest_observe_failed", error=repr(exc))
-            write(*events)
-
-        recording.write = observed
+    def observe(self, *events: ev.Event) -> None:
+        """Told of each event the recorder is about to write."""
+        try:
+            for e in events:
+                self._observe(e)
+        except Exception as exc:  # the plan loses a fact; the record is still written
+            _log.warning("kvledger.digest_observe_failed", error=repr(exc))
 
     def _observe(self, e: ev.Event) -> None:
         if isinstance(e, ev.InnerLoadErrors):
             self._load_errors.update(e.block_ids)
+        elif isinstance(e, ev.StepDecoded):
+            if self._steps is not None:
+                self.planner.observe_decoded(e, self._steps)
         else:
             self.planner.observe(e)
 

@@ -2,7 +2,8 @@
 
 Scheduler -> worker, once per step: a ``StepPlan`` (in the connector metadata), made of
 ``TransferPlan``s of ``ChunkTransfer``s. Worker -> scheduler, once per step and rank: a
-``WorkerReport`` (in the worker metadata, or in the connector stats on vLLM 0.11 - 0.17).
+``WorkerReport`` (in the worker metadata, or in the connector stats on the releases without
+it: connector/edge.py).
 ``connector.scheduler`` and ``connector.worker`` both import them from here and never import
 each other. The transfer plans are made by the tracker's pure planning code
 (``tracker.plans.transfer_plan``), so their classes are defined there and named here.

@@ -25,7 +25,7 @@ from typing import Any
 __all__ = ["COUNTERS", "GAUGES", "KEY", "Counters", "PromExporter", "merge", "reduce"]
 
 # Where the connector's numbers sit in the stats dict (beside "kvledger_reports", the worker's
-# reports on vLLM 0.11 - 0.17).
+# reports on the releases without worker metadata: connector/edge.py).
 KEY = "kvledger"
 
 # name -> help. Each is exported as the Prometheus counter ``vllm:kvledger_<name>`` (the
@@ -142,7 +142,7 @@ class PromExporter:
     def observe(self, data: Mapping[str, Any], engine_idx: int = 0) -> None:
         payload = data.get(KEY)
         if not payload:
-            return  # the worker's reports alone (vLLM 0.11 - 0.17): nothing to export
+            return  # the worker's reports alone (no worker metadata): nothing to export
         for name, per_engine in self.counters.items():
             value = payload.get(name, 0)
             if value > 0:

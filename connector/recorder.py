@@ -14,8 +14,12 @@ Load it the way ``KVLedgerConnector`` is loaded, naming the connector it wraps::
 ``inner`` is a name in vLLM's connector registry or ``module:Class``; ``inner_extra_config``
 becomes the inner's own ``kv_connector_extra_config`` (it sees a copy of the vLLM config whose
 ``kv_transfer_config`` carries it, under its own name). ``log_dir`` (or ``KVLEDGER_LOG_DIR``)
-is where the log goes; ``digests`` (``off``, ``sampled``, ``full``) turns on the KV-content
-digests of the worker side.
+is where the log goes, and the other log keys (``log_rotate_bytes``, ``log_fsync``,
+``log_background``, ``log_queue_bytes``, ``log_required``) mean what they mean for
+``KVLedgerConnector``: both classes read their settings through connector/config.py and open
+the log through connector/logfile.py. ``digests`` (``off``, ``sampled``, ``full``) turns on the
+KV-content digests of the worker side; ``steady_decode`` (default true) batches steady decode
+steps into ``StepDecoded`` records (``SchedulerRecorder``).
 
 Three promises, in this order:
 
@@ -23,7 +27,9 @@ Three promises, in this order:
    vLLM unchanged (it is recorded as ``InnerRaised`` on the way).
 2. A failure of the recording itself never reaches vLLM: it costs the record being written,
    which is replaced by a ``RecordLost`` naming the callback and the error.
-3. Facts are copied at the moment of the callback (token ids, block ids), never read later.
+3. Facts are copied at the moment of the callback (token ids, block ids), never read later
+   (a request's token ids are read from vLLM's list of them at ``build_connector_meta``, as
+   ``connector.scheduler`` reads them).
 
 Where the inner lacks a method, the base class's default runs on the inner, which is exactly
 what vLLM does for that connector unwrapped. Every method and property of the installed
@@ -38,33 +44,31 @@ import copy
 import dataclasses
 import importlib
 import json
-import os
-import time
-import uuid
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import structlog
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+
+from connector.config import ConnectorConfigError, RecorderConfig
+from connector.edge import (
+    VLLM_VERSION,
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+    base_args,
+    build_connector,
+    connector_registry,
+    token_list,
 )
-
-from connector.config import ENV_LOG_DIR, ConnectorConfigError
-from connector.scheduler import first_group
+from connector.logfile import open_log
+from connector.scheduler import first_group, status_name
 from tracker import events as ev
 from tracker.codec import EncodeError
 from tracker.config import TrackerConfig
-
-try:  # vLLM >= 0.18: the worker -> scheduler channel
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-except ImportError:  # pragma: no cover - older vLLM
-    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
-try:  # vLLM >= 0.17 (HMA connectors get request_finished_all_groups)
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
-except ImportError:  # pragma: no cover - older vLLM
-    SupportsHMA = None  # type: ignore[assignment,misc]
+from tracker.recorded_steps import Life, RecordedSteps
 
 __all__ = [
     "RECORDER_KEYS",
@@ -77,16 +81,12 @@ __all__ = [
 _log = structlog.get_logger("kvledger.recorder")
 
 # The recorder's own extra-config keys (everything else is refused: a typo fails at startup).
-RECORDER_KEYS = frozenset(
-    {"inner", "inner_extra_config", "log_dir", "digests", "chunk_size", "log_background"}
-)
-DIGEST_MODES = ("off", "sampled", "full")
+RECORDER_KEYS = frozenset(f.name for f in RecorderConfig.__attrs_attrs__)
 # Stats are recorded as JSON cut to this many characters.
 _STATS_CHARS = 4096
-# The recorder's log format: bumped when what a recorder writes changes meaning.
-RECORDER_FORMAT = 1
-
-_BASE_TAKES_KV_CACHE_CONFIG = "kv_cache_config" in KVConnectorBase_V1.__init__.__code__.co_varnames
+# The recorder's log format: bumped when what a recorder writes changes meaning. 2: steady
+# decode steps may come as StepDecoded entries (tracker/recorded_steps.py).
+RECORDER_FORMAT = 2
 
 
 # --- resolving and building the inner connector ------------------------------------------
@@ -108,9 +108,7 @@ def resolve_inner(name: str) -> Any:
         if not isinstance(cls, type):
             raise ConnectorConfigError(f"inner {name!r}: {module_name} has no class {cls_name}")
         return cls
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    registry = getattr(KVConnectorFactory, "_registry", {})
+    registry = connector_registry()
     if name not in registry:
         known = ", ".join(sorted(registry))
         raise ConnectorConfigError(
@@ -123,37 +121,23 @@ def resolve_inner(name: str) -> Any:
     return cls
 
 
-def _recorder_extra(kv_transfer_config: Any) -> dict[str, Any]:
-    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
-    if not isinstance(extra, Mapping):
-        raise ConnectorConfigError(f"kv_connector_extra_config must be a map, got {extra!r}")
-    unknown = set(extra) - RECORDER_KEYS
-    if unknown:
-        raise ConnectorConfigError(
-            f"KVLedgerRecorder: unknown extra config key(s) {sorted(unknown)}; the recorder "
-            f"takes {sorted(RECORDER_KEYS)} (the inner's own keys go in inner_extra_config)"
-        )
-    if "inner" not in extra:
-        raise ConnectorConfigError("KVLedgerRecorder needs `inner`: the connector it wraps")
-    inner_extra = extra.get("inner_extra_config", {}) or {}
-    if not isinstance(inner_extra, Mapping):
-        raise ConnectorConfigError(f"inner_extra_config must be a map, got {inner_extra!r}")
-    digests = extra.get("digests", "off")
-    if digests not in DIGEST_MODES:
-        raise ConnectorConfigError(f"digests must be one of {DIGEST_MODES}, got {digests!r}")
-    return dict(extra)
+def recorder_config(kv_transfer_config: Any) -> RecorderConfig:
+    """The recorder's settings from vLLM's ``kv_transfer_config``: every key validated as
+    ``KVLedgerConnector`` validates it (connector/config.py)."""
+    extra = getattr(kv_transfer_config, "kv_connector_extra_config", None)
+    return RecorderConfig.from_extra_config(extra)
 
 
 def inner_kv_transfer_config(kv_transfer_config: Any, inner_cls: Any) -> Any:
     """A copy of vLLM's ``kv_transfer_config`` as the inner would see it unwrapped: its own
     name, module path and extra config; every other field (role, engine id...) unchanged."""
-    extra = _recorder_extra(kv_transfer_config)
+    config = recorder_config(kv_transfer_config)
     inner = copy.copy(kv_transfer_config)
-    name = extra["inner"]
+    name = config.inner
     fields = {
         "kv_connector": inner_cls.__name__ if ":" in name else name,
         "kv_connector_module_path": inner_cls.__module__ if ":" in name else None,
-        "kv_connector_extra_config": dict(extra.get("inner_extra_config") or {}),
+        "kv_connector_extra_config": dict(config.inner_extra_config),
     }
     for key, value in fields.items():
         object.__setattr__(inner, key, value)  # a frozen or validating dataclass: no checks
@@ -225,40 +209,129 @@ def _params_text(params: Any) -> str:
     return type(params).__name__
 
 
-def _status_name(request: Any) -> str:
-    status = getattr(request, "status", None)
-    return str(getattr(status, "name", status) or "").lower()
+_NUM_TOKENS = operator.attrgetter("num_tokens")
+_KNOWN = operator.attrgetter("known")
+_NEXT = (1).__add__
+
+
+class _Batch:
+    """The cached requests of the last step that was steady whole: every one an entry of one
+    ``StepDecoded``, each token read from its list (connector/edge.py, ``token_list``), each
+    with the token at its count the next to record (synchronous scheduling). While vLLM
+    schedules exactly these again, in the same order, each one token at the count the log gave
+    it, with at most one new block, the step is checked with a few list comparisons and maps
+    (loops in C) and the lives advance by one shared counter (``RecordedSteps.defer``) instead
+    of request by request: the decode step of a steady batch, the common case. It writes
+    exactly what the request-by-request path would; anything else in a step, and that path
+    decides."""
+
+    __slots__ = ("changes", "counts", "lists", "lives", "nums", "req_ids")
+
+    def __init__(
+        self,
+        req_ids: list[str],
+        lives: list[Life],
+        nums: list[int],
+        lists: dict[str, Any],
+        steps: RecordedSteps,
+    ) -> None:
+        self.req_ids = list(req_ids)
+        self.lives = lives
+        self.nums = tuple(nums)
+        self.lists = [lists[r] for r in req_ids]
+        self.counts = list(map(_NUM_TOKENS, lives))  # each life's count, as the log gives it
+        self.changes = steps.changes
+
+    def step(self, rec: SchedulerRecorder, cached: Any, scheduled: Any, resumed: Any) -> bool:
+        """Write this step of the batch (True), or leave it to the request-by-request path."""
+        req_ids, lives, steps = cached.req_ids, self.lives, rec.steps
+        if resumed or req_ids != self.req_ids:
+            return False
+        if steps.changes != self.changes:  # the log took other facts since: read the lives
+            steps.settle()
+            counts = list(map(_NUM_TOKENS, lives))
+            if list(map(_KNOWN, lives)) != counts or list(map(rec._lives.get, req_ids)) != lives:
+                return False
+            self.counts, self.changes = counts, steps.changes
+        counts = self.counts
+        if (
+            cached.num_computed_tokens != counts
+            # every one scheduled (KeyError if not) one token (each at least one: the sum)
+            or sum(map(scheduled.__getitem__, req_ids)) != len(req_ids)
+        ):
+            return False
+        grown: list[Any] = []
+        new_block_ids = cached.new_block_ids
+        if new_block_ids.count(None) != len(new_block_ids):
+            for life, blocks in zip(lives, new_block_ids, strict=True):
+                if blocks:
+                    group = blocks[0]
+                    if len(group) > 1:
+                        return False
+                    if group:
+                        grown += (life.num, group[0])
+        try:
+            tokens = list(map(operator.getitem, self.lists, counts))
+        except IndexError:  # a token not known yet
+            return False
+        if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
+            return False
+        self.counts = list(map(_NEXT, counts))
+        return True
 
 
 class SchedulerRecorder:
     """The scheduler role's recording: vLLM's facts in, events out. It reads vLLM's objects
     by duck typing, as ``connector.scheduler`` does, and writes straight to the log (no fold:
-    nothing here decides anything, and nothing here may cost the engine more than a copy)."""
+    nothing here decides anything, and nothing here may cost the engine more than a copy).
 
-    def __init__(self, log: Any, *, logger: Any = None) -> None:
+    Steady decode steps (``steady``, the default) are batched: the running requests that
+    decoded one token the plainest way go into one ``StepDecoded`` per run of them, each entry
+    standing for exactly the ``Scheduled`` it replaces (tracker/recorded_steps.py, whose
+    ``RecordedSteps`` follows every event the log took, as every reader follows it). After the
+    log dropped a step (a disk that fell behind), every step is written in full: a reader
+    cannot resolve request numbers across a gap."""
+
+    def __init__(self, log: Any, *, logger: Any = None, steady: bool = True) -> None:
         self.log = log  # a LogSink, or None (recording off: the engine runs as unwrapped)
         self.step = 0
         self.records_lost = 0
         self.log_error: str | None = None
+        self.steady = steady
         self._logger = logger if logger is not None else _log
-        # Token ids recorded per live request (the fold's state.token_ids, kept as a count),
-        # and the request objects, read for all_token_ids at build_connector_meta.
-        self._known: dict[str, int] = {}
+        # What the log says of each live request (its number, count and known token ids),
+        # followed as each event is taken; and the request objects, read for all_token_ids
+        # at build_connector_meta.
+        self.steps = RecordedSteps()
+        self._lives = self.steps.lives
+        self._follow = self.steps.follow
         self._requests: dict[str, Any] = {}
+        # The list each request's all_token_ids views (connector/edge.py, token_list), read by
+        # the hot path; taken again at every Scheduled written in full (an admission, a
+        # resumption), so it is never older than the request's current admission.
+        self._token_lists: dict[str, list[int] | None] = {}
+        # The running requests of the last step that was steady whole (see _Batch).
+        self._batch: _Batch | None = None
+        # Told of every event before the log takes it (the digests' planner: connector/digests.py).
+        self.observe: Callable[[ev.Event], None] | None = None
 
     # --- writing ------------------------------------------------------------------------
 
     def write(self, *events: ev.Event) -> None:
         if self.log is None:
             return
+        if self.observe is not None:
+            self.observe(*events)
         for e in events:
             try:
                 self.log.append(e)
             except EncodeError as exc:
                 self.lost(type(e).__name__, exc, e.req_id if isinstance(e.req_id, str) else "")
+                continue
             except Exception as exc:
                 self._log_failed(exc)
                 return
+            self._follow(e)
 
     def lost(self, callback: str, exc: BaseException, req_id: str = "") -> None:
         """A record could not be made: say so, count it, and put a ``RecordLost`` in its place."""
@@ -295,25 +368,30 @@ class SchedulerRecorder:
             except Exception as exc:
                 self._log_failed(exc)
 
+    def _known(self, req_id: str) -> int:
+        """How many of the request's token ids the log holds (0 for a request it lacks)."""
+        self.steps.settle()
+        life = self._lives.get(req_id)
+        return life.known if life is not None else 0
+
     # --- facts ----------------------------------------------------------------------------
 
     def see(self, request: Any) -> str:
-        """``RequestAdded`` the first time a request object is seen (vLLM < 0.22 has no
-        ``on_new_request``; a reused id is a new object, so a new life)."""
+        """``RequestAdded`` the first time a request object is seen (no ``on_new_request`` on
+        older vLLM: connector/edge.py; a reused id is a new object, so a new life)."""
         req_id = str(request.request_id)
         if self._requests.get(req_id) is not request:
             self._requests[req_id] = request
+            self._token_lists[req_id] = token_list(request)
             prompt = ev.int_tuple(getattr(request, "prompt_token_ids", None) or ())
             salt = str(getattr(request, "cache_salt", None) or "")
-            self._known[req_id] = len(prompt)
             self.write(ev.RequestAdded(self.step, req_id, prompt, salt))
         return req_id
 
     def lookup(self, request: Any, local_hit: int, answer: Any) -> None:
         req_id = self.see(request)
         tokens = request.all_token_ids
-        start = min(self._known.get(req_id, 0), len(tokens))
-        self._known[req_id] = max(self._known.get(req_id, 0), len(tokens))
+        start = min(self._known(req_id), len(tokens))
         external, load_async = answer
         self.write(
             ev.LookupAsked(
@@ -323,7 +401,7 @@ class SchedulerRecorder:
                 len(tokens),
                 start,
                 ev.int_tuple(tokens[start:]),
-                _status_name(request) == "preempted",
+                status_name(request) == "preempted",
             ),
             ev.InnerLookupAnswered(
                 self.step, req_id, -1 if external is None else int(external), bool(load_async)
@@ -337,7 +415,8 @@ class SchedulerRecorder:
         self.write(ev.Allocated(self.step, req_id, block_ids, int(num_external)))
 
     def scheduled(self, out: Any) -> None:
-        """One ``build_connector_meta``: preemptions first, then every scheduled request."""
+        """One ``build_connector_meta``: preemptions first, then every scheduled request; the
+        steady ones in ``StepDecoded`` runs (see the class docstring)."""
         for req_id in sorted(getattr(out, "preempted_req_ids", None) or ()):
             self.write(ev.Preempted(self.step, str(req_id)))
         num_scheduled = out.num_scheduled_tokens
@@ -351,22 +430,112 @@ class SchedulerRecorder:
                 getattr(new, "prefill_token_ids", None) or new.prompt_token_ids,
             )
         cached = out.scheduled_cached_reqs
+        req_ids = cached.req_ids
         resumed_ids = getattr(cached, "resumed_req_ids", None)
-        resumed_flags = getattr(cached, "resumed_from_preemption", None)
+        if resumed_ids is None:  # older vLLM: one flag per request (connector/edge.py)
+            flags = getattr(cached, "resumed_from_preemption", None) or ()
+            resumed_ids = {rid for rid, flag in zip(req_ids, flags, strict=False) if flag}
         cached_all = getattr(cached, "all_token_ids", None) or {}
-        for i, req_id in enumerate(cached.req_ids):
-            if resumed_ids is not None:
-                resumed = req_id in resumed_ids
-            else:
-                resumed = bool(resumed_flags[i]) if resumed_flags is not None else False
+        # The hot path (a few reads and comparisons per request): a running request that
+        # decodes one token at the count the log last gave it, with at most one new block and
+        # exactly one new token id, is an entry of a StepDecoded. The log's loss of a step
+        # turns it off for good (class docstring).
+        steady = self.steady and not getattr(self.log, "lost_frames", 0)
+        batch, self._batch = self._batch, None
+        if steady and batch is not None:
+            try:
+                if batch.step(self, cached, num_scheduled, resumed_ids):
+                    self._batch = batch
+                    return
+            except Exception:  # anything unexpected: decided request by request below
+                pass
+        self.steps.settle()  # the lives, read directly below
+        whole = steady  # every cached request an entry, its token read from its list
+        scheduled_tokens = num_scheduled.get
+        lives, lists = self._lives, self._token_lists
+        run: list[Life] = []
+        nums: list[int] = []
+        tokens: list[Any] = []
+        grown: list[Any] = []
+        for req_id, nc, blocks in zip(
+            req_ids, cached.num_computed_tokens, cached.new_block_ids, strict=True
+        ):
+            if steady:
+                try:
+                    life = lives.get(req_id)
+                    if (
+                        life is not None
+                        and nc == life.num_tokens
+                        and scheduled_tokens(req_id) == 1
+                        and req_id not in resumed_ids
+                    ):
+                        group = blocks[0] if blocks else ()  # one list per KV-cache group
+                        known = life.known
+                        ids = lists.get(req_id)
+                        if ids is None:
+                            ids = self._requests[req_id].all_token_ids
+                            whole = False
+                        # Exactly one id to record: the next one (a synchronous step knows
+                        # the one at nc; under async scheduling the last is still unknown).
+                        if len(group) <= 1 and (
+                            known == nc or (known < nc and len(ids) == known + 1)
+                        ):
+                            tokens.append(ids[known])  # raises if it is not known yet
+                            nums.append(life.num)
+                            run.append(life)
+                            if group:
+                                grown += (life.num, group[0])
+                            continue
+                except Exception:  # malformed: the full path below records it, or its loss
+                    pass
+            whole = False
+            if run:
+                self._decoded(run, nums, tokens, grown)
+                run, nums, tokens, grown = [], [], [], []
             self._guarded_one(
                 str(req_id),
-                ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
-                cached.num_computed_tokens[i],
+                ev.Admission.RESUMED if req_id in resumed_ids else ev.Admission.RUNNING,
+                nc,
                 num_scheduled.get(req_id, 0),
-                first_group(cached.new_block_ids[i]),
+                first_group(blocks),
                 cached_all.get(req_id),
             )
+        if run and self._decoded(run, nums, tokens, grown) and whole:
+            self._batch = _Batch(req_ids, run, nums, lists, self.steps)
+
+    def _decoded(
+        self, run: list[Life], nums: Any, tokens: list[Any], grown: list[Any], batch: bool = False
+    ) -> bool:
+        """One run of steady steps, as one ``StepDecoded``; its requests advance once the log
+        took it (as a reader's ``RecordedSteps.follow`` advances them; a batch's lazily).
+        False: lost."""
+        if self.log is None:
+            return False
+        try:
+            event = ev.StepDecoded(
+                self.step,
+                "",
+                tuple(nums),
+                ev.int_tuple(grown) if grown else (),
+                ev.int_tuple(tokens),
+            )
+            if self.observe is not None:
+                self.observe(event)
+            self.log.append(event)
+        except EncodeError as exc:  # a token id the log cannot hold: those steps are lost
+            self.lost("StepDecoded", exc)
+            return False
+        except TypeError as exc:  # not an integer
+            self.lost("build_connector_meta", exc)
+            return False
+        except Exception as exc:
+            self._log_failed(exc)
+            return False
+        if batch:
+            self.steps.defer(run)
+        else:
+            self.steps.advance(run)
+        return True
 
     def _guarded_one(
         self,
@@ -379,15 +548,15 @@ class SchedulerRecorder:
     ) -> None:
         try:
             request = self._requests.get(req_id)
+            if request is not None:
+                self._token_lists[req_id] = token_list(request)
             tokens = request.all_token_ids if request is not None else (fallback or ())
             nc, ns = int(num_computed), int(num_scheduled)
-            known = self._known.get(req_id, 0)
-            start = min(known, len(tokens))
+            start = min(self._known(req_id), len(tokens))
             end = (
                 len(tokens) if admission is not ev.Admission.RUNNING else min(len(tokens), nc + ns)
             )
             ids = ev.int_tuple(tokens[start:end]) if end > start else ()
-            self._known[req_id] = max(known, end)
             self.write(
                 ev.Scheduled(
                     self.step, req_id, nc, ns, start, ids, ev.int_tuple(block_ids), admission
@@ -399,10 +568,10 @@ class SchedulerRecorder:
     def finished(self, request: Any, block_ids: Any, answer: Any) -> None:
         req_id = str(request.request_id)
         self._requests.pop(req_id, None)
-        self._known.pop(req_id, None)
+        self._token_lists.pop(req_id, None)
         delay, params = answer
         self.write(
-            ev.Finished(self.step, req_id, _status_name(request) or "finished"),
+            ev.Finished(self.step, req_id, status_name(request) or "finished"),
             ev.InnerFinishedAnswered(
                 self.step, req_id, bool(delay), first_group(block_ids), _params_text(params)
             ),
@@ -410,17 +579,21 @@ class SchedulerRecorder:
 
     def connector_output(self, output: Any) -> None:
         """The worker's results of a step, as vLLM hands them to ``update_connector_output``."""
+        recving = getattr(output, "finished_recving", None) or ()
         failed = set(getattr(output, "failed_recving", None) or ())
-        for req_id in sorted(getattr(output, "finished_recving", None) or ()):
-            self.write(ev.InnerRecvDone(self.step, str(req_id), req_id in failed))
-        for req_id in sorted(failed - set(getattr(output, "finished_recving", None) or ())):
-            self.write(ev.InnerRecvDone(self.step, str(req_id), True))
-        for req_id in sorted(getattr(output, "finished_sending", None) or ()):
-            self.write(ev.InnerSendDone(self.step, str(req_id)))
+        sending = getattr(output, "finished_sending", None) or ()
         invalid = getattr(output, "invalid_block_ids", None)
+        stats = getattr(output, "kv_connector_stats", None)
+        if not (recving or failed or sending or invalid) and stats is None:
+            return  # most steps: nothing to record
+        for req_id in sorted(recving):
+            self.write(ev.InnerRecvDone(self.step, str(req_id), req_id in failed))
+        for req_id in sorted(failed - set(recving)):
+            self.write(ev.InnerRecvDone(self.step, str(req_id), True))
+        for req_id in sorted(sending):
+            self.write(ev.InnerSendDone(self.step, str(req_id)))
         if invalid:
             self.write(ev.InnerLoadErrors(self.step, "", tuple(sorted(int(b) for b in invalid))))
-        stats = getattr(output, "kv_connector_stats", None)
         if stats is not None and not _empty_stats(stats):
             self.write(ev.InnerStats(self.step, "", "worker", _stats_text(stats)))
 
@@ -436,15 +609,6 @@ def _empty_stats(stats: Any) -> bool:
         return False
 
 
-def _open_log(log_dir: str, header: dict[str, Any], background: bool) -> tuple[Any, str]:
-    from connector.logwriter import LogWriter  # file I/O only when asked for
-
-    os.makedirs(log_dir, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path = os.path.join(log_dir, f"kvledger-rec-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.kvlog")
-    return LogWriter(path, header, background=background), path
-
-
 # --- the connector vLLM loads ---------------------------------------------------------------
 
 
@@ -456,79 +620,59 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     _last_inner_cls: Any = None
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if _BASE_TAKES_KV_CACHE_CONFIG:
-            super().__init__(vllm_config, role, kv_cache_config)
-        else:  # pragma: no cover - vLLM <= 0.11.0
-            super().__init__(vllm_config, role)  # type: ignore[call-arg, unused-ignore]
-        extra = _recorder_extra(vllm_config.kv_transfer_config)
-        self.recorder_config = extra
-        self.inner_cls = resolve_inner(extra["inner"])
+        super().__init__(*base_args(vllm_config, role, kv_cache_config))
+        config = recorder_config(vllm_config.kv_transfer_config)
+        self.recorder_config = config
+        self.inner_cls = resolve_inner(config.inner)
         KVLedgerRecorder._last_inner_cls = self.inner_cls
         self.inner_vllm_config = inner_vllm_config(vllm_config, self.inner_cls)
-        if _BASE_TAKES_KV_CACHE_CONFIG:
-            self._inner = self.inner_cls(self.inner_vllm_config, role, kv_cache_config)
-        else:  # pragma: no cover
-            self._inner = self.inner_cls(self.inner_vllm_config, role)
+        # The chunk size check --differential gives kvledger's pool: refused now, before the
+        # inner exists, if it is not whole blocks (as for KVLedgerConnector).
+        block_size = int(vllm_config.cache_config.block_size)
+        chunk_size = config.chunk_size_for(block_size)
+        self._inner = build_connector(self.inner_cls, self.inner_vllm_config, role, kv_cache_config)
         if hasattr(self._inner, "_cache_hit_source"):  # a metrics label vLLM reads
             self._cache_hit_source = self._inner._cache_hit_source
         if SupportsHMA is not None and isinstance(self._inner, SupportsHMA):
             # vLLM calls request_finished_all_groups on an HMA connector (an isinstance test
             # at each call): be one exactly when the inner is.
             self.__class__ = _hma_variant()
-        self.digests = str(extra.get("digests", "off"))
+        self.digests = config.digests
         # The digests' hooks (connector/digests.py fills them; None: digests off).
         self._digest_planner: Any = None
         self._digester: Any = None
         self.recording: SchedulerRecorder | None = None
         self.log_path: str | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.recording = self._start_recording(vllm_config, extra)
+            self.recording = self._start_recording(vllm_config, config, block_size, chunk_size)
         self._make_digest_hooks(vllm_config, kv_cache_config, role)
 
-    def _start_recording(self, vllm_config: Any, extra: dict[str, Any]) -> SchedulerRecorder:
-        log_dir = extra.get("log_dir") or os.environ.get(ENV_LOG_DIR)
-        log = None
-        if log_dir:
-            import vllm
-
-            block_size = int(vllm_config.cache_config.block_size)
-            chunk = int(extra.get("chunk_size", 256))
-            if chunk % block_size:
-                chunk = max(block_size, chunk // block_size * block_size)
-            tracker_config = TrackerConfig(block_size=block_size, chunk_size=chunk)
-            header = {
-                **tracker_config.to_dict(),
-                "vllm_version": getattr(vllm, "__version__", "?"),
-                "recorder": {
-                    "format": RECORDER_FORMAT,
-                    "inner": str(extra["inner"]),
-                    "inner_class": f"{self.inner_cls.__module__}.{self.inner_cls.__qualname__}",
-                    "digests": str(extra.get("digests", "off")),
-                    "kv_role": str(getattr(vllm_config.kv_transfer_config, "kv_role", "")),
-                },
-            }
-            try:
-                log, self.log_path = _open_log(
-                    str(log_dir), header, bool(extra.get("log_background", True))
-                )
-            except Exception as exc:  # serve without a record, said loudly
-                _log.error("kvledger.log_unavailable", log_dir=str(log_dir), error=repr(exc))
-        return SchedulerRecorder(log)
+    def _start_recording(
+        self, vllm_config: Any, config: RecorderConfig, block_size: int, chunk_size: int
+    ) -> SchedulerRecorder:
+        header = {
+            **TrackerConfig(block_size=block_size, chunk_size=chunk_size).to_dict(),
+            "vllm_version": VLLM_VERSION,
+            "recorder": {
+                "format": RECORDER_FORMAT,
+                "inner": config.inner,
+                "inner_class": f"{self.inner_cls.__module__}.{self.inner_cls.__qualname__}",
+                "digests": config.digests,
+                "kv_role": str(getattr(vllm_config.kv_transfer_config, "kv_role", "")),
+            },
+        }
+        # The log's settings and its policy for a directory that cannot be written are
+        # KVLedgerConnector's (connector/logfile.py): served without a log, said loudly,
+        # unless log_required.
+        log, self.log_path, _ = open_log(config, header, kind="recorder", logger=_log)
+        return SchedulerRecorder(log, steady=config.steady_decode)
 
     def _make_digest_hooks(self, vllm_config: Any, kv_cache_config: Any, role: Any) -> None:
-        """The digests' planner (scheduler) or digester (worker), when digests are on and
-        ``connector.digests`` provides them; the recorder works without them."""
+        """The digests' planner (scheduler) or digester (worker), when digests are on."""
         if self.digests == "off":
             return
-        try:
-            from connector import digests  # type: ignore[attr-defined, unused-ignore]
-        except ImportError:
-            _log.warning("kvledger.digests_unavailable", mode=self.digests)
-            return
-        make = getattr(digests, "make_recorder_hooks", None)
-        if make is None:
-            _log.warning("kvledger.digests_unavailable", mode=self.digests)
-            return
+        from connector.digests import make_recorder_hooks as make  # torch: only when asked
+
         hooks = make(self, vllm_config, kv_cache_config, role)
         if role == KVConnectorRole.SCHEDULER:
             self._digest_planner = hooks
@@ -567,7 +711,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # vLLM < 0.30 has no such property (and never asks): False, a best-effort cache.
+        # Not asked by older vLLM (connector/edge.py): False, a best-effort cache.
         return bool(getattr(self._inner, "requires_kv_delivery", False))
 
     @property
@@ -786,7 +930,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
-        inner_cls = resolve_inner(_recorder_extra(vllm_config.kv_transfer_config)["inner"])
+        inner_cls = resolve_inner(recorder_config(vllm_config.kv_transfer_config).inner)
         result = inner_cls.get_required_kvcache_layout(inner_vllm_config(vllm_config, inner_cls))
         return None if result is None else str(result)
 
@@ -800,7 +944,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        inner_cls = resolve_inner(_recorder_extra(kv_transfer_config)["inner"])
+        inner_cls = resolve_inner(recorder_config(kv_transfer_config).inner)
         method = getattr(inner_cls, "supports_sleep_mode", None)
         if method is None:
             return True
@@ -815,7 +959,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
 
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, *args: Any, **kwargs: Any) -> Any:
-        inner_cls = resolve_inner(_recorder_extra(vllm_config.kv_transfer_config)["inner"])
+        inner_cls = resolve_inner(recorder_config(vllm_config.kv_transfer_config).inner)
         return inner_cls.build_prom_metrics(
             inner_vllm_config(vllm_config, inner_cls), *args, **kwargs
         )

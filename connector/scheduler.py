@@ -14,17 +14,14 @@ the request concerned, logged, and the request falls back to recompute.
 from __future__ import annotations
 
 import functools
-import os
-import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import attrs
 import structlog
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.logwriter import LogWriteError
+from connector.config import ConnectorConfig
+from connector.logfile import open_log
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.metrics import Counters
 from connector.remote import UNAVAILABLE, RemoteStore, RemoteUnavailable
@@ -35,7 +32,7 @@ from tracker.plans import blocks_covering, transfer_plan
 from tracker.remote import lookup_keys
 from tracker.tracker import Tracker
 
-__all__ = ["SchedulerSide", "first_group"]
+__all__ = ["SchedulerSide", "first_group", "status_name"]
 
 _log = structlog.get_logger("kvledger.connector")
 T = TypeVar("T")
@@ -97,7 +94,9 @@ def _free_now() -> tuple[bool, dict[str, Any] | None]:
     return False, None
 
 
-def _status_name(request: Any) -> str:
+def status_name(request: Any) -> str:
+    """A request's status in lower case (``preempted``, ``finished_aborted``...): an enum
+    member's name, or what the object holds."""
     status = getattr(request, "status", None)
     return str(getattr(status, "name", status) or "").lower()
 
@@ -175,25 +174,17 @@ class SchedulerSide:
             max_async_lag=max_async_lag,
             strict=config.strict,
         )
-        self.log_path: str | None = None
-        writer = None
-        log_error: str | None = None
-        if config.log_dir:
-            try:
-                writer = self._open_log(config.log_dir, log_header or {})
-            except (OSError, LogWriteError) as e:
-                # The documented policy (docs/using-with-vllm.md): the engine serves without a
-                # log, said loudly, unless the log is required.
-                log_error = f"log_dir {config.log_dir!r} cannot be written: {e}"
-                if config.log_required:
-                    raise ConnectorConfigError(f"{log_error} (log_required is set)") from None
-                self.log_path = None
+        # The documented policy (docs/using-with-vllm.md, connector/logfile.py): a log_dir
+        # that cannot be written costs the log, said loudly, unless the log is required.
+        writer, self.log_path, log_error = open_log(
+            config,
+            {**self.tracker_config.to_dict(), **(log_header or {})},
+            kind="connector",
+            logger=logger,
+        )
         self.tracker = Tracker(self.tracker_config, log=writer, logger=logger)
         if log_error is not None:
             self.tracker.log_error = log_error
-            (logger or structlog.get_logger("kvledger")).error(
-                "kvledger.log_unavailable", error=log_error
-            )
         self.adapter_errors = 0
         # Running totals for vLLM's connector metrics (connector/metrics.py).
         self.counters = Counters()
@@ -228,25 +219,6 @@ class SchedulerSide:
             if down is not None:
                 self._remote_outage(down)
 
-    def _open_log(self, log_dir: str, extra: dict[str, Any]) -> Any:
-        from connector.logwriter import LogWriter  # the only file I/O, and only when asked for
-
-        os.makedirs(log_dir, exist_ok=True)
-        # One log per connector: time, pid and a random suffix, so a second connector in the
-        # same process (an engine restarted in place) never collides with the first.
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = os.path.join(log_dir, f"kvledger-{stamp}-{os.getpid()}-{uuid.uuid4().hex[:6]}.kvlog")
-        self.log_path = path
-        header = {**self.tracker_config.to_dict(), **extra}
-        return LogWriter(
-            path,
-            header,
-            rotate_bytes=self.config.log_rotate_bytes,
-            fsync=self.config.log_fsync,  # type: ignore[arg-type]  # checked by ConnectorConfig
-            background=self.config.log_background,
-            max_queue_bytes=self.config.log_queue_bytes,
-        )
-
     # --- callbacks ------------------------------------------------------------------------
 
     @_guarded(lambda: None)
@@ -279,7 +251,7 @@ class SchedulerSide:
             req_id,
             int(num_computed_tokens),
             request.all_token_ids,
-            preempted=_status_name(request) == "preempted",
+            preempted=status_name(request) == "preempted",
         )
         self.counters.lookups += 1
         self.counters.hit_tokens += external
@@ -614,7 +586,7 @@ class SchedulerSide:
 
     def _reports_of(self, connector_output: Any) -> list[Any]:
         """The worker reports in vLLM's ``KVConnectorOutput``: our worker metadata (one report
-        per rank, or a bare or wrapped single report), else (vLLM < 0.18) the plain reports in
+        per rank, or a bare or wrapped single report), else (no worker metadata) the plain reports in
         the connector stats. Anything else there is not ours and is ignored."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         reports = getattr(meta, "reports", None)
@@ -623,7 +595,7 @@ class SchedulerSide:
         if meta is not None:  # a single report, bare or wrapped; not ours unless a report
             single = getattr(meta, "report", meta)
             return [single] if isinstance(single, WorkerReport) else []
-        # vLLM < 0.18 has no worker metadata: the reports ride in the connector stats.
+        # No worker metadata (connector/edge.py): the reports ride in the connector stats.
         stats = getattr(connector_output, "kv_connector_stats", None)
         plain = getattr(stats, "data", None)
         if not isinstance(plain, dict) or "kvledger_reports" not in plain:
@@ -788,7 +760,7 @@ class SchedulerSide:
         self._requests.pop(req_id, None)
         if self.digests is not None:
             self.digests.finished(req_id)
-        delay = self.tracker.finished(req_id, _status_name(request) or "finished")
+        delay = self.tracker.finished(req_id, status_name(request) or "finished")
         if delay:
             self._delayed_free.append(req_id)
         return delay, None

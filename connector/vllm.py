@@ -17,17 +17,22 @@ connector metadata, a ``WorkerReport`` in the worker metadata.
 
 from __future__ import annotations
 
-import inspect
 from typing import TYPE_CHECKING, Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
 
 from connector import metrics
 from connector.config import ConnectorConfig
+from connector.edge import (
+    PROM_METRICS,
+    VLLM_VERSION,
+    WORKER_META_CHANNEL,
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorPromMetrics,
+    KVConnectorRole,
+    KVConnectorStats,
+    KVConnectorWorkerMetadata,
+    base_args,
+)
 from connector.messages import StepPlan, WorkerReport
 from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
 from connector.scheduler import SchedulerSide
@@ -36,32 +41,9 @@ from connector.stopping import NO_HOOK, StopHook
 if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
     from connector.worker import WorkerSide
 
-try:  # vLLM >= 0.18: the worker -> scheduler channel
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-except ImportError:  # pragma: no cover - older vLLM
-    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
-try:  # vLLM >= 0.11: connector stats travel worker -> scheduler in every KVConnectorOutput
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-except ImportError:  # pragma: no cover - older vLLM
-    KVConnectorStats = object  # type: ignore[assignment,misc]
-try:  # vLLM >= 0.11.1: per-connector Prometheus metrics (build_prom_metrics)
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
-
-    PROM_METRICS = True
-except ImportError:  # pragma: no cover - older vLLM
-    KVConnectorPromMetrics = object  # type: ignore[assignment,misc]
-    PROM_METRICS = False
-
-# Where the worker's reports travel: the worker metadata where vLLM has it (>= 0.18), else the
-# connector stats (0.11 - 0.17), which vLLM also hands to update_connector_output.
-WORKER_META_CHANNEL = hasattr(KVConnectorBase_V1, "build_connector_worker_meta")
-
 __all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerRecorder", "KVLedgerWorkerMetadata"]
 
-_BASE_TAKES_KV_CACHE_CONFIG = (
-    "kv_cache_config" in inspect.signature(KVConnectorBase_V1.__init__).parameters
-)
-
+# vLLM itself comes through connector/edge.py, which also lists what differs between releases.
 # The `type: ignore[misc, unused-ignore]` on the classes below: where vLLM is not installed
 # (mypy without the vllm extra) their bases are Any, and subclassing Any is an error.
 
@@ -96,7 +78,8 @@ class KVLedgerWorkerMetadata(KVConnectorWorkerMetadata):  # type: ignore[misc, u
 class KVLedgerStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
     """The connector stats, plain data (serialised between processes): the scheduler side's
     counters and pool reading under ``"kvledger"`` (what changed since its previous stats;
-    connector/metrics.py), and on vLLM 0.11 - 0.17 the worker's reports under
+    connector/metrics.py), and on the releases without worker metadata (connector/edge.py)
+    the worker's reports under
     ``"kvledger_reports"``. ``aggregate`` keeps each rank's reports apart and adds counters."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
@@ -194,10 +177,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     """vLLM's entry point; see the module docstring."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if _BASE_TAKES_KV_CACHE_CONFIG:
-            super().__init__(vllm_config, role, kv_cache_config)
-        else:  # pragma: no cover - vLLM <= 0.11.0, whose base takes no kv_cache_config
-            super().__init__(vllm_config, role)  # type: ignore[call-arg, unused-ignore]
+        super().__init__(*base_args(vllm_config, role, kv_cache_config))
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.kv_config = ConnectorConfig.from_extra_config(extra)
         block_size = int(vllm_config.cache_config.block_size)
@@ -218,8 +198,6 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         # Wraps every scheduler callback that writes to the log (connector/stopping.py).
         self._stop: StopHook | Any = NO_HOOK
         if role == KVConnectorRole.SCHEDULER:
-            import vllm
-
             self._scheduler = SchedulerSide(
                 self.kv_config,
                 block_size=block_size,
@@ -228,7 +206,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 world_size=world_size,
                 max_async_lag=_max_async_lag(vllm_config),
                 log_header={
-                    "vllm_version": getattr(vllm, "__version__", "?"),
+                    "vllm_version": VLLM_VERSION,
                     "slot_bytes": slot_bytes,
                 },
             )
@@ -326,8 +304,8 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> KVLedgerPromMetrics | None:
-        """The ``vllm:kvledger_*`` metrics (vLLM >= 0.11.1 calls this in its Prometheus stat
-        logger; None on a vLLM without per-connector metrics)."""
+        """The ``vllm:kvledger_*`` metrics (vLLM calls this in its Prometheus stat logger;
+        None on a vLLM without per-connector metrics: connector/edge.py)."""
         if not PROM_METRICS:  # pragma: no cover - older vLLM
             return None
         return KVLedgerPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -339,7 +317,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         plan = getattr(kv_connector_metadata, "plan", None)
-        if plan is None and kv_connector_metadata:  # vLLM 0.14-0.18 passes the id set
+        if plan is None and kv_connector_metadata:  # the id set (connector/edge.py)
             plan = StepPlan(step=-1, preempted=tuple(kv_connector_metadata))
         self.worker_side.handle_preemptions(plan)
 

@@ -178,8 +178,9 @@ class WorkerSide:
         self._issue_late_saves()
         self._compute = self._current_stream()
         # Order this step's forward pass after every save still reading blocks: a block freed
-        # by a preemption may be reused right now, and vLLM before 0.14 never calls
-        # handle_preemptions. The compute stream waits; the host does not block.
+        # by a preemption may be reused right now, and older vLLM never calls
+        # handle_preemptions (connector/edge.py). The compute stream waits; the host does
+        # not block.
         for _, _, handle in self._saves_in_flight:
             handle.wait(self._compute)
         self._plan = plan

@@ -30,6 +30,7 @@ from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestBook
 from tracker.recorded_rules import RecordedRules
+from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 
 __all__ = ["check_recorded_into", "is_recorded"]
@@ -66,6 +67,9 @@ def check_recorded_into(
     rules = RecordedRules(config.block_size)
     book = DigestBook()
     diff = _Differential(config) if differential else None
+    # A StepDecoded is judged as the Scheduled events it stands for (tracker/recorded_steps.py).
+    expander = RecordedSteps()
+    steady = 0
     index = frames = steps = 0
     last_step: int | None = None
     requests = 0
@@ -101,34 +105,45 @@ def check_recorded_into(
                 peak_live = max(peak_live, len(live))
             elif e.__class__ is ev.Finished:
                 live.discard(e.req_id)
-            found: list[Violation] = rules.apply(e)
-            if e.__class__ in (ev.BlockDigested, ev.LoadDigested):
-                found = found + book.apply(e)
-            for v in found:
-                detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
-                if add(
-                    Problem(
-                        "violation",
-                        v.rule,
-                        v.step,
-                        v.req_id,
-                        e,
-                        path=frame.path,
-                        offset=frame.offset,
-                        seq=frame.seq,
-                        index=index,
-                        detail=detail,
-                    )
-                ):
-                    done = True
-            if diff is not None:
-                problem = diff.apply(e)
+            judged: list[tuple[ev.Event, list[Violation]]]
+            if e.__class__ is ev.StepDecoded:
+                assert isinstance(e, ev.StepDecoded)
+                scheduled, bad = expander.expand(e)
+                steady += len(scheduled)
+                judged = [(e, bad)] + [(x, rules.apply(x)) for x in scheduled]
+            else:
+                expander.follow(e)
+                found: list[Violation] = rules.apply(e)
+                if e.__class__ in (ev.BlockDigested, ev.LoadDigested):
+                    found = found + book.apply(e)
+                judged = [(e, found)]
+            for x, violations in judged:
+                for v in violations:
+                    detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
+                    if add(
+                        Problem(
+                            "violation",
+                            v.rule,
+                            v.step,
+                            v.req_id,
+                            x,
+                            path=frame.path,
+                            offset=frame.offset,
+                            seq=frame.seq,
+                            index=index,
+                            detail=detail,
+                        )
+                    ):
+                        done = True
+                if diff is None:
+                    continue
+                problem = diff.apply(x)
                 if problem is not None and add(
                     Problem(
                         "differential",
                         "LookupAnswered",
-                        e.step,
-                        e.req_id,
+                        x.step,
+                        x.req_id,
                         problem.ask,
                         recorded=(problem.inner,),
                         derived=(problem.kvledger,),
@@ -155,7 +170,8 @@ def check_recorded_into(
     result.stopped_by = source.stopped_by
     if result.incomplete is None and source.ending in ("open", "rotated"):
         result.incomplete = source.describe_ending()
-    inputs = sum(n for t, n in by_type.items() if t in {c.__name__ for c in _INPUTS})
+    # vLLM's facts the log holds, a StepDecoded counting as the Scheduled events it stands for.
+    inputs = steady + sum(n for t, n in by_type.items() if t in {c.__name__ for c in _INPUTS})
     result.counts = {
         "events": index,
         "inputs": inputs,
@@ -164,7 +180,7 @@ def check_recorded_into(
         "steps": steps,
         "requests": requests,
         "peak_live_requests": peak_live,
-        "steady_decode_steps": 0,
+        "steady_decode_steps": steady,
         "by_type": by_type,
         "recorded": {
             **rules.counts,

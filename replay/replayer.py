@@ -454,7 +454,8 @@ class _Checker:
         tracker = self.tracker
         tracker.violations.clear()  # the replay keeps its own (bounded) list
         common = {
-            "step": event.step,
+            # A digest verdict is stamped with the step of the load it judges.
+            "step": event.judged_step if event.__class__ is ev.LoadDigested else event.step,
             "req_id": event.req_id,
             "event": event,
             "before": self._summary(before),

@@ -253,6 +253,7 @@ def _event_columns(cls: type[ev.Event]) -> tuple[Column, ...]:
             _REQUEST,
             _REQ_ID,
             _c("new_block", "int", "the block appended to its table in the step (null: none)"),
+            _c("token", "int", "the token id the step made known (a recorder's log; null: none)"),
         )
     head = (_EVENT, _STEP) if cls in _POOL_TYPES else (_EVENT, _STEP, _REQUEST, _REQ_ID)
     own = tuple(
@@ -416,9 +417,23 @@ class _Builder:
             and len(after.block_ids) > len(before.block_ids)
             else None
         )
+        learned = (
+            after.token_ids[-1]
+            if after is not None
+            and before is not None
+            and len(after.token_ids) > len(before.token_ids)
+            else None
+        )
         self.emit(
             "ev_step_decoded",
-            {"event": pos, "step": e.step, "request": label, "req_id": req_id, "new_block": grew},
+            {
+                "event": pos,
+                "step": e.step,
+                "request": label,
+                "req_id": req_id,
+                "new_block": grew,
+                "token": learned,
+            },
         )
         srow = self.step_row
         assert srow is not None

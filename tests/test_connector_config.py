@@ -233,11 +233,11 @@ def vllm_build() -> Callable[..., Any]:
 
     roles = {"scheduler": KVConnectorRole.SCHEDULER, "worker": KVConnectorRole.WORKER}
 
-    def build(role: str, **extra: Any) -> Any:
+    def build(role: str, connector: str = "KVLedgerConnector", **extra: Any) -> Any:
         config = HarnessConfig(
             block_size=BLOCK,
             kv_connector={
-                "kv_connector": "KVLedgerConnector",
+                "kv_connector": connector,
                 "kv_connector_module_path": "connector.vllm",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": extra,
@@ -537,3 +537,165 @@ def test_max_async_lag_follows_async_scheduling_and_draft_tokens() -> None:
     assert _max_async_lag(cfg(True, None)) == 1
     assert _max_async_lag(cfg(False, 3)) == 3
     assert _max_async_lag(cfg(True, 3)) == 4
+
+
+# --- one edge: KVLedgerConnector and KVLedgerRecorder read their settings alike ---------------
+
+
+# The recorder wraps vLLM's toy connector here: what it wraps is not what is tested.
+def _inner(tmp_path: Any) -> dict[str, Any]:
+    from connector.testing.recorded import example_connector
+
+    return {
+        "inner": example_connector(),
+        "inner_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+
+
+# Bad values of the keys both classes take. The recorder parsed its settings by hand once:
+# "false" was true, 40 became 32 and -7 became 16, "abc" raised a bare ValueError, and its
+# log settings were ignored.
+BAD_SHARED = [
+    ("chunk_size", "abc"),
+    ("chunk_size", -7),
+    ("chunk_size", 0),
+    ("chunk_size", True),
+    ("chunk_size", 40),  # not whole blocks of 16: refused when vLLM's block size is known
+    ("log_background", "on"),
+    ("log_background", None),
+    ("log_fsync", "always"),
+    ("log_rotate_bytes", -1),
+    ("log_rotate_bytes", "256M"),
+    ("log_queue_bytes", 0),
+    ("log_required", 3),
+    ("log_dir", 7),
+    ("digests", "on"),
+    ("digests", True),
+]
+
+
+def _error(build: Callable[[], Any]) -> tuple[type, str]:
+    with pytest.raises(Exception) as info:
+        build()
+    return type(info.value), str(info.value)
+
+
+@pytest.mark.parametrize(("key", "value"), BAD_SHARED)
+def test_a_bad_value_gets_the_same_error_from_both_configs(key: str, value: Any) -> None:
+    from connector.config import RecorderConfig
+
+    def connector() -> Any:
+        ConnectorConfig.from_extra_config({key: value}, environ={}).check_block_size(16)
+
+    def recorder() -> Any:
+        config = RecorderConfig.from_extra_config({"inner": "X", key: value}, environ={})
+        config.chunk_size_for(16)
+
+    assert _error(connector) == _error(recorder)
+    kind, message = _error(recorder)
+    assert kind is ConnectorConfigError and message.startswith(key), message
+    assert repr(value) in message or f"({value})" in message
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize(("key", "value"), BAD_SHARED)
+def test_a_bad_value_refuses_both_classes_alike(
+    vllm_build: Callable[..., Any], tmp_path: Any, key: str, value: Any
+) -> None:
+    """Through vLLM's own connector factory, in the scheduler role: the same error."""
+    ours = _error(lambda: vllm_build("scheduler", **{key: value}))
+    recorder = _error(
+        lambda: vllm_build("scheduler", "KVLedgerRecorder", **_inner(tmp_path), **{key: value})
+    )
+    assert ours == recorder
+    assert ours[0] is ConnectorConfigError and ours[1].startswith(key)
+
+
+def _writer_settings(writer: Any) -> dict[str, Any]:
+    from connector.logwriter import _BackgroundOutput
+
+    out = writer._out
+    return {
+        "rotate_bytes": writer.rotate_bytes,
+        "fsync": writer.fsync,
+        "background": isinstance(out, _BackgroundOutput),
+        "queue_bytes": getattr(out, "max_bytes", None),
+    }
+
+
+GOOD_LOG = [
+    {},
+    {"log_background": "false", "log_fsync": "step", "log_rotate_bytes": 4096},
+    {"log_background": "1", "log_queue_bytes": 1 << 20, "log_fsync": "never"},
+]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("extra", GOOD_LOG)
+def test_the_log_settings_mean_the_same_in_both_classes(
+    vllm_build: Callable[..., Any], tmp_path: Any, extra: dict[str, Any]
+) -> None:
+    """The same log keys give both classes the same writer: rotation, fsync, the background
+    thread and its queue bound; both logs are named by who wrote them."""
+    ours = vllm_build("scheduler", host_pool_bytes=1 << 20, log_dir=str(tmp_path / "a"), **extra)
+    recorder = vllm_build(
+        "scheduler", "KVLedgerRecorder", **_inner(tmp_path), log_dir=str(tmp_path / "b"), **extra
+    )
+    ours_writer = ours.scheduler_side.tracker._log
+    assert _writer_settings(ours_writer) == _writer_settings(recorder.recording.log)
+    expected = ConnectorConfig.from_extra_config(extra, environ={})
+    assert _writer_settings(ours_writer)["background"] is expected.log_background
+    assert os.path.basename(ours.scheduler_side.log_path).startswith("kvledger-2")
+    assert os.path.basename(recorder.log_path).startswith("kvledger-rec-2")
+    ours.shutdown()
+    recorder.shutdown()
+
+
+@pytest.mark.vllm
+def test_a_log_dir_that_cannot_be_written_is_the_same_policy_in_both(
+    vllm_build: Callable[..., Any], tmp_path: Any
+) -> None:
+    """Without log_required both serve without a log; with it both refuse to start, naming
+    the directory, with the same message."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    log_dir = str(blocker / "logs")
+    ours = vllm_build("scheduler", host_pool_bytes=1 << 20, log_dir=log_dir)
+    recorder = vllm_build("scheduler", "KVLedgerRecorder", **_inner(tmp_path), log_dir=log_dir)
+    assert ours.scheduler_side.log_path is None and recorder.log_path is None
+    assert recorder.recording is not None and recorder.recording.log is None
+    required = {"log_dir": log_dir, "log_required": "true"}
+    kind, message = _error(lambda: vllm_build("scheduler", host_pool_bytes=1 << 20, **required))
+    assert (kind, message) == _error(
+        lambda: vllm_build("scheduler", "KVLedgerRecorder", **_inner(tmp_path), **required)
+    )
+    assert kind is ConnectorConfigError and log_dir in message and "log_required" in message
+
+
+@pytest.mark.vllm
+def test_the_recorder_takes_the_chunk_size_it_is_given(
+    vllm_build: Callable[..., Any], tmp_path: Any
+) -> None:
+    """A chunk size of whole blocks is the recorded one, as given (none: 256)."""
+    from replay.source import open_log
+
+    for given, recorded in ((48, 48), (None, 256)):
+        extra = {} if given is None else {"chunk_size": given}
+        log_dir = tmp_path / f"chunk-{given}"
+        recorder = vllm_build(
+            "scheduler", "KVLedgerRecorder", **_inner(tmp_path), log_dir=str(log_dir), **extra
+        )
+        recorder.shutdown()
+        assert open_log(recorder.log_path).config().chunk_size == recorded
+
+
+def test_the_recorder_refuses_unknown_keys_naming_where_the_inners_go() -> None:
+    from connector.config import RecorderConfig
+
+    with pytest.raises(ConnectorConfigError) as info:
+        RecorderConfig.from_extra_config({"inner": "X", "chunk_sz": 16}, environ={})
+    assert "'chunk_sz'" in str(info.value) and "inner_extra_config" in str(info.value)
+    with pytest.raises(ConnectorConfigError, match="needs `inner`"):
+        RecorderConfig.from_extra_config({}, environ={})
+    with pytest.raises(ConnectorConfigError, match=r"^inner_extra_config must be a map"):
+        RecorderConfig.from_extra_config({"inner": "X", "inner_extra_config": [1]}, environ={})

@@ -231,7 +231,12 @@ def test_a_report_becomes_one_event_per_run_of_blocks_and_survives_the_codec() -
     big = -(1 << 63)  # digests are signed 64-bit ints
     report = DigestReport(
         blocks=(("a", 0, KEYS[0], big), ("a", 1, KEYS[1], 2), ("b", 0, KEYS[0], 3)),
-        loads=(("c", 2, KEYS[2], 0, big), ("c", 3, KEYS[3], 1, 2), ("c", 5, KEYS[0], 1, 3)),
+        loads=(
+            ("c", 2, KEYS[2], 0, big, 8),
+            ("c", 3, KEYS[3], 1, 2, 8),
+            ("c", 5, KEYS[0], 1, 3, 8),
+            ("c", 6, KEYS[1], 1, 4, 7),  # digested after a load of an earlier step
+        ),
         rank=1,
     )
     assert DigestReport.from_plain(report.to_plain()) == report
@@ -239,10 +244,40 @@ def test_a_report_becomes_one_event_per_run_of_blocks_and_survives_the_codec() -
     assert events == [
         ev.BlockDigested(9, "a", 0, KEYS[:2], (big, 2), 1),
         ev.BlockDigested(9, "b", 0, (KEYS[0],), (3,), 1),
-        ev.LoadDigested(9, "c", 2, KEYS[2:4], (0, 1), (big, 2), 1),
-        ev.LoadDigested(9, "c", 5, (KEYS[0],), (1,), (3,), 1),
+        ev.LoadDigested(9, "c", 2, KEYS[2:4], (0, 1), (big, 2), 1, 8),
+        ev.LoadDigested(9, "c", 5, (KEYS[0],), (1,), (3,), 1, 8),
+        ev.LoadDigested(9, "c", 6, (KEYS[1],), (1,), (4,), 1, 7),
     ]
     assert list(roundtrip([events])[0]) == events
+
+
+def test_a_digest_verdict_is_stamped_at_the_step_of_the_load() -> None:
+    """The worker's report reaches the scheduler a step after the load: the book stamps a
+    verdict with the load's step; the Tracker records it in the step it learned it (a log's
+    frames stay in order), naming the load's step; a LoadDigested of a log before
+    ``load_step`` (-1) is judged at its own step."""
+    book = DigestBook()
+    book.apply(ev.BlockDigested(3, "a", 0, KEYS[:1], (5,)))
+    (v,) = book.apply(ev.LoadDigested(36, "b", 0, KEYS[:1], (0,), (7,), 0, 35))
+    assert (v.rule, v.step, v.req_id) == ("digest_mismatch", 35, "b")
+    (old,) = book.apply(ev.LoadDigested(36, "b", 0, KEYS[:1], (7,), (7,)))
+    assert (old.rule, old.step) == ("load_unchanged", 36)
+    log: list[ev.Event] = []
+
+    class Sink:
+        def append(self, e: ev.Event) -> None:
+            log.append(e)
+
+        def end_step(self, step: int) -> None:
+            pass
+
+    t = Tracker(TrackerConfig(block_size=BS, chunk_size=BS), log=Sink())
+    t.add_request("b", list(range(8)))
+    t.step = 36
+    (recorded,) = t.apply(ev.LoadDigested(36, "b", 0, KEYS[:1], (7,), (7,), 0, 35))
+    assert (recorded.step, recorded.rule) == (36, "load_unchanged")
+    assert recorded.detail.endswith(",load_step=35")
+    assert log[-1] == recorded
 
 
 def test_the_tracker_records_a_mismatch_and_the_request_falls_back_to_recompute() -> None:
@@ -363,8 +398,9 @@ def test_the_worker_reports_blocks_and_loads_and_drops_refused_ones(layout: str)
     d = BlockDigester(caches, "full", layout)
     (b1, b3) = _digests(d, (loaded[0], full[0]))
     assert report.blocks == (("r", 2, KEYS[2], b3),)
-    ((rid, index, key, before, after),) = report.loads
+    ((rid, index, key, before, after, step),) = report.loads
     assert (rid, index, key, after) == ("r", 0, KEYS[0], b1) and before != after
+    assert step == 5  # the plan's step: the load's
     assert w.report() is None  # reported once
 
 
@@ -440,5 +476,6 @@ def test_an_async_loads_before_digest_survives_a_step_without_forward() -> None:
     w.after_forward(DigestPlan(2, verify=loaded))  # finished_recving named the request
     report = w.report()
     assert report is not None
-    ((_, _, _, before, after),) = report.loads
+    ((_, _, _, before, after, step),) = report.loads
     assert before != after
+    assert step == 2  # the step that verified it, after vLLM reported the load done

@@ -90,8 +90,17 @@ def test_a_silent_bad_load_is_found_by_check_of_the_log(
     assert result.exit_code == 1
     first = result.problems[0]
     assert (first.kind, first.name) == ("violation", rule)
-    loads = [e for e in _events(report.log_path) if isinstance(e, _ev().LoadDigested)]
-    assert (first.req_id, first.step) == (loads[0].req_id, loads[0].step)
+    events = _events(report.log_path)
+    loads = [e for e in events if isinstance(e, _ev().LoadDigested)]
+    assert (first.req_id, first.step) == (loads[0].req_id, loads[0].judged_step)
+    # Stamped at the step that planned the load, not the next one, whose output brought the
+    # worker's report (the LoadDigested's own step).
+    planned = [
+        e.step
+        for e in events
+        if isinstance(e, _ev().LoadPlanned) and e.req_id == first.req_id and e.keys
+    ]
+    assert first.step in planned and loads[0].step == first.step + 1
     detail = dict(kv.split("=", 1) for kv in first.detail.split(","))
     assert int(detail["block"]) == loads[0].start
     assert detail["key"] == loads[0].keys[0].hex()
@@ -186,6 +195,17 @@ def test_a_wrapped_connectors_silent_bad_load_is_found_by_check(
     assert report.mismatches  # the oracle agrees that the KV is wrong
     result = _check(report.log_path)
     assert result.exit_code == 1
-    loads = [e for e in _events(report.log_path) if isinstance(e, _ev().LoadDigested)]
+    events = _events(report.log_path)
+    loads = [e for e in events if isinstance(e, _ev().LoadDigested)]
     named = [(p.name, p.req_id, p.step) for p in result.problems if p.name == rule]
-    assert named and named[0] == (rule, loads[0].req_id, loads[0].step)
+    assert named and named[0] == (rule, loads[0].req_id, loads[0].judged_step)
+    # The step vLLM scheduled the load (the admission after an allocation with external
+    # tokens), one before the step whose output carried the worker's digests.
+    admitted = [
+        e.step
+        for e in events
+        if isinstance(e, _ev().Scheduled)
+        and e.req_id == named[0][1]
+        and e.admission != _ev().Admission.RUNNING
+    ]
+    assert named[0][2] in admitted and loads[0].step == named[0][2] + 1

@@ -170,14 +170,15 @@ def test_recording_lmcache_changes_nothing(lmcache_runs: Runs, version: str) -> 
 def test_recorded_issue1969_on_0_3_9_post2_is_caught_by_the_digests(lmcache_runs: Runs) -> None:
     """kvledger check of the recorded log alone (no oracle) names req-1's load: the blocks vLLM
     accepted as loaded from LMCache are byte for byte what they held before the load
-    (load_unchanged), at the step whose output carried the worker's digests of the step-35
-    load. With digests off no API-level rule could see it: vLLM's facts are consistent."""
+    (load_unchanged), stamped at step 35, the step of the load (the worker's digests of it
+    came back with the next step's output). With digests off no API-level rule could see it:
+    vLLM's facts are consistent."""
     report = lmcache_runs("0.3.9.post2")["issue1969+recorded"]
     assert report.first_mismatch()["step"] == 35  # the oracle, for reference only
     result = _check(report.log_path)
     assert result.exit_code == 1
     named = [(p.name, p.req_id, p.step) for p in result.problems]
-    assert named == [("load_unchanged", "req-1", 36)] * 2  # its two full blocks
+    assert named == [("load_unchanged", "req-1", 35)] * 2  # its two full blocks
     digests = result.counts["digests"]
     assert digests["unchanged"] == digests["loaded"] == 2 and digests["verified"] == 0
 

@@ -152,7 +152,6 @@ def test_unencodable_value_costs_one_record(tmp_path, monkeypatch):
     def huge_token(self, request):
         if request.request_id == "req-2" and request.request_id not in self._requests:
             self._requests[request.request_id] = request
-            self._known[request.request_id] = len(request.prompt_token_ids)
             self.write(ev.RequestAdded(self.step, "req-2", (1 << 64,), ""))
             return "req-2"
         return real(self, request)

@@ -37,7 +37,7 @@ from typing import Any, Final, NamedTuple
 
 import attrs
 
-from tracker.events import EVENT_TYPES, Event, Finished, Scheduled, StepDecoded
+from tracker.events import EVENT_TYPES, Event, Finished, LoadDigested, Scheduled, StepDecoded
 
 __all__ = [
     "DELTA_FIELDS",
@@ -98,9 +98,28 @@ def _step_decoded_v1_to_v2(fields: list[Any]) -> list[Any]:
     return [*fields, []] if fields else []
 
 
+def _step_decoded_v2_to_v3(fields: list[Any]) -> list[Any]:
+    # v2: [nums, blocks]  ->  v3: [nums, blocks, tokens]: v2 carried no token ids (empty, the
+    # trailing default).
+    if len(fields) > 2:
+        raise DecodeError(
+            f"StepDecoded v2: expected at most 2 fields (nums, blocks), got {len(fields)}"
+        )
+    return fields
+
+
+def _load_digested_v1_to_v2(fields: list[Any]) -> list[Any]:
+    # v1: [start, keys, before, after, rank]  ->  v2: + load_step (unknown: the default, -1).
+    if len(fields) > 5:
+        raise DecodeError(f"LoadDigested v1: expected at most 5 fields, got {len(fields)}")
+    return fields
+
+
 UPCASTERS: Final[dict[tuple[int, int], Upcaster]] = {
     (Finished.TAG, 1): _finished_v1_to_v2,
     (StepDecoded.TAG, 1): _step_decoded_v1_to_v2,
+    (StepDecoded.TAG, 2): _step_decoded_v2_to_v3,
+    (LoadDigested.TAG, 1): _load_digested_v1_to_v2,
 }
 """``(tag, from_version) -> upcaster`` to ``from_version + 1``."""
 

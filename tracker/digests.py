@@ -28,14 +28,17 @@ Under tensor or pipeline parallelism each rank digests its own share, so the boo
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import operator
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import attrs
 
 from tracker import events as ev
 from tracker.chunks import chunk_keys, root_key
+from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 from tracker.wellformed import malformed
 
@@ -117,10 +120,12 @@ class DigestPlan:
 class DigestReport:
     """What one worker rank digested (worker -> scheduler): ``blocks`` as
     (req id, block index, key, digest), ``loads`` as (req id, block index, key, before,
-    after). Digests are 64-bit, as signed ints (what Arrow and SQL hold)."""
+    after, step), ``step`` that of the plan that digested the block after the load (the
+    report reaches the scheduler a step later: a verdict is stamped with the load's step).
+    Digests are 64-bit, as signed ints (what Arrow and SQL hold)."""
 
     blocks: tuple[tuple[str, int, bytes, int], ...] = ()
-    loads: tuple[tuple[str, int, bytes, int, int], ...] = ()
+    loads: tuple[tuple[str, int, bytes, int, int, int], ...] = ()
     rank: int = 0
 
     def __bool__(self) -> bool:
@@ -137,7 +142,7 @@ class DigestReport:
         blocks, loads, rank = data
         return cls(
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in blocks),
-            tuple((str(r), int(i), bytes(k), int(b), int(a)) for r, i, k, b, a in loads),
+            tuple((str(r), int(i), bytes(k), int(b), int(a), int(s)) for r, i, k, b, a, s in loads),
             int(rank),
         )
 
@@ -156,7 +161,7 @@ class DigestReport:
                     self.rank,
                 )
             )
-        for req_id, start, lrows in _runs(self.loads):
+        for req_id, start, lrows in _runs(self.loads, by_step=True):
             out.append(
                 ev.LoadDigested(
                     step,
@@ -166,15 +171,19 @@ class DigestReport:
                     tuple(r[3] for r in lrows),
                     tuple(r[4] for r in lrows),
                     self.rank,
+                    lrows[0][5],
                 )
             )
         return out
 
 
-def _runs(rows: Sequence[Any]) -> Iterable[tuple[str, int, list[Any]]]:
+def _runs(rows: Sequence[Any], by_step: bool = False) -> Iterable[tuple[str, int, list[Any]]]:
+    """Runs of consecutive blocks of one request (of one load step: ``by_step``)."""
     run: list[Any] = []
     for row in rows:
-        if run and (row[0] != run[-1][0] or row[1] != run[-1][1] + 1):
+        if run and (
+            row[0] != run[-1][0] or row[1] != run[-1][1] + 1 or (by_step and row[5] != run[-1][5])
+        ):
             yield run[0][0], run[0][1], run
             run = []
         run.append(row)
@@ -183,6 +192,10 @@ def _runs(rows: Sequence[Any]) -> Iterable[tuple[str, int, list[Any]]]:
 
 
 # --- the plan -----------------------------------------------------------------------------
+
+_NEXT = (1).__add__
+_LOAD = operator.attrgetter("load")
+_NEXT_FULL = operator.attrgetter("next_full")
 
 
 class _Req:
@@ -420,6 +433,94 @@ class DigestPlanner:
             else:
                 self.finished_recving((rid,))
 
+    def observe_decoded(self, e: ev.StepDecoded, steps: RecordedSteps) -> None:
+        """A recorder's ``StepDecoded``, observed as the ``Scheduled`` events it stands for
+        (``steps``: the recorder's view of its log, before it takes ``e``)."""
+        columns = steps.columns(e)
+        if columns is None:  # not plain: entry by entry
+            self.decoded(steps.entries(e)[0])
+            return
+        rids, counts, starts = columns
+        grown = e.new_blocks() or {}
+        by_rid = {rids[e.nums.index(num)]: block for num, block in grown.items()}
+        self.decoded_columns(rids, counts, starts, e.tokens, by_rid)
+
+    def decoded_columns(
+        self,
+        rids: list[str],
+        counts: list[int],
+        starts: list[int],
+        tokens: Sequence[int],
+        grown: dict[str, int],
+    ) -> None:
+        """:meth:`decoded` for a ``StepDecoded``'s plain entries as columns
+        (``RecordedSteps.columns``; ``grown``: req id -> new block): the tokens are learned
+        and the entries that can plan nothing are told apart with loops in C; the rest go
+        through :meth:`scheduled`, in the entries' order, as :meth:`decoded` would send them."""
+        bs = self.block_size
+        known = list(map(self._tokens.get, rids))
+        reqs = list(map(self._reqs.get, rids))
+        if None in known or None in reqs or list(map(len, known)) != starts:  # type: ignore[arg-type]
+            self.decoded(zip(rids, counts, starts, tokens, map(grown.get, rids), strict=True))
+            return
+        deque(map(list.append, known, tokens), maxlen=0)  # type: ignore[arg-type]
+        floors = list(map(operator.floordiv, counts, repeat(bs)))
+        # Each entry fills no block, appends none, has no load and no block waiting: it plans
+        # nothing (scheduled() would return at once). The others go through scheduled().
+        special = set(grown)
+        special.update(self.deferred.intersection(rids))
+        fills = list(map(operator.floordiv, map(_NEXT, counts), repeat(bs)))
+        if fills != floors:
+            special.update(r for r, f, c in zip(rids, fills, floors, strict=True) if f != c)
+        if list(map(_LOAD, reqs)).count(None) != len(reqs):
+            special.update(r for r, q in zip(rids, reqs, strict=True) if q.load is not None)  # type: ignore[union-attr]
+        if any(map(operator.lt, map(_NEXT_FULL, reqs), floors)):
+            special.update(
+                r
+                for r, q, f in zip(rids, reqs, floors, strict=True)
+                if q.next_full < f  # type: ignore[union-attr]
+            )
+        if not special:
+            return
+        for rid, nc, ids in zip(rids, counts, known, strict=True):
+            if rid in special:
+                block = grown.get(rid)
+                self.scheduled(
+                    rid,
+                    replace=False,
+                    block_ids=() if block is None else (block,),
+                    num_computed=nc,
+                    num_scheduled=1,
+                    token_ids=ids,  # type: ignore[arg-type]
+                )
+
+    def decoded(self, entries: Iterable[tuple[str, int, int, int, int | None]]) -> None:
+        """A recorder's steady entries (``RecordedSteps.entries``: req id, num_computed,
+        token_start, token id, new block or None), each observed as the one-token ``Scheduled``
+        of a running request it stands for, without building it. A step that fills no block
+        and appends none (most of them) only learns its token."""
+        bs = self.block_size
+        reqs = self._reqs
+        for rid, nc, start, token, block in entries:
+            tokens = self._learn(rid, start, (token,))
+            r = reqs.get(rid)
+            if (
+                r is not None
+                and block is None
+                and r.load is None
+                and (nc + 1) // bs <= min(r.next_full, nc // bs)
+            ):
+                self.deferred.discard(rid)  # what scheduled() does for such a step
+                continue
+            self.scheduled(
+                rid,
+                replace=False,
+                block_ids=() if block is None else (block,),
+                num_computed=nc,
+                num_scheduled=1,
+                token_ids=tokens,
+            )
+
     def _learn(self, rid: str, start: int, token_ids: Sequence[int]) -> list[int]:
         tokens = self._tokens.setdefault(rid, [])
         if token_ids and start <= len(tokens):
@@ -502,8 +603,11 @@ class DigestBook:
             book.popitem(last=False)
 
     def _judge(self, e: ev.LoadDigested) -> list[Violation]:
+        """The violations of a load, stamped with the step of the load (``judged_step``), not
+        the later step whose output carried the report."""
         out: list[Violation] = []
         stats = self.stats
+        step = e.judged_step
         for i, (key, before, after) in enumerate(zip(e.keys, e.before, e.after, strict=True)):
             stats.loaded += 1
             block = e.start + i
@@ -518,7 +622,7 @@ class DigestBook:
                 out.append(
                     Violation(
                         "load_unchanged",
-                        e.step,
+                        step,
                         e.req_id,
                         "LoadDigested",
                         {"block": block, "key": key.hex(), "digest": _hex(after)},
@@ -532,7 +636,7 @@ class DigestBook:
             out.append(
                 Violation(
                     "digest_mismatch",
-                    e.step,
+                    step,
                     e.req_id,
                     "LoadDigested",
                     {

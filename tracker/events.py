@@ -183,7 +183,8 @@ class Scheduled(InputEvent):
 
 @attrs.frozen(slots=True)
 class Preempted(InputEvent):
-    """``preempted_req_ids`` (vLLM >= 0.12), or inferred at re-admission: blocks revoked."""
+    """``preempted_req_ids``, or inferred at re-admission where vLLM has none (the releases:
+    connector/edge.py): blocks revoked."""
 
     TAG: ClassVar[int] = 5
 
@@ -256,16 +257,23 @@ class StepDecoded(InputEvent):
     lowest free number, taken at the ``RequestAdded`` that starts a request's life and freed at
     its ``Finished``: a reader resolves them from those two recorded facts alone). It exists
     for the hot path: a decode step costs one record for all requests. Anything unsteady
-    about a request goes through ``Scheduled`` instead. The token ids of steady steps are not
-    in the record: they are learned, in bulk, by the next event that needs them.
+    about a request goes through ``Scheduled`` instead. In kvledger's own log the token ids of
+    steady steps are not in the record: they are learned, in bulk, by the next event that
+    needs them. A recorder's log (connector/recorder.py) carries them in ``tokens``, one per
+    number: there each entry stands for exactly the ``Scheduled`` the recorder would have
+    written (tracker/recorded_steps.py).
     """
 
     TAG: ClassVar[int] = 13
-    VERSION: ClassVar[int] = 2  # v1 had no `blocks`: a steady step appended none
+    # v1 had no `blocks` (a steady step appended none); v2 no `tokens` (none carried).
+    VERSION: ClassVar[int] = 3
     nums: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     # Flat (number, block id) pairs: the requests whose table grew by exactly one block in
     # this step (every block_size tokens), appended as Scheduled would append it.
     blocks: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    # A recorder's log only: the token id each step made known, aligned with `nums` (empty in
+    # kvledger's own log).
+    tokens: tuple[int, ...] = attrs.field(default=(), converter=_ints)
 
     def new_blocks(self) -> dict[int, int] | None:
         """``blocks`` as number -> block id; None when the pairs are malformed (odd length, a
@@ -381,7 +389,7 @@ class InnerSendDone(InputEvent):
 @attrs.frozen(slots=True)
 class InnerRecvDone(InputEvent):
     """The worker reported the request in ``finished_recving`` (an asynchronous load ended);
-    ``failed``: also in ``failed_recving`` (vLLM >= 0.30)."""
+    ``failed``: also in ``failed_recving`` (where vLLM has it: connector/edge.py)."""
 
     TAG: ClassVar[int] = 43
     failed: bool = False
@@ -446,14 +454,26 @@ class BlockDigested(InputEvent):
 class LoadDigested(InputEvent):
     """A load into blocks ``start + i`` (keyed ``keys[i]``) completed: the blocks' digests
     ``before`` the load was issued and ``after`` it completed, on worker ``rank``. Judged
-    against the ``BlockDigested`` of the same keys (``digest_mismatch``, ``load_unchanged``)."""
+    against the ``BlockDigested`` of the same keys (``digest_mismatch``, ``load_unchanged``).
+    The worker's report reaches the scheduler a step after the digests were taken, so the
+    event's own step is that later one; ``load_step`` is the step whose plan digested the
+    blocks after the load (a synchronous load's: the step that scheduled it), -1 where unknown
+    (version 1). A verdict is stamped with :attr:`judged_step`."""
 
     TAG: ClassVar[int] = 61
+    VERSION: ClassVar[int] = 2  # v1 had no `load_step`
     start: int
     keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
     before: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     after: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     rank: int = 0
+    load_step: int = -1
+
+    @property
+    def judged_step(self) -> int:
+        """The step of the load this event judges (its own step where the log predates
+        ``load_step``)."""
+        return self.load_step if self.load_step >= 0 else self.step
 
 
 # --- decision events ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, Protocol
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.numbering import RequestNumbers
-from tracker.state import Phase, RequestState, advance_decoded, fold
+from tracker.state import Phase, RequestState, advance_decoded, fold, learn_decoded
 from tracker.wellformed import sound
 
 __all__ = [
@@ -208,7 +208,9 @@ def walk(
                 if cls is decoded and sound(e):  # a malformed one advances no request
                     assert isinstance(e, ev.StepDecoded)
                     grew = e.new_blocks() or {}
-                    for num in e.nums:
+                    # A recorder's log carries each step's token id (kvledger's own does not).
+                    tokens = e.tokens if len(e.tokens) == len(e.nums) else ()
+                    for i, num in enumerate(e.nums):
                         r = req_of.get(num)
                         state = get(r) if r is not None else None
                         if r is None or state is None:
@@ -216,6 +218,8 @@ def walk(
                         # As the recording Tracker did (it validates only on replay).
                         block = grew.get(num)
                         advanced = advance_decoded(state, 1, () if block is None else (block,))
+                        if tokens:
+                            advanced = learn_decoded(advanced, tokens[i], e, config)
                         states[r] = advanced
                         if want is None or want(r):
                             label = live[r][0] if r in live else r

@@ -205,4 +205,3 @@ def apply_recorded(
             apply_decision(index, event, config, after)  # type: ignore[arg-type]
     elif after is not None or cls in _POOL_INPUTS:
         apply_input(index, event, before, after, config)
-

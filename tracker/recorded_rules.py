@@ -54,6 +54,10 @@ Tracker from ``BlockDigested``/``LoadDigested``.
 Every event is first asked what it says that is impossible (``tracker.wellformed``: a
 negative count, lengths that do not pair up, ...); such an event is named by those rules and
 judged by none of the rules above, which would only draw conclusions from it.
+
+A recorder's ``StepDecoded`` (its steady decode steps, tracker/recorded_steps.py) is judged as
+the ``Scheduled`` events it stands for: :meth:`RecordedRules.apply` expands it, so every rule
+sees the same events whether the recorder batched those steps or not.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tracker import events as ev
+from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 from tracker.wellformed import Wellformed
 
@@ -152,6 +157,8 @@ class RecordedRules:
         self._lost: set[str] = set()
         self.counts = {"lookups": 0, "loads": 0, "async_loads": 0}
         self._wellformed = Wellformed()
+        # What a StepDecoded leaves out, to judge it as the Scheduled events it stands for.
+        self._steps = RecordedSteps()
 
     # --- the walk -----------------------------------------------------------------------
 
@@ -159,6 +166,13 @@ class RecordedRules:
         found = self._wellformed.check(e)
         if found:
             return found
+        if e.__class__ is ev.StepDecoded:
+            assert isinstance(e, ev.StepDecoded)
+            scheduled, out = self._steps.expand(e)
+            for s in scheduled:
+                out += _HANDLERS[ev.Scheduled](self, s)
+            return out
+        self._steps.follow(e)
         handler = _HANDLERS.get(e.__class__)
         if handler is None:
             return []

@@ -311,7 +311,7 @@ def _on_request_added(
 def _on_lookup_asked(state: RequestState, e: ev.LookupAsked, config: TrackerConfig) -> Result:
     vs: tuple[Violation, ...] = _NONE
     if state.phase is Phase.RUNNING:
-        # vLLM < 0.12 has no preempted_req_ids: a running request asked again was preempted.
+        # No preempted_req_ids (older vLLM: connector/edge.py): asked again, it was preempted.
         state = _preempt(state)
     state, vs = _learn_tokens(state, e.token_start, e.token_ids, e, config)
     # Remember what was asked; the answer (a decision event) fills in hit and external.
@@ -358,7 +358,7 @@ def _on_scheduled(state: RequestState, e: ev.Scheduled, config: TrackerConfig) -
     vs: list[Violation] = []
     if e.admission is not ev.Admission.RUNNING:
         if state.phase is Phase.RUNNING:
-            # Re-admitted without a preemption signal (vLLM < 0.12, MRV2): infer it.
+            # Re-admitted without a preemption signal (older vLLM, MRV2): infer it.
             state = _preempt(state)
         lookup, accepted = state.lookup, state.accepted
         state = state._replace(
@@ -440,6 +440,14 @@ def advance_decoded(state: RequestState, steps: int, blocks: Sequence[int] = ())
         num_tokens=state.num_tokens + steps,
         block_ids=state.block_ids.extended(blocks) if blocks else state.block_ids,
     )
+
+
+def learn_decoded(
+    state: RequestState, token: int, e: ev.Event, config: TrackerConfig
+) -> RequestState:
+    """The state after a recorder's steady step made ``token`` known (``StepDecoded.tokens``,
+    tracker/recorded_steps.py): appended to the known ids, as its ``Scheduled`` would have."""
+    return _learn_tokens(state, len(state.token_ids), (token,), e, config)[0]
 
 
 _UNBOUNDED = 1 << 62
@@ -611,8 +619,8 @@ def fold(state: RequestState | None, event: ev.Event, config: TrackerConfig) -> 
         return state, _NONE
     if state is None and not isinstance(event, ev.RequestAdded):
         if isinstance(event, ev.Finished):
-            # A request aborted before the connector ever saw it (vLLM < 0.22 has no
-            # on_new_request; LMCache #3337): nothing to forget, nothing wrong.
+            # A request aborted before the connector ever saw it (no on_new_request on older
+            # vLLM: connector/edge.py; LMCache #3337): nothing to forget, nothing wrong.
             return None, ()
         return None, (_violation("unknown_request", event),)
     if state is not None and state.phase is Phase.FINISHED:

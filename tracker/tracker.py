@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
+import attrs
 import structlog
 
 from tracker import events as ev
@@ -178,6 +179,9 @@ class Tracker:
             if state is not None and not state.recompute_only:
                 state = state._replace(recompute_only=True)
                 self._store(v.req_id, state)
+            if v.step != event.step:
+                # Judged at the load's step; recorded in this step's frame, saying which.
+                v = attrs.evolve(v, step=event.step, detail={**v.detail, "load_step": v.step})
             decisions.extend(self._report((v,), state))
         return decisions
 

@@ -195,7 +195,9 @@ def lmcache_kv_connector(spec: LMCacheRun) -> dict[str, Any]:
     }
 
 
-def recorded_kv_connector(spec: LMCacheRun, log_dir: str, digests: str = "off") -> dict[str, Any]:
+def recorded_kv_connector(
+    spec: LMCacheRun, log_dir: str, digests: str = "off", steady_decode: bool = True
+) -> dict[str, Any]:
     """LMCache's ``--kv-transfer-config`` wrapped in ``KVLedgerRecorder`` (docs/recording.md):
     the recorder is loaded by module path, LMCache by its registry name, with its own extra
     config as ``inner_extra_config``."""
@@ -212,6 +214,7 @@ def recorded_kv_connector(spec: LMCacheRun, log_dir: str, digests: str = "off") 
             # The granularity `kvledger check --differential` gives kvledger's pool: LMCache's.
             "chunk_size": spec.chunk_size,
             "log_background": False,
+            "steady_decode": steady_decode,
         },
     }
 
@@ -753,14 +756,15 @@ def run_version(
     *,
     record_to: str | None = None,
     digests: str = "sampled",
+    steady_decode: bool = True,
     timeout: float = 1200,
     bare: bool = True,
 ) -> dict[str, LMCacheReport]:
     """Run workloads against one installed LMCache version, one after the other in one child
     process (its start, importing vLLM and LMCache, is most of the time). Reports by workload
     name; with ``record_to``, each workload runs a second time wrapped in ``KVLedgerRecorder``
-    (logs in that directory, ``digests`` on the worker), reported as ``NAME+recorded``
-    (``bare=False``: only that run)."""
+    (logs in that directory, ``digests`` on the worker, ``steady_decode`` the recorder's),
+    reported as ``NAME+recorded`` (``bare=False``: only that run)."""
     if not installed(version):
         raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
     jobs: list[dict[str, Any]] = []
@@ -770,7 +774,7 @@ def run_version(
         if bare or record_to is None:
             jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
         if record_to is not None:
-            kv = recorded_kv_connector(spec, record_to, digests)
+            kv = recorded_kv_connector(spec, record_to, digests, steady_decode)
             jobs.append({"label": f"{spec.name}+recorded", "spec": fields, "kv_connector": kv})
     env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(version_path(version)), str(DEPS), str(_ROOT)])

@@ -87,6 +87,8 @@ class WrappedSpec(RunSpec):
     inner: str = "ExampleConnector"
     record: bool = True
     digests: str = "off"
+    # The recorder's steady_decode (False: every step of every request a Scheduled record).
+    steady_decode: bool = True
     # The oracle's cache layout: "flashinfer" ([blocks, 2, ...]) gives the per-layer
     # [B, H, N, C] view connectors such as ExampleConnector read and write.
     layout: str = "flashinfer"
@@ -121,6 +123,7 @@ def kv_transfer_config(
     log_dir: str | None = None,
     digests: str = "off",
     kv_role: str = "kv_both",
+    steady_decode: bool = True,
 ) -> dict[str, Any]:
     """The ``--kv-transfer-config`` of a run: the recorder wrapping ``inner``, or ``inner``."""
     base = {"kv_role": kv_role, "kv_load_failure_policy": "recompute"}
@@ -130,6 +133,7 @@ def kv_transfer_config(
             "inner_extra_config": dict(inner_extra),
             "digests": digests,
             "log_background": False,
+            "steady_decode": steady_decode,
         }
         if log_dir is not None:
             extra["log_dir"] = log_dir
@@ -166,6 +170,7 @@ class _Driver:
             log_dir=log_dir,
             digests=spec.digests,
             kv_role=spec.kv_role,
+            steady_decode=spec.steady_decode,
         )
         engine = {f.name: getattr(spec, f.name) for f in dataclasses.fields(HarnessConfig)}
         self.harness = SchedulerHarness(

@@ -187,12 +187,12 @@ class _Driver:
         errors = worker.get_block_ids_with_load_errors()
         self.load_errors += len(errors)
         self.skip_verify = bad
-        from connector.vllm import WORKER_META_CHANNEL
+        from connector.edge import WORKER_META_CHANNEL
 
         extra: dict[str, Any]
         if WORKER_META_CHANNEL:
             extra = {"kv_connector_worker_meta": worker.build_connector_worker_meta()}
-        else:  # vLLM < 0.18: the model runner sends the worker's connector stats instead
+        else:  # no worker metadata (connector/edge.py): the connector stats carry it
             extra = {"kv_connector_stats": worker.get_kv_connector_stats()}
         worker.clear_connector_metadata()
         return make_kv_connector_output(sending or (), recving or (), errors, **extra)

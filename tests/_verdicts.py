@@ -1,0 +1,67 @@
+"""What ``kvledger check`` says of a recorder's log, in a form two logs can be compared by, and
+a log's events with its ``StepDecoded`` entries expanded back (tracker/recorded_steps.py):
+the tests that prove a steady-decode log is judged as the same run's log written in full."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tracker import events as ev
+from tracker.recorded_steps import RecordedSteps
+
+
+def events_of(path: str) -> list[ev.Event]:
+    from replay.source import open_log
+
+    return [e for frame in open_log(path).frames() for e in frame.events]
+
+
+def expanded(events: list[ev.Event]) -> list[ev.Event]:
+    """The events, each ``StepDecoded`` replaced by the ``Scheduled`` events it stands for
+    (an entry that stands for none fails the test)."""
+    steps = RecordedSteps()
+    out: list[ev.Event] = []
+    for e in events:
+        if isinstance(e, ev.StepDecoded):
+            scheduled, bad = steps.expand(e)
+            assert bad == [], bad
+            out += scheduled
+        else:
+            steps.follow(e)
+            out.append(e)
+    return out
+
+
+def verdicts(path: str, **kw: Any) -> dict[str, Any]:
+    """Every problem ``check`` finds (what it names, where, and the events and states it
+    shows), its exit code, and the counts that do not depend on how steps were written."""
+    from replay.replayer import check
+
+    result = check(path, **kw)
+    counts = result.counts
+    return {
+        "exit": result.exit_code,
+        "problems": [
+            (
+                p.kind,
+                p.name,
+                p.step,
+                p.req_id,
+                p.detail,
+                p.event,
+                p.recorded,
+                p.derived,
+                p.before,
+                p.after,
+            )
+            for p in result.problems
+        ],
+        "inputs": counts["inputs"],
+        "requests": counts["requests"],
+        "recorded": counts["recorded"],
+        "digests": counts["digests"],
+    }
+
+
+def steady_entries(path: str) -> int:
+    return sum(len(e.nums) for e in events_of(path) if isinstance(e, ev.StepDecoded))
