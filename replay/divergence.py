@@ -37,7 +37,9 @@ Two relaxations, both off by default:
      whichever event comes first; the prompt is compared in ``RequestAdded``);
   2. the worker's reports (``SaveDone``, ``SaveFailed``, ``LoadDone``, ``LoadFailed``), in
      order among themselves: async scheduling moves them a step later relative to the
-     request's progress, never past one another.
+     request's progress, never past one another. A save plan that copies nothing (it moves
+     the watermark over chunks another request stored) goes with them: it waits for that
+     request's ``SaveDone``, which comes a step later.
 
   A divergence's ``position`` then counts the events of its sequence (``stream``:
   ``"progress"`` or ``"reports"``), after folding.
@@ -512,7 +514,7 @@ def diff(
         same answer, while nothing else happened to the request, dropped."""
         s = p.sides[side]
         cls = e.__class__
-        if cls in _REPORTS:
+        if cls in _REPORTS or (cls is ev.SavePlanned and not e.keys):  # type: ignore[attr-defined]
             put(label_a, p, side, (index, step, e, _content(e, leave_out)), 1)
             return
         if cls is ev.LookupAsked:
