@@ -25,6 +25,7 @@ from connector.messages import ChunkTransfer, StepPlan, TransferPlan
 from connector.scheduler import SchedulerSide
 
 ACCEPTED = [
+    "block_hits",
     "chunk_size",
     "digests",
     "discard_partial_chunks",
@@ -57,6 +58,7 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
         "host_pool_bytes": 4 << 30,
         "save_decode_cache": False,
         "discard_partial_chunks": True,
+        "block_hits": True,
         "log_dir": None,
         "log_rotate_bytes": 256 << 20,
         "log_fsync": "close",
