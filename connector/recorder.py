@@ -65,6 +65,7 @@ from connector.edge import (
 )
 from connector.logfile import open_log
 from connector.scheduler import first_group, status_name
+from connector.stopping import NO_HOOK, StopHook
 from tracker import events as ev
 from tracker.codec import EncodeError
 from tracker.config import TrackerConfig
@@ -368,6 +369,18 @@ class SchedulerRecorder:
             except Exception as exc:
                 self._log_failed(exc)
 
+    def seal(self, stop: str) -> bool:
+        """The engine was asked to stop (``stop``: how): make the log complete as of now
+        (connector/stopping.py; ``LogWriter.seal``)."""
+        sealer = getattr(self.log, "seal", None)
+        if sealer is None:
+            return False
+        try:
+            return bool(sealer(stop))
+        except Exception as exc:
+            self._log_failed(exc)
+            return False
+
     def _known(self, req_id: str) -> int:
         """How many of the request's token ids the log holds (0 for a request it lacks)."""
         self.steps.settle()
@@ -643,8 +656,14 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self._digester: Any = None
         self.recording: SchedulerRecorder | None = None
         self.log_path: str | None = None
+        # Wraps every scheduler callback that records (connector/stopping.py): the log is
+        # sealed when a stop signal arrives, as KVLedgerConnector's is.
+        self._stop: StopHook | Any = NO_HOOK
         if role == KVConnectorRole.SCHEDULER:
             self.recording = self._start_recording(vllm_config, config, block_size, chunk_size)
+            if self.log_path is not None:
+                self._stop = StopHook(self.recording.seal, self.recording.close)
+                self._stop.install()
         self._make_digest_hooks(vllm_config, kv_cache_config, role)
 
     def _start_recording(
@@ -729,23 +748,25 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     # --- scheduler side: the recorded callbacks ---------------------------------------------
 
     def on_new_request(self, request: Any) -> None:
-        self._record("on_new_request", self._see, request)
-        _optional(self._inner, "on_new_request", None, request)
+        with self._stop:
+            self._record("on_new_request", self._see, request)
+            _optional(self._inner, "on_new_request", None, request)
 
     def _see(self, request: Any) -> None:
         assert self.recording is not None
         self.recording.see(request)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
-        try:
-            answer = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
-        except BaseException as exc:
-            self._record("get_num_new_matched_tokens", self._lookup_raised, request, exc)
-            raise
-        self._record(
-            "get_num_new_matched_tokens", self._lookup, request, num_computed_tokens, answer
-        )
-        return answer
+        with self._stop:
+            try:
+                answer = self._inner.get_num_new_matched_tokens(request, num_computed_tokens)
+            except BaseException as exc:
+                self._record("get_num_new_matched_tokens", self._lookup_raised, request, exc)
+                raise
+            self._record(
+                "get_num_new_matched_tokens", self._lookup, request, num_computed_tokens, answer
+            )
+            return answer
 
     def _lookup(self, request: Any, num_computed_tokens: int, answer: Any) -> None:
         assert self.recording is not None
@@ -757,20 +778,21 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self.recording.raised("get_num_new_matched_tokens", exc, req_id)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> Any:
-        # Copied before the inner runs: it may not change them, but it could.
-        block_ids: tuple[int, ...] = ()
-        try:
-            block_ids = ev.int_tuple(first_group(blocks))
-        except Exception as exc:
-            self._record_lost("update_state_after_alloc", exc, request)
-        self._record(
-            "update_state_after_alloc", self._allocated, request, block_ids, num_external_tokens
-        )
-        try:
-            return self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
-        except BaseException as exc:
-            self._raised("update_state_after_alloc", exc, _req_id(request))
-            raise
+        with self._stop:
+            # Copied before the inner runs: it may not change them, but it could.
+            block_ids: tuple[int, ...] = ()
+            try:
+                block_ids = ev.int_tuple(first_group(blocks))
+            except Exception as exc:
+                self._record_lost("update_state_after_alloc", exc, request)
+            self._record(
+                "update_state_after_alloc", self._allocated, request, block_ids, num_external_tokens
+            )
+            try:
+                return self._inner.update_state_after_alloc(request, blocks, num_external_tokens)
+            except BaseException as exc:
+                self._raised("update_state_after_alloc", exc, _req_id(request))
+                raise
 
     def _allocated(self, request: Any, block_ids: tuple[int, ...], n: int) -> None:
         assert self.recording is not None
@@ -782,50 +804,52 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                 self.recording.lost(callback, exc, _req_id(request))
 
     def build_connector_meta(self, scheduler_output: Any) -> Any:
-        rec = self.recording
-        if rec is not None and rec.log is not None:
+        with self._stop:
+            rec = self.recording
+            if rec is not None and rec.log is not None:
+                try:
+                    rec.scheduled(scheduler_output)
+                except Exception as exc:
+                    self._record_lost("build_connector_meta", exc, None)
             try:
-                rec.scheduled(scheduler_output)
-            except Exception as exc:
-                self._record_lost("build_connector_meta", exc, None)
-        try:
-            meta = self._inner.build_connector_meta(scheduler_output)
-        except BaseException as exc:
-            self._raised("build_connector_meta", exc)
+                meta = self._inner.build_connector_meta(scheduler_output)
+            except BaseException as exc:
+                self._raised("build_connector_meta", exc)
+                if rec is not None:
+                    with _suppressed():
+                        rec.end_step()
+                raise
+            plan = None
+            if self._digest_planner is not None:
+                try:
+                    plan = self._digest_planner.plan(scheduler_output)
+                except Exception as exc:
+                    self._record_lost("digest_plan", exc, None)
             if rec is not None:
                 with _suppressed():
                     rec.end_step()
-            raise
-        plan = None
-        if self._digest_planner is not None:
-            try:
-                plan = self._digest_planner.plan(scheduler_output)
-            except Exception as exc:
-                self._record_lost("digest_plan", exc, None)
-        if rec is not None:
-            with _suppressed():
-                rec.end_step()
-        return RecorderMetadata(meta, plan)
+            return RecorderMetadata(meta, plan)
 
     def update_connector_output(self, connector_output: Any) -> Any:
-        reports: tuple[Any, ...] = ()
-        wrapped = getattr(connector_output, "kv_connector_worker_meta", None)
-        if isinstance(wrapped, RecorderWorkerMetadata):
-            reports = wrapped.digest_reports
-            connector_output = dataclasses.replace(
-                connector_output, kv_connector_worker_meta=wrapped.inner
-            )
-        self._record("update_connector_output", self._output, connector_output)
-        if reports and self._digest_planner is not None:
+        with self._stop:
+            reports: tuple[Any, ...] = ()
+            wrapped = getattr(connector_output, "kv_connector_worker_meta", None)
+            if isinstance(wrapped, RecorderWorkerMetadata):
+                reports = wrapped.digest_reports
+                connector_output = dataclasses.replace(
+                    connector_output, kv_connector_worker_meta=wrapped.inner
+                )
+            self._record("update_connector_output", self._output, connector_output)
+            if reports and self._digest_planner is not None:
+                try:
+                    self.recording_write(*self._digest_planner.report(reports))
+                except Exception as exc:
+                    self._record_lost("digest_report", exc, None)
             try:
-                self.recording_write(*self._digest_planner.report(reports))
-            except Exception as exc:
-                self._record_lost("digest_report", exc, None)
-        try:
-            return _optional(self._inner, "update_connector_output", None, connector_output)
-        except BaseException as exc:
-            self._raised("update_connector_output", exc)
-            raise
+                return _optional(self._inner, "update_connector_output", None, connector_output)
+            except BaseException as exc:
+                self._raised("update_connector_output", exc)
+                raise
 
     def recording_write(self, *events: ev.Event) -> None:
         """Write events (the digests' own) into this step of the log."""
@@ -837,13 +861,14 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self.recording.connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
-        try:
-            answer = self._inner.request_finished(request, block_ids)
-        except BaseException as exc:
-            self._raised("request_finished", exc, _req_id(request))
-            raise
-        self._record("request_finished", self._finished, request, block_ids, answer)
-        return answer
+        with self._stop:
+            try:
+                answer = self._inner.request_finished(request, block_ids)
+            except BaseException as exc:
+                self._raised("request_finished", exc, _req_id(request))
+                raise
+            self._record("request_finished", self._finished, request, block_ids, answer)
+            return answer
 
     def _finished(self, request: Any, block_ids: Any, answer: Any) -> None:
         assert self.recording is not None
@@ -866,7 +891,9 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         try:
             return self._inner.shutdown()
         finally:
-            if self.recording is not None:
+            if isinstance(self._stop, StopHook):
+                self._stop.close()  # closes the log, gives the signals back
+            elif self.recording is not None:
                 self.recording.close()
 
     # --- worker side: unwrap the metadata, run the digests' hooks -----------------------
@@ -1045,13 +1072,14 @@ def _hma_variant() -> type:
     assert SupportsHMA is not None
 
     def request_finished_all_groups(self: KVLedgerRecorder, request: Any, block_ids: Any) -> Any:
-        try:
-            answer = self._inner.request_finished_all_groups(request, block_ids)
-        except BaseException as exc:
-            self._raised("request_finished_all_groups", exc, _req_id(request))
-            raise
-        self._record("request_finished_all_groups", self._finished, request, block_ids, answer)
-        return answer
+        with self._stop:
+            try:
+                answer = self._inner.request_finished_all_groups(request, block_ids)
+            except BaseException as exc:
+                self._raised("request_finished_all_groups", exc, _req_id(request))
+                raise
+            self._record("request_finished_all_groups", self._finished, request, block_ids, answer)
+            return answer
 
     cls = type(
         "KVLedgerRecorder",

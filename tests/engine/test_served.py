@@ -190,3 +190,41 @@ def test_a_killed_server_leaves_its_engine_core_writing_until_it_is_stopped(
     check = kvledger("check", the_log(tmp_path))
     assert check.returncode == 0, check.stdout + check.stderr
     assert "ended     on SIGTERM" in check.stdout
+
+
+# --- the recorder, wrapping a connector that runs on CPU ------------------------------------
+
+
+def recorder_config(log_dir: Path) -> dict[str, Any]:
+    """KVLedgerRecorder wrapping vLLM's SimpleCPUOffloadConnector (its OffloadingConnector
+    refuses to start on a CPU build), KV-content digests sampled."""
+    return {
+        "kv_connector": "KVLedgerRecorder",
+        "kv_connector_module_path": "connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "inner": "SimpleCPUOffloadConnector",
+            "log_dir": str(log_dir),
+            "digests": "sampled",
+        },
+    }
+
+
+def test_recorded_serving_stopped_by_sigterm(tiny_model: str, base: Any, tmp_path: Path) -> None:
+    """The recorder around vLLM's own CPU offloading connector, as a user would record it:
+    the same tokens as without any connector, and after SIGTERM to the server the log is
+    complete, checks clean with its loads verified by the sampled digests, and stats reads
+    it as a recorder's log."""
+    outputs, preemptions, _, output = serve(
+        tiny_model, recorder_config(tmp_path), signal.SIGTERM, group=False
+    )
+    assert_same(base[0], outputs)
+    assert preemptions > 0
+    log = the_log(tmp_path)
+    assert Path(log).name.startswith("kvledger-rec-")
+    check = kvledger("check", log)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "recorder  wrapping SimpleCPUOffloadConnector" in check.stdout
+    assert "ended     on SIGTERM" in check.stdout
+    stats = kvledger("stats", log)
+    assert "accepted from the wrapped connector" in stats.stdout, stats.stdout
