@@ -1275,10 +1275,11 @@ def _explain(args: argparse.Namespace) -> int:
     out = Output()
     c = result.config
     kind = "a recorder's log" if result.recorded else "a kvledger log"
-    partial = "discarded" if c.discard_partial_chunks else "kept"
+    unit = "block" if c.block_hits else "chunk"
+    partial = f"partial {unit}s discarded" if c.discard_partial_chunks else "partial chunks kept"
     out.line(
         f"explain {result.log} ({kind}; block_size {c.block_size}, chunk_size {c.chunk_size}, "
-        f"{c.num_slots} slots, partial chunks {partial})"
+        f"{c.num_slots} slots, hits by {unit}, {partial})"
     )
     hits = [h for h in ex.HITS if h != ("pool" if result.recorded else "inner")]
     if result.recorded:

@@ -1201,6 +1201,7 @@ class Explanation:
                 "num_slots": c.num_slots,
                 "discard_partial_chunks": c.discard_partial_chunks,
                 "save_decode_cache": c.save_decode_cache,
+                "block_hits": c.block_hits,
             },
             **self.totals(),
             "requests": [r.to_dict() for r in self.requests],
