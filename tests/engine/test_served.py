@@ -220,6 +220,7 @@ def test_recorded_serving_stopped_by_sigterm(tiny_model: str, base: Any, tmp_pat
     )
     assert_same(base[0], outputs)
     assert preemptions > 0
+    assert "kvledger.log_sealed" in output
     log = the_log(tmp_path)
     assert Path(log).name.startswith("kvledger-rec-")
     check = kvledger("check", log)
