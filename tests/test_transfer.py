@@ -369,6 +369,8 @@ def test_bad_slot_tensor(cpu_backend: TransferBackend):
         cpu_backend.save(strided, [0])
     with pytest.raises(TypeError, match="integers"):
         cpu_backend.save(host_slot(cpu_backend), torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="integers"):
+        cpu_backend.load(host_slot(cpu_backend), [0, 1.5])
 
 
 def test_load_rejects_duplicate_slots(cpu_backend: TransferBackend):

@@ -306,7 +306,7 @@ def test_cuda_save_and_load_match_the_reference(data: st.DataObject, s: Shape) -
 )
 def test_whole_blocks_finds_back_to_back_blocks(slots: list[int], block_size: int) -> None:
     """The span ``_whole_blocks`` reports is whole blocks back to back, each in order."""
-    first, count = transfer._whole_blocks(torch.tensor(slots, dtype=torch.int64), block_size)
+    first, count = transfer._whole_blocks(slots, block_size)
     span = slots[first : first + count * block_size]
     assert len(span) == count * block_size
     for i in range(count):
@@ -322,7 +322,7 @@ def test_whole_blocks_of_a_request_range(block_size: int) -> None:
     ids = [5, 2, 7, 0, 3]
     for start in range(0, 2 * block_size + 1):
         for end in range(start, len(ids) * block_size + 1):
-            slots = torch.tensor(slot_mapping_for(ids, block_size, start, end), dtype=torch.int64)
+            slots = slot_mapping_for(ids, block_size, start, end)
             first = -start % block_size
             count = max(0, (end - start - first) // block_size)
             got = transfer._whole_blocks(slots, block_size)
