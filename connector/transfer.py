@@ -4,25 +4,43 @@ Rule of this module: it knows torch and tensor layouts, nothing else. It never i
 `tracker/`; which tokens go to which slot is decided elsewhere and arrives here as flat cache slot
 ids (vLLM's ``slot_mapping`` convention: ``block_id * block_size + offset_in_block``).
 
-A host chunk slot is one contiguous tensor ``[num_layers, 2, chunk_tokens, num_kv_heads *
-head_size]``: per layer K then V, token-major inside, so a whole chunk is one DMA.
+A host chunk slot is one contiguous tensor holding a chunk's tokens, all layers, K and V, in
+one of two **pool formats** (``PagedKVSpec.pool_format``), whichever makes a whole cache block
+one contiguous run of bytes on both sides:
+
+- ``tokens`` (FlashAttention's and FlashInfer's layouts): ``[num_layers, 2, chunk_tokens,
+  num_kv_heads * head_size]``, per layer K then V, token-major inside. In those layouts a
+  block's K (or V) is already ``block_size`` consecutive token rows, so this *is* their block
+  order: a block moves as one row of ``block_size * num_kv_heads * head_size`` elements.
+- the native format of vLLM's CPU attention layout (``cpu_attn``, below), named after its
+  kernel and block size (``cpu_attn-vec-block32``): ``[num_layers, chunk_tokens / block_size,
+  num_kv_heads, block_size, 2 * head_size]``, each block of each layer exactly as the cache
+  holds it, in the kernel's own element order. Token-major, every element of a block would
+  change place between the two (``vec``'s K is dim-major, ``amx`` interleaves pairs), and
+  torch's CPU copy moves a transposed element at a time (a third of a ``memcpy`` at best);
+  in the kernel's order a block is one contiguous image of ``num_kv_heads * 2 * block_size *
+  head_size`` elements on both sides.
+
+The bytes of a chunk mean something only to a backend of the same pool format, so the format
+is part of what a chunk key names (``connector.vllm`` puts it in the salt; the worker refuses
+caches of another format), and a chunk is shared, through the remote tier too, only between
+engines of one format.
 
 How bytes move: a call's tokens are split into whole cache blocks, back to back (a request's
 range is at most a partial block, whole blocks, a partial block), and the loose tokens around
-them. Whole blocks move a block at a time: in FlashAttention's and FlashInfer's layouts a
-block's K (or V) is one contiguous row of ``block_size * num_kv_heads * head_size`` elements,
-and one ``index_select`` (save) or ``index_copy_`` (load) per layer moves every block of the
-call; loose tokens move the same way as rows of ``num_kv_heads * head_size`` elements, one row
-per (K or V, token). On CUDA this runs on a side stream through a device staging buffer, so the
-host side is one large DMA; on CPU it runs synchronously, straight into or out of the host
-slot. vLLM's CPU attention backend keeps each layer as ``[num_blocks, num_kv_heads,
-block_size, 2 * head_size]`` with K and V of a (block, head) in an order of its own kernels
-(``cpu_attn``, below): there a layer's whole blocks are gathered whole into a buffer that stays
-in the CPU's cache and put in token order with strided copies (``cpu_attn_views``), and loose
-tokens move element by element. This is, in plain PyTorch, the gather-then-one-DMA scheme of
-LMCache's ``VLLMPagedMemGPUConnectorV2`` (``lmcache/v1/gpu_connector/gpu_connectors.py``), and
-the side stream ordered after the compute stream is what vLLM's CPU offloading worker does
-(``vllm/v1/kv_offload/``); docs/performance.md has the measurements.
+them. Whole blocks move a block at a time: one ``index_select`` (save) or ``index_copy_``
+(load) per layer moves every block of the call. Loose tokens: in the ``tokens`` format as rows
+of ``num_kv_heads * head_size`` elements, one row per (K or V, token); in a ``cpu_attn``
+format, a partial block keeps its place in its block (the worker's ranges start where the
+chunk starts, and chunks are whole blocks), so it moves as strided views of those tokens'
+elements in the kernel's order (``_token_pieces``), a few per layer; only tokens that
+change place inside a block (a slot mapping the worker never makes) move element by element.
+On CUDA this runs on a side stream through a device staging buffer, so the host side is one
+large DMA; on CPU it runs synchronously, straight into or out of the host slot. This is, in
+plain PyTorch, the gather-then-one-DMA scheme of LMCache's ``VLLMPagedMemGPUConnectorV2``
+(``lmcache/v1/gpu_connector/gpu_connectors.py``), and the side stream ordered after the
+compute stream is what vLLM's CPU offloading worker does (``vllm/v1/kv_offload/``);
+docs/performance.md has the measurements.
 
 Ordering on CUDA is explicit, against streams the caller names (``after``): a transfer starts
 only after the work issued so far on each of them (an event recorded there, waited on by the
@@ -35,9 +53,10 @@ against the current stream. On CPU every transfer is synchronous and there is no
 
 from __future__ import annotations
 
+import array
 import math
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -45,6 +64,7 @@ import torch
 
 __all__ = [
     "CPU_ISAS",
+    "TOKENS",
     "KVCacheLayoutError",
     "PagedKVSpec",
     "TransferBackend",
@@ -53,7 +73,9 @@ __all__ = [
     "cpu_attn_offsets",
     "cpu_attn_views",
     "describe_kv_caches",
+    "pool_format",
     "slot_mapping_for",
+    "slot_tokens",
 ]
 
 Layout = Literal["flash_attn", "flashinfer", "cpu_attn"]
@@ -69,8 +91,25 @@ _KV_DIM = {"flash_attn": 0, "flashinfer": 1}
 _BLOCK_DIM = {"flash_attn": 1, "flashinfer": 0}
 
 
+# The pool format of the 5-D layouts (and of every chunk kvledger saved before pool formats
+# had names): token-major.
+TOKENS = "tokens"
+
+
 class KVCacheLayoutError(ValueError):
     """The KV caches handed to us are not a layout this module can move."""
+
+
+def pool_format(layout: str, block_size: int, cpu_isa: str | None = None) -> str:
+    """The name of the format in which a host chunk slot holds the tokens of caches of
+    ``layout`` (the module docstring): ``TOKENS`` for FlashAttention's and FlashInfer's
+    layouts; for ``cpu_attn``, the kernel whose element order the blocks keep and the block
+    size (``"cpu_attn-vec-block32"``): both fix where each byte of a chunk is."""
+    if layout != "cpu_attn":
+        return TOKENS
+    if cpu_isa is None:
+        raise KVCacheLayoutError("the cpu_attn pool format needs the kernel (cpu_isa) named")
+    return f"cpu_attn-{cpu_isa}-block{block_size}"
 
 
 @dataclass(frozen=True)
@@ -104,11 +143,32 @@ class PagedKVSpec:
         """Bytes of K and V over all layers for one token."""
         return self.num_layers * 2 * self.num_kv_heads * self.head_size * self.element_size
 
-    def chunk_shape(self, chunk_tokens: int) -> tuple[int, int, int, int]:
-        """Shape of one host chunk slot holding ``chunk_tokens`` tokens."""
+    @property
+    def pool_format(self) -> str:
+        """The format host chunk slots hold these caches' tokens in (``pool_format``)."""
+        return pool_format(self.layout, self.block_size, self.cpu_isa)
+
+    def chunk_shape(self, chunk_tokens: int) -> tuple[int, ...]:
+        """Shape of one host chunk slot holding ``chunk_tokens`` tokens, in this spec's pool
+        format: ``[L, 2, T, H*D]`` (``tokens``), or for ``cpu_attn`` ``[L, T / block_size, H,
+        block_size, 2 * D]``, each block as a layer's cache holds it."""
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-        return (self.num_layers, 2, chunk_tokens, self.num_kv_heads * self.head_size)
+        if self.layout != "cpu_attn":
+            return (self.num_layers, 2, chunk_tokens, self.num_kv_heads * self.head_size)
+        if chunk_tokens % self.block_size:
+            raise ValueError(
+                f"chunk_tokens={chunk_tokens}: the pool format {self.pool_format} keeps a chunk "
+                f"as whole cache blocks, so it must be a multiple of block_size "
+                f"{self.block_size}"
+            )
+        return (
+            self.num_layers,
+            chunk_tokens // self.block_size,
+            self.num_kv_heads,
+            self.block_size,
+            2 * self.head_size,
+        )
 
     def chunk_bytes(self, chunk_tokens: int) -> int:
         return math.prod(self.chunk_shape(chunk_tokens)) * self.element_size
@@ -278,6 +338,52 @@ def cpu_attn_views(
     raise KVCacheLayoutError(f"no known cpu_attn element order for kernel {isa!r}")
 
 
+# How many leading dims of a K or V view from cpu_attn_views split the token in its block.
+_TOKEN_DIMS = {"vec": 1, "amx": 2}
+
+
+def _token_pieces(view: torch.Tensor, dim: int, isa: str, t0: int, t1: int) -> list[torch.Tensor]:
+    """Views of ``view`` (K or V from ``cpu_attn_views``, its token dims starting at ``dim``)
+    that together cover exactly the elements of tokens ``[t0, t1)`` of each block: one narrow
+    where the token is one dim (``vec``); where it is two, ``(t // r, t % r)`` (``amx``: 16
+    tokens of K, 2 of V), the part of a first group, the whole groups, the part of a last
+    group (at most three rectangles, each with contiguous runs of elements inside)."""
+    if _TOKEN_DIMS[isa] == 1:
+        return [view.narrow(dim, t0, t1 - t0)]
+    r = view.shape[dim + 1]
+    g0, g1 = -(-t0 // r), t1 // r  # the whole groups [g0, g1)
+    if g1 < g0:  # inside one group
+        return [view.narrow(dim, t0 // r, 1).narrow(dim + 1, t0 % r, t1 - t0)]
+    pieces = []
+    if t0 % r:
+        pieces.append(view.narrow(dim, t0 // r, 1).narrow(dim + 1, t0 % r, r - t0 % r))
+    if g1 > g0:
+        pieces.append(view.narrow(dim, g0, g1 - g0))
+    if t1 % r:
+        pieces.append(view.narrow(dim, g1, 1).narrow(dim + 1, 0, t1 % r))
+    return pieces
+
+
+def slot_tokens(spec: PagedKVSpec, slot: torch.Tensor) -> torch.Tensor:
+    """The tokens of a host chunk slot of ``spec``'s pool format as ``[L, 2, T, H*D]``, K then
+    V, token-major: the slot itself in the ``tokens`` format, a reordered copy of a
+    ``cpu_attn`` one. For tests and tools that read a chunk's K and V token by token; the
+    transfers never reorder."""
+    if spec.pool_format == TOKENS:
+        return slot
+    assert spec.cpu_isa is not None
+    layers, blocks, heads, bs, _ = slot.shape
+    d = spec.head_size
+    k, v = cpu_attn_views(slot.reshape(layers, blocks, heads, -1), spec.cpu_isa, bs, d)
+    rows = [
+        x.reshape(layers, blocks, heads, bs, d)
+        .permute(0, 1, 3, 2, 4)
+        .reshape(layers, -1, heads * d)
+        for x in (k, v)
+    ]
+    return torch.stack(rows, dim=1)
+
+
 def _describe_cpu_attn(
     items: list[tuple[str, torch.Tensor]],
     shape: tuple[int, ...],
@@ -390,6 +496,9 @@ class TransferHandle:
         return f"TransferHandle(done={self.done()})"
 
 
+# An empty index (a plan part with no tokens).
+_NONE = torch.zeros(0, dtype=torch.int64)
+
 # Widest element types we reinterpret rows as: CPU index_copy_ copies element by element, so 16-byte
 # elements make a bf16 load about 2x faster (measured on this repo's CPU box); bits are unchanged.
 _WIDE_DTYPES = (
@@ -401,102 +510,38 @@ _WIDE_DTYPES = (
 )
 
 
-# cpu_attn: bytes of the blocks of a group of layers reordered at once in a buffer, small enough
-# to stay in a core's L2 cache (1 to 2 MiB on current x86 server cores) while it is reordered.
-_REORDER_BYTES = 1 << 20
-
-
 def _wide_dtype(*byte_counts: int) -> torch.dtype:
     """The widest of ``_WIDE_DTYPES`` whose size divides every one of ``byte_counts``."""
     g = math.gcd(*byte_counts)
     return next(dtype for size, dtype in _WIDE_DTYPES if g % size == 0)
 
 
-def _widest(*views: torch.Tensor) -> torch.dtype:
-    """The widest element type (``_WIDE_DTYPES``) as which every one of ``views`` (one element
-    type, the same last dim, any strides) stays a view of the same bytes: their last dim must be
-    contiguous in all of them; else their own. A copy between two views reinterpreted so moves
-    up to 16 bytes per element instead of 2 or 4; the bits are unchanged."""
-    first = views[0]
-    esize = first.element_size()
-    if first.dim() == 0 or first.shape[-1] == 1 or any(v.stride(-1) != 1 for v in views):
-        return first.dtype
-    sizes: list[int] = [first.shape[-1] * esize]
-    for v in views:
-        sizes.append(int(v.storage_offset()) * esize)
-        sizes.extend(
-            st * esize for n, st in zip(v.shape[:-1], v.stride()[:-1], strict=True) if n > 1
-        )
-    wide = _wide_dtype(*sizes)
-    return wide if wide.itemsize > esize else first.dtype
-
-
-def _reinterpret(view: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``view`` read as ``dtype`` (one ``_widest`` allows for it)."""
-    if dtype == view.dtype:
-        return view
-    # A dim of size 1 is never stepped along: its stride set to 0, view() accepts it.
-    strides = [
-        0 if n == 1 else st for n, st in zip(view.shape[:-1], view.stride()[:-1], strict=True)
-    ]
-    return view.as_strided(view.shape, [*strides, 1], view.storage_offset()).view(dtype)
-
-
-def _widened(*views: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``views`` reinterpreted as their ``_widest`` element type."""
-    wide = _widest(*views)
-    return tuple(_reinterpret(v, wide) for v in views)
-
-
-def _narrower(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    return a if a.itemsize <= b.itemsize else b
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``, a slice at a time along ``dst``'s contiguous dim when that dim is a
-    handful of elements long (``amx``'s pairs of tokens): torch's copy loops innermost along it,
-    and an inner loop of two elements ran 3 times slower than 2 slices of 16-element loops."""
-    unit = [i for i in range(dst.dim()) if dst.stride(i) == 1 and dst.shape[i] > 1]
-    if dst.dim() > 1 and unit and dst.shape[unit[0]] <= 4:
-        for i in range(dst.shape[unit[0]]):
-            dst.select(unit[0], i).copy_(src.select(unit[0], i))
-    else:
-        dst.copy_(src)
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _groups(t: torch.Tensor, size: int) -> list[torch.Tensor]:
-    """``t`` cut along its first dim into pieces of ``size`` (the last one may be shorter)."""
-    return [t.narrow(0, i, min(size, t.shape[0] - i)) for i in range(0, t.shape[0], size)]
-
-
-def _whole_blocks(slots: torch.Tensor, block_size: int) -> tuple[int, int]:
+def _whole_blocks(slots: list[int], block_size: int) -> tuple[int, int]:
     """``(first, count)``: positions ``[first, first + count * block_size)`` of ``slots`` are
     ``count`` whole cache blocks back to back, each block's slots in order; ``(0, 0)`` when the
     slots hold no whole block. The worker's calls (``slot_mapping_for`` over a token range)
-    are at most a partial block, whole blocks, a partial block, and take the first test; any
-    other mapping is scanned for its first run of whole blocks."""
-    n, bs = slots.numel(), block_size
+    are at most a partial block, whole blocks, a partial block, and pass the first test, on
+    the list itself (a few list comparisons: small tensor operations cost more, each one,
+    than a block's copy takes); any other mapping is scanned, vectorised, for its first run of
+    whole blocks."""
+    n, bs = len(slots), block_size
     if n < bs:
         return 0, 0
-    first = -int(slots[0]) % bs
+    first = -slots[0] % bs
     count = (n - first) // bs
-    if count:
-        starts = slots[first : first + count * bs : bs]
-        run = slots[first : first + count * bs].view(count, bs)
-        if not bool((starts % bs).any()) and torch.equal(
-            run, starts.view(-1, 1) + torch.arange(bs)
-        ):
-            return first, count
+    end = first + count * bs
+    if count and all(
+        slots[a] % bs == 0 and slots[a : a + bs] == list(range(slots[a], slots[a] + bs))
+        for a in range(first, end, bs)
+    ):
+        return first, count
     # A whole block at i: slots[i] starts a block and the next block_size - 1 follow it.
+    ids = torch.tensor(slots, dtype=torch.int64)
     breaks = torch.ones(n, dtype=torch.int64)
-    breaks[1:] = (slots[1:] - slots[:-1]) != 1
+    breaks[1:] = (ids[1:] - ids[:-1]) != 1
     run_id = breaks.cumsum(0)
     m = n - bs + 1
-    starts = torch.nonzero((slots[:m] % bs == 0) & (run_id[bs - 1 :] == run_id[:m])).view(-1)
+    starts = torch.nonzero((ids[:m] % bs == 0) & (run_id[bs - 1 :] == run_id[:m])).view(-1)
     if starts.numel() == 0:
         return 0, 0
     # Two whole blocks never overlap; keep those back to back with the first.
@@ -553,36 +598,20 @@ class TransferBackend:
         # Whole-block moves of a 5-D layout: strides of its block rows (one block's K or V,
         # contiguous); None where a block's tokens are not consecutive rows.
         self._block_strides: tuple[int, int] | None = None
-        if spec.layout == "cpu_attn":
+        self._native = spec.layout == "cpu_attn"
+        if self._native:
             assert spec.cpu_isa is not None
+            # Loose tokens that change place inside a block move element by element.
             self._cpu_offsets = cpu_attn_offsets(spec.cpu_isa, spec.block_size, spec.head_size)
-            # Buffers for a group of layers' share of a chunk (_move_cpu_blocks): its blocks'
-            # (block, head) regions as the kernel orders them, and K or V of the same tokens as
-            # rows [blocks, H, block_size, D].
+            # One block of one layer, as the kernel orders it: H regions of K then V. Each
+            # layer's cache as rows of such images, and the same images read as wider element
+            # types (``_images_as``), which a load's element-wise index_copy_ needs.
             self._image = spec.num_kv_heads * 2 * spec.block_size * spec.head_size
-            layer_share = max(1, chunk_tokens // spec.block_size) * self._image
-            chunk_elements = min(
-                max(_REORDER_BYTES // self._esize, layer_share), spec.num_layers * layer_share
+            self._images = [c.view(spec.num_blocks, self._image) for c in self._caches]
+            self._image_align = math.gcd(
+                self._image * self._esize, *(c.storage_offset() * self._esize for c in self._caches)
             )
-            self._cpu_regions = torch.empty(chunk_elements, dtype=spec.dtype)
-            self._cpu_rows = torch.empty(chunk_elements // 2, dtype=spec.dtype)
-            # Each layer's K and V in token order (views of the cache); where the kernel keeps a
-            # block's tokens as rows, a save gathers them straight into the slot.
-            self._cpu_layer_views = [
-                cpu_attn_views(
-                    c.view(spec.num_blocks, spec.num_kv_heads, -1),
-                    spec.cpu_isa,
-                    spec.block_size,
-                    spec.head_size,
-                )
-                for c in self._caches
-            ]
-            self._cpu_token_rows = [bool(v[0, 0].is_contiguous()) for v in self._cpu_layer_views[0]]
-            self._cpu_direct_dtype = [
-                _widest(*(views[kv] for views in self._cpu_layer_views)) if rows else spec.dtype
-                for kv, rows in enumerate(self._cpu_token_rows)
-            ]
-            self._cpu_views: dict[tuple[str, torch.dtype | None], list[torch.Tensor]] = {}
+            self._wide_images: dict[torch.dtype, list[torch.Tensor]] = {}
         else:
             self._row_strides = self._find_row_strides()
             self._block_strides = self._find_block_strides()
@@ -644,21 +673,24 @@ class TransferBackend:
         ``after`` (compute that may still read the blocks' previous contents; default: the
         current stream). The forward pass must then wait for it: ``handle.wait(stream)``."""
         slots = self._check(src_slot, slot_mapping, src_offset, "src_slot", "src_offset")
-        if torch.unique(slots).numel() != slots.numel():
+        if len(set(slots)) != len(slots):
             raise ValueError("slot_mapping of a load names the same cache slot twice")
         return self._transfer(src_slot, slots, src_offset, save=False, after=after)
 
     def _transfer(
         self,
         host: torch.Tensor,
-        slots: torch.Tensor,
+        slots: list[int],
         offset: int,
         *,
         save: bool,
         after: Sequence[Any] = (),
     ) -> TransferHandle:
-        n = slots.numel()
+        n = len(slots)
         if n == 0:
+            return TransferHandle()
+        if self._native:  # a cpu_attn layout: on the CPU, synchronous
+            self._move_native(host, offset, slots, save=save)
             return TransferHandle()
         plan = self._plan(slots)
         if not self._is_cuda:
@@ -697,8 +729,10 @@ class TransferBackend:
         offset: int,
         slot_name: str,
         offset_name: str,
-    ) -> torch.Tensor:
-        """Validate a call; return the slot ids as a 1-D int64 CPU tensor."""
+    ) -> list[int]:
+        """Validate a call; return the slot ids as a list of ints (planning a call is a few
+        list operations: each small tensor operation costs microseconds, more on the caches
+        a forward pass left cold)."""
         if not isinstance(slot, torch.Tensor):
             raise TypeError(f"{slot_name} must be a torch.Tensor, got {type(slot).__name__}")
         if tuple(slot.shape) != self.chunk_shape:
@@ -726,17 +760,20 @@ class TransferBackend:
             ):
                 raise TypeError(f"slot_mapping must hold integers, got {slot_mapping.dtype}")
             # A device tensor costs a sync here; the worker should pass host lists or tensors.
-            slots = slot_mapping.detach().to("cpu", torch.int64).reshape(-1)
+            slots = slot_mapping.detach().to("cpu", torch.int64).reshape(-1).tolist()
         else:
-            slots = torch.tensor(list(slot_mapping), dtype=torch.int64).reshape(-1)
-        n = slots.numel()
+            try:  # array checks, in C, that every id is an integer of 64 bits
+                slots = array.array("q", slot_mapping).tolist()
+            except TypeError as exc:
+                raise TypeError(f"slot_mapping must hold integers: {exc}") from None
+        n = len(slots)
         if offset < 0 or offset + n > self.chunk_tokens:
             raise ValueError(
                 f"{n} tokens at {offset_name}={offset} do not fit a chunk of "
                 f"{self.chunk_tokens} tokens"
             )
         if n:
-            lo, hi = (int(x) for x in torch.aminmax(slots))
+            lo, hi = min(slots), max(slots)
             limit = self.spec.num_cache_slots
             if lo < 0 or hi >= limit:
                 bad = lo if lo < 0 else hi
@@ -783,46 +820,43 @@ class TransferBackend:
             return None
         return s_kv // bs, s_blk // bs
 
-    def _plan(self, slots: torch.Tensor) -> _Plan:
+    def _plan(self, slots: list[int]) -> _Plan:
         """Split a call into whole blocks and loose tokens (``_whole_blocks``), with what each
-        part indexes with, the same for every layer:
-
-        - 5-D layouts: ``span`` holds the block rows of K then V (``[2 * blocks]``), ``head`` and
-          ``tail`` the token rows of K then V (``[2 * tokens]``);
-        - ``cpu_attn``: ``span`` the block ids, ``head`` and ``tail`` slot ids
-          (``_move_cpu_loose``);
-        - the advanced-indexing path (no token rows): every token in ``tail``, as slot ids.
-        """
-        n = slots.numel()
-        if self._cpu_offsets is None and self._row_strides is None:
-            return _Plan(n, 0, 0, slots[:0], slots[:0], slots)
-        # cpu_attn: loose tokens stay slot ids, split further by _move_cpu_loose.
-        loose: Callable[[torch.Tensor], torch.Tensor] = (
-            self._token_rows if self._cpu_offsets is None else _same
-        )
+        part indexes with, the same for every layer of a 5-D layout: ``span`` holds the block
+        rows of K then V (``[2 * blocks]``), ``head`` and ``tail`` the token rows of K then V
+        (``[2 * tokens]``); on the advanced-indexing path (no token rows) every token is in
+        ``tail``, as slot ids."""
+        n = len(slots)
+        if self._row_strides is None:
+            return _Plan(n, 0, 0, _NONE, _NONE, torch.tensor(slots, dtype=torch.int64))
         bs = self.spec.block_size
-        whole = self._cpu_offsets is not None or self._block_strides is not None
-        first, blocks = _whole_blocks(slots, bs) if whole else (0, 0)
+        first, blocks = _whole_blocks(slots, bs) if self._block_strides is not None else (0, 0)
         end = first + blocks * bs
-        span = slots[first:end:bs] // bs
-        if self._block_strides is not None:
+        span = _NONE
+        if blocks:
+            assert self._block_strides is not None
             b_kv, b_blk = self._block_strides
-            span = torch.cat([span * b_blk, span * b_blk + b_kv])
-        return _Plan(n, first, blocks, span, loose(slots[:first]), loose(slots[end:]))
+            rows = [s // bs * b_blk for s in slots[first:end:bs]]
+            span = torch.tensor(rows + [r + b_kv for r in rows], dtype=torch.int64)
+        return _Plan(
+            n, first, blocks, span, self._token_rows(slots[:first]), self._token_rows(slots[end:])
+        )
 
-    def _token_rows(self, slots: torch.Tensor) -> torch.Tensor:
+    def _token_rows(self, slots: list[int]) -> torch.Tensor:
         """Token rows of K then V (``[2 * n]``) of the tokens at ``slots``."""
         assert self._row_strides is not None
-        if slots.numel() == 0:
-            return slots
+        if not slots:
+            return _NONE
         s_kv, s_blk, s_off = self._row_strides
         bs = self.spec.block_size
-        base = (slots // bs) * s_blk + (slots % bs) * s_off
+        ids = torch.tensor(slots, dtype=torch.int64)
+        base = (ids // bs) * s_blk + (ids % bs) * s_off
         return torch.cat([base, base + s_kv])
 
     def _cpu_elements(self, slots: torch.Tensor) -> torch.Tensor:
         """``cpu_attn``: flat element ids ``[2, n * H * D]`` of K and of V of the tokens at
-        ``slots``, in the host slot's order (token, head, dim)."""
+        ``slots``, each in (token, head, dim) order, in a layer's cache; and, ``slots`` taken
+        as chunk positions, in a layer of a host slot, whose blocks are laid out the same."""
         assert self._cpu_offsets is not None
         if slots.numel() == 0:
             return slots.view(2, 0)
@@ -866,17 +900,9 @@ class TransferBackend:
     def _move(self, chunk: torch.Tensor, offset: int, plan: _Plan, *, save: bool) -> None:
         """Save: ``chunk[:, :, offset:offset+n]`` <- the caches as ``plan`` says; load: the
         reverse. ``chunk`` is ``[L, 2, T, H*D]`` and contiguous (a host slot, or the staging
-        buffer). Whole blocks move a block at a time, loose tokens a token at a time (for
-        ``cpu_attn``, a partial block as its block: ``_move_cpu_loose``)."""
+        buffer). Whole blocks move a block at a time, loose tokens a token at a time."""
         bs = self.spec.block_size
         end = plan.first + plan.blocks * bs
-        if self._cpu_offsets is not None:
-            for start, slots in ((0, plan.head), (end, plan.tail)):
-                if slots.numel():
-                    self._move_cpu_loose(chunk, offset + start, slots, save=save)
-            if plan.blocks:
-                self._move_cpu_blocks(chunk, offset + plan.first, plan.blocks, plan.span, save=save)
-            return
         if self._row_strides is None:
             region = chunk.narrow(2, offset, plan.n)
             for layer in range(self.spec.num_layers):
@@ -929,166 +955,107 @@ class TransferBackend:
             for dst, idx, src in zip(views, indices, pieces, strict=True):
                 dst.index_copy_(0, idx, src)
 
-    def _move_cpu_loose(
-        self, chunk: torch.Tensor, start: int, slots: torch.Tensor, *, save: bool
+    def _move_native(
+        self, chunk: torch.Tensor, offset: int, slots: list[int], *, save: bool
     ) -> None:
-        """``cpu_attn``, tokens that are not whole blocks. A run of a block's tokens (the partial
-        block at either end of a request's range) of at least a quarter of a block moves as
-        that block (``_move_cpu_blocks`` with ``within``: a load rewrites the block's other
-        tokens with the bytes they hold); anything else element by element."""
-        bs, n = self.spec.block_size, slots.numel()
-        first = int(slots[0])
-        block, offset = divmod(first, bs)
-        if 4 * n >= bs and offset + n <= bs and torch.equal(slots, first + torch.arange(n)):
-            ids = torch.tensor([block])
-            self._move_cpu_blocks(chunk, start, 1, ids, save=save, within=(offset, n))
-        else:
-            self._move_elements(chunk, start, self._cpu_elements(slots), save=save)
+        """``cpu_attn``, in its native pool format: save, chunk positions ``[offset, offset +
+        n)`` <- the tokens at ``slots``; load, the reverse. Whole cache blocks that land on
+        whole chunk blocks move as block images (``_move_native_blocks``); the tokens around
+        them, a partial block at either end, as views of their elements
+        (``_move_native_loose``). A worker's call is always aligned so: its range starts as
+        far into its chunk as into its block, since chunks are whole blocks."""
+        bs = self.spec.block_size
+        first, count = _whole_blocks(slots, bs)
+        if (offset + first) % bs:
+            first, count = 0, 0  # cache blocks across two chunk blocks: token by token
+        end = first + count * bs
+        if count:
+            ids = torch.tensor([s // bs for s in slots[first:end:bs]], dtype=torch.int64)
+            self._move_native_blocks(chunk, (offset + first) // bs, ids, save=save)
+        for lo, hi in ((0, first), (end, len(slots))):
+            if hi > lo:
+                self._move_native_loose(chunk, offset + lo, slots[lo:hi], save=save)
 
-    def _move_elements(
-        self, chunk: torch.Tensor, start: int, elements: torch.Tensor, *, save: bool
+    def _move_native_blocks(
+        self, chunk: torch.Tensor, first: int, ids: torch.Tensor, *, save: bool
     ) -> None:
-        """``cpu_attn``, loose tokens: each element by its own flat index (``elements``: K's
-        and V's, as ``_cpu_elements`` makes them); each (K or V) piece of the host slot is
-        contiguous over its tokens, so it is one gather or scatter per layer and K/V half."""
-        tokens = elements.shape[-1] // self._row
-        region = chunk.narrow(2, start, tokens)
-        for layer, cache in enumerate(self._caches):
-            flat = cache.view(-1)
-            for kv in range(2):
-                piece = region[layer, kv].view(-1)
-                if save:
-                    torch.index_select(flat, 0, elements[kv], out=piece)
-                else:
-                    flat.index_copy_(0, elements[kv], piece)
-
-    def _move_cpu_blocks(
-        self,
-        chunk: torch.Tensor,
-        start: int,
-        blocks: int,
-        ids: torch.Tensor,
-        *,
-        save: bool,
-        within: tuple[int, int] | None = None,
-    ) -> None:
-        """``cpu_attn``, whole blocks at ``chunk[:, :, start:]``; with ``within`` (first token,
-        count), that run of each block's tokens only (a partial block: a save reads the block
-        whole and keeps the run; a load reads it whole, writes the run in, and writes it back,
-        its other tokens' bytes as they were).
-
-        Where the kernel keeps a block's tokens as rows (``vec``'s V), a save is one
-        ``index_select`` per layer from the cache into the slot's strides. Elsewhere (K, and
-        ``amx``'s V) the elements must be reordered, and a strided copy straight between the
-        kernel's order in the cache and the slot's strides ran 2 to 4 times slower than going
-        through the CPU's cache: the blocks' regions of a few layers are gathered (one
-        ``index_select`` per layer, rows tens of KiB long) into a buffer of at most
-        ``_REORDER_BYTES`` (or one layer's share), reordered inside each (block, head) into a
-        second buffer of rows (``cpu_attn_views``), and the rows copied to the slot. A load
-        runs the steps backwards, rows into regions, then one ``index_copy_`` of whole blocks
-        per layer. Layers go in groups so that a small chunk costs a few copies, not a few per
-        layer."""
-        spec = self.spec
-        bs, heads, d = spec.block_size, spec.num_kv_heads, spec.head_size
-        num_layers = spec.num_layers
-        assert spec.cpu_isa is not None
-        first_token, tokens_per_block = within or (0, bs)
-        group = max(1, min(num_layers, _REORDER_BYTES // (blocks * self._image * self._esize)))
-        regions = self._cpu_regions[: group * blocks * self._image].view(group, blocks, heads, -1)
-        rows = self._cpu_rows[: group * blocks * heads * bs * d].view(group, blocks, heads, bs, d)
-        # Per K and V: how its bytes go between the regions buffer (or the cache) and the slot.
-        direct: list[tuple[int, tuple[torch.Tensor, ...]]] = []  # save: cache -> slot
-        Reorder = tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list[torch.Tensor]]
-        reorders: list[Reorder] = []
-        gather: list[int] = []  # save: K/V parts gathered into the regions buffer
-        for kv, view in enumerate(cpu_attn_views(regions, spec.cpu_isa, bs, d)):
-            # The slot's tokens of this K or V as [layers, blocks, H, block_size, D].
-            host = chunk[:, kv].narrow(1, start, blocks * tokens_per_block)
-            host = host.view(-1, blocks, tokens_per_block, heads, d).permute(0, 1, 3, 2, 4)
-            if self._cpu_token_rows[kv]:  # the kernel's tokens are rows already
-                if save:
-                    wide = _narrower(self._cpu_direct_dtype[kv], _widest(host))
-                    direct.append((kv, _reinterpret(host, wide).unbind(0)))
-                    continue
-                tokens, host = _widened(view.reshape(rows.shape), host)
-                pair = None
-            else:
-                pair = _widened(view, rows.view(group, blocks, heads, *view.shape[3:]))
-                tokens, host = _widened(rows, host)
-            tokens = tokens.narrow(3, first_token, tokens_per_block)
-            reorders.append((tokens, (pair[0], pair[1]) if pair else None, _groups(host, group)))
-            gather.append(kv)
-        for kv, slot_views in direct:
-            sources = self._cpu_direct_views(kv, slot_views[0].dtype)
-            for source, out in zip(sources, slot_views, strict=True):
-                if within is not None:
-                    source = source.narrow(2, first_token, tokens_per_block)
-                torch.index_select(source, 0, ids, out=out)
-        if not reorders:
+        """Cache blocks ``ids`` <-> chunk blocks ``first, first + 1, ...``: each a contiguous
+        image on both sides, so one ``index_select`` (save) or ``index_copy_`` (load) per
+        layer. ``index_select`` copies a row at a time; ``index_copy_`` element by element,
+        so a load reads the images as the widest element type they allow."""
+        layers, count = self.spec.num_layers, ids.numel()
+        rows = chunk.view(layers, -1, self._image)
+        if save:
+            for src, out in zip(self._images, rows.narrow(1, first, count).unbind(0), strict=True):
+                torch.index_select(src, 0, ids, out=out)
             return
-        # Whole blocks' regions when both K and V go through the buffer, else that part.
-        part = None if len(gather) == 2 else gather[0]
-        sources = self._cpu_region_views(part)
-        wide = sources[0].dtype
-        halves = regions.view(group, blocks, heads, 2, -1)
-        if part is None:
-            outs = _reinterpret(halves.view(group, blocks, -1), wide).unbind(0)
+        wide = _wide_dtype(self._image_align, int(chunk.storage_offset()) * self._esize)
+        srcs = rows.view(wide).narrow(1, first, count).unbind(0)
+        for dst, src in zip(self._images_as(wide), srcs, strict=True):
+            dst.index_copy_(0, ids, src)
+
+    def _images_as(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Every layer's block images (``[num_blocks, image]``) read as ``dtype``."""
+        views = self._wide_images.get(dtype)
+        if views is None:
+            views = [v.view(dtype) for v in self._images]
+            self._wide_images[dtype] = views
+        return views
+
+    def _move_native_loose(
+        self, chunk: torch.Tensor, pos: int, slots: list[int], *, save: bool
+    ) -> None:
+        """Tokens at ``slots`` <-> chunk positions from ``pos`` on, not whole blocks. A run of
+        one block's tokens that keeps its place in the block (a partial block of a worker's
+        call) moves as views of those tokens' elements (``_move_native_run``); anything else
+        element by element."""
+        bs, n = self.spec.block_size, len(slots)
+        first = slots[0]
+        t0 = first % bs
+        if t0 == pos % bs and t0 + n <= bs and slots == list(range(first, first + n)):
+            self._move_native_run(chunk, pos // bs, first // bs, t0, t0 + n, save=save)
         else:
-            outs = _reinterpret(halves[:, :, :, part], wide).unbind(0)
-        for g, first in enumerate(range(0, num_layers, group)):
-            layers = range(first, min(first + group, num_layers))
-            n = len(layers)
-            if save or within is not None:
-                for out, layer in zip(outs, layers, strict=False):
-                    torch.index_select(sources[layer], 0, ids, out=out)
-            for tokens, pair, host_views in reorders:
-                if n < group:  # the last group of layers, smaller
-                    tokens = tokens[:n]
-                    pair = (pair[0][:n], pair[1][:n]) if pair is not None else None
+            ids = torch.tensor(slots, dtype=torch.int64)
+            self._move_native_elements(chunk, pos, ids, save=save)
+
+    def _move_native_run(
+        self, chunk: torch.Tensor, chunk_block: int, block: int, t0: int, t1: int, *, save: bool
+    ) -> None:
+        """Tokens ``[t0, t1)`` of cache block ``block`` <-> the same tokens of chunk block
+        ``chunk_block``, and no other element: K and V of those tokens in the kernel's order
+        are a few strided rectangles of a block's image (``_token_pieces``), at the same
+        places in both images. Each is found once, over every layer of the chunk, and taken at
+        the same offset in each layer's cache block (``as_strided``); then one ``copy_`` per
+        layer and rectangle."""
+        spec = self.spec
+        images = chunk.select(1, chunk_block).view(spec.num_layers, spec.num_kv_heads, -1)
+        assert spec.cpu_isa is not None
+        views = cpu_attn_views(images, spec.cpu_isa, spec.block_size, spec.head_size)
+        pieces = [p for v in views for p in _token_pieces(v, 2, spec.cpu_isa, t0, t1)]
+        base = images.storage_offset()
+        for piece in pieces:
+            shape, strides = piece.shape[1:], piece.stride()[1:]
+            where = block * self._image + int(piece.storage_offset()) - base
+            for host, cache in zip(piece.unbind(0), self._caches, strict=True):
+                kv = cache.as_strided(shape, strides, cache.storage_offset() + where)
                 if save:
-                    if pair is not None:
-                        _copy(pair[1], pair[0])
-                    host_views[g].copy_(tokens)
+                    host.copy_(kv)
                 else:
-                    if pair is not None and within is not None:
-                        _copy(pair[1], pair[0])  # the block's other tokens, to write back
-                    tokens.copy_(host_views[g])
-                    if pair is not None:
-                        _copy(pair[0], pair[1])
-            if not save:
-                for src, layer in zip(outs, layers, strict=False):
-                    sources[layer].index_copy_(0, ids, src)
+                    kv.copy_(host)
 
-    def _cpu_direct_views(self, kv: int, dtype: torch.dtype) -> list[torch.Tensor]:
-        """``cpu_attn``: K (``kv`` 0) or V of every layer's cache as ``[num_blocks, H,
-        block_size, D]`` in token order, read as ``dtype``; only where the kernel keeps tokens
-        as rows (``_cpu_token_rows``)."""
-        key = (f"direct{kv}", dtype)
-        views = self._cpu_views.get(key)
-        if views is None:
-            spec = self.spec
-            shape = (spec.num_blocks, spec.num_kv_heads, spec.block_size, spec.head_size)
-            views = [_reinterpret(v[kv].reshape(shape), dtype) for v in self._cpu_layer_views]
-            self._cpu_views[key] = views
-        return views
-
-    def _cpu_region_views(self, part: int | None) -> list[torch.Tensor]:
-        """``cpu_attn``: every layer's cache as rows of whole blocks (``[num_blocks, H * 2 *
-        block_size * D]``), or with ``part`` 0 (K) or 1 (V) that half of each (block, head)
-        (``[num_blocks, H, block_size * D]``); read as the widest element type they allow."""
-        key = (f"regions{part}", None)
-        views = self._cpu_views.get(key)
-        if views is None:
-            spec = self.spec
-            if part is None:
-                views = [c.view(spec.num_blocks, -1) for c in self._caches]
+    def _move_native_elements(
+        self, chunk: torch.Tensor, pos: int, slots: torch.Tensor, *, save: bool
+    ) -> None:
+        """Tokens at ``slots`` <-> chunk positions ``pos...``, each element by its own flat
+        index on both sides (``_cpu_elements``): one gather and one scatter per layer."""
+        cache_ids = self._cpu_elements(slots).view(-1)
+        chunk_ids = self._cpu_elements(pos + torch.arange(slots.numel())).view(-1)
+        host = chunk.view(self.spec.num_layers, -1).unbind(0)
+        for flat, cache in zip(host, self._caches, strict=True):
+            if save:
+                flat.index_copy_(0, chunk_ids, cache.view(-1).index_select(0, cache_ids))
             else:
-                shape = (spec.num_blocks, spec.num_kv_heads, 2, -1)
-                views = [c.view(shape)[:, :, part] for c in self._caches]
-            wide = _widest(*views)
-            views = [_reinterpret(v, wide) for v in views]
-            self._cpu_views[key] = views
-        return views
+                cache.view(-1).index_copy_(0, cache_ids, flat.index_select(0, chunk_ids))
 
     def _move_indexed(
         self, layer: int, slots: torch.Tensor, piece: torch.Tensor, *, save: bool

@@ -141,9 +141,60 @@ def _max_async_lag(vllm_config: Any) -> int:
     return max(1, int(async_scheduling) + drafts)
 
 
-def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str]:
+def _pool_format(vllm_config: Any, block_size: int, head_size: int) -> str:
+    """The format this engine's host pool keeps chunks in (``connector.transfer.pool_format``),
+    decided as vLLM decides the KV-cache layout, before any cache exists: on the CPU platform
+    every attention layer runs vLLM's CPU attention backend (``CpuPlatform.get_attn_backend_cls``;
+    MLA aside, whose caches the transfer refuses), with the kernel that vLLM's own
+    ``_get_attn_isa`` (``vllm/v1/attention/backends/cpu_attn.py``) picks from the model's dtype,
+    the block size and the head size; on every other platform the backends keep a block's
+    tokens as rows (``tokens``). A wrong guess cannot go unnoticed: the worker refuses caches
+    of another format when vLLM registers them (``WorkerSide.register_kv_caches``), reading
+    the kernel from the layers vLLM set it on (``_attention_isa``)."""
+    from connector.transfer import TOKENS, cpu_attn_isa, pool_format
+
+    try:
+        from vllm.platforms import current_platform
+
+        on_cpu = bool(current_platform.is_cpu())
+    except Exception:  # no platform resolved (vLLM without a device): not the CPU backend
+        on_cpu = False
+    if not on_cpu:
+        return TOKENS
+    dtype = vllm_config.model_config.dtype
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = str(_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype))
+    except Exception:  # another vLLM: the same rule, as connector.transfer states it
+        isa = cpu_attn_isa(dtype, block_size, head_size)
+    return pool_format("cpu_attn", block_size, isa)
+
+
+def _attention_isa(vllm_config: Any, layer_names: Any) -> str | None:
+    """The kernel vLLM's CPU attention backend runs for these layers: its metadata builders
+    set ``isa`` on every attention layer they serve (vLLM 0.32,
+    ``CPUAttentionMetadataBuilder._set_isa_to_layers``), before the model runner registers the
+    caches with the connector. None where no layer has one (another backend)."""
+    compilation = getattr(vllm_config, "compilation_config", None)
+    context = getattr(compilation, "static_forward_context", None) or {}
+    isas = {str(isa) for name in layer_names if (isa := getattr(context.get(name), "isa", None))}
+    if len(isas) > 1:
+        from connector.transfer import KVCacheLayoutError
+
+        raise KVCacheLayoutError(
+            f"vLLM's CPU attention runs the kernels {sorted(isas)} on different layers; "
+            "KVLedgerConnector keeps one element order per engine"
+        )
+    return isas.pop() if isas else None
+
+
+def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, str, str]:
     """(bytes of one token's K and V over all layers, number of layers, a salt naming the
-    model and layout), from the KV cache config when vLLM gives it, else the model config."""
+    model and the pool format, the pool format), from the KV cache config when vLLM gives it,
+    else the model config. The salt names the pool format unless it is ``tokens``, the one
+    format every earlier version wrote: their chunks keep their keys, and a chunk of one
+    format is never found under a key of another, in the host pool or on the remote tier."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
     model = str(getattr(model_config, "model", ""))
@@ -159,6 +210,7 @@ def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, st
         per_block = int(spec.page_size_bytes)
         token_bytes = per_block // int(spec.block_size) * num_layers
         desc = f"{spec.num_kv_heads}x{spec.head_size}:{spec.dtype}"
+        block_size, head_size = int(spec.block_size), int(spec.head_size)
     else:
         num_layers = int(model_config.get_num_layers(parallel))
         heads = int(model_config.get_num_kv_heads(parallel))
@@ -168,9 +220,15 @@ def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, st
         dtype = model_config.dtype
         token_bytes = 2 * heads * head * torch.empty((), dtype=dtype).element_size() * num_layers
         desc = f"{heads}x{head}:{dtype}"
+        block_size, head_size = int(vllm_config.cache_config.block_size), head
     rank = getattr(parallel, "rank", 0)
     salt = f"{model}|{num_layers}L|{desc}|tp{parallel.tensor_parallel_size}r{rank}"
-    return token_bytes, num_layers, salt
+    fmt = _pool_format(vllm_config, block_size, head_size)
+    from connector.transfer import TOKENS
+
+    if fmt != TOKENS:
+        salt += f"|pool={fmt}"
+    return token_bytes, num_layers, salt, fmt
 
 
 class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
@@ -185,7 +243,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         parallel = vllm_config.parallel_config
         world_size = int(getattr(parallel, "world_size", 0) or 1)
         rank = int(getattr(parallel, "rank", 0) or 0)
-        token_bytes, _, salt = _slot_geometry(vllm_config, kv_cache_config)
+        token_bytes, _, salt, pool_format = _slot_geometry(vllm_config, kv_cache_config)
         slot_bytes = token_bytes * self.kv_config.chunk_size
         num_slots = self.kv_config.host_pool_bytes // slot_bytes
         if num_slots < 1:
@@ -217,6 +275,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                 self._stop.install()
         else:
             self._worker = self.make_worker_side(self.kv_config, num_slots=num_slots, rank=rank)
+            self._worker.pool_format = pool_format  # what the salt names: caches must match
 
     def make_worker_side(self, config: ConnectorConfig, *, num_slots: int, rank: int) -> WorkerSide:
         """Build the worker role's ``WorkerSide`` (called once, from ``__init__``): a host pool
@@ -313,7 +372,8 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
     # --- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.worker_side.register_kv_caches(kv_caches)
+        isa = _attention_isa(self._vllm_config, kv_caches)
+        self.worker_side.register_kv_caches(kv_caches, cpu_isa=isa)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         plan = getattr(kv_connector_metadata, "plan", None)

@@ -67,7 +67,12 @@ from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from connector.remote import REFUSED, UNAVAILABLE, RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
-from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for
+from connector.transfer import (
+    KVCacheLayoutError,
+    TransferBackend,
+    TransferHandle,
+    slot_mapping_for,
+)
 from tracker.chunks import REMOTE_SLOT
 from tracker.plans import blocks_covering
 
@@ -95,6 +100,9 @@ class WorkerSide:
     ) -> None:
         self.config = config
         self.rank = rank
+        # The pool format the chunk keys' salt names (connector.vllm sets it): caches of
+        # another format are refused when registered. None: whatever the caches are.
+        self.pool_format: str | None = None
         self._num_slots = num_slots
         self._layout = layout
         self.backend: TransferBackend | None = None
@@ -139,11 +147,27 @@ class WorkerSide:
 
     # --- setup ----------------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, torch.Tensor], *, cpu_isa: str | None = None
+    ) -> None:
         """Accepts vLLM's FlashAttention ``[2, nb, bs, h, d]`` or FlashInfer
-        ``[nb, 2, bs, h, d]`` per-layer caches, on CPU or CUDA; anything else is an error
-        naming the shape it got."""
-        backend = TransferBackend(kv_caches, self.config.chunk_size, self._layout)
+        ``[nb, 2, bs, h, d]`` per-layer caches, on CPU or CUDA, and its CPU attention's
+        ``[nb, h, bs, 2 * d]`` in the order of kernel ``cpu_isa`` (default: the one vLLM would
+        pick here); anything else is an error naming the shape it got. So are caches whose
+        pool format is not ``pool_format``, the one the chunk keys name: their chunks would be
+        read as bytes of another order."""
+        backend = TransferBackend(kv_caches, self.config.chunk_size, self._layout, cpu_isa=cpu_isa)
+        got = backend.spec.pool_format
+        if self.pool_format is not None and got != self.pool_format:
+            raise KVCacheLayoutError(
+                f"the KV caches vLLM registered ({backend.spec.layout}, "
+                f"{backend.spec.num_layers} layers of {tuple(next(iter(kv_caches.values())).shape)}"
+                f"{', kernel ' + str(backend.spec.cpu_isa) if backend.spec.cpu_isa else ''}) "
+                f"go to the host pool as {got!r}, but this connector's chunk keys name the pool "
+                f"format {self.pool_format!r}: a chunk must never be read in another format. "
+                "The scheduler side decides the format from vLLM's platform and attention "
+                "backend (connector.vllm._pool_format); please report this mismatch"
+            )
         self.backend = backend
         if self.digests is not None:
             self.digests.register_kv_caches(kv_caches)

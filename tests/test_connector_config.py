@@ -268,6 +268,30 @@ def _oracle_caches() -> Any:
 
 
 @pytest.mark.vllm
+def test_the_salt_names_the_pool_format(vllm_build: Callable[..., Any], monkeypatch) -> None:
+    """The chunk keys' salt names the host pool format, and the worker role expects the same:
+    ``tokens`` (no suffix, as every earlier version's salt) where vLLM's backends keep tokens
+    as rows; on vLLM's CPU platform, the kernel vLLM's own rule picks and the block size. The
+    worker then refuses caches of another format when they are registered."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends import cpu_attn
+
+    from connector.transfer import KVCacheLayoutError
+
+    salt = vllm_build("scheduler", chunk_size=32).scheduler_side.tracker_config.salt
+    assert "pool=" not in salt
+    assert vllm_build("worker", chunk_size=32).worker_side.pool_format == "tokens"
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: True)
+    monkeypatch.setattr(cpu_attn, "_get_attn_isa", lambda dtype, bs, d, kv_dtype=None: "amx")
+    cpu_salt = vllm_build("scheduler", chunk_size=32).scheduler_side.tracker_config.salt
+    assert cpu_salt == f"{salt}|pool=cpu_attn-amx-block{BLOCK}"
+    worker = vllm_build("worker", chunk_size=32)
+    assert worker.worker_side.pool_format == f"cpu_attn-amx-block{BLOCK}"
+    with pytest.raises(KVCacheLayoutError, match="as 'tokens'"):
+        worker.register_kv_caches(_oracle_caches().caches)
+
+
+@pytest.mark.vllm
 def test_scheduler_role(vllm_build: Callable[..., Any]) -> None:
     from connector.vllm import KVLedgerConnector, KVLedgerMetadata
 

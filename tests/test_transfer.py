@@ -369,6 +369,8 @@ def test_bad_slot_tensor(cpu_backend: TransferBackend):
         cpu_backend.save(strided, [0])
     with pytest.raises(TypeError, match="integers"):
         cpu_backend.save(host_slot(cpu_backend), torch.tensor([0.0, 1.0]))
+    with pytest.raises(TypeError, match="integers"):
+        cpu_backend.load(host_slot(cpu_backend), [0, 1.5])
 
 
 def test_load_rejects_duplicate_slots(cpu_backend: TransferBackend):
@@ -492,10 +494,14 @@ def test_cuda_save_reads_what_a_forward_on_another_stream_wrote(layout: str):
 
 # --- vLLM's CPU attention layout (cpu_attn) ------------------------------------------------
 # [num_blocks, num_kv_heads, block_size, 2 * head_size]; inside a (block, head) the kernel's own
-# order. The reference below writes tokens with views (transposes and reshapes), not with the
-# offset tables the backend uses; tests/engine/test_cpu_layout.py checks both against vLLM's
-# real kernel and against transformers' K/V.
+# order. The host slot is in the layout's native pool format, [L, chunk blocks, H, block_size,
+# 2 * head_size]: each block as the cache holds it, so a token at chunk position p is where a
+# cache of the chunk's blocks keeps slot p. The reference below reads and writes tokens with
+# views (transposes and reshapes), not with the offset tables the backend uses;
+# tests/engine/test_cpu_layout.py checks both against vLLM's real kernel and against
+# transformers' K/V.
 CB, CD = 32, 16  # cpu_attn block size (a multiple of 32, as the backend requires) and head size
+CC = 3 * CB  # cpu_attn chunk: whole blocks
 
 
 def cpu_token_views(cache: torch.Tensor, isa: str, block: int, head: int, t: int):
@@ -511,6 +517,14 @@ def cpu_token_views(cache: torch.Tensor, isa: str, block: int, head: int, t: int
     k = k_reg.view(CB // 16, CD // 16, 8, 16, 2)[t // 16, :, :, t % 16, :]
     v = v_reg.view(CD // 16, CB // 2, 16, 2)[:, t // 2, :, t % 2]
     return k, v
+
+
+def cpu_token(cache: torch.Tensor, isa: str, slot_id: int) -> torch.Tensor:
+    """K and V of the token at ``slot_id`` of a cpu_attn cache (or of a host slot's layer,
+    ``slot_id`` then a chunk position), ``[2, H, D]``."""
+    block, t = divmod(slot_id, CB)
+    pairs = [cpu_token_views(cache, isa, block, head, t) for head in range(H)]
+    return torch.stack([torch.stack([k.reshape(-1), v.reshape(-1)]) for k, v in pairs], dim=1)
 
 
 def make_cpu_caches(isa: str, num_blocks: int = 6, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -529,31 +543,104 @@ def cpu_backend_for(isa: str, caches: dict[str, torch.Tensor], monkeypatch) -> T
     import connector.transfer as transfer
 
     monkeypatch.setattr(transfer, "cpu_attn_isa", lambda dtype, bs, d: isa)
-    backend = TransferBackend(caches, C)
+    backend = TransferBackend(caches, CC)
     assert backend.spec.layout == "cpu_attn" and backend.spec.cpu_isa == isa
     assert (backend.spec.block_size, backend.spec.head_size) == (CB, CD)
     return backend
 
 
 @pytest.mark.parametrize("isa", ["vec", "amx"])
-def test_cpu_attn_save_reads_each_token_where_the_kernel_put_it(isa: str, monkeypatch):
-    """A save of a partial chunk across two blocks holds, per layer, token and head, exactly
-    the K and V the kernel's order keeps for that token."""
-    caches = make_cpu_caches(isa, seed=3)
+def test_cpu_attn_pool_format_is_the_kernels_blocks(isa: str, monkeypatch):
+    """The pool format names the kernel and the block size; a slot is the chunk's blocks as
+    the cache holds them, with the bytes of a token-major slot; a chunk that is not whole
+    blocks is refused, naming the format."""
+    backend = cpu_backend_for(isa, make_cpu_caches(isa), monkeypatch)
+    spec = backend.spec
+    assert spec.pool_format == f"cpu_attn-{isa}-block{CB}"
+    assert backend.chunk_shape == (L, CC // CB, H, CB, 2 * CD)
+    assert backend.slot_bytes == CC * spec.token_bytes
+    with pytest.raises(ValueError, match=f"pool format cpu_attn-{isa}-block{CB}.*multiple"):
+        spec.chunk_shape(CB + 1)
+    flash = describe_kv_caches(make_caches("flash_attn", "cpu"))
+    assert (
+        flash.pool_format
+        == "tokens"
+        == describe_kv_caches(make_caches("flashinfer", "cpu")).pool_format
+    )
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attn_whole_blocks_are_the_caches_bytes(isa: str, monkeypatch):
+    """A whole-chunk save copies each block's bytes as they are; a load of them into other
+    blocks makes those blocks equal to the first, and touches nothing else."""
+    caches = make_cpu_caches(isa, num_blocks=7, seed=4)
     backend = cpu_backend_for(isa, caches, monkeypatch)
-    slots = [4 * CB + 30, 4 * CB + 31, 1 * CB + 0, 1 * CB + 1, 1 * CB + 17]  # 5 of 16 tokens
-    slot = host_slot(backend, fill=7)
-    backend.save(slot, slots, dst_offset=3).synchronize()
+    src, dst = [5, 0, 3], [2, 6, 4]
+    slot = host_slot(backend)
+    backend.save(slot, slot_mapping_for(src, CB, 0, CC)).synchronize()
     for layer, cache in enumerate(caches.values()):
-        for i, s in enumerate(slots):
+        assert torch.equal(bits(slot[layer]), bits(cache[src]))
+    before = snapshot(caches)
+    backend.load(slot, slot_mapping_for(dst, CB, 0, CC)).synchronize()
+    for cache, old in zip(caches.values(), before, strict=True):
+        assert torch.equal(bits(cache[dst]), bits(old[src]))
+        keep = [b for b in range(7) if b not in dst]
+        assert torch.equal(bits(cache[keep]), bits(old[keep]))
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attn_partial_blocks_at_both_ends(isa: str, monkeypatch):
+    """A worker's range that starts and ends inside a block (tokens 13 to 83: the last 19
+    tokens of a block, a whole block, the first 19 of another; odd and even ends, inside
+    and across amx's 16-token and 2-token groups) saves exactly its tokens, at their chunk
+    positions, and loads exactly them back into other blocks, nothing else."""
+    caches = make_cpu_caches(isa, num_blocks=7, seed=6)
+    backend = cpu_backend_for(isa, caches, monkeypatch)
+    start, end = 13, 83
+    src = slot_mapping_for([4, 1, 5], CB, start, end)
+    slot = host_slot(backend, fill=0x3C3C)
+    backend.save(slot, src, dst_offset=start).synchronize()
+    for layer, cache in enumerate(caches.values()):
+        for pos in range(CC):
+            got = bits(cpu_token(slot[layer], isa, pos))
+            if start <= pos < end:
+                assert torch.equal(got, bits(cpu_token(cache, isa, src[pos - start]))), pos
+            else:
+                assert bool((got == 0x3C3C).all()), pos
+    dst = slot_mapping_for([6, 0, 2], CB, start, end)
+    before = snapshot(caches)
+    backend.load(slot, dst, src_offset=start).synchronize()
+    for layer, (cache, old) in enumerate(zip(caches.values(), before, strict=True)):
+        expect = old.clone()
+        for i, s in enumerate(dst):
             block, t = divmod(s, CB)
             for head in range(H):
-                k, v = cpu_token_views(cache, isa, block, head, t)
-                got = slot[layer, :, 3 + i].view(2, H, CD)[:, head]
-                assert torch.equal(bits(got[0]), bits(k.reshape(-1))), (layer, s, head, "K")
-                assert torch.equal(bits(got[1]), bits(v.reshape(-1))), (layer, s, head, "V")
-        # Rows outside [3, 8) kept what they held.
-        assert bool((bits(slot[layer, :, :3]) == 7).all() and (bits(slot[layer, :, 8:]) == 7).all())
+                k, v = cpu_token_views(expect, isa, block, head, t)
+                k.copy_(cpu_token(old, isa, src[i])[0, head].view(k.shape))
+                v.copy_(cpu_token(old, isa, src[i])[1, head].view(v.shape))
+        assert torch.equal(bits(cache), bits(expect)), layer
+
+
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_cpu_attn_save_reads_each_token_where_the_kernel_put_it(isa: str, monkeypatch):
+    """A save of scattered tokens (each at another place in its chunk block than in its cache
+    block: element by element) holds, per layer, token and head, exactly the K and V the
+    kernel's order keeps for that token, at the chunk position's place."""
+    caches = make_cpu_caches(isa, seed=3)
+    backend = cpu_backend_for(isa, caches, monkeypatch)
+    scattered = [4 * CB + 30, 4 * CB + 31, 1 * CB + 0, 1 * CB + 1, 1 * CB + 17]
+    shifted = [2 * CB + 5, 2 * CB + 6, 2 * CB + 7]  # one block's run, 2 places further on
+    for slots in (scattered, shifted):
+        slot = host_slot(backend, fill=7)
+        backend.save(slot, slots, dst_offset=3).synchronize()
+        for layer, cache in enumerate(caches.values()):
+            for pos in range(CC):
+                got = bits(cpu_token(slot[layer], isa, pos))
+                if 3 <= pos < 3 + len(slots):
+                    want = bits(cpu_token(cache, isa, slots[pos - 3]))
+                    assert torch.equal(got, want), (layer, pos)
+                else:  # positions outside the call's kept what they held
+                    assert bool((got == 7).all()), (layer, pos)
 
 
 @pytest.mark.parametrize("isa", ["vec", "amx"])
@@ -571,28 +658,32 @@ def test_cpu_attn_partial_reload_writes_only_its_tokens(isa: str, monkeypatch):
         expect = old.clone()
         for i, s in enumerate(dst):
             block, t = divmod(s, CB)
+            row = cpu_token(src[layer], isa, 6 + i)
             for head in range(H):
                 k, v = cpu_token_views(expect, isa, block, head, t)
-                row = src[layer, :, 6 + i].view(2, H, CD)[:, head]
-                k.copy_(row[0].view(k.shape))
-                v.copy_(row[1].view(v.shape))
+                k.copy_(row[0, head].view(k.shape))
+                v.copy_(row[1, head].view(v.shape))
         assert torch.equal(bits(cache), bits(expect)), layer
 
 
-def test_cpu_attn_round_trip_whole_chunk(monkeypatch):
-    caches = make_cpu_caches("vec", num_blocks=4, seed=8)
-    backend = cpu_backend_for("vec", caches, monkeypatch)
+@pytest.mark.parametrize("isa", ["vec", "amx"])
+def test_slot_tokens_reads_a_native_slot_token_by_token(isa: str, monkeypatch):
+    """``slot_tokens`` shows a cpu_attn slot as [L, 2, T, H*D], K and V of each token."""
+    from connector.transfer import slot_tokens
+
+    caches = make_cpu_caches(isa, seed=9)
+    backend = cpu_backend_for(isa, caches, monkeypatch)
+    src = slot_mapping_for([3, 0, 5], CB, 0, CC)
     slot = host_slot(backend)
-    backend.save(slot, slot_mapping_for([2], CB, 0, C)).synchronize()
-    for cache in caches.values():
-        cache[3].zero_()
-    backend.load(slot, slot_mapping_for([3], CB, 0, C)).synchronize()
-    for cache in caches.values():
-        for head in range(H):
-            for t in range(C):
-                k2, v2 = cpu_token_views(cache, "vec", 2, head, t)
-                k3, v3 = cpu_token_views(cache, "vec", 3, head, t)
-                assert torch.equal(bits(k2), bits(k3)) and torch.equal(bits(v2), bits(v3))
+    backend.save(slot, src).synchronize()
+    rows = slot_tokens(backend.spec, slot)
+    assert rows.shape == (L, 2, CC, H * CD)
+    for layer, cache in enumerate(caches.values()):
+        for pos, s in enumerate(src):
+            assert torch.equal(bits(rows[layer, :, pos]), bits(cpu_token(cache, isa, s).flatten(1)))
+    flash = TransferBackend(make_caches("flash_attn", "cpu"), C)
+    token_slot = host_slot(flash)
+    assert slot_tokens(flash.spec, token_slot) is token_slot
 
 
 @pytest.mark.parametrize(
@@ -623,7 +714,7 @@ def test_cpu_isa_names_the_kernel_order():
     """``cpu_isa`` takes the caches as that kernel's, whatever this CPU would run; a kernel
     whose order is not known is refused by name."""
     caches = make_cpu_caches("amx", num_blocks=4, seed=2)
-    assert TransferBackend(caches, C, cpu_isa="amx").spec.cpu_isa == "amx"
+    assert TransferBackend(caches, CC, cpu_isa="amx").spec.cpu_isa == "amx"
     assert describe_kv_caches(caches, cpu_isa="vec").cpu_isa == "vec"
     with pytest.raises(KVCacheLayoutError, match=re.escape("cpu_isa='vec16'")) as err:
         describe_kv_caches(caches, cpu_isa="vec16")

@@ -5,8 +5,10 @@ writes, bit for bit, and nothing else.
 The reference moves one token at a time, by plain indexing for the 5-D layouts and, for
 ``cpu_attn``, by the element offsets vLLM's CPU kernels use, written here from their
 headers' index arithmetic (``csrc/cpu/cpu_attn_vec.hpp``, ``cpu_attn_amx.hpp``) and not from
-the backend's views. tests/engine/test_cpu_layout.py checks the same order against vLLM's
-kernel itself.
+the backend's views. The host slot is in the layout's pool format: token-major rows for the
+5-D layouts; for ``cpu_attn`` its blocks in the kernel's order, so a token at chunk position
+``p`` sits where a cache of the chunk's blocks keeps the token of slot ``p``.
+tests/engine/test_cpu_layout.py checks the same order against vLLM's kernel itself.
 """
 
 from __future__ import annotations
@@ -52,8 +54,11 @@ class Shape:
     heads: int
     head_size: int
     chunk_tokens: int
-    # cpu_attn: layers reordered at once, in blocks' worth of bytes (transfer._REORDER_BYTES)
-    reorder_blocks: int = 64
+
+    @property
+    def native(self) -> bool:
+        """The host slot holds blocks in the kernel's order (the cpu_attn pool format)."""
+        return self.layout.startswith("cpu")
 
 
 def make_caches(s: Shape, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -109,17 +114,35 @@ def cpu_token_index(s: Shape, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(k), torch.tensor(v)
 
 
+def host_token_index(s: Shape, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cpu_attn: flat element ids, in one layer of a host slot, of K and V of the token at
+    chunk position ``pos``: the slot's layer is ``[chunk blocks, H, block_size, 2 * D]``, laid
+    out as a cache of that many blocks."""
+    return cpu_token_index(s, pos)
+
+
+def host_token(s: Shape, slot: torch.Tensor, layer: int, pos: int) -> torch.Tensor:
+    """K and V of the token at chunk position ``pos`` of ``slot``'s ``layer``, ``[2, H*D]``."""
+    if not s.native:
+        return slot[layer, :, pos]
+    k, v = host_token_index(s, pos)
+    flat = slot[layer].reshape(-1)
+    return torch.stack([flat[k], flat[v]])
+
+
 def reference_save(
     s: Shape, caches: list[torch.Tensor], slot: torch.Tensor, slots: list[int], offset: int
 ) -> torch.Tensor:
     want = slot.clone()
     for layer, cache in enumerate(caches):
         for i, sl in enumerate(slots):
-            if s.layout.startswith("cpu"):
+            if s.native:
                 k, v = cpu_token_index(s, sl)
+                hk, hv = host_token_index(s, offset + i)
                 flat = cache.reshape(-1)
-                want[layer, 0, offset + i] = flat[k]
-                want[layer, 1, offset + i] = flat[v]
+                host = want[layer].view(-1)
+                host[hk] = flat[k]
+                host[hv] = flat[v]
             else:
                 k, v = token_refs(s, cache, sl)
                 want[layer, 0, offset + i] = k.reshape(-1)
@@ -133,8 +156,8 @@ def reference_load(
     out = [c.clone() for c in caches]
     for layer, cache in enumerate(out):
         for i, sl in enumerate(slots):
-            k_row, v_row = slot[layer, 0, offset + i], slot[layer, 1, offset + i]
-            if s.layout.startswith("cpu"):
+            k_row, v_row = host_token(s, slot, layer, offset + i)
+            if s.native:
                 k, v = cpu_token_index(s, sl)
                 flat = cache.view(-1)  # cpu_attn caches are contiguous
                 flat[k] = k_row
@@ -159,8 +182,10 @@ def shapes(draw: st.DrawFn, layouts: list[str] = LAYOUTS) -> Shape:
         block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
         head_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
     blocks = draw(st.integers(2, 8))
-    # A chunk of up to 4 blocks, not always a whole number of them.
-    chunk_tokens = draw(st.integers(1, 4 * block_size))
+    if layout.startswith("cpu"):  # its pool format keeps a chunk as whole blocks
+        chunk_tokens = block_size * draw(st.integers(1, 4))
+    else:  # a chunk of up to 4 blocks, not always a whole number of them
+        chunk_tokens = draw(st.integers(1, 4 * block_size))
     return Shape(
         layout=layout,
         dtype=draw(st.sampled_from(DTYPES)),
@@ -170,16 +195,25 @@ def shapes(draw: st.DrawFn, layouts: list[str] = LAYOUTS) -> Shape:
         heads=draw(st.integers(1, 3)),
         head_size=head_size,
         chunk_tokens=chunk_tokens,
-        reorder_blocks=draw(st.sampled_from([1, 2, 3, 5, 64])),
     )
 
 
 @st.composite
 def mappings(draw: st.DrawFn, s: Shape) -> tuple[list[int], int]:
-    """(slot ids, offset in the chunk): a request's token range over permuted block ids (whole
-    and partial blocks, as the worker moves them), or any distinct slots."""
+    """(slot ids, offset in the chunk): a request's token range over permuted block ids, as
+    the worker moves it (inside one chunk of the request, at its place in the chunk: whole
+    blocks and a partial block at either end); the same range at any offset; or any distinct
+    slots."""
     bs = s.block_size
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["worker", "range", "any"]))
+    if kind == "worker":
+        ids = draw(st.permutations(range(s.blocks)))
+        chunk_start = s.chunk_tokens * draw(st.integers(0, (len(ids) * bs - 1) // s.chunk_tokens))
+        chunk_end = min(len(ids) * bs, chunk_start + s.chunk_tokens)
+        start = draw(st.integers(chunk_start, chunk_end - 1))
+        end = draw(st.integers(start + 1, chunk_end))
+        return slot_mapping_for(ids, bs, start, end), start - chunk_start
+    if kind == "range":
         ids = draw(st.permutations(range(s.blocks)))
         start = draw(st.integers(0, len(ids) * bs - 1))
         end = draw(st.integers(start + 1, min(len(ids) * bs, start + s.chunk_tokens)))
@@ -205,13 +239,12 @@ def backend_for(s: Shape, caches: dict[str, torch.Tensor]) -> TransferBackend:
 
 def check_against_reference(data: st.DataObject, s: Shape, device: str) -> None:
     caches = make_caches(s, seed=1, device=device)
-    with pytest.MonkeyPatch.context() as patch:
-        # Groups of layers of every size (a call of b whole blocks reorders
-        # reorder_blocks // b layers at once), and a last group smaller than the others.
-        block = 2 * s.heads * s.block_size * s.head_size * s.dtype.itemsize
-        patch.setattr(transfer, "_REORDER_BYTES", s.reorder_blocks * block)
-        backend = backend_for(s, caches)
-        moves_against_reference(data, s, device, caches, backend)
+    backend = backend_for(s, caches)
+    if s.native:
+        assert backend.spec.pool_format == f"cpu_attn-{s.layout[4:]}-block{s.block_size}"
+    else:
+        assert backend.spec.pool_format == transfer.TOKENS
+    moves_against_reference(data, s, device, caches, backend)
 
 
 def moves_against_reference(
@@ -242,11 +275,10 @@ def moves_against_reference(
     if device == "cuda":
         again = again.pin_memory()
     backend.save(again, targets, src_offset).synchronize()
-    n = len(targets)
-    assert torch.equal(
-        bits(again[:, :, src_offset : src_offset + n]),
-        bits(slot[:, :, src_offset : src_offset + n]),
-    )
+    for layer in range(s.layers):
+        for pos in range(src_offset, src_offset + len(targets)):
+            got, want = host_token(s, again, layer, pos), host_token(s, slot, layer, pos)
+            assert torch.equal(bits(got), bits(want)), (layer, pos)
 
 
 @settings(max_examples=300)
@@ -274,7 +306,7 @@ def test_cuda_save_and_load_match_the_reference(data: st.DataObject, s: Shape) -
 )
 def test_whole_blocks_finds_back_to_back_blocks(slots: list[int], block_size: int) -> None:
     """The span ``_whole_blocks`` reports is whole blocks back to back, each in order."""
-    first, count = transfer._whole_blocks(torch.tensor(slots, dtype=torch.int64), block_size)
+    first, count = transfer._whole_blocks(slots, block_size)
     span = slots[first : first + count * block_size]
     assert len(span) == count * block_size
     for i in range(count):
@@ -290,7 +322,7 @@ def test_whole_blocks_of_a_request_range(block_size: int) -> None:
     ids = [5, 2, 7, 0, 3]
     for start in range(0, 2 * block_size + 1):
         for end in range(start, len(ids) * block_size + 1):
-            slots = torch.tensor(slot_mapping_for(ids, block_size, start, end), dtype=torch.int64)
+            slots = slot_mapping_for(ids, block_size, start, end)
             first = -start % block_size
             count = max(0, (end - start - first) // block_size)
             got = transfer._whole_blocks(slots, block_size)

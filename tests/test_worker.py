@@ -117,6 +117,29 @@ def test_register_kv_caches_with_no_layers() -> None:
         WorkerSide(ConnectorConfig(chunk_size=C), num_slots=2).register_kv_caches({})
 
 
+def test_register_refuses_caches_of_another_pool_format() -> None:
+    """Caches whose pool format is not the one the chunk keys name are refused when vLLM
+    registers them, naming both, before any pool is made: a chunk of one format read as
+    another's would be wrong KV. The format they name is accepted."""
+    oracle = KVOracle(LAYERS, num_blocks=16, block_size=B)  # FlashAttention: tokens
+    worker = WorkerSide(ConnectorConfig(chunk_size=C), num_slots=2)
+    worker.pool_format = "cpu_attn-vec-block4"
+    with pytest.raises(KVCacheLayoutError, match=r"as 'tokens'.*pool format 'cpu_attn-vec-block4'"):
+        worker.register_kv_caches(oracle.caches)
+    assert worker.backend is None and worker.pool is None
+    # vLLM's CPU attention layout, [blocks, heads, block_size, 2 * head_size], kernel vec.
+    cpu = {name: torch.zeros(16, 2, 32, 2 * 16) for name in LAYERS}
+    worker = WorkerSide(ConnectorConfig(chunk_size=64), num_slots=2)
+    worker.pool_format = "tokens"
+    with pytest.raises(
+        KVCacheLayoutError, match=r"kernel vec.*as 'cpu_attn-vec-block32'.*'tokens'"
+    ):
+        worker.register_kv_caches(cpu, cpu_isa="vec")
+    worker.pool_format = "cpu_attn-vec-block32"
+    worker.register_kv_caches(cpu, cpu_isa="vec")
+    assert worker.pool is not None and worker.pool.chunk_shape == (2, 2, 2, 32, 32)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_register_infers_the_layout_and_sizes_the_pool_from_the_budget(layout: str) -> None:
     oracle = KVOracle(LAYERS, num_blocks=16, block_size=B, layout=layout)

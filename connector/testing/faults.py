@@ -42,8 +42,10 @@ class FaultyWorkerSide(WorkerSide):
         self._failed_loads: set[str] = set()
         self._caches: list[Any] = []
 
-    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        super().register_kv_caches(kv_caches)
+    def register_kv_caches(
+        self, kv_caches: Mapping[str, Any], *, cpu_isa: str | None = None
+    ) -> None:
+        super().register_kv_caches(kv_caches, cpu_isa=cpu_isa)
         self._caches = list(kv_caches.values())
 
     def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:

@@ -9,6 +9,9 @@ every whole-block copy and failed only on partial reloads):
 - the same model's K and V from transformers: after a real forward pass on the engine, the
   chunks the connector saved to its host pool (a whole one and a partial one) hold, token by
   token, the K (after rotary embedding) and V that transformers computes for those tokens.
+
+The host pool keeps this layout's chunks as the cache's own blocks (its pool format,
+``cpu_attn-<kernel>-block<N>``); ``slot_tokens`` reads them token by token.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ ISAS = [
 
 @pytest.mark.parametrize("isa, dtype", ISAS)
 def test_backend_reads_and_writes_what_vllms_kernel_writes(isa: str, dtype: torch.dtype) -> None:
-    from connector.transfer import TransferBackend, cpu_attn_isa, slot_mapping_for
+    from connector.transfer import TransferBackend, cpu_attn_isa, slot_mapping_for, slot_tokens
 
     assert cpu_attn_isa(dtype, BS, HEAD) == isa
     # 45 tokens: block 3 whole, then the first 13 tokens of block 1 (a partial block).
@@ -64,12 +67,17 @@ def test_backend_reads_and_writes_what_vllms_kernel_writes(isa: str, dtype: torc
     caches, keys, values = _kernel_caches(isa, dtype, mapping, seed=1)
     backend = TransferBackend(caches, chunk_tokens=64)
     assert backend.spec.layout == "cpu_attn" and backend.spec.cpu_isa == isa
+    assert backend.spec.pool_format == f"cpu_attn-{isa}-block{BS}"
     slot = torch.zeros(backend.chunk_shape, dtype=dtype)
     backend.save(slot, mapping).synchronize()
-    # [layers, K/V, tokens, H * D], token-major: exactly the kernel's input.
-    assert torch.equal(slot[:, 0, :45], keys.flatten(2))
-    assert torch.equal(slot[:, 1, :45], values.flatten(2))
-    assert not slot[:, :, 45:].any()
+    # The slot holds the blocks as the kernel wrote them: block 3 whole, then block 1's.
+    for layer, cache in enumerate(caches.values()):
+        assert torch.equal(slot[layer, 0], cache[3])
+    # Read token by token, [layers, K/V, tokens, H * D]: exactly the kernel's input.
+    rows = slot_tokens(backend.spec, slot)
+    assert torch.equal(rows[:, 0, :45], keys.flatten(2))
+    assert torch.equal(rows[:, 1, :45], values.flatten(2))
+    assert not rows[:, :, 45:].any()
     # A load starting inside a block (tokens 7-44 of the chunk, into block 1 from token 7 on,
     # then block 2): the bytes land where the kernel would have written them.
     fresh = {name: torch.zeros_like(c) for name, c in caches.items()}
@@ -92,6 +100,8 @@ def test_saved_chunks_hold_transformers_k_and_v(tiny_model: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from connector.testing.engine import Engine
+    from connector.transfer import slot_tokens
+    from connector.vllm import _attention_isa
 
     from .conftest import prompts
 
@@ -104,8 +114,17 @@ def test_saved_chunks_hold_transformers_k_and_v(tiny_model: str) -> None:
     with Engine(spec) as engine:
         run = engine.generate([prompt], 1)
         assert run.worker["chunks_saved"] == 2, run.worker
-        pool = engine.worker_connector().worker_side.pool
-        slots = [pool.slot(i).clone() for i in range(pool.num_slots)]
+        worker = engine.worker_connector()
+        pool = worker.worker_side.pool
+        # The pool format of the kernel vLLM set on its attention layers, which the
+        # scheduler's chunk keys name in their salt.
+        isa = _attention_isa(worker._vllm_config, pool.spec.layer_names)
+        assert isa == pool.spec.cpu_isa is not None
+        fmt = pool.spec.pool_format
+        assert fmt == f"cpu_attn-{pool.spec.cpu_isa}-block{BS}"
+        salt = engine.scheduler_connector().scheduler_side.tracker_config.salt
+        assert salt.endswith(f"|pool={fmt}"), salt
+        slots = [slot_tokens(pool.spec, pool.slot(i)).clone() for i in range(pool.num_slots)]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
     with torch.no_grad():
