@@ -77,7 +77,9 @@ __all__ = [
     "base_args",
     "build_connector",
     "connector_registry",
+    "cpu_attention_isa",
     "is_scheduler",
+    "on_cpu_platform",
     "token_list",
 ]
 
@@ -126,3 +128,25 @@ def connector_registry() -> Mapping[str, Callable[[], type]]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     return getattr(KVConnectorFactory, "_registry", {})
+
+
+def on_cpu_platform() -> bool:
+    """Whether vLLM runs on its CPU platform (every attention layer then runs its CPU
+    attention backend); False where no platform resolves (vLLM without a device)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:
+        return False
+
+
+def cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: Any) -> str | None:
+    """The kernel vLLM's CPU attention backend picks (``vllm/v1/attention/backends/cpu_attn.py``,
+    ``_get_attn_isa``: a private function, probed), or None on a vLLM without it."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
+    except Exception:
+        return None

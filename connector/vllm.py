@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connector import metrics
+from connector import edge, metrics
 from connector.config import ConnectorConfig
 from connector.edge import (
     PROM_METRICS,
@@ -153,20 +153,11 @@ def _pool_format(vllm_config: Any, block_size: int, head_size: int) -> str:
     the kernel from the layers vLLM set it on (``_attention_isa``)."""
     from connector.transfer import TOKENS, cpu_attn_isa, pool_format
 
-    try:
-        from vllm.platforms import current_platform
-
-        on_cpu = bool(current_platform.is_cpu())
-    except Exception:  # no platform resolved (vLLM without a device): not the CPU backend
-        on_cpu = False
-    if not on_cpu:
+    if not edge.on_cpu_platform():
         return TOKENS
     dtype = vllm_config.model_config.dtype
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = str(_get_attn_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype))
-    except Exception:  # another vLLM: the same rule, as connector.transfer states it
+    isa = edge.cpu_attention_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
+    if isa is None:  # another vLLM: the same rule, as connector.transfer states it
         isa = cpu_attn_isa(dtype, block_size, head_size)
     return pool_format("cpu_attn", block_size, isa)
 
