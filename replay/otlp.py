@@ -46,7 +46,7 @@ __all__ = ["BINARY_SUFFIXES", "spans", "to_protobuf", "write_otlp"]
 
 BINARY_SUFFIXES = (".binpb", ".pb")
 KIND_INTERNAL = 1  # SpanKind.SPAN_KIND_INTERNAL
-STATUS_OK, STATUS_ERROR = 1, 2
+STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR (spans are otherwise left unset)
 # Request lives per line of the file: one ExportTraceServiceRequest each.
 _PER_LINE = 512
 

@@ -303,13 +303,6 @@ class CheckResult:
             return 1
         return 3 if self.incomplete is not None else 0
 
-    @property
-    def first_problem(self) -> Problem | None:
-        return self.problems[0] if self.problems else None
-
-    def problems_by_name(self) -> dict[str, int]:
-        return dict(Counter(f"{p.kind}:{p.name}" for p in self.problems))
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "paths": self.paths,

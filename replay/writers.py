@@ -55,7 +55,6 @@ _EXTENSIONS = {
     ".ndjson": "jsonl",
     ".json": "perfetto",
 }
-_FILE_EXT = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
 
 class ExportError(ValueError):
@@ -185,7 +184,7 @@ def export(
             out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error
         )
     with _Staging(out_s, form) as stage:
-        sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows, file=form == "file")
+        sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows)
         want = problems and (table is None or table == "problems")
         info = table_rows(src, sink.add, problems=want)
         sink.close()
@@ -232,7 +231,7 @@ def export_runs(
     with _Staging(out_s, "tree") as stage:
         for name, src in zip(names, sources, strict=True):
             part = os.path.join(stage.path, "{table}", f"run={name}")
-            sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, file=False, part=True)
+            sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, part=True)
             info = table_rows(src, sink.add, problems=problems)
             sink.close()
             counts.update(sink.counts)
@@ -419,7 +418,7 @@ class _ParquetSink(_Sink):
 
 
 def _make_sink(
-    fmt: str, directory: str, *, only: str | None, batch_rows: int, file: bool, part: bool = False
+    fmt: str, directory: str, *, only: str | None, batch_rows: int, part: bool = False
 ) -> _Sink:
     if fmt == "jsonl":
         return _JsonlSink(directory, only=only, part=part)
