@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="run vLLM's real scheduler with the connector, proven by the oracle"
     )
     demo.add_arguments(p)
-    p.set_defaults(handler=demo.main)
+    p.set_defaults(handler=_demo)
     p = sub.add_parser(
         "check",
         help="replay a log through this code: re-derive every decision, check every rule",
@@ -157,6 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         # The verdict was decided before the output was written: keep it (check's 1 stays 1).
         return int(getattr(args, "exit_code", EXIT_OK))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    if args.engine:
+        from replay import demo_engine  # vLLM's engine on CPU: loaded only for --engine
+
+        return demo_engine.main(args)
+    return demo.main(args)
 
 
 # --- check ----------------------------------------------------------------------------------

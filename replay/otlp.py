@@ -37,6 +37,7 @@ from typing import Any
 from replay.explain import HITS, AdmissionMisses, Explainer
 from replay.extras import require
 from replay.recorded import is_recorded
+from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from tracker import events as ev
 from tracker.framing import StopInfo
@@ -309,11 +310,9 @@ def to_protobuf(document: dict[str, Any]) -> Any:
     return message
 
 
-def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> Any:
+def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> ExportResult:
     """Write the log's spans to ``out``: OTLP/JSON lines, or protobuf for ``.binpb``/``.pb``
     (whole or not at all)."""
-    from replay.writers import ExportResult
-
     binary = out.lower().endswith(BINARY_SUFFIXES)
     if binary:  # missing extra: say so before reading the log
         require(

@@ -35,9 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import attrs
-
 from replay.extras import require
+from replay.otlp import write_otlp
+from replay.perfetto import write_trace
+from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from replay.tables import TABLES, Column, Row, table_rows
 from tracker.framing import StopInfo
@@ -59,21 +60,6 @@ _EXTENSIONS = {
 
 class ExportError(ValueError):
     """The output cannot be written as asked: the message says what was wrong."""
-
-
-@attrs.frozen
-class ExportResult:
-    out: str
-    format: str
-    form: str  # directory, file, stdout, tree, trace
-    rows: dict[str, int]  # rows written per table (a trace: its events per phase type)
-    damage: list[StopInfo] = attrs.field(factory=list)
-    runs: tuple[str, ...] = ()
-    check_error: str | None = None
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows.values())
 
 
 def _named_format(out: str) -> str | None:
@@ -164,15 +150,9 @@ def export(
     out_s = os.fspath(out)
     form, fmt = _resolve(out_s, fmt, table)
     if fmt == "perfetto":
-        from replay.perfetto import write_trace
-
-        result: ExportResult = write_trace(log, out_s, problems=problems)
-        return result
+        return write_trace(log, out_s, problems=problems)
     if fmt == "otlp":
-        from replay.otlp import write_otlp
-
-        spans: ExportResult = write_otlp(log, out_s)
-        return spans
+        return write_otlp(log, out_s)
     if fmt == "parquet":
         require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     src = open_log(log)  # unreadable: raise before anything is written
