@@ -267,7 +267,7 @@ def timeline(
     chosen = _choose(rows, requests, top, lo, hi)
     by_label = {r["request"]: r for r in rows["requests"]}
     series = _collect(src, config, [(label, by_label[label]["req_id"]) for label in chosen])
-    _fill(series, rows, config, all_steps[-1], recorded="recorder" in src.run_info)
+    _fill(series, rows, config, all_steps[-1], recorded=src.recorded)
     for s in series:
         _clip_series(s, lo, hi)
     run = _run_panels(rows, lo, hi)

@@ -51,7 +51,6 @@ from typing import Any, NamedTuple
 import attrs
 
 from replay.naming import resolve
-from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import REMOTE_SLOT, ChunkIndex
@@ -1232,7 +1231,7 @@ def explain(
     earlier_sources = [open_log(p) for p in earlier]  # every log readable before any is read
     src = open_log(path)
     config, _ = src.lenient_config()
-    recorded = is_recorded(src.run_info)
+    recorded = src.recorded
     by_request: dict[str, RequestMisses] = {}
     labels: dict[str, str] = {}  # every life label -> req_id, in arrival order
 

@@ -36,7 +36,6 @@ from typing import Any
 
 from replay.explain import HITS, AdmissionMisses, Explainer
 from replay.extras import require
-from replay.recorded import is_recorded
 from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from tracker import events as ev
@@ -121,7 +120,7 @@ def _lives(log: LogPath) -> tuple[dict[str, _Life], int, dict[str, Any], StopInf
         if life is not None:
             life.admissions.append(a)
 
-    explainer = Explainer(config, keep, recorded=is_recorded(src.run_info))
+    explainer = Explainer(config, keep, recorded=src.recorded)
     for item in walk(src.frames(), config):
         explainer.feed(item)
         e = item.event

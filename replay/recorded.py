@@ -34,7 +34,7 @@ from tracker.digests import DigestBook
 from tracker.recorded_rules import RecordedRules
 from tracker.state import Violation
 
-__all__ = ["check_recorded_into", "is_recorded"]
+__all__ = ["check_recorded_into"]
 
 # vLLM's facts, as the Tracker folds them; everything else in a recorder's log is the inner's.
 _INPUTS = (
@@ -45,11 +45,6 @@ _INPUTS = (
     ev.Preempted,
     ev.Finished,
 )
-
-
-def is_recorded(run_info: dict[str, Any]) -> bool:
-    """Whether a log's header says a ``KVLedgerRecorder`` wrote it."""
-    return isinstance(run_info.get("recorder"), dict)
 
 
 def check_recorded_into(

@@ -42,7 +42,7 @@ from typing import Any
 import attrs
 import structlog
 
-from replay.recorded import check_recorded_into, is_recorded
+from replay.recorded import check_recorded_into
 from replay.results import CheckResult, Problem, RecordedViolation, WhatIf
 from replay.source import LogPath, LogSource, LogUnreadable, open_log
 from tracker import events as ev
@@ -654,7 +654,7 @@ def _check_into(
         result.bad_option = str(e)
         return
     result.config = config.to_dict()
-    if is_recorded(source.run_info):
+    if source.recorded:
         # A recorder's log: the wrapped connector decided, kvledger recorded; nothing to
         # re-derive, the rules any connector keeps to judge (--with sets the differential's pool).
         check_recorded_into(

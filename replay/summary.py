@@ -12,7 +12,6 @@ from typing import Any
 import attrs
 
 from replay.explain import Explainer, Tally
-from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.digests import DigestBook
@@ -157,7 +156,7 @@ def stats(path: LogPath | LogSource) -> Stats:
         format_version=f"{h.get('major', '?')}.{h.get('minor', '?')}",
         run_id=str(h.get("run_id", "")),
         config_problem=config_problem,
-        recorded=is_recorded(src.run_info),
+        recorded=src.recorded,
     )
     by_type: Counter[type[ev.Event]] = Counter()
     reasons: Counter[str] = Counter()
@@ -173,7 +172,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     decoded = 0
     book = DigestBook()
     tally = Tally()
-    explainer = Explainer(config, tally.add, recorded=is_recorded(src.run_info))
+    explainer = Explainer(config, tally.add, recorded=src.recorded)
     wellformed = Wellformed()
     malformed: Counter[str] = Counter()
     for item in walk(src.frames(), config):

@@ -39,7 +39,6 @@ from typing import Any, NamedTuple
 
 from replay.explain import AdmissionMisses, Explainer
 from replay.format import plain_fields
-from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
@@ -830,9 +829,7 @@ def table_rows(path: LogPath | LogSource, emit: Emit, *, problems: bool = True) 
             labels[row["event"]] = row["request"]
         emit(table, row)
 
-    builder = _Builder(
-        config, emit_and_label if wanted else emit, recorded=is_recorded(src.run_info)
-    )
+    builder = _Builder(config, emit_and_label if wanted else emit, recorded=src.recorded)
     builder.run(src)
     builder.finish()
     for row in problem_rows:
