@@ -42,6 +42,7 @@ from typing import Any
 import attrs
 import structlog
 
+from replay.counts import moved
 from replay.recorded import check_recorded_into
 from replay.results import CheckResult, Problem, RecordedViolation, WhatIf
 from replay.source import LogPath, LogSource, LogUnreadable, open_log
@@ -117,15 +118,6 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
 # --- the checker --------------------------------------------------------------------------
 
 
-def _plan_tokens(d: ev.DecisionEvent) -> tuple[int, int]:
-    """(tokens loaded, tokens saved) by a decision: only plans that move chunks count."""
-    if isinstance(d, ev.LoadPlanned) and d.keys:
-        return d.end - d.start, 0
-    if isinstance(d, ev.SavePlanned) and d.keys:
-        return 0, d.end - d.start
-    return 0, 0
-
-
 class _Checker:
     def __init__(
         self,
@@ -168,7 +160,7 @@ class _Checker:
         rec_t, der_t = totals["recorded"], totals["derived"]
         for side, decisions, t in ((0, recorded, rec_t), (1, derived, der_t)):
             for d in decisions:
-                lo, sa = _plan_tokens(d)
+                lo, sa = moved(d)
                 if lo or sa:
                     t["tokens_loaded"] += lo
                     t["tokens_saved"] += sa

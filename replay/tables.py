@@ -37,6 +37,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from replay.counts import COUNTERS, StepCounts
 from replay.explain import AdmissionMisses, Explainer
 from replay.format import plain_fields
 from replay.source import LogPath, LogSource, open_log
@@ -309,6 +310,20 @@ _PHASES = {
 }
 
 
+# The steps table's columns that are a step's counts (replay.counts), under the same names.
+_COUNTED = (
+    "lookups",
+    "tokens_loaded",
+    "loads_refused",
+    "load_failures",
+    "tokens_saved",
+    "chunks_saved",
+    "chunks_confirmed",
+    "chunks_failed",
+    "chunks_evicted",
+)
+
+
 def _new_step(step: int, frame: Any, config: TrackerConfig) -> Row:
     row: Row = {c.name: 0 for c in STEPS}
     row.update(step=step, seq=frame.seq, wall_ns=frame.wall_ns, pool_slots=config.num_slots)
@@ -339,6 +354,8 @@ class _Builder:
         self.explainer = Explainer(config, self._misses, recorded=recorded)
         self.index: ChunkIndex = self.explainer.index
         self.step_row: Row | None = None
+        # The step's counts read off its events (replay.counts: tail's and stats' too).
+        self.step_counts = StepCounts()
         self.makers = {
             cls: tuple((f.name, _own_column(f.name), f.convert) for f in plain_fields(cls))
             for cls in ev.EVENT_TYPES
@@ -349,6 +366,7 @@ class _Builder:
     def run(self, src: LogSource) -> None:
         last_pos = -1
         feed = self.explainer.feed
+        count_of = COUNTERS.get
         for item in walk(src.frames(), self.config):
             pos, frame, e, label = item.pos, item.frame, item.event, item.life
             before, after = item.before, item.after
@@ -362,9 +380,13 @@ class _Builder:
                 if srow is not None:
                     self._close_step(srow)
                 srow = self.step_row = _new_step(frame.step, frame, self.config)
+                self.step_counts = StepCounts(frame.step)
             feed(item)  # after the step before was closed: its pool counts are its own
             srow["events"] += 1
             cls = e.__class__
+            count = count_of(cls)
+            if count is not None:
+                count(self.step_counts, e)
             request = None if label == POOL else label
             self.emit(
                 "events",
@@ -383,8 +405,6 @@ class _Builder:
                 self._own_fields(pos, e, request)
             if request is not None:
                 self._request_event(pos, e, request, item.new, before, after, srow)
-            else:
-                self._pool_event(e, srow)
         if self.step_row is not None:
             self._close_step(self.step_row)
 
@@ -432,10 +452,6 @@ class _Builder:
             r["last_step"] = e.step
         if after is not None:
             self.tokens[label] = after.num_tokens
-
-    def _pool_event(self, e: ev.Event, srow: Row) -> None:
-        if e.__class__ is ev.ChunkEvicted:
-            srow["chunks_evicted"] += 1
 
     def _count_phase(self, state: RequestState | None, delta: int) -> None:
         if state is not None:
@@ -523,8 +539,7 @@ class _Builder:
     # --- per event type ------------------------------------------------------------------
 
     def _lookup_asked(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
-        srow["lookups"] += 1
+        r = rest[-1]
         if r is not None:
             r["lookups"] += 1
         wait = self.wait.setdefault(request, [e.step, 0])
@@ -602,13 +617,10 @@ class _Builder:
             r["admissions"] += 1
 
     def _load_planned(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
+        r = rest[-1]
         tokens = max(0, e.end - e.start)
-        srow["tokens_loaded"] += tokens
-        if e.refused_blocks:
-            srow["loads_refused"] += 1
-            if r is not None:
-                r["loads_refused"] += 1
+        if e.refused_blocks and r is not None:
+            r["loads_refused"] += 1
         a = self._open_admission(request)
         if a is not None:
             a.update(load_event=pos, load_step=e.step)
@@ -627,10 +639,8 @@ class _Builder:
         r: Row | None,
     ) -> None:
         failed = isinstance(e, ev.LoadFailed)
-        if failed:
-            srow["load_failures"] += 1
-            if r is not None:
-                r["load_failures"] += 1
+        if failed and r is not None:
+            r["load_failures"] += 1
         # The result of the latest admission's load (a revoked load's result comes after
         # the preemption: it still belongs to the admission that planned it).
         for a in reversed(self.admissions.get(request, ())):
@@ -639,12 +649,8 @@ class _Builder:
                 break
 
     def _save_planned(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow = rest[-2]
         if not e.keys:
             return
-        srow["tokens_saved"] += e.end - e.start
-        srow["chunks_saved"] += len(e.keys)
-        srow["chunks_evicted"] += len(e.evicted)
         a = self._open_admission(request)
         if a is not None:
             a["tokens_saved"] += e.end - e.start
@@ -670,9 +676,7 @@ class _Builder:
             mine[key] = row
 
     def _save_result(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow = rest[-2]
         done = isinstance(e, ev.SaveDone)
-        srow["chunks_confirmed" if done else "chunks_failed"] += len(e.keys)
         mine = self.saves.get(request, {})
         for key in e.keys:
             row = mine.pop(key, None)
@@ -698,8 +702,7 @@ class _Builder:
             r.update(finished_step=e.step, finish_reason=e.reason)
 
     def _violation(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
-        srow["violations"] += 1
+        r = rest[-1]
         if r is not None:
             r["violations"] += 1
 
@@ -732,7 +735,10 @@ class _Builder:
         self.retiring.clear()
         counts = self.phase_counts
         stats = self.index.stats()
+        done = self.step_counts
+        srow.update({name: getattr(done, name) for name in _COUNTED})
         srow.update(
+            violations=len(done.violations),
             running=counts[Phase.RUNNING],
             waiting=counts[Phase.WAITING],
             preempted=counts[Phase.PREEMPTED],
