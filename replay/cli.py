@@ -33,6 +33,7 @@ from replay.format import WIDE, elide, event_fields, format_event
 from replay.logreader import newest_log
 from replay.naming import RequestNotFound
 from replay.source import LogUnreadable, MissingSegments, take_opened, watch_opened
+from replay.steps import parse_steps
 from tracker.config import ConfigError
 from tracker.framing import StopInfo
 
@@ -624,7 +625,7 @@ def _add_views(sub: Any) -> None:
         help="draw this request (a life like id#2, or an id: all its lives); repeat it, or "
         "give a comma list",
     )
-    p.add_argument("--steps", metavar="A:B", help="only steps A to B (both included; A: or :B)")
+    p.add_argument("--steps", metavar="A:B", help="only steps A to B (both included; A:, :B or N)")
     p.add_argument("--json", action="store_true", help="print what was drawn as JSON")
     p.set_defaults(handler=_timeline)
 
@@ -993,7 +994,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.request is None:
         return _show_requests(args)
     types = lives.parse_types(args.type) if args.type else None
-    steps = lives.parse_steps(args.steps) if args.steps is not None else None
+    steps = parse_steps(args.steps) if args.steps is not None else None
     life = lives.show(args.log, args.request)
     status = args.exit_code = _warn_damage(args.log, life.damage)
     chosen = lives.select(life, types, steps)
@@ -1355,7 +1356,7 @@ def _short(value: Any) -> str:
 
 @_guard
 def _timeline(args: argparse.Namespace) -> int:
-    steps = None if args.steps is None else charts.parse_steps(args.steps)
+    steps = None if args.steps is None else parse_steps(args.steps)
     wanted = [r.strip() for arg in args.request or () for r in arg.split(",") if r.strip()]
     if args.request is not None and not wanted:
         raise ValueError("--request takes request ids (none given)")

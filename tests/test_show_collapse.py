@@ -14,8 +14,9 @@ from _replay_logs import real_logs, write_log
 
 import replay
 from replay import cli
-from replay.lives import Fold, Row, collapse, parse_steps, parse_types, select
+from replay.lives import Fold, Row, collapse, parse_types, select
 from replay.source import open_log
+from replay.steps import parse_steps
 
 
 @pytest.fixture
