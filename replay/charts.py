@@ -27,6 +27,7 @@ from typing import Any
 import attrs
 
 from replay.extras import pyplot, write_atomic
+from replay.misses import Miss
 from replay.naming import resolve
 from replay.source import LogPath, LogSource, open_log
 from replay.steps import StepRange, ordered, range_text
@@ -452,8 +453,6 @@ def _reasons(misses: Sequence[tuple[int, int, str, str]]) -> dict[str, int]:
 
 def _missed(m: Row) -> tuple[int, int, str, str]:
     """A misses row as drawn: its span, its reason, and the reason's facts in words."""
-    from replay.explain import Miss
-
     miss = Miss(m["start"], m["end"], m["reason"], m["at_step"], m["by_request"], m["diverged_at"])
     return m["start"], m["end"], m["reason"], miss._replace(detail=m["detail"] or "").describe()
 

@@ -34,8 +34,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from replay.explain import HITS, AdmissionMisses, Explainer
+from replay.explainer import Explainer
 from replay.extras import require
+from replay.misses import HITS, AdmissionMisses
 from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from tracker import events as ev

@@ -12,7 +12,8 @@ from typing import Any
 import attrs
 
 from replay.counts import COUNTERS, SUMMED, StepCounts
-from replay.explain import Explainer, Tally
+from replay.explainer import Explainer
+from replay.misses import Tally
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.digests import DigestBook

@@ -38,8 +38,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 from replay.counts import COUNTERS, StepCounts
-from replay.explain import AdmissionMisses, Explainer
+from replay.explainer import Explainer
 from replay.format import plain_fields
+from replay.misses import AdmissionMisses
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
