@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _replay_logs import write_log
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -59,11 +58,9 @@ def test_tail_the_steps_table_stats_and_check_count_alike(path: Path) -> None:
     _agree(path)
 
 
-def test_they_count_alike_on_a_log_with_a_violation_and_loads(tmp_path: Path) -> None:
-    path = tmp_path / "run.kvlog"
-    write_log(path)
-    assert replay.stats(path).violations == {"accepted_equals_answer": 1}
-    _agree(path)
+def test_they_count_alike_on_a_log_with_a_violation_and_loads(synthetic_log: Path) -> None:
+    assert replay.stats(synthetic_log).violations == {"accepted_equals_answer": 1}
+    _agree(synthetic_log)
 
 
 _KEY = st.binary(min_size=1, max_size=4)
