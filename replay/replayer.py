@@ -196,7 +196,7 @@ class _Replay:
     # --- one input's decisions ----------------------------------------------------------
 
     def _finish(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
-        event, before, derived, frame, index = pending
+        derived = pending[2]
         totals = self.result.totals
         tally = self.tally
         for side, decisions, t in (
@@ -211,17 +211,11 @@ class _Replay:
                     t["loads" if lo else "saves"] += 1
                     if tally is not None:
                         tally(d.req_id, lo, sa, side)
-        self._judge(event, before, derived, recorded, frame, index)
+        self._judge(pending, recorded)
 
-    def _judge(
-        self,
-        event: ev.Event,
-        before: RequestState | None,
-        derived: list[ev.DecisionEvent],
-        recorded: list[ev.DecisionEvent],
-        frame: Any,
-        index: int,
-    ) -> None:
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        """What this path makes of an input's derived decisions (``pending``: the input, the
+        request's state before it, the decisions, where it was read) and the recorded ones."""
         raise NotImplementedError
 
     def _stray(self, d: ev.DecisionEvent, frame: Any, index: int) -> bool:
@@ -462,15 +456,8 @@ class _Check(_Replay):
     """``check``: every decision this code derives, compared with the one the run recorded
     after the same input; every rule broken, recorded or not."""
 
-    def _judge(
-        self,
-        event: ev.Event,
-        before: RequestState | None,
-        derived: list[ev.DecisionEvent],
-        recorded: list[ev.DecisionEvent],
-        frame: Any,
-        index: int,
-    ) -> None:
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        event, before, derived, frame, index = pending
         derived_v = [d for d in derived if d.__class__ is ev.ViolationRecorded]
         if recorded == derived and not derived_v:
             return
@@ -553,15 +540,8 @@ class _WhatIf(_Replay):
         row["loaded"][column] += loaded
         row["saved"][column] += saved
 
-    def _judge(
-        self,
-        event: ev.Event,
-        before: RequestState | None,
-        derived: list[ev.DecisionEvent],
-        recorded: list[ev.DecisionEvent],
-        frame: Any,
-        index: int,
-    ) -> None:
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        event, before, derived, frame, index = pending
         self.tracker.violations.clear()  # the replay keeps its own (bounded) list
         context = self._context(event, before, frame, index)
         for v in [d for d in derived if d.__class__ is ev.ViolationRecorded]:
