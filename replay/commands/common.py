@@ -106,7 +106,7 @@ def guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
         try:
             with watch_opened():  # for warn_damage: which logs lacked segment files
                 return fn(args)
-        except BrokenPipeError:  # the reader went away; not an output error (see main)
+        except BrokenPipeError:  # the reader went away; not an output error (replay.cli.main)
             raise
         except LogUnreadable as e:
             message = f"cannot read the log: {e}"
