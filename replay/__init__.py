@@ -14,12 +14,14 @@
     replay.export("run.kvlog", "tables/")                  # the tidy tables, for SQL
 
 One module per job: ``source`` (opening a log), ``format`` (events as text and plain values),
-``replayer`` (check and what-if), ``divergence`` (diff), ``lives`` (show), ``summary``
-(stats), ``explain`` (why each lookup missed), ``charts`` (timeline), ``tables`` (the tidy
-tables), ``writers`` (export), ``perfetto`` (the trace), ``otlp`` (OpenTelemetry spans),
-``sql``, ``extras`` (the optional dependencies),
-``cli`` (the command line), ``demo``. The names above are functions; importing this package is
-cheap: nothing is loaded until a name is used (no torch, no vLLM).
+``steps`` (a range of steps), ``counts`` (what a step did), ``results`` (what check and export
+return), ``replayer`` (check and what-if), ``recorded`` (check of a recorder's log),
+``divergence`` (diff), ``lives`` (show), ``summary`` (stats), ``misses``, ``explainer`` and
+``explain`` (why each lookup missed), ``charts`` (timeline), ``tables`` (the tidy tables),
+``writers`` (export), ``perfetto`` (the trace), ``otlp`` (OpenTelemetry spans), ``sql``,
+``tail``, ``extras`` (the optional dependencies), ``demo``; ``cli`` and ``commands`` (the
+command line, on top of them all: docs/architecture.md). The names above are functions;
+importing this package is cheap: nothing is loaded until a name is used (no torch, no vLLM).
 """
 
 from __future__ import annotations

@@ -27,8 +27,10 @@ from typing import Any
 import attrs
 
 from replay.extras import pyplot, write_atomic
+from replay.misses import Miss
 from replay.naming import resolve
 from replay.source import LogPath, LogSource, open_log
+from replay.steps import StepRange, ordered, range_text
 from replay.tables import Row, collect
 from tracker import events as ev
 from tracker.config import TrackerConfig
@@ -43,7 +45,6 @@ __all__ = [
     "RunPanels",
     "Series",
     "TimelineResult",
-    "parse_steps",
     "timeline",
 ]
 
@@ -208,21 +209,6 @@ class TimelineResult:
         }
 
 
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``A:B`` (both ends included), ``A:`` or ``:B``; a ValueError naming what was wrong."""
-    lo_s, sep, hi_s = text.partition(":")
-    if not sep:
-        raise ValueError(f"--steps takes A:B (both ends included), A: or :B, got {text!r}")
-    try:
-        lo = int(lo_s) if lo_s.strip() else None
-        hi = int(hi_s) if hi_s.strip() else None
-    except ValueError:
-        raise ValueError(f"--steps takes step numbers, A:B, got {text!r}") from None
-    if lo is not None and hi is not None and lo > hi:
-        raise ValueError(f"--steps {text}: the range is empty (its start is after its end)")
-    return lo, hi
-
-
 def _check_output(out: str) -> str:
     """The format ``out`` names; a ValueError before anything is read when it cannot be
     written (an unknown suffix, a directory, a missing directory)."""
@@ -243,7 +229,7 @@ def timeline(
     top: int = 8,
     *,
     requests: Sequence[str] | None = None,
-    steps: tuple[int | None, int | None] | None = None,
+    steps: StepRange | None = None,
 ) -> TimelineResult:
     """Draw the ``top`` most telling requests (with problems first, then preempted ones, then
     by tokens computed; ties by arrival), or the ``requests`` named (a life label, or a
@@ -267,7 +253,7 @@ def timeline(
     chosen = _choose(rows, requests, top, lo, hi)
     by_label = {r["request"]: r for r in rows["requests"]}
     series = _collect(src, config, [(label, by_label[label]["req_id"]) for label in chosen])
-    _fill(series, rows, config, all_steps[-1], recorded="recorder" in src.run_info)
+    _fill(series, rows, config, all_steps[-1], recorded=src.recorded)
     for s in series:
         _clip_series(s, lo, hi)
     run = _run_panels(rows, lo, hi)
@@ -296,26 +282,19 @@ def timeline(
     return result
 
 
-def _step_range(
-    steps: tuple[int | None, int | None] | None, all_steps: list[int]
-) -> tuple[int, int]:
+def _step_range(steps: StepRange | None, all_steps: list[int]) -> tuple[int, int]:
     first, last = all_steps[0], all_steps[-1]
     if steps is None:
         return first, last
-    lo = first if steps[0] is None else steps[0]
-    hi = last if steps[1] is None else steps[1]
-    if steps[0] is not None and steps[1] is not None and lo > hi:
-        raise ValueError(f"--steps {lo}:{hi}: the range is empty (its start is after its end)")
+    lo, hi = ordered(steps)
+    lo = first if lo is None else lo
+    hi = last if hi is None else hi
     if hi < first or lo > last:
         raise ValueError(
-            f"--steps {_range_text(steps)}: no step of the log is in it "
+            f"--steps {range_text(steps)}: no step of the log is in it "
             f"(the log has steps {first}..{last})"
         )
     return max(lo, first), min(hi, last)
-
-
-def _range_text(steps: tuple[int | None, int | None]) -> str:
-    return f"{'' if steps[0] is None else steps[0]}:{'' if steps[1] is None else steps[1]}"
 
 
 def _lifespan(r: Row) -> tuple[int, int]:
@@ -474,8 +453,6 @@ def _reasons(misses: Sequence[tuple[int, int, str, str]]) -> dict[str, int]:
 
 def _missed(m: Row) -> tuple[int, int, str, str]:
     """A misses row as drawn: its span, its reason, and the reason's facts in words."""
-    from replay.explain import Miss
-
     miss = Miss(m["start"], m["end"], m["reason"], m["at_step"], m["by_request"], m["diverged_at"])
     return m["start"], m["end"], m["reason"], miss._replace(detail=m["detail"] or "").describe()
 

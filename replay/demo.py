@@ -18,7 +18,7 @@ from typing import Any
 
 from replay.extras import progress_bar
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["add_arguments", "command_name", "main", "problems_in", "setup_error"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _error(args: argparse.Namespace, *lines: str) -> int:
-    """A usage or setup error: stderr, the JSON error with --json, exit 2."""
+def setup_error(args: argparse.Namespace, *lines: str) -> int:
+    """A usage or setup error of either demo: stderr, the JSON error with --json, exit 2."""
     for line in lines:
         print(line, file=sys.stderr)
     if args.json:
@@ -68,16 +68,13 @@ def _progress(enabled: bool) -> Any:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.engine:
-        from replay import demo_engine
-
-        return demo_engine.main(args)
+    """The demo on vLLM's scheduler (``--engine``, vLLM's engine, is ``replay.demo_engine``)."""
     args.requests = 12 if args.requests is None else args.requests
     args.blocks = 16 if args.blocks is None else args.blocks
     # Refused before vLLM is imported (seconds).
     if args.blocks < _MIN_BLOCKS or args.requests < 1:
         # A request of the longest prompt and output needs this many blocks to run at all.
-        return _error(
+        return setup_error(
             args,
             f"kvledger demo: --blocks must be at least {_MIN_BLOCKS} (one request of "
             f"{_MAX_TOKENS} tokens needs {_MIN_BLOCKS - 1} blocks of 16 tokens, plus vLLM's "
@@ -90,7 +87,7 @@ def main(args: argparse.Namespace) -> int:
 
     reason = skip_reason()
     if reason is not None:
-        return _error(
+        return setup_error(
             args,
             f"kvledger demo needs vLLM's scheduler: {reason}",
             "install it with: make setup-vllm",
@@ -134,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
 
             report = run(spec, log_dir=log_dir, progress=tick)
     rows = list(summarize(report))
-    log_problems = _check_log(report.log_path)
+    log_problems = problems_in(report.log_path)
     rows.append(("log", report.log_path or "-"))
     rows.append(("log replay problems", "unchecked" if log_problems is None else log_problems))
     width = max(len(k) for k, _ in rows)
@@ -220,8 +217,9 @@ def command_name() -> str:
     return f"{sys.executable} -m replay"
 
 
-def _check_log(path: str | None) -> int | None:
-    """Problems found re-checking the written log offline (None: no log was written)."""
+def problems_in(path: str | None) -> int | None:
+    """Problems ``kvledger check`` finds re-checking the written log offline (None: no log
+    was written)."""
     if path is None or not os.path.exists(path):
         return None
     from replay.replayer import check

@@ -16,10 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from typing import Any
+
+from replay.demo import command_name, problems_in, setup_error
 
 __all__ = ["main"]
 
@@ -31,20 +32,12 @@ MIN_BLOCKS = -(-(PROMPT_TOKENS[1] + MAX_TOKENS) // BLOCK) + 1
 SHOWN = 3  # continuations printed
 
 
-def _error(args: argparse.Namespace, *lines: str) -> int:
-    for line in lines:
-        print(line, file=sys.stderr)
-    if args.json:
-        print(json.dumps({"error": " ".join(lines), "exit_code": 2}, indent=2))
-    return 2
-
-
 def main(args: argparse.Namespace) -> int:
     blocks = 5 if args.blocks is None else args.blocks
     requests = 4 if args.requests is None else args.requests
     # Refused before vLLM is imported (tens of seconds).
     if blocks < MIN_BLOCKS or requests < 1:
-        return _error(
+        return setup_error(
             args,
             f"kvledger demo --engine: --blocks must be at least {MIN_BLOCKS} (one request of "
             f"{PROMPT_TOKENS[1] + MAX_TOKENS} tokens needs {MIN_BLOCKS - 1} blocks of {BLOCK} "
@@ -52,13 +45,13 @@ def main(args: argparse.Namespace) -> int:
             f"--requests {requests}",
         )
     if args.chunk_size % BLOCK:
-        return _error(
+        return setup_error(
             args,
             f"kvledger demo --engine: --chunk-size must be a multiple of {BLOCK} (vLLM's CPU "
             f"attention needs blocks of a multiple of 32 tokens); got {args.chunk_size}",
         )
     if args.async_scheduling:
-        return _error(
+        return setup_error(
             args,
             "kvledger demo --engine: --async-scheduling is not available on vLLM's CPU engine "
             "(it runs Model Runner V1 with sync scheduling)",
@@ -67,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
 
     reason = engine_missing()
     if reason is not None:
-        return _error(
+        return setup_error(
             args,
             f"kvledger demo --engine needs vLLM's CPU engine: {reason}",
             "install it with: make setup-engine (then .venv-engine/bin/kvledger demo --engine)",
@@ -109,7 +102,6 @@ def _run(args: argparse.Namespace, blocks: int, requests: int) -> int:
 
     from connector.testing.engine import Engine, EngineSpec
     from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
-    from replay.demo import command_name
 
     say = (lambda *a, **k: None) if args.json else print
     model = str(build_tiny_llama())
@@ -167,7 +159,7 @@ def _run(args: argparse.Namespace, blocks: int, requests: int) -> int:
     def total(key: str, side: str = "worker") -> int:
         return sum(getattr(r, side).get(key, 0) for r in kv)
 
-    problems = _check(log_path)
+    problems = problems_in(log_path)
     rows: list[tuple[str, object]] = [
         ("requests", 2 * requests),
         ("outputs identical", f"{sum(identical)} of 2 rounds, {_tokens(kv)} tokens"),
@@ -225,12 +217,3 @@ def _clip(text: str, width: int = 64) -> str:
 
 def _tokens(runs: list[Any]) -> int:
     return sum(len(o) for r in runs for o in r.outputs)
-
-
-def _check(path: str | None) -> int | None:
-    """Problems ``kvledger check`` finds in the log (None: no log was written)."""
-    if path is None or not os.path.exists(path):
-        return None
-    from replay.replayer import check
-
-    return len(check(path).problems)

@@ -18,6 +18,7 @@ import attrs
 from replay.format import describe_event
 from replay.naming import RequestNotFound, resolve
 from replay.source import LogPath, LogSource, damage_dict, open_log
+from replay.steps import StepRange
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.framing import StopInfo
@@ -31,7 +32,6 @@ __all__ = [
     "RequestNotFound",
     "Row",
     "collapse",
-    "parse_steps",
     "parse_types",
     "request_lines",
     "select",
@@ -190,28 +190,10 @@ def parse_types(values: Iterable[str]) -> frozenset[str]:
     return frozenset(names)
 
 
-def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``--steps``: ``A:B`` (both ends included), ``A:`` (from A), ``:B`` (to B) or ``N`` (one
-    step), as ``(first, last)`` with ``None`` for an open end; ``ValueError`` otherwise."""
-    first_text, sep, last_text = text.partition(":")
-    try:
-        first = int(first_text) if first_text.strip() else None
-        last = int(last_text) if last_text.strip() else None
-    except ValueError:
-        raise ValueError(f"--steps {text!r}: expected A:B, A:, :B or N (step numbers)") from None
-    if not sep:
-        last = first
-        if first is None:
-            raise ValueError(f"--steps {text!r}: expected A:B, A:, :B or N (step numbers)")
-    if first is not None and last is not None and first > last:
-        raise ValueError(f"--steps {text!r}: the first step {first} is after the last {last}")
-    return first, last
-
-
 def select(
     rows: Iterable[Row],
     types: frozenset[str] | None = None,
-    steps: tuple[int | None, int | None] | None = None,
+    steps: StepRange | None = None,
 ) -> list[Row]:
     """The rows of the named event types (``None``: all) within ``steps`` (both ends
     included, ``None`` for an open end)."""

@@ -34,9 +34,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from replay.explain import HITS, AdmissionMisses, Explainer
+from replay.explainer import Explainer
 from replay.extras import require
-from replay.recorded import is_recorded
+from replay.misses import HITS, AdmissionMisses
+from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from tracker import events as ev
 from tracker.framing import StopInfo
@@ -46,7 +47,7 @@ __all__ = ["BINARY_SUFFIXES", "spans", "to_protobuf", "write_otlp"]
 
 BINARY_SUFFIXES = (".binpb", ".pb")
 KIND_INTERNAL = 1  # SpanKind.SPAN_KIND_INTERNAL
-STATUS_OK, STATUS_ERROR = 1, 2
+STATUS_ERROR = 2  # Status.STATUS_CODE_ERROR (spans are otherwise left unset)
 # Request lives per line of the file: one ExportTraceServiceRequest each.
 _PER_LINE = 512
 
@@ -120,7 +121,7 @@ def _lives(log: LogPath) -> tuple[dict[str, _Life], int, dict[str, Any], StopInf
         if life is not None:
             life.admissions.append(a)
 
-    explainer = Explainer(config, keep, recorded=is_recorded(src.run_info))
+    explainer = Explainer(config, keep, recorded=src.recorded)
     for item in walk(src.frames(), config):
         explainer.feed(item)
         e = item.event
@@ -309,11 +310,9 @@ def to_protobuf(document: dict[str, Any]) -> Any:
     return message
 
 
-def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> Any:
+def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> ExportResult:
     """Write the log's spans to ``out``: OTLP/JSON lines, or protobuf for ``.binpb``/``.pb``
     (whole or not at all)."""
-    from replay.writers import ExportResult
-
     binary = out.lower().endswith(BINARY_SUFFIXES)
     if binary:  # missing extra: say so before reading the log
         require(

@@ -28,6 +28,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
+from replay.results import ExportResult
 from replay.source import LogPath
 from replay.tables import Row, TableRows, collect
 
@@ -359,10 +360,8 @@ def _counters(steps: list[Row], clock: _Clock) -> list[dict[str, Any]]:
     return out
 
 
-def write_trace(log: LogPath, out: str, *, problems: bool = True) -> Any:
+def write_trace(log: LogPath, out: str, *, problems: bool = True) -> ExportResult:
     """Write :func:`trace` of ``log`` to ``out`` (whole or not at all)."""
-    from replay.writers import ExportResult
-
     doc, info = _build(log, problems)
     tmp = out + ".tmp"
     try:

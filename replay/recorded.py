@@ -26,6 +26,8 @@ from typing import Any
 import attrs
 
 from replay.format import format_event
+from replay.results import CheckResult, Problem
+from replay.source import LogSource
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestBook
@@ -33,7 +35,7 @@ from tracker.recorded_rules import RecordedRules
 from tracker.recorded_steps import RecordedSteps
 from tracker.state import Violation
 
-__all__ = ["check_recorded_into", "is_recorded"]
+__all__ = ["check_recorded_into"]
 
 # vLLM's facts, as the Tracker folds them; everything else in a recorder's log is the inner's.
 _INPUTS = (
@@ -46,24 +48,16 @@ _INPUTS = (
 )
 
 
-def is_recorded(run_info: dict[str, Any]) -> bool:
-    """Whether a log's header says a ``KVLedgerRecorder`` wrote it."""
-    return isinstance(run_info.get("recorder"), dict)
-
-
 def check_recorded_into(
-    result: Any,
-    source: Any,
+    result: CheckResult,
+    source: LogSource,
     config: TrackerConfig,
     *,
     request: str | None,
-    first: bool,
     max_problems: int,
     differential: bool,
 ) -> None:
-    """Fill ``result`` (a ``replay.replayer.CheckResult``) from the recorder's log ``source``."""
-    from replay.replayer import Problem
-
+    """Fill ``result`` from the recorder's log ``source``."""
     rules = RecordedRules(config.block_size)
     book = DigestBook()
     diff = _Differential(config) if differential else None
@@ -76,16 +70,6 @@ def check_recorded_into(
     by_type: dict[str, int] = {}
     seen_request = False
     done = False
-
-    def add(problem: Problem) -> bool:
-        nonlocal seen_request
-        if request is not None and problem.req_id != request:
-            result.problems_elsewhere += 1
-            return False
-        result.problems_total += 1
-        if len(result.problems) < max_problems:
-            result.problems.append(problem)
-        return first
 
     live: set[str] = set()  # requests added and not finished: vLLM's, as the log tells
     peak_live = 0
@@ -120,7 +104,7 @@ def check_recorded_into(
             for x, violations in judged:
                 for v in violations:
                     detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
-                    if add(
+                    if result.add(
                         Problem(
                             "violation",
                             v.rule,
@@ -132,13 +116,14 @@ def check_recorded_into(
                             seq=frame.seq,
                             index=index,
                             detail=detail,
-                        )
+                        ),
+                        max_problems,
                     ):
                         done = True
                 if diff is None:
                     continue
                 problem = diff.apply(x)
-                if problem is not None and add(
+                if problem is not None and result.add(
                     Problem(
                         "differential",
                         "LookupAnswered",
@@ -154,7 +139,8 @@ def check_recorded_into(
                         seq=frame.seq,
                         index=index,
                         detail=problem.detail,
-                    )
+                    ),
+                    max_problems,
                 ):
                     done = True
             index += 1
@@ -165,11 +151,7 @@ def check_recorded_into(
             break
     if request is not None and not seen_request and result.error is None:
         result.error = f"no request {request!r} in the log"
-    result.stop = source.stop
-    result.ending = source.ending
-    result.stopped_by = source.stopped_by
-    if result.incomplete is None and source.ending in ("open", "rotated"):
-        result.incomplete = source.describe_ending()
+    result.read_to(source)
     # vLLM's facts the log holds, a StepDecoded counting as the Scheduled events it stands for.
     inputs = steady + sum(n for t, n in by_type.items() if t in {c.__name__ for c in _INPUTS})
     result.counts = {
@@ -208,21 +190,17 @@ class _Difference:
         self.detail = detail
 
 
-class _NullLogger:
-    def warning(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def error(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-
 class _Differential:
     """kvledger's decisions on the recorded inputs (see the module docstring)."""
 
     def __init__(self, config: TrackerConfig) -> None:
+        import structlog  # with the Tracker: loaded only for --differential
+
         from tracker.tracker import Tracker
 
-        self.tracker = Tracker(config.with_changes(strict=False), logger=_NullLogger())
+        # kvledger's decisions here are a comparison, not a run: its log calls write nothing.
+        quiet = structlog.ReturnLogger()
+        self.tracker = Tracker(config.with_changes(strict=False), logger=quiet)
         self._asked: dict[str, ev.LookupAsked] = {}
         self._answer: dict[str, ev.LookupAnswered] = {}
         self._diverged: set[str] = set()

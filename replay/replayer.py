@@ -28,6 +28,11 @@ as the recorded step had room for), and that every planned transfer succeeds: re
 results, which name the recorded run's chunks, are replaced by results for the what-if plans.
 Admissions where the offer differs from what vLLM accepted in the run are counted as
 *divergent admissions*, not reported as problems.
+
+The two are separate paths over one replay loop (:class:`_Replay`: read the frames, fold each
+input, collect the recorded decisions that follow it): :class:`_Check` compares; :class:`_WhatIf`
+rewrites the inputs through the loop's two hooks (each frame, each input) and tallies the plans.
+A check pays nothing for the what-if's hooks.
 """
 
 from __future__ import annotations
@@ -37,16 +42,19 @@ import time
 import typing
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
+import structlog
 
-from replay.format import event_dict, jsonable
-from replay.recorded import check_recorded_into, is_recorded
+from replay.counts import moved
+from replay.recorded import check_recorded_into
+from replay.results import CheckResult, Problem, RecordedViolation, WhatIf
 from replay.source import LogPath, LogSource, LogUnreadable, open_log
 from tracker import events as ev
 from tracker.config import ConfigError, TrackerConfig
-from tracker.framing import LogFormatError, StopInfo
+from tracker.framing import Frame, LogFormatError
 from tracker.state import RequestState
 from tracker.tracker import Tracker
 from tracker.wellformed import malformed
@@ -76,265 +84,6 @@ _COMPARED: tuple[type[ev.DecisionEvent], ...] = (ev.LookupAnswered, ev.LoadPlann
 _WORKER_RESULTS = (ev.SaveDone, ev.SaveFailed, ev.LoadDone, ev.LoadFailed)
 _UNBOUNDED_LAG = 1 << 30
 Progress = Callable[[int, int], None]
-
-
-# --- results ------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class Problem:
-    """One disagreement between the recorded run and this code.
-
-    ``kind``:
-
-    - ``"decision"``: a decision of type ``name`` (``LookupAnswered``, ``LoadPlanned``,
-      ``SavePlanned``) differs: ``recorded`` and ``derived`` hold that type's decisions.
-    - ``"violation"``: this code finds rule ``name`` broken after ``event``;
-      ``recorded_too`` says whether the run recorded it as well.
-    - ``"unexplained"``: the run recorded a decision (or a violation of rule ``name``) that
-      this code does not derive here, or one that follows no input event at all.
-    - ``"differential"``: on a recorder's log (``check --differential``), the wrapped
-      connector's answer (``recorded``) differs from kvledger's on the same inputs
-      (``derived``).
-    - ``"error"``: the tracker raised on this event (a bug in ``tracker/``: the fold must be
-      total); ``detail`` holds the exception.
-
-    ``before`` / ``after``: the request's ``RequestState.summary()`` before the event and
-    after this code applied it (``None``: unknown yet, or retired: finished with nothing in
-    flight). ``path``, ``offset``, ``seq``: the frame the event was read from; ``index``: the
-    event's number in the log (0-based, all events counted).
-    """
-
-    kind: str
-    name: str
-    step: int
-    req_id: str
-    event: ev.Event | None
-    recorded: tuple[ev.DecisionEvent, ...] = ()
-    derived: tuple[ev.DecisionEvent, ...] = ()
-    before: dict[str, Any] | None = None
-    after: dict[str, Any] | None = None
-    path: str = ""
-    offset: int = -1
-    seq: int = -1
-    index: int = -1
-    recorded_too: bool = False
-    detail: str = ""
-
-    @property
-    def rule(self) -> str | None:
-        """The rule name for a violation (else None)."""
-        return self.name if self.kind == "violation" else None
-
-    def headline(self) -> str:
-        if self.kind == "decision":
-            what = f"{self.name} differs from the recorded one"
-        elif self.kind == "violation":
-            event = type(self.event).__name__ if self.event is not None else "?"
-            seen = "recorded by the run too" if self.recorded_too else "not recorded by the run"
-            if self.event is not None and self.event.KIND == "decision":
-                seen = "in a decision the run recorded"  # tracker/wellformed.py's rules
-            what = f"rule {self.name} broken at {event} ({seen})"
-        elif self.kind == "differential":
-            what = f"the wrapped connector's {self.name} differs from kvledger's"
-        elif self.kind == "unexplained":
-            what = f"the run recorded {self.name} here; this code does not derive it"
-        else:
-            what = f"the tracker raised: {self.detail}"
-        return what
-
-    def describe(self) -> str:
-        return f"step {self.step} {self.req_id or '-'}: {self.headline()}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "name": self.name,
-            "rule": self.rule,
-            "step": self.step,
-            "req_id": self.req_id,
-            "headline": self.headline(),
-            "event": event_dict(self.event),
-            "recorded": [event_dict(d) for d in self.recorded],
-            "derived": [event_dict(d) for d in self.derived],
-            "recorded_too": self.recorded_too,
-            "before": jsonable(self.before),
-            "after": jsonable(self.after),
-            "path": self.path,
-            "offset": self.offset,
-            "seq": self.seq,
-            "index": self.index,
-            "detail": self.detail,
-        }
-
-
-@attrs.frozen
-class RecordedViolation:
-    """A ``ViolationRecorded`` of the run that the replay applied as a fact (its rule is
-    outside the fold: ``adapter_error``)."""
-
-    step: int
-    req_id: str
-    rule: str
-    event: str
-    detail: str
-    path: str
-    offset: int
-    index: int
-
-    def describe(self) -> str:
-        tail = f" ({self.detail})" if self.detail else ""
-        return f"step {self.step} {self.req_id or '-'}: {self.rule} at {self.event}{tail}"
-
-    def to_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-@attrs.define
-class WhatIf:
-    """How the plans differ under the what-if configuration (see the module docstring)."""
-
-    overrides: dict[str, Any]
-    recorded_config: dict[str, Any]
-    config: dict[str, Any]
-    # {"loaded": [recorded, what_if], "saved": [recorded, what_if]} per request id
-    per_request: dict[str, dict[str, list[int]]] = attrs.field(factory=dict)
-    divergent_admissions: int = 0
-    worker_results_replaced: int = 0
-    recorded_failures_ignored: int = 0
-    # Steady decode steps of the run that are not steady under this config, whose token
-    # ids the log does not hold (the run never needed them): chunks over them cannot be
-    # planned, so the saved totals are a lower bound when this is not 0.
-    steps_without_token_ids: int = 0
-
-    def totals(self) -> dict[str, list[int]]:
-        loaded = [0, 0]
-        saved = [0, 0]
-        for r in self.per_request.values():
-            loaded[0] += r["loaded"][0]
-            loaded[1] += r["loaded"][1]
-            saved[0] += r["saved"][0]
-            saved[1] += r["saved"][1]
-        return {"loaded": loaded, "saved": saved}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "overrides": self.overrides,
-            "recorded_config": self.recorded_config,
-            "config": self.config,
-            "totals": self.totals(),
-            "per_request": self.per_request,
-            "divergent_admissions": self.divergent_admissions,
-            "worker_results_replaced": self.worker_results_replaced,
-            "recorded_failures_ignored": self.recorded_failures_ignored,
-            "steps_without_token_ids": self.steps_without_token_ids,
-        }
-
-
-def _zero_totals() -> dict[str, int]:
-    return {"tokens_loaded": 0, "loads": 0, "tokens_saved": 0, "saves": 0}
-
-
-@attrs.define
-class CheckResult:
-    """What :func:`check` found.
-
-    - :attr:`problems`: the disagreements, in log order (at most ``max_problems`` are kept;
-      :attr:`problems_total` counts them all). With ``request`` set, only that request's.
-    - :attr:`recorded_violations`: violations of the run applied as facts (``adapter_error``).
-    - :attr:`stop`: where and why reading stopped before the end (``None``: read to the end).
-    - :attr:`error`: why the log could not be checked at all (not a log, unknown major
-      version, unreadable header, bad configuration), else ``None``.
-    - :attr:`counts`: events, input events, decisions, frames, steps, requests, peak live
-      requests, and ``by_type`` (events per type).
-    - :attr:`totals`: tokens loaded and saved (and the number of plans), ``recorded`` in the
-      log and ``derived`` by this code.
-    - :attr:`what_if`: the plan comparison under a changed configuration, else ``None``.
-
-    :attr:`exit_code`: 0 clean, 1 problems, 2 the log could not be read to its end (damage or
-    an error; whatever was readable was still checked and reported), 3 no problem in what the
-    log holds, but it is not the whole run (:attr:`incomplete` says why).
-    """
-
-    paths: list[str]
-    request: str | None = None
-    first: bool = False
-    config: dict[str, Any] = attrs.field(factory=dict)
-    run_info: dict[str, Any] = attrs.field(factory=dict)
-    problems: list[Problem] = attrs.field(factory=list)
-    problems_total: int = 0
-    problems_elsewhere: int = 0
-    recorded_violations: list[RecordedViolation] = attrs.field(factory=list)
-    stop: StopInfo | None = None
-    error: str | None = None
-    # A --with value this log's configuration refuses (chunk_size=250 with 16-token blocks):
-    # the option is wrong, not the log (exit 2 as a usage error; ``error`` says it too).
-    bad_option: str | None = None
-    # Why the log is not the whole run, when it was read without damage: no end record (the
-    # engine still writing it, or dead), a segment missing after a rotation, a gap of steps
-    # the writer dropped. None: complete (or too old to tell: ``ending`` is "unknown").
-    incomplete: str | None = None
-    ending: str | None = None
-    # A log sealed when the engine was asked to stop: the signal (connector/stopping.py).
-    stopped_by: str | None = None
-    stopped_early: bool = False
-    counts: dict[str, Any] = attrs.field(factory=dict)
-    totals: dict[str, dict[str, int]] = attrs.field(
-        factory=lambda: {"recorded": _zero_totals(), "derived": _zero_totals()}
-    )
-    what_if: WhatIf | None = None
-    seconds: float = 0.0
-
-    @property
-    def clean(self) -> bool:
-        """No problem, and the whole log, complete, was read."""
-        return (
-            self.problems_total == 0
-            and self.stop is None
-            and self.error is None
-            and self.incomplete is None
-        )
-
-    @property
-    def exit_code(self) -> int:
-        if self.error is not None or self.stop is not None:
-            return 2
-        if self.problems_total:
-            return 1
-        return 3 if self.incomplete is not None else 0
-
-    @property
-    def first_problem(self) -> Problem | None:
-        return self.problems[0] if self.problems else None
-
-    def problems_by_name(self) -> dict[str, int]:
-        return dict(Counter(f"{p.kind}:{p.name}" for p in self.problems))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "paths": self.paths,
-            "exit_code": self.exit_code,
-            "clean": self.clean,
-            "error": self.error,
-            "bad_option": self.bad_option,
-            "stop": None if self.stop is None else attrs.asdict(self.stop),
-            "ending": self.ending,
-            "stopped_by": self.stopped_by,
-            "incomplete": self.incomplete,
-            "request": self.request,
-            "first": self.first,
-            "stopped_early": self.stopped_early,
-            "config": self.config,
-            "run_info": jsonable(self.run_info),
-            "counts": self.counts,
-            "totals": self.totals,
-            "problems_total": self.problems_total,
-            "problems_elsewhere": self.problems_elsewhere,
-            "problems": [p.to_dict() for p in self.problems],
-            "recorded_violations": [v.to_dict() for v in self.recorded_violations],
-            "what_if": None if self.what_if is None else self.what_if.to_dict(),
-            "seconds": round(self.seconds, 3),
-        }
 
 
 # --- configuration ------------------------------------------------------------------------
@@ -372,155 +121,116 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-class _NullLogger:
-    """The replay reports violations itself; the tracker's structlog warnings are silenced."""
+# --- the replay: what check and what-if share ---------------------------------------------
 
-    def warning(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    error = info = debug = warning
+# An input waiting for the recorded decisions that follow it: (the input, the request's state
+# before it, the decisions this code derived, the frame it was read from, its index).
+Pending = tuple[ev.Event, "RequestState | None", list[ev.DecisionEvent], Any, int]
 
 
-# --- the checker --------------------------------------------------------------------------
+class _Replay:
+    """Fold a log's recorded inputs, in log order, through a fresh ``Tracker`` built from the
+    log's configuration, and hand each input's derived decisions, with the recorded decisions
+    that follow it, to :meth:`_judge`. The two paths are the subclasses: :class:`_Check`
+    compares the decisions with the run's; :class:`_WhatIf` changes the inputs as vLLM would
+    have sent them under another configuration, and tallies the plans."""
 
-
-def _plan_tokens(d: ev.DecisionEvent) -> tuple[int, int]:
-    """(tokens loaded, tokens saved) by a decision: only plans that move chunks count."""
-    if isinstance(d, ev.LoadPlanned) and d.keys:
-        return d.end - d.start, 0
-    if isinstance(d, ev.SavePlanned) and d.keys:
-        return 0, d.end - d.start
-    return 0, 0
-
-
-class _Checker:
     def __init__(
         self,
         result: CheckResult,
         config: TrackerConfig,
         *,
         request: str | None,
-        first: bool,
         progress: Progress | None,
         max_problems: int,
-        what_if: WhatIf | None,
     ) -> None:
         self.result = result
-        self.tracker = Tracker(config, logger=_NullLogger())
+        # The replay reports violations itself: the tracker's log calls write nothing.
+        self.tracker = Tracker(config, logger=structlog.ReturnLogger())
         self.request = request
         self.request_seen = False
-        self.first = first
         self.progress = progress
         self.max_problems = max_problems
-        self.what_if = what_if
         self.done = False
-        self.requests = 0
-        self.peak_live = 0
+        # What-if's hooks, called by run() (None on a check, which then pays nothing for them):
+        # before each frame's events (the frame, whether it starts a step); and each recorded
+        # input, rewritten (None: left out) before the tracker applies it.
+        self.prepare: Callable[[Frame, bool], None] | None = None
+        self.rewrite: Callable[[ev.Event, RequestState | None], ev.Event | None] | None = None
+        # Plans' tokens per request, by column (0 recorded, 1 derived): what-if's tally.
+        self.tally: Callable[[str, int, int, int], None] | None = None
 
     # --- problems -----------------------------------------------------------------------
 
     def _add(self, problem: Problem) -> None:
-        r = self.result
-        if self.request is not None and problem.req_id != self.request:
-            r.problems_elsewhere += 1
-            return
-        r.problems_total += 1
-        if len(r.problems) < self.max_problems:
-            r.problems.append(problem)
-        if self.first:
+        if self.result.add(problem, self.max_problems):
             self.done = True
 
     def _summary(self, state: RequestState | None) -> dict[str, Any] | None:
         return None if state is None else state.summary()
 
-    # --- comparing one input's decisions ------------------------------------------------
-
-    def _finish(self, pending: tuple[Any, ...], recorded: list[ev.DecisionEvent]) -> None:
-        event, before, derived, frame, index = pending
-        totals = self.result.totals
-        rec_t, der_t = totals["recorded"], totals["derived"]
-        for side, decisions, t in ((0, recorded, rec_t), (1, derived, der_t)):
-            for d in decisions:
-                lo, sa = _plan_tokens(d)
-                if lo or sa:
-                    t["tokens_loaded"] += lo
-                    t["tokens_saved"] += sa
-                    t["loads" if lo else "saves"] += 1
-                    if self.what_if is not None:
-                        self._per_request(d.req_id, lo, sa, side)
-        derived_v = [d for d in derived if d.__class__ is ev.ViolationRecorded]
-        if self.what_if is None and recorded == derived and not derived_v:
-            return
-        tracker = self.tracker
-        tracker.violations.clear()  # the replay keeps its own (bounded) list
-        common = {
+    def _context(
+        self, event: ev.Event, before: RequestState | None, frame: Any, index: int
+    ) -> dict[str, Any]:
+        """A problem's fields about the input it was found at."""
+        return {
             # A digest verdict is stamped with the step of the load it judges.
             "step": event.judged_step if event.__class__ is ev.LoadDigested else event.step,
             "req_id": event.req_id,
             "event": event,
             "before": self._summary(before),
-            "after": self._summary(tracker.state(event.req_id)),
+            "after": self._summary(self.tracker.state(event.req_id)),
             "path": frame.path,
             "offset": frame.offset,
             "seq": frame.seq,
             "index": index,
         }
 
-        def about(v: ev.ViolationRecorded) -> dict[str, Any]:
-            # A violation about another request than the event's (StepDecoded is about
-            # several): its own request, and that request's state now.
-            if v.req_id == event.req_id:
-                return common
-            after = self._summary(tracker.state(v.req_id))
-            return {**common, "req_id": v.req_id, "before": None, "after": after}
+    def _about(self, v: ev.ViolationRecorded, context: dict[str, Any]) -> dict[str, Any]:
+        """A violation about another request than the input's (StepDecoded is about several):
+        its own request, and that request's state now."""
+        if v.req_id == context["req_id"]:
+            return context
+        after = self._summary(self.tracker.state(v.req_id))
+        return {**context, "req_id": v.req_id, "before": None, "after": after}
 
-        if self.what_if is not None:
-            for v in derived_v:
-                if v.rule in DIVERGENT_ADMISSION_RULES:
-                    self.what_if.divergent_admissions += 1
-                else:
-                    self._add(Problem("violation", v.rule, derived=(v,), **about(v)))
-            return
-        for cls in _COMPARED:
-            rec = tuple(x for x in recorded if x.__class__ is cls)
-            der = tuple(x for x in derived if x.__class__ is cls)
-            if rec != der:
-                self._add(Problem("decision", cls.__name__, recorded=rec, derived=der, **common))
-        recorded_v = [d for d in recorded if d.__class__ is ev.ViolationRecorded]
-        for v in derived_v:
-            self._add(
-                Problem(
-                    "violation",
-                    v.rule,
-                    recorded=tuple(x for x in recorded_v if x == v),
-                    derived=(v,),
-                    recorded_too=v in recorded_v,
-                    detail=v.detail,
-                    **about(v),
-                )
-            )
-        for v in recorded_v:
-            if v not in derived_v:
-                self._add(
-                    Problem(
-                        "unexplained",
-                        f"ViolationRecorded {v.rule}",
-                        recorded=(v,),
-                        detail=v.detail,
-                        **about(v),
-                    )
-                )
-        others = [d for d in recorded if d.__class__ not in _COMPARED and d not in recorded_v]
-        for d in others:  # a decision type this code does not know how to compare
-            self._add(Problem("unexplained", type(d).__name__, recorded=(d,), **common))
+    # --- one input's decisions ----------------------------------------------------------
 
-    def _per_request(self, req_id: str, loaded: int, saved: int, column: int) -> None:
-        assert self.what_if is not None
-        row = self.what_if.per_request.get(req_id)
-        if row is None:
-            row = self.what_if.per_request[req_id] = {"loaded": [0, 0], "saved": [0, 0]}
-        row["loaded"][column] += loaded
-        row["saved"][column] += saved
+    def _finish(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        derived = pending[2]
+        totals = self.result.totals
+        tally = self.tally
+        for side, decisions, t in (
+            (0, recorded, totals["recorded"]),
+            (1, derived, totals["derived"]),
+        ):
+            for d in decisions:
+                lo, sa = moved(d)
+                if lo or sa:
+                    t["tokens_loaded"] += lo
+                    t["tokens_saved"] += sa
+                    t["loads" if lo else "saves"] += 1
+                    if tally is not None:
+                        tally(d.req_id, lo, sa, side)
+        self._judge(pending, recorded)
+
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        """What this path makes of an input's derived decisions (``pending``: the input, the
+        request's state before it, the decisions, where it was read) and the recorded ones."""
+        raise NotImplementedError
+
+    def _stray(self, d: ev.DecisionEvent, frame: Any, index: int) -> bool:
+        """A recorded decision that follows no input event; returns whether the check is
+        done (``--first``)."""
+        raise NotImplementedError
+
+    def _apply_now(self, e: ev.Event, before: RequestState | None) -> None:
+        """Apply an input of the replay's own (not read from the log) and judge what it
+        derives, with nothing recorded to compare it with."""
+        self.tracker.step = e.step
+        derived = self.tracker.apply(e)
+        if derived:
+            self._finish((e, before, derived, _NO_FRAME, -1), [])
 
     # --- recorded facts -----------------------------------------------------------------
 
@@ -561,118 +271,25 @@ class _Checker:
             )
         return self.done
 
-    def _unexplained(self, d: ev.DecisionEvent, frame: Any, index: int) -> None:
+    def _raised(
+        self, e: ev.Event, before: RequestState | None, frame: Any, index: int, exc: Exception
+    ) -> None:
+        """The tracker raised on an event: a bug in tracker/ (the fold must be total)."""
         self._add(
             Problem(
-                "unexplained",
-                type(d).__name__,
-                d.step,
-                d.req_id,
-                None,
-                recorded=(d,),
+                "error",
+                "tracker_error",
+                e.step,
+                e.req_id,
+                e,
+                before=self._summary(before),
                 path=frame.path,
                 offset=frame.offset,
                 seq=frame.seq,
                 index=index,
-                detail="a decision that follows no input event",
+                detail=f"{type(exc).__name__}: {exc}"[:300],
             )
         )
-
-    # --- what-if ------------------------------------------------------------------------
-
-    def _rewrite(
-        self, e: ev.Event, before: RequestState | None, admissions: dict[str, int]
-    ) -> ev.Event | None:
-        """The input as vLLM would have sent it had it accepted this configuration's offer
-        (see the module docstring), or None for a recorded worker result (replaced)."""
-        w = self.what_if
-        assert w is not None
-        if isinstance(e, _WORKER_RESULTS):
-            w.worker_results_replaced += 1
-            if isinstance(e, (ev.LoadFailed, ev.SaveFailed)):
-                w.recorded_failures_ignored += 1
-            return None
-        if isinstance(e, ev.StepDecoded):
-            return self._split_decoded(e)
-        if before is None:
-            return e
-        lookup = before.lookup
-        if isinstance(e, ev.Allocated):
-            if before.allocated and e.num_external == 0:
-                return e  # the second call after an async load
-            offered = lookup.external if lookup is not None else 0
-            local = lookup.local_hit if lookup is not None else 0
-            total = admissions.get(e.req_id)
-            if lookup is not None and total is not None and offered > total - 1 - local:
-                # vLLM's recorded step has no room for the whole offer (its admission
-                # computes fewer tokens than the offer would skip): offer what fits, as
-                # a connector capping its answer would, and keep the recorded schedule.
-                offered = max(0, total - 1 - local)
-                capped = ev.LookupAnswered(e.step, e.req_id, lookup.hit, offered)
-                self.tracker.step = e.step
-                derived = self.tracker.apply(capped)
-                if derived:
-                    self._finish((capped, before, derived, _NO_FRAME, -1), [])
-            if offered != e.num_external:
-                w.divergent_admissions += 1
-                return attrs.evolve(e, num_external=offered)
-            return e
-        if isinstance(e, ev.Scheduled) and e.admission is not ev.Admission.RUNNING:
-            computed = (
-                lookup.local_hit if lookup is not None else e.num_computed
-            ) + before.accepted
-            total = e.num_computed + e.num_scheduled
-            if computed != e.num_computed and 0 <= computed < total:
-                return attrs.evolve(e, num_computed=computed, num_scheduled=total - computed)
-        return e
-
-    def _split_decoded(self, e: ev.StepDecoded) -> ev.Event | None:
-        """What-if: the recorded run folded these requests' single-token steps as steady
-        (``StepDecoded``). Under the what-if config some may not be steady (a decode chunk is
-        due with ``save_decode_cache``, say): those go through ``Scheduled`` as the connector
-        would have sent them, except for the token ids, which the run learned later, in bulk
-        (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
-        tracker = self.tracker
-        req_of = tracker.request_of
-        steady: list[int] = []
-        for num in e.nums:
-            rid = req_of(num)
-            state = tracker.state(rid) if rid is not None else None
-            if (
-                rid is None
-                or state is None
-                or tracker.decode_step_ok(rid, state.num_tokens) is not None
-            ):
-                steady.append(num)  # (or unknown: the tracker names it)
-                continue
-            scheduled = ev.Scheduled(e.step, rid, state.num_tokens, 1, len(state.token_ids))
-            if len(state.token_ids) <= state.num_tokens:
-                assert self.what_if is not None  # (only a what-if splits StepDecoded)
-                self.what_if.steps_without_token_ids += 1
-            tracker.step = e.step
-            derived = tracker.apply(scheduled)
-            if derived:
-                self._finish((scheduled, state, derived, _NO_FRAME, -1), [])
-        if not steady:
-            return None
-        return e if len(steady) == len(e.nums) else ev.StepDecoded(e.step, "", tuple(steady))
-
-    def _complete_transfers(self, step: int) -> None:
-        """What-if: every transfer planned before ``step`` succeeded."""
-        tracker = self.tracker
-        for req_id, state in list(tracker.states.items()):
-            events: list[ev.Event] = []
-            if state.load is not None and not state.load.done:
-                events.append(ev.LoadDone(step, req_id))
-            if state.save.pending:
-                events.append(ev.SaveDone(step, req_id, tuple(k for k, _ in state.save.pending)))
-            for e in events:
-                before = tracker.state(req_id)
-                tracker.step = step
-                derived = tracker.apply(e)
-                if derived:
-                    pending = (e, before, derived, _NO_FRAME, -1)
-                    self._finish(pending, [])
 
     # --- the loop -----------------------------------------------------------------------
 
@@ -682,28 +299,18 @@ class _Checker:
         state_of = tracker.state
         live_states = tracker.states  # the live dict itself (read for its size only)
         apply = tracker.apply
-        what_if = self.what_if
-        progress = self.progress
+        prepare, rewrite = self.prepare, self.rewrite
+        report = None if self.progress is None else _Report(self.progress, source.paths)
         by_type: Counter[type] = Counter()
         count_types = by_type.update
         recorded: list[ev.DecisionEvent] = []
-        pending: tuple[Any, ...] | None = None
+        pending: Pending | None = None
         pending_derived: list[ev.DecisionEvent] = []
         index = 0
         frames = steps = inputs = 0
         last_step: int | None = None
         requests = 0
         peak_live = 0
-        admissions: dict[str, int] = {}
-        # Progress: bytes of the segments before the current one, plus the frame offset.
-        sizes = {str(p): p.stat().st_size for p in source.paths if p.is_file()}
-        done_before: dict[str, int] = {}
-        acc = 0
-        for p in source.paths:
-            done_before[str(p)] = acc
-            acc += sizes.get(str(p), 0)
-        total_bytes = acc
-        next_report = time.monotonic() + 0.1
         RequestAdded = ev.RequestAdded
         ViolationRecorded = ev.ViolationRecorded
         StepDecoded = ev.StepDecoded
@@ -725,20 +332,15 @@ class _Checker:
             frames += 1
             events = frame.events
             count_types(map(type, events))
-            if frame.step != last_step:
+            new_step = frame.step != last_step
+            if new_step:
                 steps += 1
                 last_step = frame.step
-                if what_if is not None:
-                    if pending is not None:
-                        self._finish(pending, recorded)
-                        pending, recorded, pending_derived = None, [], []
-                    self._complete_transfers(frame.step)
-            if what_if is not None:
-                admissions = {
-                    e.req_id: e.num_computed + e.num_scheduled
-                    for e in events
-                    if e.__class__ is ev.Scheduled and e.admission is not ev.Admission.RUNNING
-                }
+            if prepare is not None:
+                if new_step and pending is not None:
+                    self._finish(pending, recorded)
+                    pending, recorded, pending_derived = None, [], []
+                prepare(frame, new_step)
             for e in events:
                 if e.KIND == "input":
                     if pending is not None and (recorded or pending_derived):
@@ -754,8 +356,8 @@ class _Checker:
                     if rid == wanted:
                         self.request_seen = True
                     before = state_of(rid)
-                    if what_if is not None:
-                        rewritten = self._rewrite(e, before, admissions)
+                    if rewrite is not None:
+                        rewritten = rewrite(e, before)
                         if rewritten is None:
                             index += 1
                             continue
@@ -766,21 +368,7 @@ class _Checker:
                     try:
                         pending_derived = apply(e)
                     except Exception as exc:  # a tracker bug: report it, keep going
-                        self._add(
-                            Problem(
-                                "error",
-                                "tracker_error",
-                                e.step,
-                                rid,
-                                e,
-                                before=self._summary(before),
-                                path=frame.path,
-                                offset=frame.offset,
-                                seq=frame.seq,
-                                index=index,
-                                detail=f"{type(exc).__name__}: {exc}"[:300],
-                            )
-                        )
+                        self._raised(e, before, frame, index, exc)
                         pending_derived = []
                         if self.done:
                             break
@@ -790,10 +378,8 @@ class _Checker:
                 elif e.__class__ is ViolationRecorded and e.rule in EXTERNAL_RULES:
                     self._fact(e, frame, index)
                 elif pending is None:
-                    if what_if is None:  # (what-if: after a replaced worker result)
-                        self._unexplained(typing.cast(ev.DecisionEvent, e), frame, index)
-                        if self.done:
-                            break
+                    if self._stray(typing.cast(ev.DecisionEvent, e), frame, index):
+                        break
                 else:
                     recorded.append(typing.cast(ev.DecisionEvent, e))  # (KIND: not input)
                 index += 1
@@ -802,20 +388,15 @@ class _Checker:
             live = len(live_states)
             if live > peak_live:
                 peak_live = live
-            if progress is not None and time.monotonic() >= next_report:
-                next_report = time.monotonic() + 0.1
-                progress(done_before.get(frame.path, 0) + frame.offset, total_bytes)
+            if report is not None:
+                report.at(frame)
         if pending is not None and not self.done:
             self._finish(pending, recorded)
         if self.done:
             result.stopped_early = True
-        if progress is not None and not self.done:
-            progress(total_bytes, total_bytes)
-        result.stop = source.stop
-        result.ending = source.ending
-        result.stopped_by = source.stopped_by
-        if result.incomplete is None and source.ending in ("open", "rotated"):
-            result.incomplete = source.describe_ending()
+        if report is not None and not self.done:
+            report.end()
+        result.read_to(source)
         result.counts = {
             "events": index,
             "inputs": inputs,
@@ -833,6 +414,29 @@ class _Checker:
         }
 
 
+class _Report:
+    """``progress(bytes done, bytes total)``, a few times a second: the bytes of the segments
+    before the frame's, plus the frame's offset."""
+
+    def __init__(self, progress: Progress, paths: Sequence[Path]) -> None:
+        self.progress = progress
+        self.before: dict[str, int] = {}
+        total = 0
+        for p in paths:
+            self.before[str(p)] = total
+            total += p.stat().st_size if p.is_file() else 0
+        self.total = total
+        self.next = time.monotonic() + 0.1
+
+    def at(self, frame: Frame) -> None:
+        if time.monotonic() >= self.next:
+            self.next = time.monotonic() + 0.1
+            self.progress(self.before.get(frame.path, 0) + frame.offset, self.total)
+
+    def end(self) -> None:
+        self.progress(self.total, self.total)
+
+
 class _NoFrame:
     path = ""
     offset = -1
@@ -844,6 +448,198 @@ _NO_FRAME = _NoFrame()
 
 def _type_order(item: tuple[type, int]) -> int:
     return getattr(item[0], "TAG", 999)
+
+
+# --- check: the run's decisions against this code's -------------------------------------
+
+
+class _Check(_Replay):
+    """``check``: every decision this code derives, compared with the one the run recorded
+    after the same input; every rule broken, recorded or not."""
+
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        event, before, derived, frame, index = pending
+        derived_v = [d for d in derived if d.__class__ is ev.ViolationRecorded]
+        if recorded == derived and not derived_v:
+            return
+        self.tracker.violations.clear()  # the replay keeps its own (bounded) list
+        context = self._context(event, before, frame, index)
+        for cls in _COMPARED:
+            rec = tuple(x for x in recorded if x.__class__ is cls)
+            der = tuple(x for x in derived if x.__class__ is cls)
+            if rec != der:
+                self._add(Problem("decision", cls.__name__, recorded=rec, derived=der, **context))
+        recorded_v = [d for d in recorded if d.__class__ is ev.ViolationRecorded]
+        for v in derived_v:
+            self._add(
+                Problem(
+                    "violation",
+                    v.rule,
+                    recorded=tuple(x for x in recorded_v if x == v),
+                    derived=(v,),
+                    recorded_too=v in recorded_v,
+                    detail=v.detail,
+                    **self._about(v, context),
+                )
+            )
+        for v in recorded_v:
+            if v not in derived_v:
+                self._add(
+                    Problem(
+                        "unexplained",
+                        f"ViolationRecorded {v.rule}",
+                        recorded=(v,),
+                        detail=v.detail,
+                        **self._about(v, context),
+                    )
+                )
+        others = [d for d in recorded if d.__class__ not in _COMPARED and d not in recorded_v]
+        for d in others:  # a decision type this code does not know how to compare
+            self._add(Problem("unexplained", type(d).__name__, recorded=(d,), **context))
+
+    def _stray(self, d: ev.DecisionEvent, frame: Any, index: int) -> bool:
+        self._add(
+            Problem(
+                "unexplained",
+                type(d).__name__,
+                d.step,
+                d.req_id,
+                None,
+                recorded=(d,),
+                path=frame.path,
+                offset=frame.offset,
+                seq=frame.seq,
+                index=index,
+                detail="a decision that follows no input event",
+            )
+        )
+        return self.done
+
+
+# --- what-if: the plans under another configuration ---------------------------------------
+
+
+class _WhatIf(_Replay):
+    """``check --with``: the recorded inputs as vLLM would have sent them had it accepted this
+    configuration's offers (see the module docstring), every planned transfer taken as
+    succeeded, and the plans tallied per request against the recorded ones."""
+
+    def __init__(self, result: CheckResult, config: TrackerConfig, **kw: Any) -> None:
+        super().__init__(result, config, **kw)
+        assert result.what_if is not None
+        self.what_if: WhatIf = result.what_if
+        # Each admission of the frame: its request -> the tokens vLLM computes at it.
+        self.admissions: dict[str, int] = {}
+        self.prepare = self._prepare
+        self.rewrite = self._rewrite
+        self.tally = self._tally
+
+    def _tally(self, req_id: str, loaded: int, saved: int, column: int) -> None:
+        row = self.what_if.per_request.get(req_id)
+        if row is None:
+            row = self.what_if.per_request[req_id] = {"loaded": [0, 0], "saved": [0, 0]}
+        row["loaded"][column] += loaded
+        row["saved"][column] += saved
+
+    def _judge(self, pending: Pending, recorded: list[ev.DecisionEvent]) -> None:
+        event, before, derived, frame, index = pending
+        self.tracker.violations.clear()  # the replay keeps its own (bounded) list
+        context = self._context(event, before, frame, index)
+        for v in [d for d in derived if d.__class__ is ev.ViolationRecorded]:
+            if v.rule in DIVERGENT_ADMISSION_RULES:
+                self.what_if.divergent_admissions += 1
+            else:
+                self._add(Problem("violation", v.rule, derived=(v,), **self._about(v, context)))
+
+    def _stray(self, d: ev.DecisionEvent, frame: Any, index: int) -> bool:
+        return False  # the recorded result it followed was replaced: nothing to judge
+
+    def _prepare(self, frame: Frame, new_step: bool) -> None:
+        if new_step:
+            self._complete_transfers(frame.step)
+        self.admissions = {
+            e.req_id: e.num_computed + e.num_scheduled
+            for e in frame.events
+            if e.__class__ is ev.Scheduled and e.admission is not ev.Admission.RUNNING
+        }
+
+    def _rewrite(self, e: ev.Event, before: RequestState | None) -> ev.Event | None:
+        """The input as vLLM would have sent it had it accepted this configuration's offer
+        (see the module docstring), or None for a recorded worker result (replaced)."""
+        w = self.what_if
+        if isinstance(e, _WORKER_RESULTS):
+            w.worker_results_replaced += 1
+            if isinstance(e, (ev.LoadFailed, ev.SaveFailed)):
+                w.recorded_failures_ignored += 1
+            return None
+        if isinstance(e, ev.StepDecoded):
+            return self._split_decoded(e)
+        if before is None:
+            return e
+        lookup = before.lookup
+        if isinstance(e, ev.Allocated):
+            if before.allocated and e.num_external == 0:
+                return e  # the second call after an async load
+            offered = lookup.external if lookup is not None else 0
+            local = lookup.local_hit if lookup is not None else 0
+            total = self.admissions.get(e.req_id)
+            if lookup is not None and total is not None and offered > total - 1 - local:
+                # vLLM's recorded step has no room for the whole offer (its admission
+                # computes fewer tokens than the offer would skip): offer what fits, as
+                # a connector capping its answer would, and keep the recorded schedule.
+                offered = max(0, total - 1 - local)
+                self._apply_now(ev.LookupAnswered(e.step, e.req_id, lookup.hit, offered), before)
+            if offered != e.num_external:
+                w.divergent_admissions += 1
+                return attrs.evolve(e, num_external=offered)
+            return e
+        if isinstance(e, ev.Scheduled) and e.admission is not ev.Admission.RUNNING:
+            computed = (
+                lookup.local_hit if lookup is not None else e.num_computed
+            ) + before.accepted
+            total = e.num_computed + e.num_scheduled
+            if computed != e.num_computed and 0 <= computed < total:
+                return attrs.evolve(e, num_computed=computed, num_scheduled=total - computed)
+        return e
+
+    def _split_decoded(self, e: ev.StepDecoded) -> ev.Event | None:
+        """The recorded run folded these requests' single-token steps as steady
+        (``StepDecoded``). Under the what-if config some may not be steady (a decode chunk is
+        due with ``save_decode_cache``, say): those go through ``Scheduled`` as the connector
+        would have sent them, except for the token ids, which the run learned later, in bulk
+        (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
+        tracker = self.tracker
+        req_of = tracker.request_of
+        steady: list[int] = []
+        for num in e.nums:
+            rid = req_of(num)
+            state = tracker.state(rid) if rid is not None else None
+            if (
+                rid is None
+                or state is None
+                or tracker.decode_step_ok(rid, state.num_tokens) is not None
+            ):
+                steady.append(num)  # (or unknown: the tracker names it)
+                continue
+            if len(state.token_ids) <= state.num_tokens:
+                self.what_if.steps_without_token_ids += 1
+            scheduled = ev.Scheduled(e.step, rid, state.num_tokens, 1, len(state.token_ids))
+            self._apply_now(scheduled, state)
+        if not steady:
+            return None
+        return e if len(steady) == len(e.nums) else ev.StepDecoded(e.step, "", tuple(steady))
+
+    def _complete_transfers(self, step: int) -> None:
+        """Every transfer planned before ``step`` succeeded."""
+        tracker = self.tracker
+        for req_id, state in list(tracker.states.items()):
+            events: list[ev.Event] = []
+            if state.load is not None and not state.load.done:
+                events.append(ev.LoadDone(step, req_id))
+            if state.save.pending:
+                events.append(ev.SaveDone(step, req_id, tuple(k for k, _ in state.save.pending)))
+            for e in events:
+                self._apply_now(e, tracker.state(req_id))
 
 
 # --- the entry point ----------------------------------------------------------------------
@@ -879,9 +675,7 @@ def check(
         names = [os.fspath(p) for p in path]
     result = CheckResult(paths=names, request=request, first=first)
     try:
-        _check_into(
-            result, path, request, first, progress, max_problems, config_overrides, differential
-        )
+        _check_into(result, path, request, progress, max_problems, config_overrides, differential)
     except LogUnreadable as e:
         # Not a log, an unknown major version, a damaged first header, a missing file.
         result.error = str(e)
@@ -894,7 +688,6 @@ def _check_into(
     result: CheckResult,
     path: LogPath,
     request: str | None,
-    first: bool,
     progress: Progress | None,
     max_problems: int,
     overrides: dict[str, Any],
@@ -904,9 +697,9 @@ def _check_into(
     result.paths = [str(p) for p in source.paths]
     header = source.header
     if header.get("segment", 0):
-        first = header["segment"]
+        start = header["segment"]
         result.error = (
-            f"the log starts at segment {first}: segments 0 to {first - 1} are missing "
+            f"the log starts at segment {start}: segments 0 to {start - 1} are missing "
             "(deleted?), and a replay needs the log from its start to rebuild every state; "
             "kvledger show and stats still read what is there"
         )
@@ -932,7 +725,7 @@ def _check_into(
         result.bad_option = str(e)
         return
     result.config = config.to_dict()
-    if is_recorded(source.run_info):
+    if source.recorded:
         # A recorder's log: the wrapped connector decided, kvledger recorded; nothing to
         # re-derive, the rules any connector keeps to judge (--with sets the differential's pool).
         check_recorded_into(
@@ -940,7 +733,6 @@ def _check_into(
             source,
             config,
             request=request,
-            first=first,
             max_problems=max_problems,
             differential=differential,
         )
@@ -951,30 +743,31 @@ def _check_into(
             "written by KVLedgerRecorder, and this one was written by KVLedgerConnector"
         )
         return
-    what_if = None
+    replay: _Replay
     if overrides:
-        what_if = WhatIf(dict(overrides), recorded.to_dict(), config.to_dict())
-    result.what_if = what_if
-    replay_config = config
-    if what_if is not None and "max_async_lag" not in overrides:
-        # Steady decode steps of the run learned their token ids later, in bulk; a what-if
-        # step that is not steady under the new config goes through Scheduled without them.
-        replay_config = config.with_changes(max_async_lag=_UNBOUNDED_LAG)
-    checker = _Checker(
-        result,
-        replay_config,
-        request=request,
-        first=first,
-        progress=progress,
-        max_problems=max_problems,
-        what_if=what_if,
-    )
+        result.what_if = WhatIf(dict(overrides), recorded.to_dict(), config.to_dict())
+        replay_config = config
+        if "max_async_lag" not in overrides:
+            # Steady decode steps of the run learned their token ids later, in bulk; a what-if
+            # step that is not steady under the new config goes through Scheduled without them.
+            replay_config = config.with_changes(max_async_lag=_UNBOUNDED_LAG)
+        replay = _WhatIf(
+            result,
+            replay_config,
+            request=request,
+            progress=progress,
+            max_problems=max_problems,
+        )
+    else:
+        replay = _Check(
+            result, config, request=request, progress=progress, max_problems=max_problems
+        )
     try:
-        checker.run(source)
+        replay.run(source)
     except (LogFormatError, OSError) as e:
         # A later segment that cannot be read at all: what came before was checked.
         result.error = str(e)
         result.stop = source.stop
-    if request is not None and not checker.request_seen and result.error is None:
+    if request is not None and not replay.request_seen and result.error is None:
         # Never "clean" for a request that is not there (a typo, another log).
         result.error = f"no request {request!r} in the log"

@@ -133,6 +133,7 @@ class LogSource:
     - :attr:`header`: the first segment's header.
     - :attr:`tracker_config` / :attr:`run_info`: the header's ``config`` split into the
       ``TrackerConfig`` fields and the rest (``vllm_version``, ``slot_bytes``, ...).
+    - :attr:`recorded`: whether a ``KVLedgerRecorder`` wrote it (connector/recorder.py).
     - :meth:`config`: the ``TrackerConfig`` the run used.
     - after a pass: :attr:`damage`, :attr:`ending`, :attr:`last_step`, :attr:`gaps`,
       :attr:`missing_start` (see the module docstring).
@@ -145,6 +146,12 @@ class LogSource:
         self.header = header
         self.tracker_config, self.run_info = split_config(header.get("config"))
         self.damage: StopInfo | None = None
+
+    @property
+    def recorded(self) -> bool:
+        """Whether a ``KVLedgerRecorder`` wrote the log (its header names the wrapped
+        connector): what it holds is another connector's decisions, as facts."""
+        return isinstance(self.run_info.get("recorder"), dict)
 
     @property
     def stop(self) -> StopInfo | None:

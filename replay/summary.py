@@ -11,8 +11,9 @@ from typing import Any
 
 import attrs
 
-from replay.explain import Explainer, Tally
-from replay.recorded import is_recorded
+from replay.counts import COUNTERS, SUMMED, StepCounts
+from replay.explainer import Explainer
+from replay.misses import Tally
 from replay.source import LogPath, LogSource, damage_dict, open_log
 from tracker import events as ev
 from tracker.digests import DigestBook
@@ -157,7 +158,7 @@ def stats(path: LogPath | LogSource) -> Stats:
         format_version=f"{h.get('major', '?')}.{h.get('minor', '?')}",
         run_id=str(h.get("run_id", "")),
         config_problem=config_problem,
-        recorded=is_recorded(src.run_info),
+        recorded=src.recorded,
     )
     by_type: Counter[type[ev.Event]] = Counter()
     reasons: Counter[str] = Counter()
@@ -165,6 +166,10 @@ def stats(path: LogPath | LogSource) -> Stats:
     last_frame: Frame | None = None
     first_wall: int | None = None
     prev_step: int | None = None
+    # What each step did (replay.counts: the counts tail and the tables read), summed into the
+    # totals at the end of each step.
+    counts = StepCounts()
+    count_of = COUNTERS.get
     running = ev.Admission.RUNNING
     # Preemption happens only in these folds (signalled, inferred from a lookup of a running
     # request, or from a re-admission); checking only them keeps the decode path cheap.
@@ -173,7 +178,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     decoded = 0
     book = DigestBook()
     tally = Tally()
-    explainer = Explainer(config, tally.add, recorded=is_recorded(src.run_info))
+    explainer = Explainer(config, tally.add, recorded=src.recorded)
     wellformed = Wellformed()
     malformed: Counter[str] = Counter()
     for item in walk(src.frames(), config):
@@ -192,11 +197,16 @@ def stats(path: LogPath | LogSource) -> Stats:
             if frame.step != prev_step:
                 st.steps += 1
                 prev_step = frame.step
+                _add_step(st, counts, rules)
+                counts = StepCounts(frame.step)
         cls = e.__class__
         by_type[cls] += 1
         bad = wellformed.check(e)
         if bad:
             malformed.update(v.rule for v in bad)
+        count = count_of(cls)
+        if count is not None:
+            count(counts, e)
         if cls is ev.Scheduled:
             if e.admission is running:  # type: ignore[attr-defined]
                 continue  # the hot path: nothing to count beyond the type
@@ -213,27 +223,6 @@ def stats(path: LogPath | LogSource) -> Stats:
             if before is not None and not before.finished:
                 st.finished += 1
                 reasons[e.reason] += 1  # type: ignore[attr-defined]
-        elif cls is ev.LoadPlanned:
-            assert isinstance(e, ev.LoadPlanned)
-            if e.end > e.start:
-                st.loads += 1
-                st.tokens_loaded += e.end - e.start
-            if e.refused_blocks:
-                st.loads_refused += 1
-        elif cls is ev.LoadFailed:
-            st.load_failures += 1
-        elif cls is ev.SavePlanned:
-            assert isinstance(e, ev.SavePlanned)
-            if e.keys:
-                st.saves += 1
-                st.tokens_saved += e.end - e.start
-                st.chunks_saved += len(e.keys)
-        elif cls is ev.SaveDone:
-            st.chunks_confirmed += len(e.keys)  # type: ignore[attr-defined]
-        elif cls is ev.SaveFailed:
-            st.chunks_failed += len(e.keys)  # type: ignore[attr-defined]
-        elif cls is ev.ViolationRecorded:
-            rules[e.rule] += 1  # type: ignore[attr-defined]
         elif cls is ev.StepDecoded:
             decoded += len(e.nums)  # type: ignore[attr-defined]
         elif cls is ev.BlockDigested or cls is ev.LoadDigested:
@@ -245,6 +234,7 @@ def stats(path: LogPath | LogSource) -> Stats:
             and after.life.num_preemptions > before.life.num_preemptions
         ):
             st.preemptions += 1
+    _add_step(st, counts, rules)
     if last_frame is not None:
         st.last_step = last_frame.step
         if first_wall is not None:
@@ -262,6 +252,13 @@ def stats(path: LogPath | LogSource) -> Stats:
     st.misses = tally.to_dict()
     st.damage = src.damage
     return st
+
+
+def _add_step(st: Stats, counts: StepCounts, rules: Counter[str]) -> None:
+    """A step's counts, summed into the log's."""
+    for name in SUMMED:
+        setattr(st, name, getattr(st, name) + getattr(counts, name))
+    rules.update(rule for rule, _ in counts.violations)
 
 
 def _count_lookup(bucket: LookupStats, before: RequestState) -> None:

@@ -37,9 +37,10 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from replay.explain import AdmissionMisses, Explainer
+from replay.counts import COUNTERS, StepCounts
+from replay.explainer import Explainer
 from replay.format import plain_fields
-from replay.recorded import is_recorded
+from replay.misses import AdmissionMisses
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
@@ -311,6 +312,20 @@ _PHASES = {
 }
 
 
+# The steps table's columns that are a step's counts (replay.counts), under the same names.
+_COUNTED = (
+    "lookups",
+    "tokens_loaded",
+    "loads_refused",
+    "load_failures",
+    "tokens_saved",
+    "chunks_saved",
+    "chunks_confirmed",
+    "chunks_failed",
+    "chunks_evicted",
+)
+
+
 def _new_step(step: int, frame: Any, config: TrackerConfig) -> Row:
     row: Row = {c.name: 0 for c in STEPS}
     row.update(step=step, seq=frame.seq, wall_ns=frame.wall_ns, pool_slots=config.num_slots)
@@ -341,6 +356,8 @@ class _Builder:
         self.explainer = Explainer(config, self._misses, recorded=recorded)
         self.index: ChunkIndex = self.explainer.index
         self.step_row: Row | None = None
+        # The step's counts read off its events (replay.counts: tail's and stats' too).
+        self.step_counts = StepCounts()
         self.makers = {
             cls: tuple((f.name, _own_column(f.name), f.convert) for f in plain_fields(cls))
             for cls in ev.EVENT_TYPES
@@ -351,6 +368,7 @@ class _Builder:
     def run(self, src: LogSource) -> None:
         last_pos = -1
         feed = self.explainer.feed
+        count_of = COUNTERS.get
         for item in walk(src.frames(), self.config):
             pos, frame, e, label = item.pos, item.frame, item.event, item.life
             before, after = item.before, item.after
@@ -364,9 +382,13 @@ class _Builder:
                 if srow is not None:
                     self._close_step(srow)
                 srow = self.step_row = _new_step(frame.step, frame, self.config)
+                self.step_counts = StepCounts(frame.step)
             feed(item)  # after the step before was closed: its pool counts are its own
             srow["events"] += 1
             cls = e.__class__
+            count = count_of(cls)
+            if count is not None:
+                count(self.step_counts, e)
             request = None if label == POOL else label
             self.emit(
                 "events",
@@ -385,8 +407,6 @@ class _Builder:
                 self._own_fields(pos, e, request)
             if request is not None:
                 self._request_event(pos, e, request, item.new, before, after, srow)
-            else:
-                self._pool_event(e, srow)
         if self.step_row is not None:
             self._close_step(self.step_row)
 
@@ -448,10 +468,6 @@ class _Builder:
             r["last_step"] = e.step
         if after is not None:
             self.tokens[label] = after.num_tokens
-
-    def _pool_event(self, e: ev.Event, srow: Row) -> None:
-        if e.__class__ is ev.ChunkEvicted:
-            srow["chunks_evicted"] += 1
 
     def _count_phase(self, state: RequestState | None, delta: int) -> None:
         if state is not None:
@@ -539,8 +555,7 @@ class _Builder:
     # --- per event type ------------------------------------------------------------------
 
     def _lookup_asked(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
-        srow["lookups"] += 1
+        r = rest[-1]
         if r is not None:
             r["lookups"] += 1
         wait = self.wait.setdefault(request, [e.step, 0])
@@ -618,13 +633,10 @@ class _Builder:
             r["admissions"] += 1
 
     def _load_planned(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
+        r = rest[-1]
         tokens = max(0, e.end - e.start)
-        srow["tokens_loaded"] += tokens
-        if e.refused_blocks:
-            srow["loads_refused"] += 1
-            if r is not None:
-                r["loads_refused"] += 1
+        if e.refused_blocks and r is not None:
+            r["loads_refused"] += 1
         a = self._open_admission(request)
         if a is not None:
             a.update(load_event=pos, load_step=e.step)
@@ -643,10 +655,8 @@ class _Builder:
         r: Row | None,
     ) -> None:
         failed = isinstance(e, ev.LoadFailed)
-        if failed:
-            srow["load_failures"] += 1
-            if r is not None:
-                r["load_failures"] += 1
+        if failed and r is not None:
+            r["load_failures"] += 1
         # The result of the latest admission's load (a revoked load's result comes after
         # the preemption: it still belongs to the admission that planned it).
         for a in reversed(self.admissions.get(request, ())):
@@ -655,12 +665,8 @@ class _Builder:
                 break
 
     def _save_planned(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow = rest[-2]
         if not e.keys:
             return
-        srow["tokens_saved"] += e.end - e.start
-        srow["chunks_saved"] += len(e.keys)
-        srow["chunks_evicted"] += len(e.evicted)
         a = self._open_admission(request)
         if a is not None:
             a["tokens_saved"] += e.end - e.start
@@ -686,9 +692,7 @@ class _Builder:
             mine[key] = row
 
     def _save_result(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow = rest[-2]
         done = isinstance(e, ev.SaveDone)
-        srow["chunks_confirmed" if done else "chunks_failed"] += len(e.keys)
         mine = self.saves.get(request, {})
         for key in e.keys:
             row = mine.pop(key, None)
@@ -714,8 +718,7 @@ class _Builder:
             r.update(finished_step=e.step, finish_reason=e.reason)
 
     def _violation(self, pos: int, e: Any, request: str, *rest: Any) -> None:
-        srow, r = rest[-2], rest[-1]
-        srow["violations"] += 1
+        r = rest[-1]
         if r is not None:
             r["violations"] += 1
 
@@ -748,7 +751,10 @@ class _Builder:
         self.retiring.clear()
         counts = self.phase_counts
         stats = self.index.stats()
+        done = self.step_counts
+        srow.update({name: getattr(done, name) for name in _COUNTED})
         srow.update(
+            violations=len(done.violations),
             running=counts[Phase.RUNNING],
             waiting=counts[Phase.WAITING],
             preempted=counts[Phase.PREEMPTED],
@@ -845,9 +851,7 @@ def table_rows(path: LogPath | LogSource, emit: Emit, *, problems: bool = True) 
             labels[row["event"]] = row["request"]
         emit(table, row)
 
-    builder = _Builder(
-        config, emit_and_label if wanted else emit, recorded=is_recorded(src.run_info)
-    )
+    builder = _Builder(config, emit_and_label if wanted else emit, recorded=src.recorded)
     builder.run(src)
     builder.finish()
     for row in problem_rows:

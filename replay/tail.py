@@ -21,9 +21,9 @@ from typing import Any
 
 import attrs
 
+from replay.counts import StepCounts
 from replay.logreader import LogFollower
 from replay.source import log_files
-from tracker import events as ev
 from tracker.framing import Frame, StopInfo
 
 __all__ = ["StepNews", "TailEnd", "follow", "news"]
@@ -31,49 +31,44 @@ __all__ = ["StepNews", "TailEnd", "follow", "news"]
 
 @attrs.define
 class StepNews:
-    """What one step did, read off its recorded events."""
+    """What one step did, as ``tail`` says it (``replay.counts.StepCounts``, under the names of
+    its ``--json`` lines)."""
 
     step: int
-    lookups: int = 0
+    lookups: int = 0  # answered
     hit_tokens: int = 0  # offered to vLLM from the pool (LookupAnswered.external)
     loads: int = 0
     load_tokens: int = 0
     saves: int = 0
     save_tokens: int = 0
     loads_done: int = 0
-    chunks_saved: int = 0
+    chunks_saved: int = 0  # confirmed (SaveDone)
     load_failures: int = 0
-    save_failures: int = 0
+    save_failures: int = 0  # chunks (SaveFailed)
     violations: list[tuple[str, str]] = attrs.field(factory=list)  # (rule, request)
+
+    @classmethod
+    def of(cls, c: StepCounts) -> StepNews:
+        return cls(
+            c.step,
+            lookups=c.answers,
+            hit_tokens=c.tokens_offered,
+            loads=c.loads,
+            load_tokens=c.tokens_loaded,
+            saves=c.saves,
+            save_tokens=c.tokens_saved,
+            loads_done=c.loads_done,
+            chunks_saved=c.chunks_confirmed,
+            load_failures=c.load_failures,
+            save_failures=c.chunks_failed,
+            violations=c.violations,
+        )
 
     @property
     def quiet(self) -> bool:
         return not (
             self.lookups or self.loads or self.saves or self.loads_done or self.chunks_saved
         ) and not (self.load_failures or self.save_failures or self.violations)
-
-    def add(self, e: ev.Event) -> None:
-        if isinstance(e, ev.LookupAnswered):
-            self.lookups += 1
-            self.hit_tokens += e.external
-        elif isinstance(e, (ev.LoadPlanned, ev.SavePlanned)):
-            if e.keys and e.end > e.start:  # a plan with something to move
-                if isinstance(e, ev.LoadPlanned):
-                    self.loads += 1
-                    self.load_tokens += e.end - e.start
-                else:
-                    self.saves += 1
-                    self.save_tokens += e.end - e.start
-        elif isinstance(e, ev.LoadDone):
-            self.loads_done += 1
-        elif isinstance(e, ev.SaveDone):
-            self.chunks_saved += len(e.keys)
-        elif isinstance(e, ev.LoadFailed):
-            self.load_failures += 1
-        elif isinstance(e, ev.SaveFailed):
-            self.save_failures += len(e.keys)
-        elif isinstance(e, ev.ViolationRecorded):
-            self.violations.append((e.rule, e.req_id))
 
     def to_dict(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -114,17 +109,18 @@ def _n(count: int, what: str) -> list[str]:
 
 def news(frames: Iterable[Frame]) -> Iterator[StepNews]:
     """A :class:`StepNews` per step of ``frames`` (consecutive frames of one step merged)."""
-    current: StepNews | None = None
+    current: StepCounts | None = None
     for frame in frames:
         if current is not None and frame.step != current.step:
-            yield current
+            yield StepNews.of(current)
             current = None
         if current is None:
-            current = StepNews(frame.step)
+            current = StepCounts(frame.step)
+        add = current.add
         for e in frame.events:
-            current.add(e)
+            add(e)
     if current is not None:
-        yield current
+        yield StepNews.of(current)
 
 
 @attrs.frozen

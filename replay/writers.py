@@ -35,9 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-import attrs
-
 from replay.extras import require
+from replay.otlp import write_otlp
+from replay.perfetto import write_trace
+from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from replay.tables import TABLES, Column, Row, table_rows
 from tracker.framing import StopInfo
@@ -55,26 +56,10 @@ _EXTENSIONS = {
     ".ndjson": "jsonl",
     ".json": "perfetto",
 }
-_FILE_EXT = {"parquet": ".parquet", "jsonl": ".jsonl"}
 
 
 class ExportError(ValueError):
     """The output cannot be written as asked: the message says what was wrong."""
-
-
-@attrs.frozen
-class ExportResult:
-    out: str
-    format: str
-    form: str  # directory, file, stdout, tree, trace
-    rows: dict[str, int]  # rows written per table (a trace: its events per phase type)
-    damage: list[StopInfo] = attrs.field(factory=list)
-    runs: tuple[str, ...] = ()
-    check_error: str | None = None
-
-    @property
-    def total(self) -> int:
-        return sum(self.rows.values())
 
 
 def _named_format(out: str) -> str | None:
@@ -165,15 +150,9 @@ def export(
     out_s = os.fspath(out)
     form, fmt = _resolve(out_s, fmt, table)
     if fmt == "perfetto":
-        from replay.perfetto import write_trace
-
-        result: ExportResult = write_trace(log, out_s, problems=problems)
-        return result
+        return write_trace(log, out_s, problems=problems)
     if fmt == "otlp":
-        from replay.otlp import write_otlp
-
-        spans: ExportResult = write_otlp(log, out_s)
-        return spans
+        return write_otlp(log, out_s)
     if fmt == "parquet":
         require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     src = open_log(log)  # unreadable: raise before anything is written
@@ -185,7 +164,7 @@ def export(
             out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error
         )
     with _Staging(out_s, form) as stage:
-        sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows, file=form == "file")
+        sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows)
         want = problems and (table is None or table == "problems")
         info = table_rows(src, sink.add, problems=want)
         sink.close()
@@ -232,7 +211,7 @@ def export_runs(
     with _Staging(out_s, "tree") as stage:
         for name, src in zip(names, sources, strict=True):
             part = os.path.join(stage.path, "{table}", f"run={name}")
-            sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, file=False, part=True)
+            sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, part=True)
             info = table_rows(src, sink.add, problems=problems)
             sink.close()
             counts.update(sink.counts)
@@ -419,7 +398,7 @@ class _ParquetSink(_Sink):
 
 
 def _make_sink(
-    fmt: str, directory: str, *, only: str | None, batch_rows: int, file: bool, part: bool = False
+    fmt: str, directory: str, *, only: str | None, batch_rows: int, part: bool = False
 ) -> _Sink:
     if fmt == "jsonl":
         return _JsonlSink(directory, only=only, part=part)

@@ -1,18 +1,20 @@
-"""Logs for the replay tests (``test_replay_diff.py``, ``test_replay_views.py``).
+"""Logs for the replay tests; conftest.py's ``synthetic_log`` and ``real_logs`` fixtures are
+built here.
 
 ``write_log`` writes a synthetic log with a real ``Tracker`` and ``LogWriter`` (no vLLM): a small
 engine loop drives the tracker's callback helpers through prefills, decodes, a preemption and
 resumption with a load from the pool, a prefix hit on a repeated prompt, and one violation
 (vLLM accepting more external tokens than offered). Hooks perturb it at known places.
 
-``real_logs`` runs vLLM's real scheduler (``connector.testing.run``) once per session for a few
-specs.
+``real_run_logs`` runs vLLM's real scheduler (``connector.testing.run``) once per session for a few
+specs. ``copy_log`` rewrites a log, edited, rotated, slowly or left open.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,8 @@ BLOCK = 16
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
 
 Alter = Callable[[ev.Event], "ev.Event | None"]
+# What copy_log writes in an event's place: nothing (None), the event changed, or several.
+Edit = Callable[[ev.Event], "ev.Event | Sequence[ev.Event] | None"]
 
 
 def token(rid: str, pos: int) -> int:
@@ -239,20 +243,34 @@ def write_log(
 def copy_log(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
-    transform: Callable[[ev.Event], ev.Event | None] = lambda e: e,
-) -> None:
-    """Rewrite a log event by event (``transform`` may change or drop an event)."""
+    edit: Edit | None = None,
+    *,
+    rotate_bytes: int | None = None,
+    pause: float = 0.0,
+    close: bool = True,
+) -> LogWriter:
+    """Rewrite a log frame by frame into a new one at ``dst``, with ``src``'s configuration:
+    ``edit(event)`` gives what is written in its place (None drops it, an event replaces it, a
+    list may add some); ``rotate_bytes`` writes segments of that size; ``pause`` seconds pass
+    after each step (a log being written); without ``close`` the log is left open (no end
+    record), as by a writer still running or killed. Returns the writer (``paths``: its
+    segments)."""
     reader = LogReader(src)
     header = reader.header
     assert header is not None
-    with LogWriter(dst, header["config"], fsync="never") as writer:
-        for frame in reader:
-            for e in frame.events:
-                out = transform(e)
-                if out is not None:
-                    writer.append(out)
-            writer.end_step(frame.step)
+    writer = LogWriter(dst, header["config"], fsync="never", rotate_bytes=rotate_bytes)
+    for frame in reader:
+        for e in frame.events:
+            out = e if edit is None else edit(e)
+            for kept in () if out is None else (out,) if isinstance(out, ev.Event) else out:
+                writer.append(kept)
+        writer.end_step(frame.step)
+        if pause:
+            time.sleep(pause)
     assert reader.stop is None
+    if close:
+        writer.close()
+    return writer
 
 
 def suffixed(suffix: str) -> Callable[[str], str]:
@@ -287,9 +305,11 @@ def _real_runs(root: str) -> dict[str, Path]:
     return out
 
 
-def real_logs(tmp_path_factory: Any) -> dict[str, Path]:
+def real_run_logs(tmp_path_factory: Any) -> dict[str, Path]:
     """Directories holding the logs of small real runs: ``base``, ``again`` (the same spec),
-    ``chunk16`` (chunk size 16), ``loads`` (vLLM's prefix cache off: loads from the pool)."""
+    ``chunk16`` (chunk size 16), ``loads`` (vLLM's prefix cache off: loads from the pool); the
+    test is skipped where vLLM's scheduler is not usable. The ``real_logs`` fixture
+    (conftest.py)."""
     from connector.testing.harness import skip_reason
 
     reason = skip_reason()

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _replay_logs import real_logs, write_log
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -187,16 +186,15 @@ def test_a_trace_of_a_log_about_requests_it_never_added() -> None:
     assert validate(trace(log), log) == {"flows": 0, "instants": 1, "tracks": 0}
 
 
-def test_a_synthetic_trace(tmp_path: Path) -> None:
-    log = tmp_path / "run.kvlog"
-    write_log(log)
+def test_a_synthetic_trace(synthetic_log: Path) -> None:
+    log = synthetic_log
     seen = validate(trace(log), log)
     assert seen["tracks"] == replay.stats(log).requests and seen["flows"] >= 2  # b and c load
 
 
 @pytest.mark.vllm
-def test_traces_of_vllms_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
-    for log in real_logs(tmp_path_factory).values():
+def test_traces_of_vllms_scheduler(real_logs: dict[str, Path]) -> None:
+    for log in real_logs.values():
         validate(trace(log), log)
 
 

@@ -14,8 +14,8 @@ import struct
 from pathlib import Path
 
 import pytest
+from _replay_logs import copy_log
 
-from connector.logwriter import LogWriter
 from replay.logreader import LogReader
 from tracker import framing as log
 from tracker.framing import LogFormatError
@@ -28,14 +28,8 @@ OVERWRITES = 400
 @pytest.fixture(scope="module")
 def segments(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     """The seed log's events, written anew in three segments."""
-    src = LogReader(SEED)
     out = tmp_path_factory.mktemp("rel") / "run.kvlog"
-    size = SEED.stat().st_size
-    with LogWriter(out, src.header["config"], rotate_bytes=size * 2 // 5, fsync="never") as w:  # type: ignore[index]
-        for frame in src:
-            for e in frame.events:
-                w.append(e)
-            w.end_step(frame.step)
+    w = copy_log(SEED, out, rotate_bytes=SEED.stat().st_size * 2 // 5)
     assert len(w.paths) >= 3
     return [p.read_bytes() for p in w.paths]
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _replay_logs import copy_log
 
 import replay
 from connector.logwriter import LogWriter
@@ -331,15 +332,9 @@ def test_what_if_saving_decode_chunks_needs_their_token_ids(tmp_path: Path) -> N
 
 def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
     """The clean log rewritten in small segments: a directory, or the list of its files."""
-    header = LogReader(CLEAN).header
     out = tmp_path / "segments"
     out.mkdir()
-    writer = LogWriter(out / "run.kvlog", header["config"], rotate_bytes=2048, fsync="never")
-    for frame in LogReader(CLEAN):
-        for e in frame.events:
-            writer.append(e)
-        writer.end_step(frame.step)
-    writer.close()
+    writer = copy_log(CLEAN, out / "run.kvlog", rotate_bytes=2048)
     assert len(writer.paths) > 3
     whole = check(CLEAN)
     for source in (out, [str(p) for p in writer.paths]):
@@ -401,32 +396,17 @@ def test_a_steady_decode_that_is_not_steady_is_named(tmp_path: Path) -> None:
     lie = tmp_path / "lie.kvlog"
     frames = list(LogReader(path))
     num = next(e.nums[0] for f in frames for e in f.events if isinstance(e, ev.StepDecoded))
-    writer = LogWriter(lie, config.to_dict(), fsync="never")
-    for f in frames:
-        for e in f.events:
-            if isinstance(e, ev.Scheduled) and e.admission is RUNNING and e.step == 2:
-                e = ev.StepDecoded(e.step, "", (num,))
-            if isinstance(e, ev.SavePlanned) and e.step == 2:
-                continue
-            writer.append(e)
-        writer.end_step(f.step)
-    writer.close()
+
+    def claim_steady(e: ev.Event) -> ev.Event | None:
+        if isinstance(e, ev.Scheduled) and e.admission is RUNNING and e.step == 2:
+            return ev.StepDecoded(e.step, "", (num,))
+        return None if isinstance(e, ev.SavePlanned) and e.step == 2 else e
+
+    copy_log(path, lie, claim_steady)
     result = check(lie)
     p = result.problems[0]
     assert (p.kind, p.rule, p.req_id, p.step) == ("violation", "decoded_not_steady", "a", 2)
     assert isinstance(p.event, ev.StepDecoded)
-
-
-def _rewrite(src: Path, dst: Path, edit: Any) -> None:
-    """Copy a log event by event; ``edit(event) -> list of events`` may change, drop or add."""
-    reader = LogReader(src)
-    writer = LogWriter(dst, reader.header["config"], fsync="never")
-    for frame in reader:
-        for e in frame.events:
-            for out in edit(e):
-                writer.append(out)
-        writer.end_step(frame.step)
-    writer.close()
 
 
 def test_a_tampered_decision_is_a_decision_problem(synthetic: Path, tmp_path: Path) -> None:
@@ -439,7 +419,7 @@ def test_a_tampered_decision_is_a_decision_problem(synthetic: Path, tmp_path: Pa
             return [ev.LookupAnswered(e.step, e.req_id, e.hit, e.external - 1)]
         return [e]
 
-    _rewrite(synthetic, target, edit)
+    copy_log(synthetic, target, edit)
     result = check(target)
     assert result.exit_code == 1
     p = result.problems[0]
@@ -460,7 +440,7 @@ def test_a_missing_decision_and_an_unexplained_one(synthetic: Path, tmp_path: Pa
             return []
         return [e]
 
-    _rewrite(synthetic, target, edit)
+    copy_log(synthetic, target, edit)
     result = check(target)
     p = result.problems[0]
     assert (p.kind, p.name, p.req_id) == ("decision", "SavePlanned", "r2")
@@ -495,7 +475,7 @@ def test_a_violation_is_a_problem_recorded_or_not(tmp_path: Path) -> None:
 
     # The same inputs in a log without the recorded violation: still a problem, not recorded.
     bare = tmp_path / "bare.kvlog"
-    _rewrite(path, bare, lambda e: [] if isinstance(e, ev.ViolationRecorded) else [e])
+    copy_log(path, bare, lambda e: [] if isinstance(e, ev.ViolationRecorded) else [e])
     [q] = check(bare).problems
     assert (q.kind, q.rule, q.recorded_too) == ("violation", v.rule, False)
 
@@ -507,7 +487,7 @@ def test_a_violation_is_a_problem_recorded_or_not(tmp_path: Path) -> None:
             return [e, ev.ViolationRecorded(e.step, e.req_id, "tokens_within_blocks", "X", "")]
         return [e]
 
-    _rewrite(bare, extra, add_one)
+    copy_log(bare, extra, add_one)
     problems = check(extra).problems
     assert (problems[0].kind, problems[0].name) == (
         "unexplained",

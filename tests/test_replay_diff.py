@@ -11,25 +11,13 @@ from pathlib import Path
 import attrs
 import pytest
 from _logfiles import torn_copy
-from _replay_logs import copy_log, real_logs, suffixed, write_log
+from _replay_logs import copy_log, suffixed, write_log
 
 import replay
 from replay import cli
 from replay.divergence import diff
 from replay.source import open_log
 from tracker import events as ev
-
-
-@pytest.fixture
-def base(tmp_path: Path) -> Path:
-    path = tmp_path / "base.kvlog"
-    write_log(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return real_logs(tmp_path_factory)
 
 
 def other(tmp_path: Path, name: str = "other.kvlog", **kw) -> Path:
@@ -41,39 +29,41 @@ def other(tmp_path: Path, name: str = "other.kvlog", **kw) -> Path:
 # --- no divergence --------------------------------------------------------------------------
 
 
-def test_a_log_against_itself_is_identical(base: Path) -> None:
-    r = diff(base, base)
+def test_a_log_against_itself_is_identical(synthetic_log: Path) -> None:
+    r = diff(synthetic_log, synthetic_log)
     assert r.identical and r.first is None and r.per_request == {}
     assert r.unmatched_a == r.unmatched_b == ()
-    assert r.events_a == r.events_b == replay.stats(base).events
+    assert r.events_a == r.events_b == replay.stats(synthetic_log).events
     assert r.aligned_by == {"id": 4, "prompt": 0, "suffix": 0}
     assert r.config_changes == {}
 
 
-def test_two_runs_of_the_same_workload_are_identical(base: Path, tmp_path: Path) -> None:
+def test_two_runs_of_the_same_workload_are_identical(synthetic_log: Path, tmp_path: Path) -> None:
     """Run ids, creation times and frame wall clocks differ; the events do not."""
-    r = diff(base, other(tmp_path))
+    r = diff(synthetic_log, other(tmp_path))
     assert r.identical
 
 
-def test_a_split_log_equals_the_single_file(base: Path, tmp_path: Path) -> None:
+def test_a_split_log_equals_the_single_file(synthetic_log: Path, tmp_path: Path) -> None:
     split = tmp_path / "split"
     split.mkdir()
     write_log(split / "run.kvlog", rotate_bytes=400)
     assert len(list(split.iterdir())) > 2
-    assert diff(base, split).identical
+    assert diff(synthetic_log, split).identical
 
 
 # --- one event altered at a known step ------------------------------------------------------
 
 
-def test_one_altered_event_is_found_at_its_step_and_request(base: Path, tmp_path: Path) -> None:
+def test_one_altered_event_is_found_at_its_step_and_request(
+    synthetic_log: Path, tmp_path: Path
+) -> None:
     def alter(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.LookupAnswered) and e.req_id == "req-b" and e.step == 5:
             return attrs.evolve(e, hit=48, external=48)
         return e
 
-    r = diff(base, other(tmp_path, alter=alter))
+    r = diff(synthetic_log, other(tmp_path, alter=alter))
     assert not r.identical
     assert list(r.per_request) == ["req-b"]
     d = r.first
@@ -84,16 +74,18 @@ def test_one_altered_event_is_found_at_its_step_and_request(base: Path, tmp_path
     assert isinstance(d.a.event, ev.LookupAnswered) and d.a.event.hit == 64
     assert d.b.event.hit == 48
     # Its place among the request's events, and the events both logs agree on before it.
-    rows = replay.show(base, "req-b")
+    rows = replay.show(synthetic_log, "req-b")
     assert rows[d.position].index == d.a.index == d.b.index
     assert [c.index for c in d.context] == [r.index for r in rows[d.position - 3 : d.position]]
 
 
-def test_a_dropped_event_is_missing_and_an_added_one_extra(base: Path, tmp_path: Path) -> None:
+def test_a_dropped_event_is_missing_and_an_added_one_extra(
+    synthetic_log: Path, tmp_path: Path
+) -> None:
     def drop(e: ev.Event) -> ev.Event | None:
         return None if isinstance(e, ev.LoadDone) and e.req_id == "req-c" else e
 
-    r = diff(base, other(tmp_path, alter=drop))
+    r = diff(synthetic_log, other(tmp_path, alter=drop))
     d = r.per_request["req-c"]
     # c's LoadDone (step 8) is missing in B: B has c's next event at that position instead.
     assert d.kind == "differ" and d.fields == ("type",)
@@ -102,20 +94,20 @@ def test_a_dropped_event_is_missing_and_an_added_one_extra(base: Path, tmp_path:
 
     # A log that stops early lacks the tail of every request still running.
     shorter = tmp_path / "shorter.kvlog"
-    copy_log(base, shorter, lambda e: None if e.step >= 9 else e)
-    r = diff(base, shorter)
+    copy_log(synthetic_log, shorter, lambda e: None if e.step >= 9 else e)
+    r = diff(synthetic_log, shorter)
     assert {k: v.kind for k, v in r.per_request.items()} == {
         "req-b": "missing",
         "req-c": "missing",
         "req-d": "missing",
     }
     assert r.first is not None and r.first.step_a == 9 and r.first.b is None
-    r = diff(shorter, base)
+    r = diff(shorter, synthetic_log)
     assert {v.kind for v in r.per_request.values()} == {"extra"}
     assert r.first is not None and r.first.step_b == 9
 
 
-def test_the_earliest_divergence_comes_first(base: Path, tmp_path: Path) -> None:
+def test_the_earliest_divergence_comes_first(synthetic_log: Path, tmp_path: Path) -> None:
     def alter(e: ev.Event) -> ev.Event:
         if isinstance(e, ev.LookupAnswered) and e.req_id == "req-c":
             return attrs.evolve(e, hit=0)
@@ -123,16 +115,18 @@ def test_the_earliest_divergence_comes_first(base: Path, tmp_path: Path) -> None
             return attrs.evolve(e, reason="abort")
         return e
 
-    r = diff(base, other(tmp_path, alter=alter))
+    r = diff(synthetic_log, other(tmp_path, alter=alter))
     assert list(r.per_request) == ["req-a", "req-c"]
     assert r.first is r.per_request["req-a"]
     assert r.first.step == 6 and r.first.fields == ("reason",)
     assert r.per_request["req-c"].step == 7 and r.per_request["req-c"].fields == ("hit",)
 
 
-def test_a_decode_step_missing_from_step_decoded_is_found(base: Path, tmp_path: Path) -> None:
+def test_a_decode_step_missing_from_step_decoded_is_found(
+    synthetic_log: Path, tmp_path: Path
+) -> None:
     """StepDecoded names requests by number: diff compares it as each request's own event."""
-    late = [e for f in open_log(base).frames() for e in f.events if e.step == 9]
+    late = [e for f in open_log(synthetic_log).frames() for e in f.events if e.step == 9]
     step9 = next(e for e in late if isinstance(e, ev.StepDecoded))
     c_num = 0  # req-c took number 0 when req-a retired
 
@@ -142,24 +136,24 @@ def test_a_decode_step_missing_from_step_decoded_is_found(base: Path, tmp_path: 
         return e
 
     changed = tmp_path / "changed.kvlog"
-    copy_log(base, changed, drop_c)
-    r = diff(base, changed)
+    copy_log(synthetic_log, changed, drop_c)
+    r = diff(synthetic_log, changed)
     assert list(r.per_request) == ["req-c"]
     d = r.first
     assert d is not None and (d.step_a, d.step_b) == (9, 10)
     assert (type(d.a.event).__name__, type(d.b.event).__name__) == ("StepDecoded", "Finished")
 
 
-def test_a_changed_prompt_is_found_at_its_first_event(base: Path, tmp_path: Path) -> None:
-    r = diff(base, other(tmp_path, prompt_change="req-b"))
+def test_a_changed_prompt_is_found_at_its_first_event(synthetic_log: Path, tmp_path: Path) -> None:
+    r = diff(synthetic_log, other(tmp_path, prompt_change="req-b"))
     d = r.first
     assert d is not None and d.request_a == d.request_b == "req-b"
     assert d.position == 0 and d.step == 0 and d.fields == ("prompt_token_ids",)
     assert r.unmatched_a == r.unmatched_b == ()
 
 
-def test_a_different_chunk_size(base: Path, tmp_path: Path) -> None:
-    r = diff(base, other(tmp_path, chunk_size=16))
+def test_a_different_chunk_size(synthetic_log: Path, tmp_path: Path) -> None:
+    r = diff(synthetic_log, other(tmp_path, chunk_size=16))
     assert r.config_changes["chunk_size"] == (32, 16)
     d = r.first
     assert d is not None and d.request_a == "req-a" and d.step == 0
@@ -199,18 +193,18 @@ def test_a_changed_prompt_under_a_new_suffix_aligns_by_id_stem(tmp_path: Path) -
     assert d.fields == ("prompt_token_ids",) and d.step == 0
 
 
-def test_requests_without_a_counterpart_are_unmatched(base: Path, tmp_path: Path) -> None:
+def test_requests_without_a_counterpart_are_unmatched(synthetic_log: Path, tmp_path: Path) -> None:
     fewer = tmp_path / "fewer.kvlog"
-    copy_log(base, fewer, lambda e: None if e.req_id == "req-d" else e)
-    r = diff(base, fewer)
+    copy_log(synthetic_log, fewer, lambda e: None if e.req_id == "req-d" else e)
+    r = diff(synthetic_log, fewer)
     assert r.unmatched_a == ("req-d",) and r.unmatched_b == ()
     assert not r.identical and r.first is None
-    r = diff(fewer, base)
+    r = diff(fewer, synthetic_log)
     assert r.unmatched_b == ("req-d",)
 
 
 def test_alignment_reads_raw_records_as_it_reads_events(
-    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    synthetic_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The alignment pass reads raw records when the log's RequestAdded schema is this
     version's; it must name the same lives as the decoded events: a reused id, a request
@@ -227,7 +221,7 @@ def test_alignment_reads_raw_records_as_it_reads_events(
         return e
 
     path = tmp_path / "odd.kvlog"
-    copy_log(base, path, rewrite)
+    copy_log(synthetic_log, path, rewrite)
     src = open_log(path)
     assert diff_module._raw_request_added(src.header)
     raw = diff_module._lives(src)
@@ -242,17 +236,17 @@ def test_alignment_reads_raw_records_as_it_reads_events(
 # --- damage, unreadable, JSON, commands ---------------------------------------------------------
 
 
-def test_diff_reports_read_damage(base: Path, tmp_path: Path) -> None:
-    torn = torn_copy(base, tmp_path / "torn.kvlog", 5)
-    r = diff(base, torn)
+def test_diff_reports_read_damage(synthetic_log: Path, tmp_path: Path) -> None:
+    torn = torn_copy(synthetic_log, tmp_path / "torn.kvlog", 5)
+    r = diff(synthetic_log, torn)
     assert r.damage_a is None and r.damage_b is not None and r.damage_b.kind == "torn_tail"
     assert r.first is not None and r.first.kind == "missing" and r.first.step_a == 10
-    assert cli.main(["diff", str(base), str(torn)]) == 2  # compared, but incomplete
-    assert cli.main(["diff", str(base), str(base)]) == 0
+    assert cli.main(["diff", str(synthetic_log), str(torn)]) == 2  # compared, but incomplete
+    assert cli.main(["diff", str(synthetic_log), str(synthetic_log)]) == 0
 
 
-def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) -> None:
-    assert cli.main(["diff", str(base), str(base)]) == 0
+def test_diff_command_exit_codes_and_output(synthetic_log: Path, tmp_path: Path, capsys) -> None:
+    assert cli.main(["diff", str(synthetic_log), str(synthetic_log)]) == 0
     assert "identical" in capsys.readouterr().out
 
     def alter(e: ev.Event) -> ev.Event:
@@ -261,11 +255,11 @@ def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) 
         return e
 
     changed = other(tmp_path, alter=alter)
-    assert cli.main(["diff", str(base), str(changed)]) == 1
+    assert cli.main(["diff", str(synthetic_log), str(changed)]) == 1
     out = capsys.readouterr().out
     assert "first divergence: step 7, request req-c" in out
     assert "block_ids differ" in out
-    assert cli.main(["diff", str(base), str(changed), "--json"]) == 1
+    assert cli.main(["diff", str(synthetic_log), str(changed), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["identical"] is False
     first = doc["first"]
@@ -276,12 +270,12 @@ def test_diff_command_exit_codes_and_output(base: Path, tmp_path: Path, capsys) 
 
     junk = tmp_path / "junk.kvlog"
     junk.write_bytes(b"not a log")
-    assert cli.main(["diff", str(base), str(junk)]) == 2
+    assert cli.main(["diff", str(synthetic_log), str(junk)]) == 2
     assert "cannot read the log" in capsys.readouterr().err
 
 
-def test_keys_print_as_hex_in_json(base: Path, tmp_path: Path) -> None:
-    r = diff(base, other(tmp_path, chunk_size=16))
+def test_keys_print_as_hex_in_json(synthetic_log: Path, tmp_path: Path) -> None:
+    r = diff(synthetic_log, other(tmp_path, chunk_size=16))
     doc = json.loads(json.dumps(r.to_dict()))
     keys = doc["first"]["a"]["fields"]["keys"]
     assert keys and all(len(k) == 32 and int(k, 16) >= 0 for k in keys)
@@ -291,24 +285,24 @@ def test_keys_print_as_hex_in_json(base: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_real_runs_of_one_workload_are_identical(real: dict[str, Path]) -> None:
-    assert diff(real["base"], real["base"]).identical
-    r = diff(real["base"], real["again"])
+def test_real_runs_of_one_workload_are_identical(real_logs: dict[str, Path]) -> None:
+    assert diff(real_logs["base"], real_logs["base"]).identical
+    r = diff(real_logs["base"], real_logs["again"])
     assert r.identical, r.first and r.first.describe()
 
 
 @pytest.mark.vllm
 def test_real_runs_with_another_chunk_size_diverge_at_the_first_save(
-    real: dict[str, Path],
+    real_logs: dict[str, Path],
 ) -> None:
-    r = diff(real["base"], real["chunk16"])
+    r = diff(real_logs["base"], real_logs["chunk16"])
     assert r.config_changes["chunk_size"] == (32, 16)
     d = r.first
     assert d is not None and d.kind == "differ"
     # The first save plan: the same prefill, saved as one 32-token chunk or two of 16.
     saves = [
         (f.step, e)
-        for f in open_log(real["base"]).frames()
+        for f in open_log(real_logs["base"]).frames()
         for e in f.events
         if isinstance(e, ev.SavePlanned) and e.keys
     ]
@@ -319,22 +313,24 @@ def test_real_runs_with_another_chunk_size_diverge_at_the_first_save(
 
 
 @pytest.mark.vllm
-def test_real_run_with_suffixed_ids_aligns_by_prompt(real: dict[str, Path], tmp_path: Path) -> None:
+def test_real_run_with_suffixed_ids_aligns_by_prompt(
+    real_logs: dict[str, Path], tmp_path: Path
+) -> None:
     renamed = tmp_path / "renamed.kvlog"
     rename = suffixed("9f8e7d6c")
     copy_log(
-        next(real["base"].iterdir()),
+        next(real_logs["base"].iterdir()),
         renamed,
         lambda e: attrs.evolve(e, req_id=rename(e.req_id)),
     )
-    r = diff(real["base"], renamed)
+    r = diff(real_logs["base"], renamed)
     assert r.identical, r.first and r.first.describe()
     # Two requests repeat an earlier prompt ("again-req-0" has req-0's): arrival order decides.
     assert r.aligned_by["prompt"] == 6
     assert r.matched == {rid: rename(rid) for rid in r.matched}
 
     # Now perturb one event of the renamed copy at a known step: found there.
-    events = [(f.step, e) for f in open_log(real["base"]).frames() for e in f.events]
+    events = [(f.step, e) for f in open_log(real_logs["base"]).frames() for e in f.events]
     step, target = next((s, e) for s, e in events if isinstance(e, ev.Allocated) and s > 0)
     perturbed = tmp_path / "perturbed.kvlog"
 
@@ -344,8 +340,8 @@ def test_real_run_with_suffixed_ids_aligns_by_prompt(real: dict[str, Path], tmp_
             return attrs.evolve(e, block_ids=(*e.block_ids, 999))
         return e
 
-    copy_log(next(real["base"].iterdir()), perturbed, alter)
-    r = diff(real["base"], perturbed)
+    copy_log(next(real_logs["base"].iterdir()), perturbed, alter)
+    r = diff(real_logs["base"], perturbed)
     d = r.first
     assert d is not None and list(r.per_request) == [target.req_id]
     assert (d.request_a, d.request_b) == (target.req_id, rename(target.req_id))

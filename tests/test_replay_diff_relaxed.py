@@ -14,7 +14,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from _replay_logs import SMALL, copy_log, write_log
+from _replay_logs import SMALL, copy_log
 
 from replay import cli
 from replay.divergence import diff, ignorable_fields
@@ -45,13 +45,6 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     if reason is not None:
         pytest.skip(f"vLLM's scheduler is not usable: {reason}")
     return _runs(str(tmp_path_factory.getbasetemp() / "replay-sync-async"))
-
-
-@pytest.fixture
-def base(tmp_path: Path) -> Path:
-    path = tmp_path / "base.kvlog"
-    write_log(path)
-    return path
 
 
 # --- sync against async, vLLM's real scheduler ----------------------------------------------
@@ -129,7 +122,7 @@ def test_the_async_order_finds_a_missing_report(real: dict[str, Path], tmp_path:
 
 
 def test_a_lookup_answered_differently_while_waiting_is_not_folded(
-    base: Path, tmp_path: Path
+    synthetic_log: Path, tmp_path: Path
 ) -> None:
     """req-b waits at step 4 (a lookup again); a different answer there is a difference."""
 
@@ -139,17 +132,17 @@ def test_a_lookup_answered_differently_while_waiting_is_not_folded(
         return e
 
     changed = tmp_path / "changed.kvlog"
-    copy_log(base, changed, alter)
-    r = diff(base, changed, order="async")
+    copy_log(synthetic_log, changed, alter)
+    r = diff(synthetic_log, changed, order="async")
     assert list(r.per_request) == ["req-b"]
     assert r.first is not None and r.first.fields == ("hit", "external")
-    assert diff(base, base, order="async").identical
+    assert diff(synthetic_log, synthetic_log, order="async").identical
 
 
 # --- --ignore -------------------------------------------------------------------------------
 
 
-def test_ignored_fields_are_left_out(base: Path, tmp_path: Path, capsys) -> None:
+def test_ignored_fields_are_left_out(synthetic_log: Path, tmp_path: Path, capsys) -> None:
     def move(e: ev.Event) -> ev.Event:
         if isinstance(e, (ev.SavePlanned, ev.LoadPlanned)) and e.slots:
             return attrs.evolve(e, slots=tuple(s + 7 for s in e.slots))
@@ -158,14 +151,14 @@ def test_ignored_fields_are_left_out(base: Path, tmp_path: Path, capsys) -> None
         return e
 
     moved = tmp_path / "moved.kvlog"
-    copy_log(base, moved, move)
-    r = diff(base, moved)
+    copy_log(synthetic_log, moved, move)
+    r = diff(synthetic_log, moved)
     assert {d.fields for d in r.per_request.values()} <= {("slots",), ("block_ids",)}
     assert r.first is not None and r.first.fields == ("slots",)
-    assert diff(base, moved, ignore=["slots"]).per_request.keys() == {"req-c"}
-    both = diff(base, moved, ignore=["block_ids", "slots"])
+    assert diff(synthetic_log, moved, ignore=["slots"]).per_request.keys() == {"req-c"}
+    both = diff(synthetic_log, moved, ignore=["block_ids", "slots"])
     assert both.identical and both.ignored == ("block_ids", "slots")
-    argv = ["diff", str(base), str(moved)]
+    argv = ["diff", str(synthetic_log), str(moved)]
     assert cli.main(argv) == 1
     capsys.readouterr()
     assert cli.main([*argv, "--ignore", "block_ids,slots", "--json"]) == 0
@@ -175,12 +168,15 @@ def test_ignored_fields_are_left_out(base: Path, tmp_path: Path, capsys) -> None
     assert "ignoring block_ids, slots" in capsys.readouterr().out
 
 
-def test_an_unknown_field_is_exit_2_listing_the_valid_ones(base: Path, capsys) -> None:
-    assert cli.main(["diff", str(base), str(base), "--ignore", "slots,blocks_ids"]) == 2
+def test_an_unknown_field_is_exit_2_listing_the_valid_ones(synthetic_log: Path, capsys) -> None:
+    assert (
+        cli.main(["diff", str(synthetic_log), str(synthetic_log), "--ignore", "slots,blocks_ids"])
+        == 2
+    )
     captured = capsys.readouterr()
     assert captured.out == "" and "Traceback" not in captured.err
     assert re.search(r"cannot ignore 'blocks_ids': not a field of any event; valid: ", captured.err)
     assert all(name in captured.err for name in ("block_ids", "slots", "keys", "hit"))
     assert {"block_ids", "slots", "keys", "num_scheduled"} <= set(ignorable_fields())
     with pytest.raises(ValueError, match="unknown order"):
-        diff(base, base, order="loose")
+        diff(synthetic_log, synthetic_log, order="loose")

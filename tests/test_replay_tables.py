@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 import pytest
-from _replay_logs import real_logs, write_log
+from _replay_logs import write_log
 
 import replay
 from replay import writers
@@ -32,18 +32,6 @@ from tracker.tracker import Tracker
 DATA = Path(__file__).resolve().parent / "data"
 CLEAN = DATA / "replay-clean.kvlog"
 SHORT = DATA / "replay-short-load.kvlog"
-
-
-@pytest.fixture
-def synthetic(tmp_path: Path) -> Path:
-    path = tmp_path / "run.kvlog"
-    write_log(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return real_logs(tmp_path_factory)
 
 
 def _total(rows: list[dict[str, Any]], column: str) -> int:
@@ -180,9 +168,9 @@ def test_tables_of_the_data_logs_agree_with_stats_check_and_a_tracker(log: Path)
         assert rows["requests"] == [] and len(rows["problems"]) == 1
 
 
-def test_tables_of_a_synthetic_log(synthetic: Path) -> None:
-    rows = assert_tables_agree_with_stats_and_check(synthetic)
-    assert assert_steps_follow_a_live_tracker(synthetic, rows["steps"]) > 5
+def test_tables_of_a_synthetic_log(synthetic_log: Path) -> None:
+    rows = assert_tables_agree_with_stats_and_check(synthetic_log)
+    assert assert_steps_follow_a_live_tracker(synthetic_log, rows["steps"]) > 5
     # The synthetic run's story, read off the tables: b preempted at 3, back at 5 with a load
     # from the pool; d accepted more than it was offered (a violation).
     b = [a for a in rows["admissions"] if a["request"] == "req-b"]
@@ -246,10 +234,10 @@ def test_a_reused_id_is_two_requests(tmp_path: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["base", "loads", "chunk16"])
 def test_tables_of_real_runs_agree_with_stats_check_and_a_tracker(
-    real: dict[str, Path], name: str
+    real_logs: dict[str, Path], name: str
 ) -> None:
-    rows = assert_tables_agree_with_stats_and_check(real[name])
-    (log,) = sorted(real[name].glob("*.kvlog"))
+    rows = assert_tables_agree_with_stats_and_check(real_logs[name])
+    (log,) = sorted(real_logs[name].glob("*.kvlog"))
     assert assert_steps_follow_a_live_tracker(log, rows["steps"]) == len(rows["steps"])
 
 
@@ -374,7 +362,7 @@ def test_a_torn_log_exports_what_it_holds_and_says_so(tmp_path: Path, capsys: An
     assert 0 < len(events) == st.events < replay.stats(SHORT).events
 
 
-def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic: Path, capsys: Any) -> None:
+def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic_log: Path, capsys: Any) -> None:
     duckdb = pytest.importorskip("duckdb")
     tree = tmp_path / "fleet"
     code, _, err = _cli(
@@ -383,7 +371,7 @@ def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic: Path, capsys: A
     assert code == 0 and "runs replay-clean, replay-short-load" in err
     assert (tree / "requests" / "run=replay-short-load" / "part-0.parquet").exists()
     # The tree grows run by run: a third log later keeps the first two.
-    result = writers.export_runs([synthetic], tree, names=["synthetic"])
+    result = writers.export_runs([synthetic_log], tree, names=["synthetic"])
     assert result.runs == ("synthetic",)
     con = duckdb.connect()
     got = con.sql(
@@ -393,7 +381,7 @@ def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic: Path, capsys: A
     assert got == [
         ("replay-clean", replay.stats(CLEAN).all_lookups.admissions),
         ("replay-short-load", replay.stats(SHORT).all_lookups.admissions),
-        ("synthetic", replay.stats(synthetic).all_lookups.admissions),
+        ("synthetic", replay.stats(synthetic_log).all_lookups.admissions),
     ]
     problems = con.sql(
         f"SELECT run, count(*) FROM read_parquet('{tree}/problems/*/*.parquet', "
@@ -401,7 +389,7 @@ def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic: Path, capsys: A
     ).fetchall()
     assert dict(problems) == {
         "replay-short-load": check(SHORT).problems_total,
-        "synthetic": check(synthetic).problems_total,
+        "synthetic": check(synthetic_log).problems_total,
     }
     with pytest.raises(writers.ExportError, match="two logs would be run=replay-clean"):
         writers.export_runs([CLEAN, CLEAN], tmp_path / "twice")

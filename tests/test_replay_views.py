@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 from _logfiles import torn_copy
-from _replay_logs import copy_log, real_logs, write_log
+from _replay_logs import copy_log, write_log
 
 import replay
 from replay import cli
@@ -24,18 +24,6 @@ from replay.source import LogUnreadable
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.tracker import Tracker
-
-
-@pytest.fixture
-def log(tmp_path: Path) -> Path:
-    path = tmp_path / "run.kvlog"
-    write_log(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return real_logs(tmp_path_factory)
 
 
 def all_events(path: Path) -> list[tuple[int, ev.Event]]:
@@ -102,20 +90,20 @@ def test_show_rows_follow_the_tracker(tmp_path: Path, fast: bool) -> None:
     assert assert_rows_match_a_tracker_replay(path) > 20
 
 
-def test_show_counts_steady_decode_steps(log: Path) -> None:
+def test_show_counts_steady_decode_steps(synthetic_log: Path) -> None:
     """A StepDecoded names requests by number; show gives the request its own row, one more
     token each, and numbers freed by a retired request go to the next one added."""
-    c = replay.show(log, "req-c")
+    c = replay.show(synthetic_log, "req-c")
     decoded = [r for r in c if r.event == "StepDecoded"]
     assert [r.step for r in decoded] == [8, 9]
     assert [r.num_tokens for r in decoded] == [41, 42]
     assert decoded[0].tokens_known == 40  # the ids come in bulk, with the next Scheduled
-    nums = [e.nums for s, e in all_events(log) if isinstance(e, ev.StepDecoded)]
+    nums = [e.nums for s, e in all_events(synthetic_log) if isinstance(e, ev.StepDecoded)]
     assert nums[-1] == (1, 0, 2)  # b kept 1; c took a's 0 after a retired; d took 2
 
 
-def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) -> None:
-    life = replay.show(log, "req-b")
+def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(synthetic_log: Path) -> None:
+    life = replay.show(synthetic_log, "req-b")
     preempted = [r for r in life if r.event == "Preempted"]
     assert len(preempted) == 1 and preempted[0].step == 3
     assert preempted[0].preempted and preempted[0].blocks == 0 and preempted[0].num_tokens == 0
@@ -136,8 +124,8 @@ def test_show_blocks_are_replaced_on_resumption_and_preempted_is_set(log: Path) 
     assert done.load == (0, 64) and done.load_done
 
 
-def test_show_marks_violations_and_recompute_only(log: Path) -> None:
-    life = replay.show(log, "req-d")
+def test_show_marks_violations_and_recompute_only(synthetic_log: Path) -> None:
+    life = replay.show(synthetic_log, "req-d")
     v = [r for r in life if r.violation]
     assert [(r.step, r.violation) for r in v] == [(7, "accepted_equals_answer")]
     after = life[life.index(v[0]) :]
@@ -171,9 +159,9 @@ def test_show_numbers_the_lives_of_a_reused_id(tmp_path: Path) -> None:
 # --- stats --------------------------------------------------------------------------------
 
 
-def test_stats_counts_match_the_events(log: Path) -> None:
-    events = all_events(log)
-    st = replay.stats(log)
+def test_stats_counts_match_the_events(synthetic_log: Path) -> None:
+    events = all_events(synthetic_log)
+    st = replay.stats(synthetic_log)
     assert st.events == len(events)
     assert st.events_by_type == dict(Counter(type(e).__name__ for _, e in events))
     assert st.decision_events == sum(isinstance(e, ev.DecisionEvent) for _, e in events)
@@ -181,7 +169,9 @@ def test_stats_counts_match_the_events(log: Path) -> None:
     assert decoded and st.logical_events == len(events) - len(decoded) + sum(
         len(e.nums) for e in decoded
     )
-    assert st.bytes_per_logical_event == pytest.approx(log.stat().st_size / st.logical_events)
+    assert st.bytes_per_logical_event == pytest.approx(
+        synthetic_log.stat().st_size / st.logical_events
+    )
     assert st.steps == len({s for s, _ in events}) == 11
     assert (st.first_step, st.last_step) == (0, 10)
     assert st.requests == 4 and st.finished == 4
@@ -197,8 +187,8 @@ def test_stats_counts_match_the_events(log: Path) -> None:
     # Every admission adds b's resumption: 72 tokens asked, 64 hit and loaded.
     al = st.all_lookups
     assert (al.admissions, al.tokens, al.hit) == (5, 242, 96)
-    assert st.file_bytes == log.stat().st_size
-    assert st.bytes_per_event == pytest.approx(log.stat().st_size / len(events))
+    assert st.file_bytes == synthetic_log.stat().st_size
+    assert st.bytes_per_event == pytest.approx(synthetic_log.stat().st_size / len(events))
     assert st.config["chunk_size"] == 32 and st.config["block_size"] == 16
     assert st.format_version == "1.1" and st.damage is None
 
@@ -224,16 +214,16 @@ def test_stats_over_a_split_log_equal_the_single_file(tmp_path: Path) -> None:
 # --- damage and unreadable logs ------------------------------------------------------------
 
 
-def test_views_read_up_to_a_torn_tail_and_report_it(log: Path, tmp_path: Path) -> None:
-    torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
-    full = replay.stats(log)
+def test_views_read_up_to_a_torn_tail_and_report_it(synthetic_log: Path, tmp_path: Path) -> None:
+    torn = truncated_copy(synthetic_log, tmp_path / "torn.kvlog", 5)
+    full = replay.stats(synthetic_log)
     st = replay.stats(torn)
     assert st.damage is not None and st.damage.kind == "torn_tail"
     assert st.damage.path == str(torn) and 0 < st.damage.offset < torn.stat().st_size
     assert 0 < st.events < full.events
     assert st.events_by_type["Finished"] < full.events_by_type["Finished"]
     life = replay.show(torn, "req-b")
-    assert life.damage == st.damage and 0 < len(life) < len(replay.show(log, "req-b"))
+    assert life.damage == st.damage and 0 < len(life) < len(replay.show(synthetic_log, "req-b"))
     out = replay.export(torn, tmp_path / "torn", "jsonl", problems=False)
     assert out.rows["events"] == st.events and out.damage == [st.damage]
     res = replay.timeline(torn, tmp_path / "torn.html")
@@ -241,8 +231,8 @@ def test_views_read_up_to_a_torn_tail_and_report_it(log: Path, tmp_path: Path) -
     assert "Read stopped early" in (tmp_path / "torn.html").read_text()
 
 
-def test_views_report_a_corrupt_frame(log: Path, tmp_path: Path) -> None:
-    data = bytearray(log.read_bytes())
+def test_views_report_a_corrupt_frame(synthetic_log: Path, tmp_path: Path) -> None:
+    data = bytearray(synthetic_log.read_bytes())
     data[len(data) - 60] ^= 0xFF  # inside one of the last frames
     bad = tmp_path / "bad.kvlog"
     bad.write_bytes(bytes(data))
@@ -284,18 +274,18 @@ def test_unreadable_logs_raise_and_exit_2(tmp_path: Path, what: str, capsys) -> 
 
 
 def test_missing_extras_say_what_to_install(
-    log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+    synthetic_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[parquet]")):
-        replay.export(log, tmp_path / "x.parquet", table="steps")
+        replay.export(synthetic_log, tmp_path / "x.parquet", table="steps")
     with pytest.raises(MissingExtra, match=re.escape("pip install kvledger[timeline]")):
-        replay.timeline(log, tmp_path / "x.png")
-    assert cli.main(["timeline", str(log), "-o", str(tmp_path / "x.png")]) == 2
+        replay.timeline(synthetic_log, tmp_path / "x.png")
+    assert cli.main(["timeline", str(synthetic_log), "-o", str(tmp_path / "x.png")]) == 2
     assert "pip install kvledger[timeline]" in capsys.readouterr().err
     # The html timeline needs nothing extra.
-    replay.timeline(log, tmp_path / "x.html")
+    replay.timeline(synthetic_log, tmp_path / "x.html")
 
 
 # --- timeline -------------------------------------------------------------------------------
@@ -308,9 +298,9 @@ def page_data(html_text: str) -> dict:
     return json.loads(m.group(1).replace("<\\/", "</"))
 
 
-def test_timeline_html_has_one_lane_per_top_request(log: Path, tmp_path: Path) -> None:
+def test_timeline_html_has_one_lane_per_top_request(synthetic_log: Path, tmp_path: Path) -> None:
     out = tmp_path / "t.html"
-    result = replay.timeline(log, out, top=3)
+    result = replay.timeline(synthetic_log, out, top=3)
     text = out.read_text()
     # Self-contained: inline script and data, nothing fetched.
     assert "src=" not in text and "href=" not in text
@@ -329,8 +319,8 @@ def test_timeline_html_has_one_lane_per_top_request(log: Path, tmp_path: Path) -
     assert result.requests == 4
 
 
-def test_timeline_series_follow_the_fold(log: Path, tmp_path: Path) -> None:
-    result = replay.timeline(log, tmp_path / "t.html", top=8)
+def test_timeline_series_follow_the_fold(synthetic_log: Path, tmp_path: Path) -> None:
+    result = replay.timeline(synthetic_log, tmp_path / "t.html", top=8)
     b = next(s for s in result.series if s.label == "req-b")
     assert b.steps == list(range(11))
     assert b.computed[:3] == [70, 71, 72] and b.computed[3:5] == [0, 0]
@@ -340,24 +330,24 @@ def test_timeline_series_follow_the_fold(log: Path, tmp_path: Path) -> None:
     assert b.finished == 10
 
 
-def test_timeline_png(log: Path, tmp_path: Path) -> None:
+def test_timeline_png(synthetic_log: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "t.png"
-    replay.timeline(log, out, top=4)
+    replay.timeline(synthetic_log, out, top=4)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_timeline_rejects_an_unknown_suffix(log: Path, tmp_path: Path) -> None:
+def test_timeline_rejects_an_unknown_suffix(synthetic_log: Path, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"\.html, \.png, \.svg or \.pdf"):
-        replay.timeline(log, tmp_path / "t.txt")
-    assert cli.main(["timeline", str(log), "-o", str(tmp_path / "t.txt")]) == 2
+        replay.timeline(synthetic_log, tmp_path / "t.txt")
+    assert cli.main(["timeline", str(synthetic_log), "-o", str(tmp_path / "t.txt")]) == 2
 
 
 # --- the commands ---------------------------------------------------------------------------
 
 
-def test_show_command_plain_and_json(log: Path, capsys) -> None:
-    assert cli.main(["show", str(log), "--request", "req-b"]) == 0
+def test_show_command_plain_and_json(synthetic_log: Path, capsys) -> None:
+    assert cli.main(["show", str(synthetic_log), "--request", "req-b"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("req-b: ")
     assert "\x1b[" not in out  # piped: no terminal codes
@@ -366,28 +356,30 @@ def test_show_command_plain_and_json(log: Path, capsys) -> None:
     assert any(
         line.split()[:3] == ["3", line.split()[1], "Preempted"] for line in out.splitlines()[2:]
     )
-    assert cli.main(["show", str(log), "-r", "req-b", "--json"]) == 0
+    assert cli.main(["show", str(synthetic_log), "-r", "req-b", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["request"] == "req-b" and doc["damage"] is None
-    assert [r["event"] for r in doc["rows"]] == [r.event for r in replay.show(log, "req-b")]
-    assert cli.main(["show", str(log), "-r", "nope"]) == 2
+    assert [r["event"] for r in doc["rows"]] == [
+        r.event for r in replay.show(synthetic_log, "req-b")
+    ]
+    assert cli.main(["show", str(synthetic_log), "-r", "nope"]) == 2
     assert "no request 'nope'" in capsys.readouterr().err
 
 
-def test_stats_command(log: Path, capsys) -> None:
-    assert cli.main(["stats", str(log)]) == 0
+def test_stats_command(synthetic_log: Path, capsys) -> None:
+    assert cli.main(["stats", str(synthetic_log)]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^events\s+\d+ \(", out, re.M)
     assert "accepted_equals_answer" in out
-    assert cli.main(["stats", str(log), "--json"]) == 0
+    assert cli.main(["stats", str(synthetic_log), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["events"] == replay.stats(log).events
+    assert doc["events"] == replay.stats(synthetic_log).events
     assert doc["violations"] == {"accepted_equals_answer": 1}
     assert doc["first_lookup"]["hit_rate"] == pytest.approx(32 / 170)
 
 
-def test_commands_warn_about_damage_on_stderr(log: Path, tmp_path: Path, capsys) -> None:
-    torn = truncated_copy(log, tmp_path / "torn.kvlog", 5)
+def test_commands_warn_about_damage_on_stderr(synthetic_log: Path, tmp_path: Path, capsys) -> None:
+    torn = truncated_copy(synthetic_log, tmp_path / "torn.kvlog", 5)
     assert cli.main(["stats", str(torn)]) == 2  # shown, but not read to its end
     captured = capsys.readouterr()
     assert "read stopped early" in captured.err and "torn_tail" in captured.err
@@ -397,7 +389,7 @@ def test_commands_warn_about_damage_on_stderr(log: Path, tmp_path: Path, capsys)
     assert json.loads(capsys.readouterr().out)["damage"]["kind"] == "torn_tail"
 
 
-def test_rich_tables_on_a_terminal(log: Path) -> None:
+def test_rich_tables_on_a_terminal(synthetic_log: Path) -> None:
     pytest.importorskip("rich")
     import io
 
@@ -416,15 +408,15 @@ def test_rich_tables_on_a_terminal(log: Path) -> None:
 
 
 @pytest.mark.vllm
-def test_real_log_stats_and_show(real: dict[str, Path]) -> None:
-    st = replay.stats(real["base"])
-    events = [e for f in LogReader(real["base"]) for e in f.events]
+def test_real_log_stats_and_show(real_logs: dict[str, Path]) -> None:
+    st = replay.stats(real_logs["base"])
+    events = [e for f in LogReader(real_logs["base"]) for e in f.events]
     assert st.events == len(events) and st.damage is None
     assert st.requests == 6 and st.finished == 6  # 4 requests + 2 repeated prompts
     assert st.preemptions >= 1
     assert st.config["chunk_size"] == 32
     preempted = next(e.req_id for e in events if isinstance(e, ev.Preempted))
-    life = replay.show(real["base"], preempted)
+    life = replay.show(real_logs["base"], preempted)
     assert any(r.preempted for r in life)
     readmit = [
         r for r in life if r.event == "Scheduled" and r.detail.split()[0] in ("NEW", "RESUMED")
@@ -436,21 +428,21 @@ def test_real_log_stats_and_show(real: dict[str, Path]) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", ["base", "loads"])
-def test_real_log_rows_follow_the_tracker(real: dict[str, Path], name: str) -> None:
-    log = segment_paths(real[name])[0]
+def test_real_log_rows_follow_the_tracker(real_logs: dict[str, Path], name: str) -> None:
+    log = segment_paths(real_logs[name])[0]
     assert any(isinstance(e, ev.StepDecoded) for f in LogReader(log) for e in f.events)
     assert assert_rows_match_a_tracker_replay(log) > 100
 
 
 @pytest.mark.vllm
-def test_real_log_with_loads_exports_and_draws(real: dict[str, Path], tmp_path: Path) -> None:
-    st = replay.stats(real["loads"])
+def test_real_log_with_loads_exports_and_draws(real_logs: dict[str, Path], tmp_path: Path) -> None:
+    st = replay.stats(real_logs["loads"])
     assert st.tokens_loaded > 0
-    out = replay.export(real["loads"], tmp_path / "e.jsonl", table="events")
+    out = replay.export(real_logs["loads"], tmp_path / "e.jsonl", table="events")
     assert out.rows == {"events": st.events}
     types = Counter(json.loads(line)["type"] for line in (tmp_path / "e.jsonl").open())
     assert types == Counter(st.events_by_type)
-    result = replay.timeline(real["loads"], tmp_path / "t.html", top=8)
+    result = replay.timeline(real_logs["loads"], tmp_path / "t.html", top=8)
     lanes = page_data((tmp_path / "t.html").read_text())["lanes"]
     assert len(lanes) == len(result.series) == min(8, st.requests)
     assert any(a["loaded"] for lane in lanes for a in lane["admissions"])

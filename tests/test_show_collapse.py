@@ -10,24 +10,12 @@ import re
 from pathlib import Path
 
 import pytest
-from _replay_logs import real_logs, write_log
 
 import replay
 from replay import cli
-from replay.lives import Fold, Row, collapse, parse_steps, parse_types, select
+from replay.lives import Fold, Row, collapse, parse_types, select
 from replay.source import open_log
-
-
-@pytest.fixture
-def log(tmp_path: Path) -> Path:
-    path = tmp_path / "run.kvlog"
-    write_log(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return real_logs(tmp_path_factory)
+from replay.steps import parse_steps
 
 
 def _flatten(entries: list[Row | Fold]) -> list[Row]:
@@ -46,8 +34,8 @@ def _waiting_request(path: Path) -> str:
     raise AssertionError("no preempted request in the log")
 
 
-def test_folding_loses_no_row_and_folds_only_like_steps(real: dict[str, Path]) -> None:
-    path = real["loads"]
+def test_folding_loses_no_row_and_folds_only_like_steps(real_logs: dict[str, Path]) -> None:
+    path = real_logs["loads"]
     ids = {r for f in open_log(path).frames() for e in f.events if (r := e.req_id)}
     folds = 0
     for rid in sorted(ids):
@@ -72,8 +60,8 @@ def test_folding_loses_no_row_and_folds_only_like_steps(real: dict[str, Path]) -
     assert folds > 0
 
 
-def test_a_preempted_request_waiting_reads_as_one_row(real: dict[str, Path], capsys) -> None:
-    path = real["loads"]
+def test_a_preempted_request_waiting_reads_as_one_row(real_logs: dict[str, Path], capsys) -> None:
+    path = real_logs["loads"]
     rid = _waiting_request(path)
     rows = list(replay.show(path, rid))
     lookups = [e for e in collapse(rows) if isinstance(e, Fold) and e.kind == "lookup"]
@@ -96,8 +84,8 @@ def test_a_preempted_request_waiting_reads_as_one_row(real: dict[str, Path], cap
     assert len(full.splitlines()) - len(folded.splitlines()) >= wait.steps
 
 
-def test_steady_decode_steps_fold_with_their_count(log: Path, capsys) -> None:
-    rows = list(replay.show(log, "req-b"))
+def test_steady_decode_steps_fold_with_their_count(synthetic_log: Path, capsys) -> None:
+    rows = list(replay.show(synthetic_log, "req-b"))
     entries = collapse(rows)
     decode = [e for e in entries if isinstance(e, Fold) and e.kind == "decode"]
     assert len(decode) == 1
@@ -112,16 +100,18 @@ def test_steady_decode_steps_fold_with_their_count(log: Path, capsys) -> None:
         "LoadDone",
         "StepDecoded",
     ]
-    assert cli.main(["show", str(log), "-r", "req-b"]) == 0
+    assert cli.main(["show", str(synthetic_log), "-r", "req-b"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s*7-9\s+46-49\s+StepDecoded x3\s+\+3 tokens steady decode", out, re.M)
 
 
-def test_json_gives_every_row_unless_asked_to_fold(log: Path, capsys) -> None:
-    assert cli.main(["show", str(log), "-r", "req-b", "--json"]) == 0
+def test_json_gives_every_row_unless_asked_to_fold(synthetic_log: Path, capsys) -> None:
+    assert cli.main(["show", str(synthetic_log), "-r", "req-b", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert [r["event"] for r in doc["rows"]] == [r.event for r in replay.show(log, "req-b")]
-    assert cli.main(["show", str(log), "-r", "req-b", "--json", "--collapse"]) == 0
+    assert [r["event"] for r in doc["rows"]] == [
+        r.event for r in replay.show(synthetic_log, "req-b")
+    ]
+    assert cli.main(["show", str(synthetic_log), "-r", "req-b", "--json", "--collapse"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
     folded = [r for r in rows if r.get("folded")]
     assert [(r["folded"], r["count"], r["first_step"], r["last_step"]) for r in folded] == [
@@ -133,11 +123,11 @@ def test_json_gives_every_row_unless_asked_to_fold(log: Path, capsys) -> None:
 # --- --type and --steps ---------------------------------------------------------------------
 
 
-def test_type_selects_event_types(log: Path, capsys) -> None:
-    argv = ["show", str(log), "-r", "req-b", "--type", "lookupasked,LookupAnswered"]
+def test_type_selects_event_types(synthetic_log: Path, capsys) -> None:
+    argv = ["show", str(synthetic_log), "-r", "req-b", "--type", "lookupasked,LookupAnswered"]
     assert cli.main([*argv, "--type", "Preempted", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    every = list(replay.show(log, "req-b"))
+    every = list(replay.show(synthetic_log, "req-b"))
     wanted = {"LookupAsked", "LookupAnswered", "Preempted"}
     assert [r["index"] for r in rows] == [r.index for r in every if r.event in wanted]
     assert {r["event"] for r in rows} == wanted
@@ -146,10 +136,10 @@ def test_type_selects_event_types(log: Path, capsys) -> None:
     assert out.startswith(f"req-b: {len(every)} events ({len(rows) - 1} shown) in ")
 
 
-def test_steps_select_a_range(log: Path, capsys) -> None:
-    every = list(replay.show(log, "req-b"))
+def test_steps_select_a_range(synthetic_log: Path, capsys) -> None:
+    every = list(replay.show(synthetic_log, "req-b"))
     for text, lo, hi in (("3:5", 3, 5), ("4", 4, 4), ("8:", 8, 99), (":1", 0, 1)):
-        assert cli.main(["show", str(log), "-r", "req-b", "--steps", text, "--json"]) == 0
+        assert cli.main(["show", str(synthetic_log), "-r", "req-b", "--steps", text, "--json"]) == 0
         rows = json.loads(capsys.readouterr().out)["rows"]
         assert [r["index"] for r in rows] == [r.index for r in every if lo <= r.step <= hi]
         assert rows
@@ -167,9 +157,9 @@ def test_steps_select_a_range(log: Path, capsys) -> None:
     ],
 )
 def test_bad_selections_exit_2_naming_what_is_valid(
-    log: Path, argv: list[str], message: str | None, capsys
+    synthetic_log: Path, argv: list[str], message: str | None, capsys
 ) -> None:
-    code = cli.main(["show", str(log), "-r", "req-b", *argv])
+    code = cli.main(["show", str(synthetic_log), "-r", "req-b", *argv])
     captured = capsys.readouterr()
     if message is None:
         assert code == 0

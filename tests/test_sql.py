@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _replay_logs import real_logs, write_log
 
 import replay
 from replay import sql, writers
@@ -146,17 +145,16 @@ def test_the_short_load_query_names_the_requests_the_fault_changed() -> None:
     assert run(CLEAN, "short-loads") == []
 
 
-def test_the_queries_on_a_synthetic_log(tmp_path: Path) -> None:
-    log = tmp_path / "run.kvlog"
-    write_log(log)
+def test_the_queries_on_a_synthetic_log(synthetic_log: Path) -> None:
+    log = synthetic_log
     assert_queries_agree_with_stats(log)
     # req-b: preempted, back with a load of everything it was offered.
     assert run(log, "short-loads") == []
 
 
 @pytest.mark.vllm
-def test_the_queries_on_logs_of_vllms_scheduler(tmp_path_factory: pytest.TempPathFactory) -> None:
-    for name, log in real_logs(tmp_path_factory).items():
+def test_the_queries_on_logs_of_vllms_scheduler(real_logs: dict[str, Path]) -> None:
+    for name, log in real_logs.items():
         assert_queries_agree_with_stats(log)
         assert run(log, "short-loads") == [], name
 

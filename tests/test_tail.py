@@ -15,7 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from _replay_logs import write_log
+from _replay_logs import copy_log
 
 from connector.logwriter import LogWriter
 from replay import cli
@@ -24,13 +24,6 @@ from replay.tail import news
 from tracker import events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tail") / "source.kvlog"
-    write_log(path)  # preemption, loads, saves, a violation at step 7
-    return path
 
 
 def _truth(path: Path) -> dict[str, object]:
@@ -75,36 +68,22 @@ def _kvledger(*args: str, **kw) -> subprocess.Popen:
     )
 
 
-def _slow_copy(src: Path, dst: Path, *, close: bool, pause: float, started: threading.Event):
-    """Write ``src``'s frames into a new rotating log at ``dst``, one step every ``pause``
-    seconds; leave it open (no end record) unless ``close``."""
-    reader = LogReader(src)
-    header = reader.header
-    assert header is not None
-    writer = LogWriter(dst, header["config"], fsync="never", rotate_bytes=500)
-    started.set()
-    for frame in reader:
-        for e in frame.events:
-            writer.append(e)
-        writer.end_step(frame.step)
-        time.sleep(pause)
-    if close:
-        writer.close()
-    return writer
-
-
-def test_once_reads_what_is_there(source: Path, capsys) -> None:
-    assert cli.main(["tail", str(source), "--once", "--json"]) == 0
+def test_once_reads_what_is_there(synthetic_log: Path, capsys) -> None:
+    assert cli.main(["tail", str(synthetic_log), "--once", "--json"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     *steps, end = lines
-    assert end == {"end": "closed", "steps": len(list(news(LogReader(source)))), "log": str(source)}
-    assert _totals(steps) == _truth(source)
+    assert end == {
+        "end": "closed",
+        "steps": len(list(news(LogReader(synthetic_log)))),
+        "log": str(synthetic_log),
+    }
+    assert _totals(steps) == _truth(synthetic_log)
     assert [v["rule"] for s in steps for v in s["violations"]] == ["accepted_equals_answer"]
     assert all(not _quiet(s) for s in steps)  # quiet steps only with --all
-    assert cli.main(["tail", str(source), "--once", "--all", "--json"]) == 0
+    assert cli.main(["tail", str(synthetic_log), "--once", "--all", "--json"]) == 0
     every = capsys.readouterr().out.splitlines()
     assert len(every) - 1 == end["steps"] > len(steps)
-    assert cli.main(["tail", str(source), "--once"]) == 0
+    assert cli.main(["tail", str(synthetic_log), "--once"]) == 0
     text = capsys.readouterr().out
     assert "step 7: lookups 2 (32 tokens offered), loads 1 (32 tokens), violations +1: " in text
     assert "accepted_equals_answer req-d" in text and text.endswith("steps\n")
@@ -114,17 +93,16 @@ def _quiet(d: dict) -> bool:
     return not any(d[k] for k in d if k != "step")
 
 
-def test_follows_a_log_being_written_across_segments(source: Path, tmp_path: Path) -> None:
+def test_follows_a_log_being_written_across_segments(synthetic_log: Path, tmp_path: Path) -> None:
     """tail starts before the log exists, reads each step as it is written, follows rotation,
     and stops by itself when the writer closes the log."""
     live = tmp_path / "live"
     live.mkdir()
     proc = _kvledger("tail", str(live), "--json", "--interval", "0.02")
-    started = threading.Event()
     writer = threading.Thread(
-        target=_slow_copy,
-        args=(source, live / "kvledger-run.kvlog"),
-        kwargs={"close": True, "pause": 0.05, "started": started},
+        target=copy_log,
+        args=(synthetic_log, live / "kvledger-run.kvlog"),
+        kwargs={"rotate_bytes": 500, "pause": 0.05},
     )
     assert proc.stderr is not None
     assert proc.stderr.readline().startswith(f"kvledger: waiting for a log in {live}")
@@ -137,15 +115,14 @@ def test_follows_a_log_being_written_across_segments(source: Path, tmp_path: Pat
     assert len(segments) > 2  # rotated while tail read it
     *steps, end = [json.loads(x) for x in out.splitlines()]
     assert end["end"] == "closed" and end["log"] == str(live / "kvledger-run.kvlog")
-    assert _totals(steps) == _truth(source)
+    assert _totals(steps) == _truth(synthetic_log)
     assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})  # each step once
 
 
-def test_ctrl_c_stops_cleanly(source: Path, tmp_path: Path) -> None:
+def test_ctrl_c_stops_cleanly(synthetic_log: Path, tmp_path: Path) -> None:
     live = tmp_path / "live"
     live.mkdir()
-    started = threading.Event()
-    _slow_copy(source, live / "kvledger-run.kvlog", close=False, pause=0, started=started)
+    copy_log(synthetic_log, live / "kvledger-run.kvlog", rotate_bytes=500, close=False)
     proc = _kvledger("tail", str(live), "--interval", "0.05")
     assert proc.stdout is not None and proc.stderr is not None
     lines = [proc.stdout.readline()]  # it is reading
@@ -161,7 +138,7 @@ def test_ctrl_c_stops_cleanly(source: Path, tmp_path: Path) -> None:
     assert out == "end: interrupted after 11 steps\n"
 
 
-def test_damage_and_missing_logs_are_exit_2(source: Path, tmp_path: Path, capsys) -> None:
+def test_damage_and_missing_logs_are_exit_2(synthetic_log: Path, tmp_path: Path, capsys) -> None:
     assert cli.main(["tail", str(tmp_path / "nope"), "--once"]) == 2
     assert "no such file or directory" in capsys.readouterr().err
     empty = tmp_path / "empty"
@@ -171,8 +148,8 @@ def test_damage_and_missing_logs_are_exit_2(source: Path, tmp_path: Path, capsys
     assert "no kvledger log" in captured.err
     assert json.loads(captured.out.splitlines()[-1])["end"] == "no_log"
     # A frame damaged in the middle: what comes before it is shown, then exit 2.
-    data = bytearray(source.read_bytes())
-    frames = list(LogReader(source))
+    data = bytearray(synthetic_log.read_bytes())
+    frames = list(LogReader(synthetic_log))
     middle = frames[len(frames) // 2]
     data[middle.offset + 14] ^= 0xFF  # inside its payload
     bad = tmp_path / "bad.kvlog"

@@ -14,8 +14,9 @@ import pytest
 
 import replay
 from connector.logwriter import LogWriter
-from replay.charts import COLORS, parse_steps
+from replay.charts import COLORS
 from replay.cli import main
+from replay.steps import parse_steps
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.tracker import Tracker
@@ -126,10 +127,9 @@ def test_request_and_steps_select(capsys: Any, tmp_path: Path) -> None:
         (["-r", "nosuch"], "no request 'nosuch' in the log"),
         (["-r", "req-2,nosuch"], "no request 'nosuch' in the log"),
         (["-r", ","], "--request takes request ids"),
-        (["--steps", "40:25"], "--steps 40:25: the range is empty"),
+        (["--steps", "40:25"], "--steps '40:25': the first step 40 is after the last 25"),
         (["--steps", "500:"], "no step of the log is in it (the log has steps 0..301)"),
-        (["--steps", "x:y"], "--steps takes step numbers"),
-        (["--steps", "12"], "--steps takes A:B"),
+        (["--steps", "x:y"], "--steps 'x:y': expected A:B, A:, :B or N"),
         (["--top", "0"], "top must be at least 1"),
     ],
 )
