@@ -34,7 +34,9 @@ QUERY = "?client_name=kvledger-test"
 
 
 def _store(server: StandIn, **kw: Any) -> RemoteStore:
-    return RemoteStore(server.url("/1", QUERY), timeout_s=0.3, retry_s=0.001, **kw)
+    # 0.8 s: under SLOW_S, so a slow reply times out, and loose enough that a loaded machine
+    # (tests in parallel) does not time out a reply that came at once.
+    return RemoteStore(server.url("/1", QUERY), timeout_s=0.8, retry_s=0.001, **kw)
 
 
 def _parsed(reply: bytes) -> BaseException:
