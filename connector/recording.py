@@ -1,11 +1,12 @@
 """The recorder's scheduler-side recording: vLLM's facts and the inner connector's answers in,
 events out, into the log.
 
-``SchedulerRecorder`` is what ``KVLedgerRecorder`` (connector/recorder.py) hands each
-scheduler callback's facts to once the inner has answered; it reads vLLM's objects by duck
-typing and writes each fact as the event a reader of the log (``kvledger check``) folds. Its
-hot path is the steady decode step (``_Batch``, ``StepDecoded``): every engine step of a
-recorded run passes through it, so it costs a few list comparisons per request.
+``SchedulerRecorder`` is what ``KVLedgerRecorder`` (connector/recorder.py) hands the facts of
+each scheduler callback to, with the inner's answer where it has one; it reads vLLM's objects
+by duck typing and writes each fact as the event a reader of the log (``kvledger check``)
+folds. Every step of a recorded run goes through ``scheduled``, so its common case, a steady
+decode step, has a path of its own (``_Batch``: one ``StepDecoded``, checked with a few list
+comparisons, not request by request).
 
 Kept apart from the class vLLM loads because the two have different jobs and rules: the
 recorder class is the vLLM-facing wrapper (forwarding, the three promises of its docstring,
