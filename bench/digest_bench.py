@@ -39,8 +39,9 @@ from collections.abc import Callable
 import torch
 
 from connector.digests import WorkerDigests
+from connector.kv_layout import slot_mapping_for
 from connector.store import HostChunkPool
-from connector.transfer import TransferBackend, slot_mapping_for
+from connector.transfer import TransferBackend
 from tracker.digests import DigestBlock, DigestPlan, block_keys
 
 

@@ -12,8 +12,8 @@ word changes by ``delta * 2**k``, ``k < 64``, times an odd weight: never 0 mod 2
 integer arithmetic makes it exact and the same on every run and device. It is not
 cryptographic: it catches wrong, stale or missing bytes, not an adversary.
 
-A block's bytes are read in the cache's own order, for every layout ``connector.transfer``
-moves: ``flash_attn`` ``[2, num_blocks, ...]`` (block dim 1), ``flashinfer``
+A block's bytes are read in the cache's own order, for every layout ``connector.kv_layout``
+describes: ``flash_attn`` ``[2, num_blocks, ...]`` (block dim 1), ``flashinfer``
 ``[num_blocks, 2, ...]`` and ``cpu_attn`` ``[num_blocks, heads, block_size, 2 * head_size]``
 (block dim 0). Digests compare only within one run's layout, which is all the rule needs.
 
@@ -34,7 +34,7 @@ import attrs
 import structlog
 import torch
 
-from connector.transfer import describe_kv_caches
+from connector.kv_layout import describe_kv_caches
 from tracker import events as ev
 from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
 from tracker.recorded_steps import RecordedSteps

@@ -21,8 +21,8 @@ them: a comment elsewhere that depends on a release points here.
 | 0.14 to 0.18 | ``handle_preemptions`` gets the preempted ids, not the metadata | ``KVLedgerConnector.handle_preemptions`` |
 | before 0.17 | no ``SupportsHMA`` (``request_finished_all_groups``) | :data:`SupportsHMA` is None |
 | 0.11 to 0.17 | no worker metadata: the worker's results ride in the connector stats | :data:`WORKER_META_CHANNEL`; ``connector/scheduler.py``, ``connector/metrics.py`` |
-| before 0.22 | no ``on_new_request``: a request is first seen at its lookup | ``connector/scheduler.py``, ``connector/recorder.py`` |
-| before 0.30 | no ``requires_kv_delivery``, no ``failed_recving`` | ``connector/recorder.py`` reads both with a default |
+| before 0.22 | no ``on_new_request``: a request is first seen at its lookup | ``connector/scheduler.py``, ``connector/recording.py`` |
+| before 0.30 | no ``requires_kv_delivery``, no ``failed_recving`` | read with a default: the first by ``connector/recorder.py``, the second by ``connector/recording.py`` |
 """
 
 from __future__ import annotations

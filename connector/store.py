@@ -18,7 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from connector.transfer import PagedKVSpec, TransferBackend, TransferHandle
+from connector.kv_layout import PagedKVSpec
+from connector.transfer import TransferBackend, TransferHandle
 
 __all__ = ["HostChunkPool", "SlotBusyError", "SlotMode"]
 
@@ -31,7 +32,7 @@ class SlotBusyError(RuntimeError):
 
 class HostChunkPool:
     """``num_slots`` host chunk slots of ``spec.chunk_shape(chunk_tokens)``, in one tensor, in
-    ``spec``'s pool format (``connector.transfer``): a slot's bytes are meaningful only to a
+    ``spec``'s pool format (``connector.kv_layout``): a slot's bytes are meaningful only to a
     backend of that format."""
 
     def __init__(

@@ -142,7 +142,7 @@ def _max_async_lag(vllm_config: Any) -> int:
 
 
 def _pool_format(vllm_config: Any, block_size: int, head_size: int) -> str:
-    """The format this engine's host pool keeps chunks in (``connector.transfer.pool_format``),
+    """The format this engine's host pool keeps chunks in (``connector.kv_layout.pool_format``),
     decided as vLLM decides the KV-cache layout, before any cache exists: on the CPU platform
     every attention layer runs vLLM's CPU attention backend (``CpuPlatform.get_attn_backend_cls``;
     MLA aside, whose caches the transfer refuses), with the kernel that vLLM's own
@@ -151,13 +151,13 @@ def _pool_format(vllm_config: Any, block_size: int, head_size: int) -> str:
     tokens as rows (``tokens``). A wrong guess cannot go unnoticed: the worker refuses caches
     of another format when vLLM registers them (``WorkerSide.register_kv_caches``), reading
     the kernel from the layers vLLM set it on (``_attention_isa``)."""
-    from connector.transfer import TOKENS, cpu_attn_isa, pool_format
+    from connector.kv_layout import TOKENS, cpu_attn_isa, pool_format
 
     if not edge.on_cpu_platform():
         return TOKENS
     dtype = vllm_config.model_config.dtype
     isa = edge.cpu_attention_isa(dtype, block_size, head_size, vllm_config.cache_config.cache_dtype)
-    if isa is None:  # another vLLM: the same rule, as connector.transfer states it
+    if isa is None:  # another vLLM: the same rule, as connector.kv_layout states it
         isa = cpu_attn_isa(dtype, block_size, head_size)
     return pool_format("cpu_attn", block_size, isa)
 
@@ -171,7 +171,7 @@ def _attention_isa(vllm_config: Any, layer_names: Any) -> str | None:
     context = getattr(compilation, "static_forward_context", None) or {}
     isas = {str(isa) for name in layer_names if (isa := getattr(context.get(name), "isa", None))}
     if len(isas) > 1:
-        from connector.transfer import KVCacheLayoutError
+        from connector.kv_layout import KVCacheLayoutError
 
         raise KVCacheLayoutError(
             f"vLLM's CPU attention runs the kernels {sorted(isas)} on different layers; "
@@ -215,7 +215,7 @@ def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, st
     rank = getattr(parallel, "rank", 0)
     salt = f"{model}|{num_layers}L|{desc}|tp{parallel.tensor_parallel_size}r{rank}"
     fmt = _pool_format(vllm_config, block_size, head_size)
-    from connector.transfer import TOKENS
+    from connector.kv_layout import TOKENS
 
     if fmt != TOKENS:
         salt += f"|pool={fmt}"

@@ -276,7 +276,7 @@ def test_the_salt_names_the_pool_format(vllm_build: Callable[..., Any], monkeypa
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends import cpu_attn
 
-    from connector.transfer import KVCacheLayoutError
+    from connector.kv_layout import KVCacheLayoutError
 
     salt = vllm_build("scheduler", chunk_size=32).scheduler_side.tracker_config.salt
     assert "pool=" not in salt

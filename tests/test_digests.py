@@ -331,9 +331,9 @@ def _block(cache: torch.Tensor, layout: str, b: int) -> torch.Tensor:
 @pytest.fixture(params=["flash_attn", "flashinfer", "cpu_attn"])
 def layout(request, monkeypatch) -> str:
     if request.param == "cpu_attn":
-        import connector.transfer as transfer
+        import connector.kv_layout as kv_layout
 
-        monkeypatch.setattr(transfer, "cpu_attn_isa", lambda dtype, bs, d: "vec")
+        monkeypatch.setattr(kv_layout, "cpu_attn_isa", lambda dtype, bs, d: "vec")
     return request.param
 
 

@@ -119,17 +119,17 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
 def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
     """The recorder cannot read what it records (a broken request object): vLLM's run goes on
     exactly as unwrapped, and the log says which records were lost and why."""
-    from connector import recorder
+    from connector import recording
     from tracker import events as ev
 
-    real = recorder.SchedulerRecorder.lookup
+    real = recording.SchedulerRecorder.lookup
 
     def broken(self, request, local_hit, answer):
         if request.request_id == "req-1":
             raise ValueError("cannot read this request")
         return real(self, request, local_hit, answer)
 
-    monkeypatch.setattr(recorder.SchedulerRecorder, "lookup", broken)
+    monkeypatch.setattr(recording.SchedulerRecorder, "lookup", broken)
     wrapped = _run(tmp_path / "a", record=True)
     bare = _run(tmp_path / "b", record=False)
     assert wrapped.trace == bare.trace
@@ -144,10 +144,10 @@ def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
 def test_unencodable_value_costs_one_record(tmp_path, monkeypatch):
     """A value the log cannot hold (a token id past 2**64, say) costs that record: a
     RecordLost takes its place and every later record is written."""
-    from connector import recorder
+    from connector import recording
     from tracker import events as ev
 
-    real = recorder.SchedulerRecorder.see
+    real = recording.SchedulerRecorder.see
 
     def huge_token(self, request):
         if request.request_id == "req-2" and request.request_id not in self._requests:
@@ -156,13 +156,23 @@ def test_unencodable_value_costs_one_record(tmp_path, monkeypatch):
             return "req-2"
         return real(self, request)
 
-    monkeypatch.setattr(recorder.SchedulerRecorder, "see", huge_token)
+    monkeypatch.setattr(recording.SchedulerRecorder, "see", huge_token)
     report = _run(tmp_path)
     assert report.mismatches == ()
     events = _events(report.log_path)
     lost = [e for e in events if isinstance(e, ev.RecordLost)]
     assert [(e.req_id, e.callback) for e in lost] == [("req-2", "RequestAdded")]
     assert sum(isinstance(e, ev.Finished) for e in events) == report.requests
+
+
+def test_the_recording_reads_vllms_token_lists_through_the_edge(tmp_path):
+    """The steady batch (connector/recording.py) indexes the list behind each request's
+    ``all_token_ids`` view; the recording imports no vLLM, so the class vLLM loads hands it the
+    edge's reader of that list. Without it every request would be recorded one by one."""
+    from connector.edge import token_list
+
+    report = _run(tmp_path)
+    assert report.scheduler_connector.recording._token_list is token_list
 
 
 def test_forwards_every_base_method():

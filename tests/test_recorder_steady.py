@@ -411,10 +411,15 @@ def _drive(steady: bool, *, legacy: bool, view: bool, lose_at: int = -1) -> list
         SchedulerOutput,
     )
 
-    from connector.recorder import SchedulerRecorder
+    from connector.recording import SchedulerRecorder
 
     sink = _Sink()
-    rec = SchedulerRecorder(sink, steady=steady)
+    if view:  # the edge's reader of vLLM's list behind the view, as KVLedgerRecorder hands it in
+        from connector.edge import token_list
+
+        rec = SchedulerRecorder(sink, steady=steady, token_list=token_list)
+    else:
+        rec = SchedulerRecorder(sink, steady=steady)
     requests = [FakeRequest(f"r{i}", list(range(10 + i, 40 + i))) for i in range(4)]
     if view:  # vLLM's own read-only view over the list it appends to
         from vllm.v1.utils import ConstantList

@@ -1,4 +1,5 @@
-"""Tests for connector/transfer.py: layout detection and bitwise save/load round trips."""
+"""Tests for connector/kv_layout.py (layout detection, pool formats, the CPU kernels' order) and
+connector/transfer.py (bitwise save/load round trips)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,13 @@ import re
 import pytest
 import torch
 
-from connector.transfer import (
+from connector.kv_layout import (
     KVCacheLayoutError,
     PagedKVSpec,
-    TransferBackend,
-    TransferHandle,
     describe_kv_caches,
     slot_mapping_for,
 )
+from connector.transfer import TransferBackend, TransferHandle
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
@@ -540,9 +540,9 @@ def make_cpu_caches(isa: str, num_blocks: int = 6, seed: int = 0) -> dict[str, t
 def cpu_backend_for(isa: str, caches: dict[str, torch.Tensor], monkeypatch) -> TransferBackend:
     """A backend on ``caches`` that takes them as written by kernel ``isa`` (on this machine
     vLLM's pick depends on the CPU: AMX tiles or not)."""
-    import connector.transfer as transfer
+    import connector.kv_layout as kv_layout
 
-    monkeypatch.setattr(transfer, "cpu_attn_isa", lambda dtype, bs, d: isa)
+    monkeypatch.setattr(kv_layout, "cpu_attn_isa", lambda dtype, bs, d: isa)
     backend = TransferBackend(caches, CC)
     assert backend.spec.layout == "cpu_attn" and backend.spec.cpu_isa == isa
     assert (backend.spec.block_size, backend.spec.head_size) == (CB, CD)
@@ -669,7 +669,7 @@ def test_cpu_attn_partial_reload_writes_only_its_tokens(isa: str, monkeypatch):
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_slot_tokens_reads_a_native_slot_token_by_token(isa: str, monkeypatch):
     """``slot_tokens`` shows a cpu_attn slot as [L, 2, T, H*D], K and V of each token."""
-    from connector.transfer import slot_tokens
+    from connector.kv_layout import slot_tokens
 
     caches = make_cpu_caches(isa, seed=9)
     backend = cpu_backend_for(isa, caches, monkeypatch)
@@ -719,3 +719,30 @@ def test_cpu_isa_names_the_kernel_order():
     with pytest.raises(KVCacheLayoutError, match=re.escape("cpu_isa='vec16'")) as err:
         describe_kv_caches(caches, cpu_isa="vec16")
     assert "('vec', 'amx')" in str(err.value)
+
+
+def test_transfer_keeps_the_names_users_import_from_it():
+    """The layout facts moved to connector/kv_layout.py; connector.transfer still exports every
+    name it exported before, each the very object of its home (one definition, so a patch of
+    ``kv_layout.cpu_attn_isa`` is what the engine sees)."""
+    import connector.kv_layout as kv_layout
+    import connector.transfer as transfer
+
+    before = {
+        "CPU_ISAS",
+        "TOKENS",
+        "KVCacheLayoutError",
+        "PagedKVSpec",
+        "TransferBackend",
+        "TransferHandle",
+        "cpu_attn_isa",
+        "cpu_attn_offsets",
+        "cpu_attn_views",
+        "describe_kv_caches",
+        "pool_format",
+        "slot_mapping_for",
+        "slot_tokens",
+    }
+    assert set(transfer.__all__) == before
+    for name in before - {"TransferBackend", "TransferHandle"}:
+        assert getattr(transfer, name) is getattr(kv_layout, name), name

@@ -20,8 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import transfer
-from connector.transfer import TransferBackend, slot_mapping_for
+from connector import kv_layout, transfer
+from connector.kv_layout import slot_mapping_for
+from connector.transfer import TransferBackend
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -243,7 +244,7 @@ def check_against_reference(data: st.DataObject, s: Shape, device: str) -> None:
     if s.native:
         assert backend.spec.pool_format == f"cpu_attn-{s.layout[4:]}-block{s.block_size}"
     else:
-        assert backend.spec.pool_format == transfer.TOKENS
+        assert backend.spec.pool_format == kv_layout.TOKENS
     moves_against_reference(data, s, device, caches, backend)
 
 

@@ -36,11 +36,11 @@ import attrs
 import torch
 
 from connector.config import ConnectorConfig
+from connector.kv_layout import slot_mapping_for
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan
 from connector.scheduler import first_group
 from connector.testing.faults import FaultyWorkerSide
 from connector.testing.oracle import Mismatch
-from connector.transfer import slot_mapping_for
 from connector.vllm import KVLedgerConnector
 from connector.worker import WorkerSide
 
