@@ -54,7 +54,7 @@ from replay.naming import resolve
 from replay.recorded import is_recorded
 from replay.source import LogPath, LogSource, open_log
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT, ChunkIndex
+from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.framing import StopInfo
 from tracker.history import RETIRED_MEMORY, Folded, retires, walk
@@ -69,6 +69,7 @@ from tracker.plans import (
     transfer_plan,
 )
 from tracker.state import RequestState
+from tracker.tiers import POOL, tier_of_slot
 
 __all__ = [
     "HITS",
@@ -719,8 +720,7 @@ class Explainer:
         plan = transfer_plan(e, after, self.config)
         if plan is not None:
             adm.tiers = [
-                (ch.token_start, ch.token_end, "remote" if ch.slot == REMOTE_SLOT else "pool")
-                for ch in plan.chunks
+                (ch.token_start, ch.token_end, tier_of_slot(ch.slot) or POOL) for ch in plan.chunks
             ]
 
     def _load_result(self, item: Folded) -> None:

@@ -22,8 +22,8 @@ from connector.remote import (
     remote_key,
 )
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT
 from tracker.config import TrackerConfig
+from tracker.tiers import REMOTE_SLOT
 from tracker.tracker import Tracker
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
