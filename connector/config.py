@@ -24,11 +24,13 @@ from tracker.digests import DIGEST_MODES
 __all__ = [
     "ENV_LOG_DIR",
     "REMOTE_URL_OPTIONS",
+    "TIER_SCHEMES",
     "ConnectorConfig",
     "ConnectorConfigError",
     "LogSettings",
     "RecorderConfig",
     "check_chunk_size",
+    "check_redis_url",
     "check_remote_url",
     "redacted",
 ]
@@ -60,8 +62,13 @@ def _pos_int(name: str, value: Any) -> int:
 
 
 # --- remote_url ------------------------------------------------------------------------------
-# Checked here without importing redis (this module stays light); connector/remote.py then
-# hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
+# The URL names the remote tier by its scheme (connector/tiers.py opens it): a Redis URL, or
+# a scheme in TIER_SCHEMES, whose tier checks the rest of its URL when it opens.
+# scheme -> (module, class) of a connector.tiers.Tier; connector.tiers.register_tier adds one.
+TIER_SCHEMES: dict[str, tuple[str, str]] = {"file": ("connector.disk", "DiskTier")}
+
+# A Redis URL is checked here without importing redis (this module stays light);
+# connector/remote.py then hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
 # reads the same way and what cannot loosen the tier's bounds: docs/remote.md#remote_url.
 
 # The query options remote_url accepts; every other one is refused by name.
@@ -154,6 +161,17 @@ def _refused_option(name: str) -> str:
 
 
 def check_remote_url(value: Any) -> str:
+    """``value`` if it names a remote tier: a URL of a scheme in :data:`TIER_SCHEMES` (its
+    tier checks the rest when it opens), or a Redis URL (:func:`check_redis_url`); else
+    ``ConnectorConfigError`` naming ``remote_url`` and what is wrong."""
+    if isinstance(value, str) and value.partition("://")[0] in TIER_SCHEMES:
+        if any(ch.isspace() or not ch.isprintable() for ch in value):
+            raise _url_error("has a space or a control character (percent-encode it)", value)
+        return value
+    return check_redis_url(value)
+
+
+def check_redis_url(value: Any) -> str:
     """``value`` if it is a Redis URL the remote tier accepts, else ``ConnectorConfigError``
     naming ``remote_url`` and what is wrong, with the URL shown ``redacted``: no password, no
     query value. Accepted: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` the
@@ -166,8 +184,9 @@ def check_remote_url(value: Any) -> str:
         raise _url_error("has a space or a control character (percent-encode it)", value)
     scheme, sep, _ = value.partition("://")
     if not sep or scheme not in _SCHEMES:
-        case = " (in lower case)" if scheme.lower() in _SCHEMES else ""
-        raise _url_error(f"must start with redis://, rediss:// or unix://{case}", value)
+        case = " (in lower case)" if scheme.lower() in (*_SCHEMES, *TIER_SCHEMES) else ""
+        others = "".join(f", {name}://" for name in sorted(TIER_SCHEMES))
+        raise _url_error(f"must start with redis://, rediss:// or unix://{others}{case}", value)
     try:
         parts = urlsplit(value)
     except ValueError:  # an unclosed [ of an IPv6 host; characters NFKC folds into / ? # @
@@ -361,8 +380,10 @@ class ConnectorConfig(LogSettings):
     # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
     block_hits: bool = True
     strict: bool = False
-    # The remote chunk tier (connector/remote.py, docs/remote.md): a Redis URL
-    # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://); None: no remote tier.
+    # The remote chunk tier (connector/tiers.py, docs/remote.md): a Redis URL
+    # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://), a directory
+    # (file:///path: connector/disk.py), or a URL of a registered tier's scheme
+    # (TIER_SCHEMES); None: no remote tier.
     remote_url: str | None = attrs.field(
         default=None, repr=lambda url: "None" if url is None else redacted(url)
     )
