@@ -68,8 +68,9 @@ def _pos_int(name: str, value: Any) -> int:
 TIER_SCHEMES: dict[str, tuple[str, str]] = {"file": ("connector.disk", "DiskTier")}
 
 # A Redis URL is checked here without importing redis (this module stays light);
-# connector/remote.py then hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
-# reads the same way and what cannot loosen the tier's bounds: docs/remote.md#remote_url.
+# connector/remote.py then hands the checked URL to redis-py's own parser. What is accepted is
+# exactly what redis-py reads the same way and what cannot loosen the tier's bounds:
+# docs/remote.md#remote_url.
 
 # The query options remote_url accepts; every other one is refused by name.
 REMOTE_URL_OPTIONS = ("client_name", "db")
@@ -185,8 +186,9 @@ def check_redis_url(value: Any) -> str:
     scheme, sep, _ = value.partition("://")
     if not sep or scheme not in _SCHEMES:
         case = " (in lower case)" if scheme.lower() in (*_SCHEMES, *TIER_SCHEMES) else ""
-        others = "".join(f", {name}://" for name in sorted(TIER_SCHEMES))
-        raise _url_error(f"must start with redis://, rediss:// or unix://{others}{case}", value)
+        schemes = [f"{name}://" for name in (*_SCHEMES, *sorted(TIER_SCHEMES))]
+        listed = ", ".join(schemes[:-1]) + " or " + schemes[-1]
+        raise _url_error(f"must start with {listed}{case}", value)
     try:
         parts = urlsplit(value)
     except ValueError:  # an unclosed [ of an IPv6 host; characters NFKC folds into / ? # @

@@ -51,11 +51,13 @@ def _directory(url: str) -> str:
             f"remote_url must be file:///absolute/path/to/dir for the disk tier: {redacted(url)}"
         )
     if parts.query or parts.fragment or url.endswith(("?", "#")):
-        raise ConnectorConfigError(f"remote_url file:// takes no query or fragment: {url!r}")
+        raise ConnectorConfigError(
+            f"remote_url file:// takes no query or fragment: {redacted(url)}"
+        )
     path = unquote(parts.path)
     if not path.startswith("/") or path.rstrip("/") == "" or "\x00" in path:
         raise ConnectorConfigError(
-            f"remote_url file:// must name an absolute directory other than /: {url!r}"
+            f"remote_url file:// must name an absolute directory other than /: {redacted(url)}"
         )
     return os.path.normpath(path)
 
@@ -82,7 +84,8 @@ class DiskTier:
             os.makedirs(tier.directory, exist_ok=True)
         except OSError as exc:
             raise ConnectorConfigError(
-                f"remote_url {config.remote_url!r}: the directory cannot be made: {describe(exc)}"
+                f"remote_url {redacted(config.remote_url)}: the directory cannot be made: "
+                f"{describe(exc)}"
             ) from None
         return tier
 
@@ -105,7 +108,7 @@ class DiskTier:
         if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
             why = f"PermissionError: {self.directory} is not readable and writable"
             if startup:
-                raise ConnectorConfigError(f"remote_url {self.url!r}: {why}")
+                raise ConnectorConfigError(f"remote_url {redacted(self.url)}: {why}")
             return why
         return None
 

@@ -20,12 +20,10 @@ Pure: no I/O.
 
 from __future__ import annotations
 
-__all__ = ["POOL", "REMOTE", "REMOTE_SLOT", "TIERS", "slot_of", "tier_of_slot"]
+__all__ = ["POOL", "REMOTE", "REMOTE_SLOT", "slot_of", "tier_of_slot"]
 
 POOL = "pool"
 REMOTE = "remote"
-# Every tier, nearest first: the order a lookup tries them in.
-TIERS = (POOL, REMOTE)
 # The slot a load plan names for a chunk read from the remote tier (the log format's code).
 REMOTE_SLOT = -1
 _TIER_SLOTS = {REMOTE: REMOTE_SLOT}
