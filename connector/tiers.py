@@ -3,8 +3,8 @@
 The host pool (``connector/store.py``) is the primary tier: the tracker keeps its index,
 every plan names its slots, and the transfer backend moves its bytes on the compute
 device's streams. Behind it, ``remote_url`` names one shared tier by its URL's scheme: Redis
-(``redis://``, ``rediss://``, ``unix://``: ``connector/remote.py``), or any tier registered
-with :func:`register_tier`. (vLLM 0.33's kv_offload is built the same way: a primary CPU
+(``redis://``, ``rediss://``, ``unix://``: ``connector/remote.py``), a directory
+(``file://``: ``connector/disk.py``), or any tier registered with :func:`register_tier`. (vLLM 0.33's kv_offload is built the same way: a primary CPU
 tier, and ``SecondaryTierManager``s registered by name and module path in
 ``SecondaryTierFactory``.)
 
@@ -24,7 +24,8 @@ The contract, which the sides rely on to keep a serving engine up:
   or the read fails (a reason, never wrong bytes);
 - ``exists``, ``get`` and ``put`` either answer for every key (in order), or raise: a raise
   means the tier is not serving us (an outage, recorded once until it answers again). The
-  sides catch everything a tier raises at :func:`down_reason`; nothing reaches vLLM;
+  sides catch everything a tier raises and record :func:`down_reason` of it; nothing
+  reaches vLLM;
 - a reason is one line: :data:`MISSING`, ``length``, ``checksum``, ``refused: <error>``
   (this chunk's own command failed; the others and the tier are fine) or
   ``unavailable[: <error>]`` (written by the sides when the tier is down);
