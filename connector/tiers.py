@@ -4,9 +4,10 @@ The host pool (``connector/store.py``) is the primary tier: the tracker keeps it
 every plan names its slots, and the transfer backend moves its bytes on the compute
 device's streams. Behind it, ``remote_url`` names one shared tier by its URL's scheme: Redis
 (``redis://``, ``rediss://``, ``unix://``: ``connector/remote.py``), a directory
-(``file://``: ``connector/disk.py``), or any tier registered with :func:`register_tier`. (vLLM 0.33's kv_offload is built the same way: a primary CPU
-tier, and ``SecondaryTierManager``s registered by name and module path in
-``SecondaryTierFactory``.)
+(``file://``: ``connector/disk.py``), or any tier an installed package names by an entry
+point (group ``kvledger.tiers``) or registered with :func:`register_tier`. (vLLM 0.33's
+kv_offload is built the same way: a primary CPU tier, and ``SecondaryTierManager``s
+registered by name and module path in ``SecondaryTierFactory``.)
 
 A tier moves chunk bytes and says what happened; it decides nothing. The scheduler and
 worker sides (``connector/scheduler.py``, ``connector/worker.py``) talk to it only through
@@ -37,9 +38,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from connector.config import TIER_SCHEMES, ConnectorConfig, ConnectorConfigError
+from connector.config import (
+    TIER_ENTRY_POINTS,
+    TIER_SCHEMES,
+    ConnectorConfig,
+    ConnectorConfigError,
+    tier_target,
+)
 
 __all__ = [
     "MISSING",
@@ -112,9 +120,14 @@ class Tier(Protocol):
 
 def register_tier(scheme: str, module_path: str, class_name: str) -> None:
     """Make ``remote_url`` ``<scheme>://...`` open ``module_path``'s ``class_name`` (a
-    :class:`Tier`, with a ``from_config`` classmethod). The module is imported when a tier is
-    opened, in each process that opens one: register it in every process vLLM starts (the
-    scheduler's and the workers'), before the engine is built."""
+    :class:`Tier`, with a ``from_config`` classmethod), in this process, from now on. The
+    module is imported when a tier is opened. vLLM opens the tier in processes of its own (the
+    engine core's, the workers'), which a call in the serving script does not reach: there, a
+    package names its tier as an entry point instead, found in every process::
+
+        [project.entry-points."kvledger.tiers"]
+        mytier = "mypackage.tier:MyTier"
+    """
     if not scheme.isascii() or not scheme.isalnum() or scheme != scheme.lower():
         raise ValueError(f"a tier's scheme is lower-case letters and digits, got {scheme!r}")
     if scheme in ("redis", "rediss", "unix"):
@@ -126,7 +139,10 @@ def register_tier(scheme: str, module_path: str, class_name: str) -> None:
 
 
 def registered_tiers() -> dict[str, tuple[str, str]]:
-    """Every scheme registered besides Redis's, and the (module, class) it opens."""
+    """Every scheme known besides Redis's (registered, or an installed package's entry
+    point), and the (module, class) it opens."""
+    for point in entry_points(group=TIER_ENTRY_POINTS):
+        tier_target(point.name)
     return dict(TIER_SCHEMES)
 
 
@@ -135,7 +151,7 @@ def _tier_class(url: str) -> Any:
     a connector that does not use it). connector.config let only a Redis URL or a registered
     scheme's through."""
     scheme = url.partition("://")[0]
-    module_path, class_name = TIER_SCHEMES.get(scheme, REDIS_TIER)
+    module_path, class_name = tier_target(scheme) or REDIS_TIER
     try:
         return getattr(importlib.import_module(module_path), class_name)
     except (ImportError, AttributeError) as exc:
@@ -155,7 +171,7 @@ def open_tier(config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> Tie
     scheme = config.remote_url.partition("://")[0]
     if not callable(getattr(cls, "from_config", None)):
         raise ConnectorConfigError(
-            f"remote_url {scheme}:// opens {':'.join(TIER_SCHEMES.get(scheme, REDIS_TIER))}, "
+            f"remote_url {scheme}:// opens {':'.join(tier_target(scheme) or REDIS_TIER)}, "
             "which has no from_config: not a connector.tiers.Tier"
         )
     tier: Tier = cls.from_config(config, rank=rank, scheduler=scheduler)

@@ -9,6 +9,9 @@ lost or damaged, and an outage, become the same recorded facts as Redis's, and
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -84,6 +87,55 @@ def test_register_tier_refuses_a_taken_or_bad_scheme() -> None:
         register_tier("redis", "mine", "Mine")
     with pytest.raises(ValueError, match="lower-case"):
         register_tier("Mem", "mine", "Mine")
+
+
+_FRESH_PROCESS = """
+import sys
+from connector.config import TIER_SCHEMES, ConnectorConfig
+from connector.tiers import open_tier, registered_tiers
+assert "memory" not in TIER_SCHEMES  # nobody called register_tier in this process
+config = ConnectorConfig.from_extra_config({"remote_url": "memory://fresh"}, environ={})
+tier = open_tier(config, rank=1, scheduler=False)
+print(type(tier).__module__, type(tier).__name__, tier.rank, registered_tiers()["memory"])
+"""
+
+
+def test_an_installed_packages_entry_point_names_a_tier_in_every_process(tmp_path: Path) -> None:
+    """vLLM opens the tier in processes of its own, which a register_tier call in the serving
+    script never reaches: a package's entry point (group kvledger.tiers) is found in each."""
+    dist = tmp_path / "memtier-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: memtier\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[kvledger.tiers]\nmemory = _memory_tier:MemoryTier\n")
+    here = Path(__file__).resolve().parent
+    path = os.pathsep.join([str(tmp_path), str(here), str(here.parent)])
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == [
+        "_memory_tier",
+        "MemoryTier",
+        "1",
+        "('_memory_tier',",
+        "'MemoryTier')",
+    ]
+    # Without the package, the same URL is a config error that names the schemes there are.
+    done = subprocess.run(
+        [sys.executable, "-c", _FRESH_PROCESS],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "remote_url must start with redis://, rediss://, unix:// or file://" in done.stderr
 
 
 def test_a_tier_that_cannot_be_loaded_or_is_no_tier_is_a_startup_error() -> None:
