@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Mapping
+from importlib.metadata import entry_points
 from typing import Any
 from urllib.parse import unquote_plus, urlsplit
 
@@ -24,13 +25,17 @@ from tracker.digests import DIGEST_MODES
 __all__ = [
     "ENV_LOG_DIR",
     "REMOTE_URL_OPTIONS",
+    "TIER_ENTRY_POINTS",
+    "TIER_SCHEMES",
     "ConnectorConfig",
     "ConnectorConfigError",
     "LogSettings",
     "RecorderConfig",
     "check_chunk_size",
+    "check_redis_url",
     "check_remote_url",
     "redacted",
+    "tier_target",
 ]
 
 # Turns the event log on without touching the serving command line.
@@ -60,9 +65,36 @@ def _pos_int(name: str, value: Any) -> int:
 
 
 # --- remote_url ------------------------------------------------------------------------------
-# Checked here without importing redis (this module stays light); connector/remote.py then
-# hands the checked URL to redis-py's own parser. What is accepted is exactly what redis-py
-# reads the same way and what cannot loosen the tier's bounds: docs/remote.md#remote_url.
+# The URL names the remote tier by its scheme (connector/tiers.py opens it): a Redis URL, or
+# a scheme tier_target knows, whose tier checks the rest of its URL when it opens.
+# scheme -> (module, class) of a connector.tiers.Tier; connector.tiers.register_tier adds one.
+TIER_SCHEMES: dict[str, tuple[str, str]] = {"file": ("connector.disk", "DiskTier")}
+# The entry-point group a package names its tiers in, by scheme: found in every process vLLM
+# starts (its workers too), where a register_tier call in the serving script is not.
+TIER_ENTRY_POINTS = "kvledger.tiers"
+
+
+def tier_target(scheme: str) -> tuple[str, str] | None:
+    """The (module, class) a ``remote_url`` of ``scheme`` opens, other than Redis's: one in
+    :data:`TIER_SCHEMES`, else an installed package's entry point ``<scheme> =
+    "module:Class"`` in the group :data:`TIER_ENTRY_POINTS` (remembered; its module is not
+    imported here). None: no such tier."""
+    if scheme in TIER_SCHEMES:
+        return TIER_SCHEMES[scheme]
+    if scheme in _SCHEMES or not scheme.isascii() or not scheme.isalnum():
+        return None
+    for point in entry_points(group=TIER_ENTRY_POINTS, name=scheme):
+        module, sep, attr = point.value.partition(":")
+        if sep and module and attr and "[" not in attr:
+            TIER_SCHEMES.setdefault(scheme, (module.strip(), attr.strip()))
+            return TIER_SCHEMES[scheme]
+    return None
+
+
+# A Redis URL is checked here without importing redis (this module stays light);
+# connector/remote.py then hands the checked URL to redis-py's own parser. What is accepted is
+# exactly what redis-py reads the same way and what cannot loosen the tier's bounds:
+# docs/remote.md#remote_url.
 
 # The query options remote_url accepts; every other one is refused by name.
 REMOTE_URL_OPTIONS = ("client_name", "db")
@@ -154,6 +186,17 @@ def _refused_option(name: str) -> str:
 
 
 def check_remote_url(value: Any) -> str:
+    """``value`` if it names a remote tier: a URL of a scheme :func:`tier_target` knows (its
+    tier checks the rest when it opens), or a Redis URL (:func:`check_redis_url`); else
+    ``ConnectorConfigError`` naming ``remote_url`` and what is wrong."""
+    if isinstance(value, str) and "://" in value and tier_target(value.partition("://")[0]):
+        if any(ch.isspace() or not ch.isprintable() for ch in value):
+            raise _url_error("has a space or a control character (percent-encode it)", value)
+        return value
+    return check_redis_url(value)
+
+
+def check_redis_url(value: Any) -> str:
     """``value`` if it is a Redis URL the remote tier accepts, else ``ConnectorConfigError``
     naming ``remote_url`` and what is wrong, with the URL shown ``redacted``: no password, no
     query value. Accepted: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` the
@@ -166,8 +209,11 @@ def check_remote_url(value: Any) -> str:
         raise _url_error("has a space or a control character (percent-encode it)", value)
     scheme, sep, _ = value.partition("://")
     if not sep or scheme not in _SCHEMES:
-        case = " (in lower case)" if scheme.lower() in _SCHEMES else ""
-        raise _url_error(f"must start with redis://, rediss:// or unix://{case}", value)
+        others = {*TIER_SCHEMES, *(p.name for p in entry_points(group=TIER_ENTRY_POINTS))}
+        case = " (in lower case)" if scheme.lower() in (*_SCHEMES, *others) else ""
+        schemes = [f"{name}://" for name in (*_SCHEMES, *sorted(others))]
+        listed = ", ".join(schemes[:-1]) + " or " + schemes[-1]
+        raise _url_error(f"must start with {listed}{case}", value)
     try:
         parts = urlsplit(value)
     except ValueError:  # an unclosed [ of an IPv6 host; characters NFKC folds into / ? # @
@@ -361,8 +407,10 @@ class ConnectorConfig(LogSettings):
     # Hits at block granularity (tracker/config.py, design note 14); false: whole chunks.
     block_hits: bool = True
     strict: bool = False
-    # The remote chunk tier (connector/remote.py, docs/remote.md): a Redis URL
-    # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://); None: no remote tier.
+    # The remote chunk tier (connector/tiers.py, docs/remote.md): a Redis URL
+    # (redis://[user:password@]host:port/db, rediss:// for TLS, unix://), a directory
+    # (file:///path: connector/disk.py), or a URL of a registered tier's scheme
+    # (TIER_SCHEMES); None: no remote tier.
     remote_url: str | None = attrs.field(
         default=None, repr=lambda url: "None" if url is None else redacted(url)
     )

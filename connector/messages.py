@@ -52,7 +52,7 @@ class WorkerReport:
     loads_done: tuple[str, ...] = ()
     loads_failed: tuple[tuple[str, tuple[int, ...]], ...] = ()
     rank: int = 0
-    # The remote tier's results (connector/remote.py): (what, req id, chunk keys, reason),
+    # The remote tier's results (connector/tiers.py): (what, req id, chunk keys, reason),
     # what being "saved" (the server confirmed the writes), "save_failed" or "load_failed".
     remote: tuple[tuple[str, str, tuple[bytes, ...], str], ...] = ()
     # The KV-content digests of this rank (connector/digests.py); None with digests off.

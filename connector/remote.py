@@ -1,4 +1,7 @@
-"""The remote chunk tier: chunk bytes in a Redis server, shared by every engine that uses it.
+"""The Redis tier: chunk bytes in a Redis server, shared by every engine that uses it.
+
+``RemoteStore`` is the ``connector.tiers.Tier`` that a Redis ``remote_url`` opens; the
+scheduler and worker sides reach it only through that interface.
 
 Rule of this module: it moves bytes to and from the server and says what happened; it decides
 nothing. Which chunks a lookup may count on is the tracker's decision, made from the facts the
@@ -60,7 +63,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError, check_remote_url, redacted
+from connector.config import ConnectorConfig, ConnectorConfigError, check_redis_url, redacted
+from connector.tiers import MISSING, REFUSED, UNAVAILABLE, TierUnavailable
 
 __all__ = [
     "MISSING",
@@ -82,11 +86,6 @@ PIECE_BYTES = 4 << 20
 MAX_BACKOFF_S = 30.0
 # A write's temporary key expires after this long should its RENAME never come.
 _TEMP_TTL_S = 300
-MISSING = "missing"
-# Why a chunk's read or write failed, beyond missing/length/checksum: "refused: <error>" (an
-# error reply to its own command), "unavailable: <error>" (the server was not serving us).
-REFUSED = "refused"
-UNAVAILABLE = "unavailable"
 # Every command the tier sends, connecting included (redis-py's handshake: AUTH with a
 # password, CLIENT SETINFO, SELECT for a database other than 0, CLIENT SETNAME with a
 # client_name). tests/test_remote_standin.py fails each of them every way a server can, and
@@ -112,7 +111,7 @@ _URL_KWARGS = frozenset(
 )
 
 
-class RemoteUnavailable(Exception):
+class RemoteUnavailable(TierUnavailable):
     """The server is not serving us; the message is ``Type: message`` of the cause.
     ``refused``: it answered, but refused ``"the credentials"`` or ``"the connection"`` (the
     database, the command); at startup, a configuration error."""
@@ -239,7 +238,7 @@ def _client(url: str, timeout_s: float, deadline: _Deadline | None) -> Any:
     """A ``redis.Redis`` for a checked URL, parsed by redis-py's own ``parse_url``, with the
     tier's bounds set last so that nothing in the URL overrides them; with ``deadline``,
     every exchange also ends by it (``_BoundedSocket``)."""
-    check_remote_url(url)  # also when the URL did not come through ConnectorConfig
+    check_redis_url(url)  # also when the URL did not come through ConnectorConfig
     try:
         import redis
         from redis.backoff import NoBackoff
@@ -253,7 +252,7 @@ def _client(url: str, timeout_s: float, deadline: _Deadline | None) -> Any:
         kwargs: dict[str, Any] = parse_url(url)  # type: ignore[no-untyped-call]
     except Exception:
         raise ConnectorConfigError(f"remote_url redis-py cannot read: {redacted(url)}") from None
-    if not set(kwargs) <= _URL_KWARGS:  # check_remote_url refuses every other option
+    if not set(kwargs) <= _URL_KWARGS:  # check_redis_url refuses every other option
         raise ConnectorConfigError(f"remote_url sets options it may not: {redacted(url)}")
     kwargs.update(
         socket_timeout=timeout_s,
@@ -338,7 +337,9 @@ class RemoteStore:
     """One client of the server, with its bounds: ``timeout_s`` for every read, write and
     connect; with ``bounded``, for each whole exchange too (the scheduler's lookups and probes,
     handshake included); and a back-off after a failure during which nothing is sent. Its
-    commands raise ``RemoteUnavailable`` and nothing else."""
+    commands raise ``RemoteUnavailable`` and nothing else. A ``connector.tiers.Tier``."""
+
+    name = "redis"
 
     def __init__(
         self,
@@ -350,8 +351,10 @@ class RemoteStore:
         rank: int = 0,
         bounded: bool = False,
         client: Any = None,
+        max_chunk_bytes: int | None = None,
     ) -> None:
         self.url = url
+        self.max_chunk_bytes = max_chunk_bytes
         self.rank = rank
         self.ttl_s = ttl_s
         self._retry_s = retry_s
@@ -377,7 +380,18 @@ class RemoteStore:
             rank=rank,
             # On vLLM's scheduler thread the lookup's bound holds for the whole exchange.
             bounded=scheduler,
+            max_chunk_bytes=config.remote_max_chunk_bytes,
         )
+
+    def check_chunk_bytes(self, chunk_bytes: int) -> None:
+        """A chunk larger than ``remote_max_chunk_bytes`` (the server's largest value) refuses
+        to start: every write of it would be refused."""
+        limit = self.max_chunk_bytes
+        if limit is not None and chunk_bytes > limit:
+            raise ConnectorConfigError(
+                f"remote_max_chunk_bytes ({limit}) is smaller than one chunk ({chunk_bytes} "
+                f"bytes): raise it (and the server's proto-max-bulk-len) or lower chunk_size"
+            )
 
     # --- availability ----------------------------------------------------------------------
 

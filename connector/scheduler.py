@@ -24,7 +24,7 @@ from connector.config import ConnectorConfig
 from connector.logfile import open_log
 from connector.messages import StepPlan, TransferPlan, WorkerReport
 from connector.metrics import Counters
-from connector.remote import UNAVAILABLE, RemoteStore, RemoteUnavailable
+from connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.digests import DigestPlanner
@@ -202,19 +202,19 @@ class SchedulerSide:
         self.world_size = max(1, int(world_size))
         self._save_acks: dict[tuple[str, bytes], _Ack] = {}
         self._load_acks: dict[str, _Ack] = {}
-        # The remote tier (connector/remote.py): every answer it gives is recorded as a fact
-        # before the tracker counts on it; a write counts once every rank confirmed it.
+        # The remote tier (connector/tiers.py: Redis, or any registered Tier): every answer it
+        # gives is recorded as a fact before the tracker counts on it; a write counts once
+        # every rank confirmed it.
         # KV-content digests (tracker/digests.py): which blocks the worker digests each step.
         self.digests: DigestPlanner | None = None
         if config.digests != "off":
             self.digests = DigestPlanner(block_size)
-        self.remote: RemoteStore | None = None
         self._remote_down = False
         self._remote_acks: dict[bytes, _Ack] = {}
-        if config.remote_url is not None:
-            self.remote = RemoteStore.from_config(config, scheduler=True)
-            # A server that refuses the credentials or the database raises
-            # ConnectorConfigError; one down is an outage, recorded.
+        self.remote: Tier | None = open_tier(config, scheduler=True)
+        if self.remote is not None:
+            # A tier that refuses the configuration (a server refusing the credentials, say)
+            # raises ConnectorConfigError; one down is an outage, recorded.
             down = self.remote.check(startup=True)
             if down is not None:
                 self._remote_outage(down)
@@ -258,9 +258,9 @@ class SchedulerSide:
         return external, False
 
     def _ask_remote(self, req_id: str, all_token_ids: Any) -> None:
-        """Ask the server which of the chunks the host pool misses it holds, and record the
-        answer (``RemoteFound``) for the lookup to count on. Bounded by
-        ``remote_lookup_timeout_ms``; while the server is down (backing off) nothing is asked
+        """Ask the remote tier which of the chunks the host pool misses it holds, and record
+        the answer (``RemoteFound``) for the lookup to count on. Bounded by
+        ``remote_lookup_timeout_ms``; while the tier is down (backing off) nothing is asked
         and nothing remote is offered."""
         assert self.remote is not None
         state = self.tracker.state(req_id)
@@ -274,15 +274,15 @@ class SchedulerSide:
             return
         try:
             found = self.remote.exists(ask)
-        except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+        except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
             self._remote_outage(self._remote_error(exc))
             return
         self._remote_back()
         self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
 
     def _probe_remote(self) -> None:
-        """Once per step while the server is down, when its back-off allows: one bounded
-        PING, so that the tier comes back even when no lookup needs it."""
+        """Once per step while the tier is down, when its back-off allows: one bounded
+        ``check`` (Redis: a PING), so that the tier comes back even when no lookup needs it."""
         assert self.remote is not None
         if not self.remote.available():
             return
@@ -295,7 +295,7 @@ class SchedulerSide:
 
     def _remote_error(self, exc: Exception) -> str:
         assert self.remote is not None
-        return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
+        return down_reason(self.remote, exc)
 
     def _remote_back(self) -> None:
         if self._remote_down:
@@ -304,7 +304,7 @@ class SchedulerSide:
             _log.warning("kvledger.remote_restored")
 
     def _remote_outage(self, error: str) -> None:
-        """The server stopped answering: recorded once, until a lookup gets an answer."""
+        """The tier stopped answering: recorded once, until a lookup gets an answer."""
         if self._remote_down:
             return
         self._remote_down = True

@@ -62,23 +62,23 @@ import attrs
 import structlog
 import torch
 
-from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.config import ConnectorConfig
 from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
-from connector.remote import REFUSED, UNAVAILABLE, RemoteStore, RemoteUnavailable
 from connector.store import HostChunkPool
+from connector.tiers import REFUSED, UNAVAILABLE, Tier, down_reason, open_tier
 from connector.transfer import (
     KVCacheLayoutError,
     TransferBackend,
     TransferHandle,
     slot_mapping_for,
 )
-from tracker.chunks import REMOTE_SLOT
 from tracker.plans import blocks_covering
+from tracker.tiers import POOL, REMOTE, tier_of_slot
 
 __all__ = ["WorkerSide"]
 
-# How many keys read from the server the worker remembers until their local save.
+# How many keys read from the remote tier the worker remembers until their local save.
 _READ_REMOTE_KEYS = 1 << 16
 
 _log = structlog.get_logger("kvledger.connector")
@@ -120,19 +120,19 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._report = WorkerReport(rank=rank)
         self.stats = {"tokens_loaded": 0, "tokens_saved": 0, "chunks_loaded": 0, "chunks_saved": 0}
-        # The remote tier (connector/remote.py): chunks fetched for this step's loads (payload,
-        # or why not), and saves done locally whose bytes go to the server at the report.
-        self.remote: RemoteStore | None = None
+        # The remote tier (connector/tiers.py: Redis, or any registered Tier): chunks fetched
+        # for this step's loads (payload, or why not), and saves done locally whose bytes go
+        # to the tier at the report.
         self._fetched: dict[bytes, memoryview | str] = {}
-        # Keys read from the server and not saved locally yet (oldest first, bounded): their
+        # Keys read from the remote tier and not saved locally yet (oldest first, bounded): their
         # local saves, a step or more later (a prefill spans steps), are not written back.
         self._read_remote: dict[bytes, None] = {}
         self._upload_slot: dict[tuple[str, bytes], int] = {}
         self._to_upload: list[tuple[str, bytes, int]] = []
-        if config.remote_url is not None:
-            self.remote = RemoteStore.from_config(config, rank=rank, scheduler=False)
-            # A server that refuses the credentials or the database raises; one down is served
-            # around (the scheduler records the outage).
+        self.remote: Tier | None = open_tier(config, rank=rank, scheduler=False)
+        if self.remote is not None:
+            # A tier that refuses the configuration raises; one down is served around (the
+            # scheduler records the outage).
             down = self.remote.check(startup=True)
             if down is not None:
                 _log.warning("kvledger.remote_unavailable", rank=rank, error=down)
@@ -177,12 +177,8 @@ class WorkerSide:
             self.pool = HostChunkPool.from_bytes_budget(
                 self.config.host_pool_bytes, backend.spec, self.config.chunk_size
             )
-        if self.remote is not None and self.pool.slot_bytes > self.config.remote_max_chunk_bytes:
-            raise ConnectorConfigError(
-                f"remote_max_chunk_bytes ({self.config.remote_max_chunk_bytes}) is smaller than "
-                f"one chunk ({self.pool.slot_bytes} bytes): raise it (and the server's "
-                f"proto-max-bulk-len) or lower chunk_size"
-            )
+        if self.remote is not None:
+            self.remote.check_chunk_bytes(self.pool.slot_bytes)  # ConnectorConfigError if not
 
     def _ready(self) -> tuple[TransferBackend, HostChunkPool]:
         if self.backend is None or self.pool is None:
@@ -284,7 +280,9 @@ class WorkerSide:
         the read raises fails every chunk of it, ``unavailable: <error>``: a load failure
         vLLM recomputes, and an outage the scheduler records; never a raise into vLLM."""
         keys = list(
-            dict.fromkeys(ch.key for load in loads for ch in load.chunks if ch.slot == REMOTE_SLOT)
+            dict.fromkeys(
+                ch.key for load in loads for ch in load.chunks if tier_of_slot(ch.slot) == REMOTE
+            )
         )
         if not keys:
             return
@@ -295,7 +293,7 @@ class WorkerSide:
         got: list[memoryview | str]
         try:
             got = self.remote.get(keys, pool.slot_bytes)
-        except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+        except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
             why = f"{UNAVAILABLE}: {self._remote_error(exc)}"
             _log.warning("kvledger.remote_unavailable", rank=self.rank, error=why)
             got = [why] * len(keys)
@@ -303,11 +301,11 @@ class WorkerSide:
 
     def _remote_error(self, exc: Exception) -> str:
         assert self.remote is not None
-        return str(exc) if isinstance(exc, RemoteUnavailable) else self.remote.describe(exc)
+        return down_reason(self.remote, exc)
 
     def _report_unusable(self, loads: tuple[TransferPlan, ...]) -> None:
         """Every chunk this step read from the remote store and could not use (a key gone, a
-        short, corrupt or refused value, the server down), each once, under the first load
+        short, corrupt or refused value, the tier down), each once, under the first load
         that needed it: the tracker forgets them all, not only the first of each load (a
         failed load stops at its first bad chunk)."""
         seen: set[bytes] = set()
@@ -315,7 +313,8 @@ class WorkerSide:
         for load in loads:
             for chunk in load.chunks:
                 why = self._fetched.get(chunk.key)
-                if chunk.slot == REMOTE_SLOT and isinstance(why, str) and chunk.key not in seen:
+                remote = tier_of_slot(chunk.slot) == REMOTE
+                if remote and isinstance(why, str) and chunk.key not in seen:
                     seen.add(chunk.key)
                     unusable.setdefault((load.req_id, why), []).append(chunk.key)
         if unusable:
@@ -368,10 +367,20 @@ class WorkerSide:
         here to the end of the load are reported as load errors and vLLM recomputes them.
 
         Subclasses may override it, calling this one to move the bytes; the test rigs make
-        chosen chunks fail this way (as a lost or corrupt remote chunk would)."""
-        if chunk.slot == REMOTE_SLOT:
+        chosen chunks fail this way (as a lost or corrupt remote chunk would).
+
+        The plan's slot names the tier the chunk is read from (``tracker/tiers.py``): a host
+        slot, or the remote tier's bytes fetched at the step's start (``_fetch_remote``)."""
+        tier = tier_of_slot(chunk.slot)
+        if tier == REMOTE:
             self._load_remote(load, chunk)
-            return
+        elif tier == POOL:
+            self._load_pooled(load, chunk)
+        else:  # a code no tier has: a load failure vLLM recomputes
+            raise ValueError(f"slot {chunk.slot} names no tier")
+
+    def _load_pooled(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
+        """Fill one chunk from its host slot."""
         backend, pool = self._ready()
         mapping = slot_mapping_for(
             load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
@@ -475,7 +484,7 @@ class WorkerSide:
     def _upload(self) -> None:
         """Write the chunks saved locally since the last report to the remote store, from
         their host slots (which no plan reuses before the next step), in one round trip;
-        report what the server confirmed and what it did not."""
+        report what the tier confirmed and what it did not."""
         items, self._to_upload = self._to_upload, []
         if not items or self.remote is None or self.pool is None:
             return
@@ -488,11 +497,11 @@ class WorkerSide:
                 results = self.remote.put(
                     [(key, _bytes_of(pool.slot(slot))) for _, key, slot in items]
                 )
-            except Exception as exc:  # the tier's boundary: RemoteUnavailable, or unforeseen
+            except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
                 down = f"{UNAVAILABLE}: {self._remote_error(exc)}"
                 _log.warning("kvledger.remote_unavailable", rank=self.rank, error=down)
                 results = [down] * len(items)
-        # (what, request, why) -> keys: a write the server refused fails alone.
+        # (what, request, why) -> keys: a write the tier refused fails alone.
         outcomes: dict[tuple[str, str, str], list[bytes]] = {}
         for (req_id, key, _), why in zip(items, results, strict=True):
             what = "saved" if why is None else "save_failed"

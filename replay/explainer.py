@@ -17,7 +17,7 @@ from typing import NamedTuple
 from replay.computed import ANY_ROOT, Computed, History
 from replay.misses import AdmissionMisses, Miss, zero_hits
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT, ChunkIndex
+from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
 from tracker.history import RETIRED_MEMORY, Folded, retires
 from tracker.index_fold import apply_recorded
@@ -31,6 +31,7 @@ from tracker.plans import (
     transfer_plan,
 )
 from tracker.state import RequestState
+from tracker.tiers import POOL, tier_of_slot
 
 __all__ = ["FATES_MEMORY", "HISTORY_TOKENS", "Explainer", "OnAdmission"]
 
@@ -340,8 +341,7 @@ class Explainer:
         plan = transfer_plan(e, after, self.config)
         if plan is not None:
             adm.tiers = [
-                (ch.token_start, ch.token_end, "remote" if ch.slot == REMOTE_SLOT else "pool")
-                for ch in plan.chunks
+                (ch.token_start, ch.token_end, tier_of_slot(ch.slot) or POOL) for ch in plan.chunks
             ]
 
     def _load_result(self, item: Folded) -> None:

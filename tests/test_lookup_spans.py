@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
-from tracker.plans import POOL, REMOTE, answer_lookup, lookup_spans, span_tier
+from tracker.plans import answer_lookup, lookup_spans, span_tier
 from tracker.state import new_state
+from tracker.tiers import POOL, REMOTE
 
 
 @settings(max_examples=300, deadline=None)

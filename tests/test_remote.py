@@ -22,8 +22,8 @@ from connector.remote import (
     remote_key,
 )
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT
 from tracker.config import TrackerConfig
+from tracker.tiers import REMOTE_SLOT
 from tracker.tracker import Tracker
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
@@ -40,6 +40,31 @@ def _store(url: str, **kw: object) -> RemoteStore:
 def test_a_bad_remote_bound_is_a_startup_error_naming_the_key(key: str) -> None:
     with pytest.raises(ConnectorConfigError, match=key):
         ConnectorConfig.from_extra_config({key: -1}, environ={})
+
+
+def test_a_chunk_larger_than_the_server_takes_refuses_to_start() -> None:
+    """The worker asks its tier whether it holds a chunk of the caches' size; Redis's answer
+    is ``remote_max_chunk_bytes`` (the server's proto-max-bulk-len)."""
+    from connector.testing.oracle import KVOracle
+    from connector.worker import WorkerSide
+
+    oracle = KVOracle(["layer.0"], num_blocks=8, block_size=16, num_kv_heads=2, head_size=4)
+    extra = {"chunk_size": 32, "remote_url": "redis://127.0.0.1:1/0"}  # down: served around
+    for limit, refused in ((1024, True), (1 << 20, False)):
+        config = ConnectorConfig.from_extra_config(
+            {**extra, "remote_max_chunk_bytes": limit}, environ={}
+        )
+        worker = WorkerSide(config, num_slots=2)
+        if refused:
+            with pytest.raises(
+                ConnectorConfigError,
+                match=r"remote_max_chunk_bytes \(1024\) is smaller than one chunk \(2048 bytes\)",
+            ):
+                worker.register_kv_caches(oracle.caches)
+        else:
+            worker.register_kv_caches(oracle.caches)
+            assert worker.pool is not None and worker.pool.slot_bytes == 2048
+        worker.shutdown()
 
 
 def test_no_remote_url_means_no_remote_tier() -> None:

@@ -26,7 +26,7 @@ from _redis import RedisServer, redis_server
 
 from connector.testing.harness import skip_reason
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT
+from tracker.tiers import REMOTE_SLOT
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 

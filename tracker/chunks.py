@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 
 __all__ = [
-    "REMOTE_SLOT",
     "ChunkIndex",
     "RemoteKeys",
     "block_prefix_keys",
@@ -34,8 +33,6 @@ _FULL = b"kvledger-full"
 _PART = b"kvledger-part"
 _ROOT = b"kvledger-root"
 KEY_BYTES = 16
-# The slot a load plan names for a chunk read from the remote store rather than the host pool.
-REMOTE_SLOT = -1
 # Keys the remote store is known to hold, remembered at most (the oldest fact is forgotten
 # first; a lookup asks the store again anyway for every key the host pool misses).
 REMOTE_MEMORY = 1 << 18

@@ -285,7 +285,7 @@ class StepDecoded(InputEvent):
         return grown
 
 
-# --- remote tier (tags 30-39): facts about the shared store (connector/remote.py) ----------
+# --- remote tier (tags 30-39): facts about the shared store (connector/tiers.py) -----------
 
 
 @attrs.frozen(slots=True)

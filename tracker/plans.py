@@ -31,13 +31,12 @@ from typing import NamedTuple
 import attrs
 
 from tracker import events as ev
-from tracker.chunks import REMOTE_SLOT, ChunkIndex, block_prefix_keys, partial_key
+from tracker.chunks import ChunkIndex, block_prefix_keys, partial_key
 from tracker.config import TrackerConfig
 from tracker.state import Phase, RequestState, Violation
+from tracker.tiers import POOL, REMOTE, slot_of
 
 __all__ = [
-    "POOL",
-    "REMOTE",
     "ChunkTransfer",
     "Span",
     "TransferPlan",
@@ -53,10 +52,6 @@ __all__ = [
     "span_tier",
     "transfer_plan",
 ]
-
-# The tiers a lookup finds a span in (span_tier).
-POOL = "pool"
-REMOTE = "remote"
 
 
 def _prefix_key(state: RequestState, chunk: int) -> bytes:
@@ -116,9 +111,10 @@ def saved_tail(state: RequestState, config: TrackerConfig, span: Span) -> Span |
 
 
 def span_tier(index: ChunkIndex, span: Span) -> str | None:
-    """Where a lookup finds ``span``: :data:`POOL` (the host pool), :data:`REMOTE` (the remote
-    store was seen holding it: a recorded fact, tracker/remote.py), or None. A partial tail
-    counts from the host pool only."""
+    """The tier a lookup finds ``span`` in (``tracker/tiers.py``, nearest first): ``POOL``
+    (the host pool's index holds it), ``REMOTE`` (the remote tier was seen holding it: a
+    recorded fact, tracker/remote.py), or None. A partial tail counts from the host pool
+    only."""
     if index.slot_of(span.key) is not None:
         return POOL
     if not span.partial and span.key in index.remote:
@@ -239,7 +235,7 @@ def plan_load(
         if stored is not None:
             key, slot = stored, index.slot_of(stored)
         elif index.remote.loadable(key):
-            slot = REMOTE_SLOT  # the worker reads it from the remote store
+            slot = slot_of(REMOTE)  # the worker reads it from the remote tier
         else:
             return refuse("load_chunks_present", chunk=chunk)
         assert slot is not None

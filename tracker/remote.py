@@ -15,7 +15,8 @@ replay of the log rebuilds it, hence every lookup answer and load plan that coun
 A fact that says something impossible (``tracker.wellformed``: a ``RemoteFound`` with 2 keys
 and 5 answers, say) changes nothing: nothing says which answer belongs to which key.
 
-No I/O: the connector (``connector/remote.py``) talks to the store and reports these facts.
+No I/O: the connector talks to the tier ``remote_url`` opens (``connector/tiers.py``: Redis,
+a directory, a plug-in) and reports these facts, the same for every tier.
 """
 
 from __future__ import annotations

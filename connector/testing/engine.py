@@ -274,12 +274,12 @@ def _faulty_connector_class() -> type:
     from connector.messages import ChunkTransfer, TransferPlan
     from connector.testing.faults import FaultyWorkerSide
     from connector.testing.vllm import FaultyKVLedgerConnector
-    from tracker.chunks import REMOTE_SLOT
+    from tracker.tiers import POOL, tier_of_slot
 
     class ScalingWorkerSide(FaultyWorkerSide):
         def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:
             scale = _LOAD_SCALE[0]
-            if scale == 1.0 or self.pool is None or chunk.slot == REMOTE_SLOT:
+            if scale == 1.0 or self.pool is None or tier_of_slot(chunk.slot) != POOL:
                 super().load_chunk(load, chunk)
                 return
             # The blocks get the scaled KV; the slot gets its exact bytes back (a power of two

@@ -1,0 +1,160 @@
+"""The disk tier: chunk bytes in files of one directory, ``remote_url`` ``file:///path/to/dir``.
+
+A ``connector.tiers.Tier``: engines on one machine (or on machines sharing a filesystem whose
+``stat`` is fast) that name the same directory share their chunks, as they would through a
+Redis server. It moves bytes and says what happened; the tracker decides.
+
+One file per chunk and rank, ``<chunk key hex>.<rank>.kvl``, holding the value Redis holds
+(``connector/remote.py``: a header with the payload's length and the CRC-32 of each piece,
+then the payload), so a torn or damaged file is refused (``length``, ``checksum``), never
+loaded. A file is written under a temporary name in the same directory and published by
+``os.replace``: a reader sees a whole file or none. Not fsynced: this is a cache, and a
+file the machine lost in a crash fails its checksum or is gone, a recorded miss.
+
+Failures: a file that is not there is ``missing``; one that cannot be read or written (a
+permission, a full disk) fails that chunk alone, ``refused: <error>``; a directory that is
+gone or not a directory is an outage (``TierUnavailable``), which the scheduler side records
+once and probes each step (``check``) until the directory serves again.
+
+Nothing evicts: the directory grows until the filesystem is full (each write then fails,
+recorded). Delete files whenever you like (by age, say: ``find DIR -name '*.kvl' -mmin +60
+-delete``): a chunk gone is a recorded miss that vLLM recomputes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Sequence
+from urllib.parse import unquote, urlsplit
+
+from connector.config import ConnectorConfig, ConnectorConfigError, redacted
+from connector.remote import decode_value, describe, encode_header
+from connector.tiers import MISSING, REFUSED, TierUnavailable
+
+__all__ = ["DiskTier", "chunk_file"]
+
+_SUFFIX = ".kvl"
+
+
+def chunk_file(key: bytes, rank: int) -> str:
+    """The file name of chunk ``key``'s share of worker ``rank``."""
+    return f"{key.hex()}.{rank}{_SUFFIX}"
+
+
+def _directory(url: str) -> str:
+    """The directory of a ``file://`` URL: an absolute path, no host but ``localhost``, no
+    query or fragment; else ``ConnectorConfigError`` naming ``remote_url``."""
+    parts = urlsplit(url)
+    if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
+        raise ConnectorConfigError(
+            f"remote_url must be file:///absolute/path/to/dir for the disk tier: {redacted(url)}"
+        )
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        raise ConnectorConfigError(
+            f"remote_url file:// takes no query or fragment: {redacted(url)}"
+        )
+    path = unquote(parts.path)
+    if not path.startswith("/") or path.rstrip("/") == "" or "\x00" in path:
+        raise ConnectorConfigError(
+            f"remote_url file:// must name an absolute directory other than /: {redacted(url)}"
+        )
+    return os.path.normpath(path)
+
+
+class DiskTier:
+    """The chunks of one directory; see the module's docstring. Its calls raise
+    ``TierUnavailable`` (the directory does not serve) and nothing else."""
+
+    name = "file"
+
+    def __init__(self, url: str, *, rank: int = 0) -> None:
+        self.url = url
+        self.rank = rank
+        self.directory = _directory(url)
+
+    def __repr__(self) -> str:
+        return f"DiskTier({self.directory!r}, rank={self.rank})"
+
+    @classmethod
+    def from_config(cls, config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> DiskTier:
+        assert config.remote_url is not None
+        tier = cls(config.remote_url, rank=rank)
+        try:
+            os.makedirs(tier.directory, exist_ok=True)
+        except OSError as exc:
+            raise ConnectorConfigError(
+                f"remote_url {redacted(config.remote_url)}: the directory cannot be made: "
+                f"{describe(exc)}"
+            ) from None
+        return tier
+
+    def _path(self, key: bytes) -> str:
+        return os.path.join(self.directory, chunk_file(key, self.rank))
+
+    def _serving(self) -> None:
+        if not os.path.isdir(self.directory):
+            raise TierUnavailable(f"NotADirectoryError: {self.directory} is not a directory")
+
+    def available(self) -> bool:
+        return True  # a local call: asked each time, no back-off
+
+    def check(self, *, startup: bool = False) -> str | None:
+        """None if the directory is there and this process may read and write in it."""
+        try:
+            self._serving()
+        except TierUnavailable as exc:
+            return str(exc)
+        if not os.access(self.directory, os.R_OK | os.W_OK | os.X_OK):
+            why = f"PermissionError: {self.directory} is not readable and writable"
+            if startup:
+                raise ConnectorConfigError(f"remote_url {redacted(self.url)}: {why}")
+            return why
+        return None
+
+    def check_chunk_bytes(self, chunk_bytes: int) -> None:
+        pass  # a file holds any chunk
+
+    def describe(self, exc: BaseException) -> str:
+        return describe(exc)
+
+    def exists(self, keys: Sequence[bytes]) -> list[int]:
+        self._serving()
+        return [1 if os.path.isfile(self._path(key)) else 0 for key in keys]
+
+    def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
+        self._serving()
+        out: list[memoryview | str] = []
+        for key in keys:
+            try:
+                with open(self._path(key), "rb") as f:
+                    value = f.read()
+            except FileNotFoundError:
+                out.append(MISSING)
+                continue
+            except OSError as exc:
+                out.append(f"{REFUSED}: {describe(exc)}")
+                continue
+            out.append(decode_value(value, expected_len))
+        return out
+
+    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
+        self._serving()
+        return [self._put_one(key, payload) for key, payload in items]
+
+    def _put_one(self, key: bytes, payload: memoryview) -> str | None:
+        final = self._path(key)
+        temp = f"{final}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
+        try:
+            with open(temp, "wb") as f:
+                f.write(encode_header(payload))
+                f.write(payload)
+            os.replace(temp, final)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            return f"{REFUSED}: {describe(exc)}"
+        return None
+
+    def close(self) -> None:
+        pass  # no file stays open

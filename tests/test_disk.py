@@ -1,0 +1,173 @@
+"""The disk tier (``connector/disk.py``, ``remote_url`` ``file:///dir``): its files, what each
+failure becomes, and two engines sharing a directory under vLLM's real scheduler with the
+KV-content oracle checked after every step (``connector.testing.run``)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connector.config import ConnectorConfig, ConnectorConfigError
+from connector.disk import DiskTier, chunk_file
+from connector.testing.harness import skip_reason
+from connector.tiers import Tier, TierUnavailable, open_tier
+from tracker import events as ev
+from tracker.tiers import REMOTE, tier_of_slot
+
+KEYS = [bytes([i]) * 16 for i in range(4)]
+
+
+def _tier(path: Path, rank: int = 0) -> DiskTier:
+    config = ConnectorConfig.from_extra_config(
+        {"chunk_size": 32, "remote_url": path.as_uri()}, environ={}
+    )
+    tier = open_tier(config, rank=rank, scheduler=False)
+    assert isinstance(tier, DiskTier) and isinstance(tier, Tier)
+    return tier
+
+
+def test_put_exists_get_round_trip_per_rank(tmp_path: Path) -> None:
+    tier = _tier(tmp_path / "chunks")  # made at startup
+    assert tier.check(startup=True) is None
+    payloads = [os.urandom(1000) for _ in KEYS[:2]]
+    assert (
+        tier.put([(k, memoryview(p)) for k, p in zip(KEYS, payloads, strict=False)]) == [None] * 2
+    )
+    assert tier.exists(KEYS) == [1, 1, 0, 0]
+    got = tier.get(KEYS[:3], 1000)
+    assert [bytes(g) for g in got[:2] if not isinstance(g, str)] == payloads
+    assert got[2] == "missing"
+    other = _tier(tmp_path / "chunks", rank=1)  # each rank's share apart
+    assert other.exists(KEYS) == [0, 0, 0, 0]
+    assert sorted(os.listdir(tmp_path / "chunks")) == sorted(chunk_file(k, 0) for k in KEYS[:2])
+
+
+def test_a_short_or_damaged_file_is_refused_never_loaded(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    tier.put([(k, memoryview(b"\x07" * 500)) for k in KEYS[:3]])
+    short, damaged = (tmp_path / chunk_file(k, 0) for k in KEYS[:2])
+    short.write_bytes(short.read_bytes()[:-1])
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    assert tier.get(KEYS[:3], 500)[:2] == ["length", "checksum"]
+    assert tier.get([KEYS[2]], 499) == ["length"]  # a chunk of another size
+
+
+def test_a_file_that_cannot_be_read_or_written_fails_alone(tmp_path: Path) -> None:
+    tier = _tier(tmp_path)
+    (tmp_path / chunk_file(KEYS[0], 0)).mkdir()  # in the way of the chunk's file
+    results = tier.put([(KEYS[0], memoryview(b"a" * 10)), (KEYS[1], memoryview(b"b" * 10))])
+    assert results[0] is not None and results[0].startswith("refused: ")
+    assert results[1] is None
+    got = tier.get(KEYS[:2], 10)
+    assert isinstance(got[0], str) and got[0].startswith("refused: IsADirectoryError")
+    assert bytes(got[1]) == b"b" * 10
+    assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]  # no temporary left behind
+
+
+def test_a_directory_gone_is_an_outage_until_it_is_back(tmp_path: Path) -> None:
+    tier = _tier(tmp_path / "d")
+    shutil.rmtree(tmp_path / "d")
+    assert tier.check() is not None
+    for call in (lambda: tier.exists(KEYS), lambda: tier.get(KEYS, 1), lambda: tier.put([])):
+        with pytest.raises(TierUnavailable, match="not a directory"):
+            call()
+    (tmp_path / "d").mkdir()
+    assert tier.check() is None and tier.exists(KEYS) == [0] * 4
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("file://host/x", "file:///absolute"),
+        ("file:///", "other than /"),
+        ("file:///x?mode=1", "no query"),
+        ("file://relative", "file:///absolute"),
+    ],
+)
+def test_a_bad_file_url_is_a_startup_error_naming_the_key(url: str, says: str) -> None:
+    config = ConnectorConfig.from_extra_config({"chunk_size": 32, "remote_url": url}, environ={})
+    with pytest.raises(ConnectorConfigError, match="remote_url") as info:
+        open_tier(config, scheduler=True)
+    assert says in str(info.value)
+
+
+# --- under vLLM's real scheduler, with the KV-content oracle ------------------------------------
+
+WORKLOAD: dict[str, Any] = dict(
+    num_gpu_blocks=24, num_requests=8, prompt_len=(48, 160), max_tokens=(8, 48), seed=0
+)
+
+
+def _run(directory: Path, log_dir: Path) -> Any:
+    from connector.testing.run import RunSpec, run
+
+    extra = {"chunk_size": 32, "remote_url": directory.as_uri()}
+    return run(RunSpec(**{**WORKLOAD, "extra_config": extra}), log_dir=str(log_dir))
+
+
+def _assert_clean(report: Any) -> None:
+    assert [m.describe() for m in report.mismatches] == []
+    assert report.violations == ()
+    assert report.leaks == ()
+    assert report.adapter_errors == 0
+    assert report.finished == report.requests
+
+
+def _events(log_path: str) -> list[ev.Event]:
+    from replay.source import open_log
+
+    return [e for frame in open_log(log_path).frames() for e in frame.events]
+
+
+def _check_clean(log_path: str) -> None:
+    from replay.replayer import check
+
+    result = check(log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
+def test_two_engines_share_a_directory_and_a_lost_or_damaged_file_is_recomputed(
+    tmp_path: Path,
+) -> None:
+    chunks = tmp_path / "chunks"
+    first = _run(chunks, tmp_path / "a")
+    _assert_clean(first)
+    written = {
+        k for e in _events(first.log_path) if isinstance(e, ev.RemoteSaveDone) for k in e.keys
+    }
+    assert written and {chunk_file(k, 0) for k in written} == set(os.listdir(chunks))
+    second = _run(chunks, tmp_path / "b")
+    _assert_clean(second)  # the KV it loaded from the files is right, every step
+    loaded = {
+        k
+        for e in _events(second.log_path)
+        if isinstance(e, ev.LoadPlanned)
+        for k, slot in zip(e.keys, e.slots, strict=True)
+        if tier_of_slot(slot) == REMOTE
+    }
+    assert loaded and loaded <= written
+    _check_clean(first.log_path)
+    _check_clean(second.log_path)
+    # A third engine finds some files gone and some damaged: recorded, recomputed.
+    for i, name in enumerate(sorted(os.listdir(chunks))):
+        path = chunks / name
+        if i % 3 == 0:
+            path.unlink()
+        elif i % 3 == 1:
+            data = bytearray(path.read_bytes())
+            data[-5] ^= 0x55
+            path.write_bytes(bytes(data))
+    third = _run(chunks, tmp_path / "c")
+    _assert_clean(third)
+    assert third.load_errors > 0
+    reasons = {e.reason for e in _events(third.log_path) if isinstance(e, ev.RemoteLoadFailed)}
+    assert "checksum" in reasons
+    _check_clean(third.log_path)
