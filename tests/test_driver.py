@@ -114,3 +114,42 @@ def test_the_runner_calls_a_connector_in_vllms_order(async_scheduling: bool, dra
         _, ours, _ = next(s for s in steps if s[0].total_num_scheduled_tokens > 0)
         names = [c[0] for c in ours]
         assert names.index("get_finished") < names.index("wait_for_save")
+
+
+def test_a_runner_that_computes_nothing_makes_the_same_calls() -> None:
+    """``compute=False`` (the scheduler bench's runner) drives the connector exactly as the
+    oracle's runner does, step by step, and writes no KV: the caches stay unwritten (NaN) and
+    there is nothing to verify."""
+    import torch
+
+    from connector.testing.driver import ModelRunner
+    from connector.testing.harness import HarnessConfig, shared_prefix_prompts
+
+    config = HarnessConfig(
+        num_gpu_blocks=16,
+        enable_prefix_caching=False,
+        kv_connector={
+            "kv_connector": "CallOrder",
+            "kv_connector_module_path": "_call_order",
+            "kv_role": "kv_both",
+        },
+    )
+    prompts = shared_prefix_prompts(3, 16, 30, seed=3)
+    work = [(f"r{i}", p, 3) for i, p in enumerate(prompts)]
+    calls: dict[bool, list[Any]] = {}
+    for compute in (True, False):
+        runner = ModelRunner(config, compute=compute)
+        steps: list[Any] = []
+
+        def after_step(_: Any, runner: ModelRunner = runner, steps: list[Any] = steps) -> None:
+            steps.append(list(runner.worker.calls))
+            runner.worker.calls.clear()
+            if not runner.compute:
+                assert runner.verify() == []
+
+        runner.run(work, repeat_prompts=2, max_steps=200, verify=False, after_step=after_step)
+        written = any(not bool(torch.isnan(c).all()) for c in runner.oracle.caches.values())
+        runner.harness.close()
+        assert written == compute
+        calls[compute] = steps
+    assert len(calls[True]) > 5 and calls[False] == calls[True]

@@ -74,11 +74,17 @@ def engine_config(spec: HarnessConfig, kv_connector: Mapping[str, Any]) -> Harne
 
 
 @functools.cache
-def _output_fields() -> frozenset[str]:
-    """The fields of this vLLM's KVConnectorOutput: what its runner asks the connector for."""
+def _asked() -> frozenset[str]:
+    """What this vLLM's model runner asks a connector after the forward: the fields of its
+    KVConnectorOutput (each filled by one call), and ``get_transfer_results`` where its base
+    class has it (0.33; before, ``get_finished``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
     from vllm.v1.outputs import KVConnectorOutput
 
-    return frozenset(f.name for f in dataclasses.fields(KVConnectorOutput))
+    asked = {f.name for f in dataclasses.fields(KVConnectorOutput)}
+    if hasattr(KVConnectorBase_V1, "get_transfer_results"):
+        asked.add("get_transfer_results")
+    return frozenset(asked)
 
 
 def built_by_vllm(harness: SchedulerHarness) -> Any:
@@ -104,6 +110,8 @@ class ModelRunner:
     ``kv_cache_list``: a layer's ``kv_cache`` is a list, one tensor per virtual engine, as
     vLLM held it when LMCache 0.3.9 was written (its adapter reads the caches there).
     ``make_worker`` builds the worker role (default: as vLLM does, ``built_by_vllm``).
+    ``compute`` False: the forward makes the same connector calls but writes no KV, and
+    ``verify`` checks nothing (a bench timing vLLM's scheduler, not the oracle's writes).
     """
 
     def __init__(
@@ -114,6 +122,7 @@ class ModelRunner:
         make_worker: Callable[[SchedulerHarness], Any] = built_by_vllm,
         drafter_layers: int = 0,
         kv_cache_list: bool = False,
+        compute: bool = True,
     ) -> None:
         from connector.testing.oracle import KVOracle  # torch: imported when a rig runs
 
@@ -130,6 +139,7 @@ class ModelRunner:
                 f"{len(names)} the engine has"
             )
         self.drafter_layers = drafter_layers
+        self.compute = compute
         group = self.harness.kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self.oracle: KVOracle = KVOracle(
             names,
@@ -235,12 +245,13 @@ class ModelRunner:
         of every scheduled token (the oracle's values), and is saved."""
         names = list(self.views)
         spans = [
-            (r, self.tokens_of(r, end), self.blocks_of(r), start, end) for r, start, end in writes
+            (r, self.tokens_of(r, end), self.blocks_of(r), start, end)
+            for r, start, end in (writes if self.compute else ())
         ]
         for layer in layers:
             name = names[layer]
             self.worker.wait_for_layer_load(name)
-            for req_id, tokens, blocks, start, end in spans:
+            for req_id, tokens, blocks, start, end in spans if self.compute else ():
                 bad = req_id in poisoned
                 self.oracle.write(req_id, tokens, blocks, start, end, poisoned=bad, layers=[layer])
             self.worker.save_kv_layer(name, self.views[name], self.attn_metadata[name])
@@ -249,24 +260,24 @@ class ModelRunner:
         """What the runner asks the connector after the forward, in vLLM's order: the
         KVConnectorOutput, and the blocks whose load failed."""
         worker = self.worker
-        fields = _output_fields()
+        asked = _asked()
         extra: dict[str, Any] = {}
-        transfer_results = getattr(worker, "get_transfer_results", None)
-        if transfer_results is not None:  # vLLM 0.33
-            results = transfer_results(set(out.finished_req_ids))
+        finished = set(out.finished_req_ids)
+        if "get_transfer_results" in asked:
+            results = worker.get_transfer_results(finished)
             sending, recving = results.finished_sending, results.finished_recving
-            if "failed_recving" in fields:
+            if "failed_recving" in asked:
                 extra["failed_recving"] = set(results.failed_recving or ())
         else:
-            sending, recving = worker.get_finished(set(out.finished_req_ids))
-        # vLLM >= 0.11.1 asks for load errors; a connector of an older vLLM has no such method.
-        load_errors = getattr(worker, "get_block_ids_with_load_errors", None)
-        errors = set((load_errors() if load_errors is not None else None) or ())
-        if "kv_connector_stats" in fields:
+            sending, recving = worker.get_finished(finished)
+        errors: set[int] = set()
+        if "invalid_block_ids" in asked:  # vLLM >= 0.11.1 hears of failed loads
+            errors = set(worker.get_block_ids_with_load_errors() or ())
+        if "kv_connector_stats" in asked:
             extra["kv_connector_stats"] = worker.get_kv_connector_stats()
-        if "kv_cache_events" in fields:
+        if "kv_cache_events" in asked:
             extra["kv_cache_events"] = worker.get_kv_connector_kv_cache_events()
-        if "kv_connector_worker_meta" in fields:
+        if "kv_connector_worker_meta" in asked:
             extra["kv_connector_worker_meta"] = worker.build_connector_worker_meta()
         output = make_kv_connector_output(sending or (), recving or (), errors, **extra)
         return output, errors
@@ -275,8 +286,8 @@ class ModelRunner:
 
     def checks(self) -> Iterator[tuple[str, tuple[int, ...], Mismatch | None]]:
         """Per running request vLLM does not recompute: (id, block table, first wrong token or
-        None)."""
-        for req_id, view in self.harness.running_views().items():
+        None); none where the runner does not ``compute``."""
+        for req_id, view in self.harness.running_views().items() if self.compute else ():
             if req_id in self.skip_verify or not view.block_ids:
                 continue
             upto = view.num_computed_tokens
