@@ -4,7 +4,8 @@
   bench/scheduler_overhead.py measures);
 - ``oracle``: the KV-content oracle, which knows what every computed token's KV must be;
 - ``driver``: the rigs' one model runner, calling any worker-role connector in vLLM 0.33's
-  order over the oracle's caches (``run``, ``recorded``, ``lmcache`` and ``zoo`` use it);
+  order over the oracle's caches (``run``, ``recorded``, ``lmcache`` and ``zoo`` use it, and
+  bench/scheduler_overhead.py's worker, with no KV computed);
 - ``run``: the end-to-end runner (vLLM's scheduler, KVLedgerConnector's worker role over the
   oracle's caches, fault injection) used by the tests and ``kvledger demo``;
 - ``faults``: ``FaultyWorkerSide``, a ``WorkerSide`` whose chosen chunk loads fail (through the
