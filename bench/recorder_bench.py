@@ -42,12 +42,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench import scheduler_overhead as so  # noqa: E402
 
-NULL = {
-    "kv_connector": "NullConnector",
-    "kv_connector_module_path": "bench.scheduler_overhead",
-    "kv_role": "kv_both",
-}
-
 
 def recorder_spec(
     log_dir: str | None, background: bool = True, steady: bool = True, digests: str = "off"
@@ -95,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             specs: list[tuple[str, dict[str, Any] | None]] = [
                 ("base", None),
-                ("null", NULL),
+                ("null", so.NULL_CONNECTOR),
                 ("rec", recorder_spec(None)),
                 ("reclog", recorder_spec(os.path.join(tmp, "bg"))),
                 ("recsync", recorder_spec(os.path.join(tmp, "sync"), background=False)),
@@ -106,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = recorder_spec(os.path.join(tmp, "dig"), digests="sampled")
                 specs.append(("recdig", spec))
             for name, spec in specs:
-                variants.append(so.Variant(name, cfg.with_(kv_connector=spec), None))
+                variants.append(so.Variant(name, cfg.with_(kv_connector=spec)))
             for v in variants:
                 so.warm_up(v, args)
             wall = so.run_timed(variants, args)

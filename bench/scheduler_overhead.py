@@ -116,6 +116,14 @@ def _null_connector_class() -> type:
     return NullConnector
 
 
+# The kv_transfer_config that loads it (both scheduler benches time it as ``null``).
+NULL_CONNECTOR = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "bench.scheduler_overhead",
+    "kv_role": "kv_both",
+}
+
+
 def __getattr__(name: str) -> Any:
     """vLLM loads ``NullConnector`` from this module by name; built on first access so that
     importing this file does not import vLLM."""
@@ -204,9 +212,8 @@ def wrap_connector(connector: Any, timer: StepTimer) -> list[str]:
 
 
 class Variant:
-    def __init__(self, name: str, config: HarnessConfig, log_dir: str | None) -> None:
+    def __init__(self, name: str, config: HarnessConfig) -> None:
         self.name = name
-        self.log_dir = log_dir
         self.runner: ModelRunner | None = None
         ours = config.kv_connector is not None and config.kv_connector["kv_connector"] == (
             "KVLedgerConnector"
@@ -330,11 +337,7 @@ def token_bytes(harness: SchedulerHarness) -> int:
 
 
 def connector_spec(
-    args: argparse.Namespace,
-    token_bytes: int,
-    log_dir: str | None,
-    null: bool = False,
-    background: bool = True,
+    args: argparse.Namespace, token_bytes: int, log_dir: str | None, background: bool = True
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"chunk_size": args.chunk_size}
     # Slots for every full chunk of every prompt, twice over: nothing is evicted.
@@ -343,12 +346,6 @@ def connector_spec(
     if log_dir is not None:
         extra["log_dir"] = log_dir
         extra["log_background"] = background
-    if null:
-        return {
-            "kv_connector": "NullConnector",
-            "kv_connector_module_path": "bench.scheduler_overhead",
-            "kv_role": "kv_both",
-        }
     return {
         "kv_connector": "KVLedgerConnector",
         "kv_connector_module_path": "connector.vllm",
@@ -594,20 +591,19 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[Variant] = []
     t0 = time.perf_counter()
     try:
-        base = Variant("base", base_cfg, None)
+        base = Variant("base", base_cfg)
         variants.append(base)
         tb = token_bytes(base.harness)
         if args.null:
-            cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, None, null=True))
-            variants.append(Variant("null", cfg, None))
-        conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)), None)
+            variants.append(Variant("null", base_cfg.with_(kv_connector=NULL_CONNECTOR)))
+        conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
         if tmp is not None:
             cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, tmp.name))
-            variants.append(Variant("log", cfg, tmp.name))
+            variants.append(Variant("log", cfg))
             sync_dir = os.path.join(tmp.name, "sync")
             spec = connector_spec(args, tb, sync_dir, background=False)
-            variants.append(Variant("logsync", base_cfg.with_(kv_connector=spec), sync_dir))
+            variants.append(Variant("logsync", base_cfg.with_(kv_connector=spec)))
         for v in variants:
             prefill_steps = warm_up(v, args)
         print(
