@@ -31,7 +31,6 @@ timed here (no worker runs: the harness reports empty connector outputs). Digest
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import tempfile
@@ -42,13 +41,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import scheduler_overhead as so  # noqa: E402
-from connector.testing.harness import skip_reason  # noqa: E402
-
-NULL = {
-    "kv_connector": "NullConnector",
-    "kv_connector_module_path": "bench.scheduler_overhead",
-    "kv_role": "kv_both",
-}
 
 
 def recorder_spec(
@@ -74,32 +66,16 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--block", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--warmup-steps", type=int, default=10)
+    so.timing_arguments(p)
     p.add_argument("--full", action="store_true", help="also time steady_decode false")
     p.add_argument(
         "--digests", action="store_true", help="also time digests sampled (the planner's part)"
     )
-    p.add_argument("--profile", action="store_true", help="cProfile reclog's steps")
-    p.add_argument("--profile-steps", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if not args.profile:
-        args.profile_steps = 0
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    reason = skip_reason()
-    if reason is not None:
-        print(reason, file=sys.stderr)
+    args = so.parse_timing(p, argv)
+    cfg = so.decode_config(args)
+    if cfg is None:
         return 2
     per_round = args.steps // args.rounds
-    decode = args.warmup_steps + 4 + per_round * args.rounds + args.profile_steps + 16
-    args.max_tokens = decode
-    cfg = so.make_config(args, decode)
     print("recorder overhead: vLLM's real Scheduler, decode steps, CPU")
     for line in so.environment():
         print(line)
@@ -113,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             specs: list[tuple[str, dict[str, Any] | None]] = [
                 ("base", None),
-                ("null", NULL),
+                ("null", so.NULL_CONNECTOR),
                 ("rec", recorder_spec(None)),
                 ("reclog", recorder_spec(os.path.join(tmp, "bg"))),
                 ("recsync", recorder_spec(os.path.join(tmp, "sync"), background=False)),
@@ -124,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 spec = recorder_spec(os.path.join(tmp, "dig"), digests="sampled")
                 specs.append(("recdig", spec))
             for name, spec in specs:
-                variants.append(so.Variant(name, cfg.with_(kv_connector=spec), None))
+                variants.append(so.Variant(name, cfg.with_(kv_connector=spec)))
             for v in variants:
                 so.warm_up(v, args)
             wall = so.run_timed(variants, args)

@@ -23,12 +23,13 @@ round the variants take turns of ``--block`` steps (A B C, then C B A, ...), so 
 shared machine hits all alike. The cyclic GC's heap is frozen first, as vLLM's EngineCore does.
 Only the scheduler's own work is timed: ``scheduler.schedule()`` plus
 ``scheduler.update_from_output()`` (where vLLM calls the connector's scheduler-side methods),
-measured by ``perf_counter_ns`` wrappers installed on the scheduler instance. The fake worker
-(``on_scheduled``) and the harness's fake sampler are not timed. For the connector variants the
-worker is a second KVLedgerConnector in the worker role over small CPU KV tensors, driven in
-vLLM's model-runner order (no KV-content oracle), so the scheduler gets the worker metadata a
-real worker would send. "connector" time is the time spent inside the scheduler-role
-connector's methods, measured by wrappers on that instance (outermost call only).
+measured by ``perf_counter_ns`` wrappers installed on the scheduler instance. The worker and
+the harness's fake sampler are not timed. For the connector variants the worker is a second
+KVLedgerConnector in the worker role over small CPU KV tensors, driven by the rigs' model
+runner (connector/testing/driver.py: vLLM's call order, no KV computed), so the scheduler gets
+the worker metadata a real worker would send. "connector" time is the time spent inside the
+scheduler-role connector's methods, measured by wrappers on that instance (outermost call
+only).
 
 Figures: median per-step time per variant; "ratio" is median(variant) / median(base) over all
 timed steps; the per-round ratios (median of the variant's steps / median of base's steps in
@@ -68,12 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/scheduler_overhead.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from connector.testing.harness import (  # noqa: E402
-    HarnessConfig,
-    SchedulerHarness,
-    make_kv_connector_output,
-    skip_reason,
-)
+from connector.testing.driver import ModelRunner  # noqa: E402
+from connector.testing.harness import HarnessConfig, SchedulerHarness, skip_reason  # noqa: E402
 
 TARGET = 1.05
 
@@ -117,6 +114,14 @@ def _null_connector_class() -> type:
             return None
 
     return NullConnector
+
+
+# The kv_transfer_config that loads it (both scheduler benches time it as ``null``).
+NULL_CONNECTOR = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "bench.scheduler_overhead",
+    "kv_role": "kv_both",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -207,53 +212,28 @@ def wrap_connector(connector: Any, timer: StepTimer) -> list[str]:
 
 
 class Variant:
-    def __init__(self, name: str, config: HarnessConfig, log_dir: str | None) -> None:
+    def __init__(self, name: str, config: HarnessConfig) -> None:
         self.name = name
-        self.log_dir = log_dir
-        self.worker: Any = None
+        self.runner: ModelRunner | None = None
         ours = config.kv_connector is not None and config.kv_connector["kv_connector"] == (
             "KVLedgerConnector"
         )
-        # The null connector gets no hook: the harness reports an empty KVConnectorOutput.
-        self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled if ours else None)
-        self.connector = self.harness.connector
         if ours:
-            self._build_worker()
+            # The rigs' model runner (connector/testing/driver.py) drives the worker role in
+            # vLLM's call order: the scheduler gets the output a real worker would send. No KV
+            # is computed: the oracle's writes, between schedule() and update_from_output(),
+            # would slow the timed scheduler down (they cost no real scheduler anything).
+            self.runner = ModelRunner(config, compute=False)
+            self.harness = self.runner.harness
+        else:  # no worker: the harness reports an empty KVConnectorOutput
+            self.harness = SchedulerHarness(config)
+        self.connector = self.harness.connector
         self.timer = StepTimer()
         wrap_scheduler(self.harness.scheduler, self.timer)
         self.wrapped = wrap_connector(self.connector, self.timer) if self.connector else []
         self.sched_us: list[float] = []  # per timed step
         self.conn_us: list[float] = []
         self.rounds: list[list[float]] = []  # per round, per step scheduler us
-
-    def _build_worker(self) -> None:
-        import torch
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        from connector.vllm import KVLedgerConnector
-
-        h = self.harness
-        spec = h.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.worker = KVLedgerConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
-        shape = (2, h.config.num_gpu_blocks, h.config.block_size, spec.num_kv_heads, spec.head_size)
-        caches = {name: torch.zeros(shape, dtype=spec.dtype) for name in h.layer_names}
-        self.worker.register_kv_caches(caches)
-
-    def _on_scheduled(self, out: Any) -> Any:
-        """What a model runner does with the connector around one forward pass (none here)."""
-        worker = self.worker
-        meta = out.kv_connector_metadata
-        worker.handle_preemptions(meta)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        worker.wait_for_save()
-        sending, recving = worker.get_finished(set(out.finished_req_ids))
-        errors = worker.get_block_ids_with_load_errors()
-        worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        return make_kv_connector_output(
-            sending or (), recving or (), errors, kv_connector_worker_meta=worker_meta
-        )
 
     def step(self) -> Any:
         result = self.harness.step()
@@ -278,7 +258,7 @@ class Variant:
             raise RuntimeError(f"{self.name}: preemption or finish during the timed phase")
 
     def problems(self) -> list[str]:
-        if self.worker is None:
+        if self.runner is None:
             return []
         side = self.connector.scheduler_side
         out = []
@@ -289,8 +269,8 @@ class Variant:
         return out
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
+        if self.runner is not None:
+            self.runner.worker.shutdown()
         self.harness.close()
 
 
@@ -307,6 +287,48 @@ def make_config(args: argparse.Namespace, decode_tokens: int) -> HarnessConfig:
     )
 
 
+def timing_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload and timing options of the scheduler benches (this one, recorder_bench)."""
+    p.add_argument("--requests", type=int, default=128)
+    p.add_argument("--steps", type=int, default=200, help="timed decode steps per variant")
+    p.add_argument("--rounds", type=int, default=5, help="rounds the timed steps split in")
+    p.add_argument(
+        "--block", type=int, default=2, help="steps a variant runs before the next one's turn"
+    )
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--warmup-steps", type=int, default=10, help="untimed decode steps")
+    p.add_argument("--profile", action="store_true", help="cProfile the connector's steps")
+    p.add_argument("--profile-steps", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def parse_timing(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``argv`` parsed by ``p`` (``timing_arguments``'s options among its own), the timing
+    options checked."""
+    args = p.parse_args(argv)
+    if args.steps < args.rounds or args.rounds < 1 or args.block < 1:
+        p.error("--steps must be at least --rounds >= 1, and --block >= 1")
+    if not args.profile:
+        args.profile_steps = 0
+    return args
+
+
+def decode_config(args: argparse.Namespace) -> HarnessConfig | None:
+    """The engine of a decode-steps run of ``args`` (``args.max_tokens`` set: no request
+    finishes during it); None, said on stderr, where vLLM's scheduler cannot run here."""
+    # vLLM's start-up warnings (no vllm._C, HMA off for this connector) are expected here.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+    reason = skip_reason()
+    if reason is not None:
+        print(reason, file=sys.stderr)
+        return None
+    per_round = args.steps // args.rounds
+    decode = args.warmup_steps + 4 + per_round * args.rounds + args.profile_steps + 16
+    args.max_tokens = decode
+    return make_config(args, decode)
+
+
 def token_bytes(harness: SchedulerHarness) -> int:
     """K and V bytes of one token over all layers, as the connector sizes its slots."""
     group = harness.kv_cache_config.kv_cache_groups[0]
@@ -315,11 +337,7 @@ def token_bytes(harness: SchedulerHarness) -> int:
 
 
 def connector_spec(
-    args: argparse.Namespace,
-    token_bytes: int,
-    log_dir: str | None,
-    null: bool = False,
-    background: bool = True,
+    args: argparse.Namespace, token_bytes: int, log_dir: str | None, background: bool = True
 ) -> dict[str, Any]:
     extra: dict[str, Any] = {"chunk_size": args.chunk_size}
     # Slots for every full chunk of every prompt, twice over: nothing is evicted.
@@ -328,12 +346,6 @@ def connector_spec(
     if log_dir is not None:
         extra["log_dir"] = log_dir
         extra["log_background"] = background
-    if null:
-        return {
-            "kv_connector": "NullConnector",
-            "kv_connector_module_path": "bench.scheduler_overhead",
-            "kv_role": "kv_both",
-        }
     return {
         "kv_connector": "KVLedgerConnector",
         "kv_connector_module_path": "connector.vllm",
@@ -545,16 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--steps", type=int, default=200, help="timed decode steps per variant")
-    p.add_argument("--rounds", type=int, default=5, help="rounds the timed steps split in")
-    p.add_argument(
-        "--block", type=int, default=2, help="steps a variant runs before the next one's turn"
-    )
-    p.add_argument("--prompt-len", type=int, default=512)
-    p.add_argument("--block-size", type=int, default=16)
+    timing_arguments(p)
     p.add_argument("--chunk-size", type=int, default=256)
-    p.add_argument("--warmup-steps", type=int, default=10, help="untimed decode steps")
     p.add_argument("--log", action="store_true", help="also time the variant writing the log")
     p.add_argument(
         "--no-null",
@@ -562,24 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the do-nothing connector (vLLM's own cost of having a connector)",
     )
-    p.add_argument("--profile", action="store_true", help="cProfile the connector's steps")
-    p.add_argument("--profile-steps", type=int, default=100)
-    p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
-    if args.steps < args.rounds or args.rounds < 1 or args.block < 1:
-        p.error("--steps must be at least --rounds >= 1, and --block >= 1")
-    # vLLM's start-up warnings (no vllm._C, HMA off for this connector) are expected here.
-    logging.getLogger("vllm").setLevel(logging.ERROR)
-    reason = skip_reason()
-    if reason is not None:
-        print(reason, file=sys.stderr)
+    args = parse_timing(p, argv)
+    base_cfg = decode_config(args)
+    if base_cfg is None:
         return 2
-
     per_round = args.steps // args.rounds
-    # Decode tokens each request may produce: no request finishes during the run.
-    decode = args.warmup_steps + 4 + per_round * args.rounds + args.profile_steps + 16
-    args.max_tokens = decode
-    base_cfg = make_config(args, decode)
     tmp = tempfile.TemporaryDirectory(prefix="kvledger-bench-") if args.log else None
 
     print("scheduler overhead: vLLM's real Scheduler, decode steps, CPU")
@@ -600,20 +591,19 @@ def main(argv: list[str] | None = None) -> int:
     variants: list[Variant] = []
     t0 = time.perf_counter()
     try:
-        base = Variant("base", base_cfg, None)
+        base = Variant("base", base_cfg)
         variants.append(base)
         tb = token_bytes(base.harness)
         if args.null:
-            cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, None, null=True))
-            variants.append(Variant("null", cfg, None))
-        conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)), None)
+            variants.append(Variant("null", base_cfg.with_(kv_connector=NULL_CONNECTOR)))
+        conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
         if tmp is not None:
             cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, tmp.name))
-            variants.append(Variant("log", cfg, tmp.name))
+            variants.append(Variant("log", cfg))
             sync_dir = os.path.join(tmp.name, "sync")
             spec = connector_spec(args, tb, sync_dir, background=False)
-            variants.append(Variant("logsync", base_cfg.with_(kv_connector=spec), sync_dir))
+            variants.append(Variant("logsync", base_cfg.with_(kv_connector=spec)))
         for v in variants:
             prefill_steps = warm_up(v, args)
         print(

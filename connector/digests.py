@@ -39,7 +39,7 @@ from tracker import events as ev
 from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
 from tracker.recorded_steps import RecordedSteps
 
-__all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests", "make_recorder_hooks"]
+__all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests"]
 
 _log = structlog.get_logger("kvledger.connector")
 
@@ -314,13 +314,3 @@ class RecorderDigests:
                     loads.append(row)
             events += attrs.evolve(report, loads=tuple(loads)).events(step)
         return events
-
-
-def make_recorder_hooks(recorder: Any, vllm_config: Any, kv_cache_config: Any, role: Any) -> Any:
-    """``KVLedgerRecorder``'s digest hooks for ``role``: the scheduler's ``RecorderDigests``,
-    or the worker's ``WorkerDigests`` (``recorder.digests`` names the mode)."""
-    if str(getattr(role, "name", role)).upper().endswith("SCHEDULER"):
-        block_size = int(vllm_config.cache_config.block_size)
-        return RecorderDigests(recorder.recording, block_size)
-    rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
-    return WorkerDigests(recorder.digests, rank=rank)

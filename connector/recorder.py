@@ -207,7 +207,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             # at each call): be one exactly when the inner is.
             self.__class__ = _hma_variant()
         self.digests = config.digests
-        # The digests' hooks (connector/digests.py fills them; None: digests off).
+        # The digests' hooks (connector/digests.py's; None: digests off).
         self._digest_planner: Any = None
         self._digester: Any = None
         self.recording: SchedulerRecorder | None = None
@@ -246,13 +246,14 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         """The digests' planner (scheduler) or digester (worker), when digests are on."""
         if self.digests == "off":
             return
-        from connector.digests import make_recorder_hooks as make  # torch: only when asked
+        from connector.digests import RecorderDigests, WorkerDigests  # torch: only when asked
 
-        hooks = make(self, vllm_config, kv_cache_config, role)
         if role == KVConnectorRole.SCHEDULER:
-            self._digest_planner = hooks
+            block_size = int(vllm_config.cache_config.block_size)
+            self._digest_planner = RecorderDigests(self.recording, block_size)
         else:
-            self._digester = hooks
+            rank = int(getattr(vllm_config.parallel_config, "rank", 0) or 0)
+            self._digester = WorkerDigests(self.digests, rank=rank)
 
     # --- recording helpers ----------------------------------------------------------------
 

@@ -1,13 +1,42 @@
 """What ``kvledger check`` says of a recorder's log, in a form two logs can be compared by, and
 a log's events with its ``StepDecoded`` entries expanded back (tracker/recorded_steps.py):
-the tests that prove a steady-decode log is judged as the same run's log written in full."""
+the tests that prove a steady-decode log is judged as the same run's log written in full. And
+a recorder's log written event by event (``write_recorded``), for the recorder's rules."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from typing import Any
 
 from tracker import events as ev
 from tracker.recorded_steps import RecordedSteps
+
+
+def write_recorded(
+    path: str | os.PathLike[str],
+    events: Iterable[ev.Event],
+    *,
+    block_size: int = 16,
+    recorder_format: int | None = 2,
+) -> str:
+    """A log of ``events`` (a frame per step), chunks of one block; its header a recorder's
+    wrapping a connector "Test" (``recorder_format`` None: kvledger's own log)."""
+    from connector.logwriter import LogWriter
+    from tracker.config import TrackerConfig
+
+    header: dict[str, Any] = TrackerConfig(block_size=block_size, chunk_size=block_size).to_dict()
+    if recorder_format is not None:
+        header["recorder"] = {"format": recorder_format, "inner": "Test", "inner_class": "t.Test"}
+    with LogWriter(str(path), header, fsync="never") as w:
+        step = 0
+        for e in events:
+            if e.step != step:
+                w.end_step(step)
+                step = e.step
+            w.append(e)
+        w.end_step(step)
+    return str(path)
 
 
 def events_of(path: str) -> list[ev.Event]:

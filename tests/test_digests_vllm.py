@@ -5,6 +5,7 @@ success, is found by ``kvledger check`` of the log alone."""
 from __future__ import annotations
 
 import pytest
+from _verdicts import events_of
 
 from connector.testing.harness import skip_reason
 
@@ -90,7 +91,7 @@ def test_a_silent_bad_load_is_found_by_check_of_the_log(
     assert result.exit_code == 1
     first = result.problems[0]
     assert (first.kind, first.name) == ("violation", rule)
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     loads = [e for e in events if isinstance(e, _ev().LoadDigested)]
     assert (first.req_id, first.step) == (loads[0].req_id, loads[0].judged_step)
     # Stamped at the step that planned the load, not the next one, whose output brought the
@@ -143,12 +144,6 @@ def _ev():
     return events
 
 
-def _events(path):
-    from replay.source import open_log
-
-    return [e for frame in open_log(path).frames() for e in frame.events]
-
-
 # --- a wrapped connector (KVLedgerRecorder): the same digests, from the recorded events ----
 
 
@@ -195,7 +190,7 @@ def test_a_wrapped_connectors_silent_bad_load_is_found_by_check(
     assert report.mismatches  # the oracle agrees that the KV is wrong
     result = _check(report.log_path)
     assert result.exit_code == 1
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     loads = [e for e in events if isinstance(e, _ev().LoadDigested)]
     named = [(p.name, p.req_id, p.step) for p in result.problems if p.name == rule]
     assert named and named[0] == (rule, loads[0].req_id, loads[0].judged_step)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _rigs import example_spec
 from test_explain_props import check_admission
 
 from connector.logwriter import LogWriter
@@ -705,25 +706,14 @@ def test_a_recorders_log_of_vllms_example_connector(tmp_path: Path) -> None:
     reason = skip_reason()
     if reason is not None:
         pytest.skip(f"vLLM's scheduler is not usable: {reason}")
-    from connector.testing.recorded import (
-        WrappedSpec,
-        example_connector,
-        example_connector_cpu_problem,
-        example_connector_layout,
-        run_wrapped,
-    )
+    from connector.testing.recorded import run_wrapped
 
-    problem = example_connector_cpu_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    spec = WrappedSpec(
+    spec = example_spec(
+        tmp_path / "store",
         num_requests=4,
         num_gpu_blocks=24,
         prompt_len=(20, 50),
         max_tokens=(4, 8),
-        inner=example_connector(),
-        layout=example_connector_layout(),
-        extra_config={"shared_storage_path": str(tmp_path / "store")},
     )
     report = run_wrapped(spec, log_dir=str(tmp_path / "logs"))
     assert not report.mismatches

@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _metrics_truth import counted_from_log
 
 from connector import metrics
 from replay.source import open_log
-from tracker import events as ev
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -57,31 +57,6 @@ def _prom_samples(text: str, prefix: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
-
-
-def _truth(log_dir: Path) -> dict[str, int]:
-    """The same numbers, counted from the run's log."""
-    t = dict.fromkeys(metrics.COUNTERS, 0)
-    for frame in open_log(log_dir).frames():
-        for e in frame.events:
-            if isinstance(e, ev.LookupAnswered):
-                t["lookups"] += 1
-                t["hit_tokens"] += e.external
-            elif isinstance(e, (ev.LoadPlanned, ev.SavePlanned)) and e.keys and e.end > e.start:
-                kind = "load" if isinstance(e, ev.LoadPlanned) else "save"
-                t[f"{kind}s"] += 1
-                t[f"{kind}_tokens"] += e.end - e.start
-            elif isinstance(e, ev.LoadDone):
-                t["loads_done"] += 1
-            elif isinstance(e, ev.LoadFailed):
-                t["load_failures"] += 1
-            elif isinstance(e, ev.SaveDone):
-                t["chunks_saved"] += len(e.keys)
-            elif isinstance(e, ev.SaveFailed):
-                t["save_failures"] += len(e.keys)
-            elif isinstance(e, ev.ViolationRecorded):
-                t["violations"] += 1
-    return t
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -137,7 +112,7 @@ def test_metrics_reach_vllms_prometheus_registry(
 
     text = prometheus_client.generate_latest(prometheus_client.REGISTRY).decode()
     ours = _prom_samples(text, "vllm:kvledger_")
-    truth = _truth(tmp_path / "log")
+    truth = counted_from_log(tmp_path / "log")
     for name in metrics.COUNTERS:
         assert ours[f"vllm:kvledger_{name}_total"] == truth[name], name
     # The worker's own counts agree, and the run did load, save and wait.

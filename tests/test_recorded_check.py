@@ -8,28 +8,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from connector.logwriter import LogWriter
+from _verdicts import write_recorded
+
 from replay.cli import main
 from tracker import events as ev
-from tracker.config import TrackerConfig
 
 PROMPT = tuple(range(100, 148))  # 48 tokens
 REPEAT = tuple(range(100, 148))
 
 
 def _write(path, events, *, recorder=True):
-    header = {**TrackerConfig(block_size=16, chunk_size=16).to_dict()}
-    if recorder:
-        header["recorder"] = {"format": 1, "inner": "Test", "inner_class": "t.Test"}
-    with LogWriter(str(path), header, fsync="never") as w:
-        step = 0
-        for e in events:
-            if e.step != step:
-                w.end_step(step)
-                step = e.step
-            w.append(e)
-        w.end_step(step)
-    return str(path)
+    return write_recorded(path, events, recorder_format=1 if recorder else None)
 
 
 def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:

@@ -6,6 +6,9 @@ never reaches vLLM, and an exception of the inner reaches vLLM unchanged."""
 from __future__ import annotations
 
 import pytest
+from _rigs import PREEMPTING_RECORDED as PREEMPTING
+from _rigs import example_spec
+from _verdicts import events_of
 
 from connector.testing.harness import skip_reason
 
@@ -27,31 +30,14 @@ SMALL = dict(
 )
 
 
-def _events(path):
-    from replay.source import open_log
-
-    return [e for frame in open_log(path).frames() for e in frame.events]
-
-
 def _run(tmp_path, **kw):
-    from connector.testing.recorded import (
-        WrappedSpec,
-        example_connector,
-        example_connector_cpu_problem,
-        example_connector_layout,
-        run_wrapped,
-    )
+    from connector.testing.recorded import WrappedSpec, run_wrapped
 
-    if "inner" not in kw:  # vLLM's toy file connector, by this vLLM's name and layout
-        problem = example_connector_cpu_problem()
-        if problem is not None:
-            pytest.skip(problem)
-        kw["inner"] = example_connector()
-        kw.setdefault("layout", example_connector_layout())
-    extra = kw.pop("extra_config", None)
-    if extra is None:
-        extra = {"shared_storage_path": str(tmp_path / "store")}
-    spec = WrappedSpec(**{**SMALL, **kw, "extra_config": extra})
+    kw = {**SMALL, **kw}
+    if "inner" in kw:
+        spec = WrappedSpec(**kw)
+    else:  # vLLM's toy file connector, by this vLLM's name and layout
+        spec = example_spec(tmp_path / "store", **kw)
     return run_wrapped(spec, log_dir=str(tmp_path / "logs"))
 
 
@@ -64,7 +50,7 @@ def test_example_connector_wrapped_loads_repeated_prompts_exactly(tmp_path):
     assert [m.describe() for m in report.mismatches] == []
     assert report.leaks == ()
     assert report.finished == report.requests
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     answers = [e for e in events if isinstance(e, ev.InnerLookupAnswered)]
     asked = [e for e in events if isinstance(e, ev.LookupAsked)]
     assert len(answers) == len(asked) == report.requests
@@ -110,7 +96,7 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
         harness.step()
     assert caught.value is inners.RaisingExample.raised[-1]
     harness.connector.shutdown()
-    events = _events(harness.connector.log_path)
+    events = events_of(harness.connector.log_path)
     raised = [e for e in events if isinstance(e, ev.InnerRaised)]
     assert [(e.req_id, e.callback) for e in raised] == [("req-boom", "get_num_new_matched_tokens")]
     assert "InnerBoom: inner refuses req-boom" in raised[0].error
@@ -134,7 +120,7 @@ def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
     bare = _run(tmp_path / "b", record=False)
     assert wrapped.trace == bare.trace
     assert wrapped.mismatches == ()
-    events = _events(wrapped.log_path)
+    events = events_of(wrapped.log_path)
     lost = [e for e in events if isinstance(e, ev.RecordLost)]
     assert [(e.req_id, e.callback) for e in lost] == [("req-1", "get_num_new_matched_tokens")]
     assert "cannot read this request" in lost[0].error
@@ -159,7 +145,7 @@ def test_unencodable_value_costs_one_record(tmp_path, monkeypatch):
     monkeypatch.setattr(recording.SchedulerRecorder, "see", huge_token)
     report = _run(tmp_path)
     assert report.mismatches == ()
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     lost = [e for e in events if isinstance(e, ev.RecordLost)]
     assert [(e.req_id, e.callback) for e in lost] == [("req-2", "RequestAdded")]
     assert sum(isinstance(e, ev.Finished) for e in events) == report.requests
@@ -194,18 +180,6 @@ def test_forwards_every_base_method():
     assert missing == []
 
 
-# A pool small enough that long decodes preempt; a shared prefix gives prefix hits. Prompts
-# are prefilled in one step (max_num_batched_tokens): see the ExampleConnector tests.
-PREEMPTING = dict(
-    num_gpu_blocks=12,
-    max_num_seqs=4,
-    prompt_len=(20, 70),
-    max_tokens=(40, 100),
-    shared_prefix=16,
-    num_requests=6,
-    enable_prefix_caching=False,
-    max_num_batched_tokens=1024,
-)
 KVLEDGER = "connector.vllm:KVLedgerConnector"
 
 

@@ -15,30 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _verdicts import events_of, expanded, steady_entries, verdicts
+from _rigs import PREEMPTING_RECORDED as PREEMPTING
+from _rigs import example_spec
+from _verdicts import events_of, expanded, steady_entries, verdicts, write_recorded
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.logwriter import LogWriter
 from connector.testing.harness import skip_reason
 from tracker import events as ev
-from tracker.config import TrackerConfig
 from tracker.recorded_rules import check_recorded
 from tracker.recorded_steps import RecordedSteps
 
 vllm = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
-# A pool small enough that long decodes preempt; a shared prefix gives prefix hits.
-PREEMPTING = dict(
-    num_gpu_blocks=12,
-    max_num_seqs=4,
-    prompt_len=(20, 70),
-    max_tokens=(40, 100),
-    shared_prefix=16,
-    num_requests=6,
-    enable_prefix_caching=False,
-    max_num_batched_tokens=1024,
-)
 KVLEDGER = dict(inner="connector.vllm:KVLedgerConnector", layout="flash_attn")
 
 RUNS: dict[str, dict[str, Any]] = {
@@ -65,23 +54,13 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 def _record(tmp_path: Path, name: str, steady: bool) -> Any:
-    from connector.testing.recorded import (
-        WrappedSpec,
-        example_connector,
-        example_connector_cpu_problem,
-        example_connector_layout,
-        run_wrapped,
-    )
+    from connector.testing.recorded import WrappedSpec, run_wrapped
 
-    kw = dict(RUNS[name])
-    if "inner" not in kw:
-        problem = example_connector_cpu_problem()
-        if problem is not None:
-            pytest.skip(problem)
-        kw["inner"] = example_connector()
-        kw["layout"] = example_connector_layout()
-        kw["extra_config"] = {"shared_storage_path": str(tmp_path / f"store-{steady}")}
-    spec = WrappedSpec(**kw, steady_decode=steady)
+    kw = dict(RUNS[name], steady_decode=steady)
+    if "inner" in kw:
+        spec = WrappedSpec(**kw)
+    else:
+        spec = example_spec(tmp_path / f"store-{steady}", **kw)
     return run_wrapped(spec, log_dir=str(tmp_path / f"logs-{steady}"))
 
 
@@ -216,22 +195,6 @@ def recorder_histories(draw: Any) -> list[ev.Event]:
     return events
 
 
-def _write(path: Path, events: list[ev.Event]) -> str:
-    header = {
-        **TrackerConfig(block_size=BS, chunk_size=BS).to_dict(),
-        "recorder": {"format": 2, "inner": "Test", "inner_class": "t.Test"},
-    }
-    with LogWriter(str(path), header, fsync="never") as w:
-        step = 0
-        for e in events:
-            if e.step != step:
-                w.end_step(step)
-                step = e.step
-            w.append(e)
-        w.end_step(step)
-    return str(path)
-
-
 def _rules(events: list[ev.Event]) -> list[tuple[str, int, str, dict[str, Any]]]:
     return [(v.rule, v.step, v.req_id, v.detail) for v in check_recorded(events, BS)]
 
@@ -259,8 +222,8 @@ def test_check_of_a_batched_log_is_check_of_the_full_one(events: list[ev.Event])
     the same events, with the same states."""
     batched = RecordedSteps().encode(events)
     with tempfile.TemporaryDirectory() as tmp:
-        full_log = _write(Path(tmp) / "full.kvlog", events)
-        batched_log = _write(Path(tmp) / "batched.kvlog", batched)
+        full_log = write_recorded(Path(tmp) / "full.kvlog", events)
+        batched_log = write_recorded(Path(tmp) / "batched.kvlog", batched)
         for kw in ({}, {"differential": True}):
             assert verdicts(batched_log, **kw) == verdicts(full_log, **kw)
 
@@ -507,8 +470,8 @@ def test_the_tables_hold_the_steady_steps_tokens(tmp_path: Path) -> None:
     made known (``ev_step_decoded.token``), the ids its full twin holds in ``ev_scheduled``."""
     from replay.tables import collect
 
-    batched = _write(tmp_path / "b.kvlog", _drive(True, legacy=False, view=True))
-    full = _write(tmp_path / "f.kvlog", _drive(False, legacy=False, view=True))
+    batched = write_recorded(tmp_path / "b.kvlog", _drive(True, legacy=False, view=True))
+    full = write_recorded(tmp_path / "f.kvlog", _drive(False, legacy=False, view=True))
     steady = collect(batched, ["ev_step_decoded"], problems=False)[0]["ev_step_decoded"]
     assert steady and all(r["token"] is not None for r in steady)
     scheduled = collect(full, ["ev_scheduled"], problems=False)[0]["ev_scheduled"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from _rigs import PREEMPTING
 
 from connector.testing.harness import (
     load_failures_reportable,
@@ -18,17 +19,6 @@ pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason())),
 ]
-
-# A pool small enough that long decodes preempt; shared prefixes and repeated prompts give
-# prefix hits and full-prompt hits in the host pool.
-PREEMPTING = dict(
-    num_gpu_blocks=12,
-    max_num_seqs=4,
-    prompt_len=(20, 70),
-    max_tokens=(40, 100),
-    shared_prefix=16,
-    num_requests=6,
-)
 
 
 def _run(**kw):
@@ -100,6 +90,23 @@ def test_chunked_prefill_with_decode_saving():
     )
     _assert_clean(report)
     assert report.tokens_loaded > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_drafters_deferred_finalize_keeps_every_layer_exact(async_scheduling):
+    """With a drafter (speculative decoding) vLLM builds the connector output after the
+    target's layers and before the draft model writes its own, and calls wait_for_save only
+    after that: the saves still carry every layer, the drafter's included, so what comes back
+    from the pool on resumption and for the repeated prompts is exact."""
+    report = _run(
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+        drafter_layers=1,
+        extra_config={"chunk_size": 16, "strict": True},
+    )
+    _assert_clean(report)
+    assert report.preemptions > 0
+    assert report.tokens_loaded > 0 and report.tokens_saved > 0
 
 
 def test_injected_load_failures_recompute_exactly():

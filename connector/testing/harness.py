@@ -640,10 +640,6 @@ class SchedulerHarness:
         self.output_tokens[req_id] = []
         self.scheduler.add_request(Request(**kwargs))
 
-    def add_workload(self, requests: Iterable[WorkloadRequest]) -> None:
-        for r in requests:
-            self.add_request(r.req_id, r.prompt_token_ids, r.max_tokens)
-
     def abort_request(self, *req_ids: str) -> None:
         """Abort between steps, as EngineCore does with its aborts queue."""
         from vllm.v1.request import RequestStatus
@@ -680,21 +676,6 @@ class SchedulerHarness:
         if pending is None:  # drain call: nothing scheduled, only an output applied
             self._step += 1
         return self._result(pending, applied=applied, finished=finished)
-
-    def run_until_done(
-        self, max_steps: int = 10_000, progress: Callable[[StepResult], None] | None = None
-    ) -> HarnessStats:
-        """Step until ``is_done``; raise RuntimeError if ``max_steps`` calls do not get there
-        (e.g. a hook that never reports a finished_recving)."""
-        for _ in range(max_steps):
-            result = self.step()
-            if result is None:
-                return self.stats
-            if progress is not None:
-                progress(result)
-        if self.is_done():
-            return self.stats
-        raise RuntimeError(f"not done after {max_steps} steps: {self.describe()}")
 
     def close(self) -> None:
         self.scheduler.shutdown()

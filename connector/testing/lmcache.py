@@ -22,10 +22,10 @@ Each LMCache version is installed by ``make lmcache`` into its own directory
 in a child process with that directory on ``PYTHONPATH``, and returns the ``LMCacheReport``.
 
 The worker role is a second connector built by vLLM's ``KVConnectorFactory`` from the same
-config, driven in the order vLLM 0.33's model runner (``KVConnectorModelRunnerMixin``) calls
-it, over CPU paged caches owned by the KV-content oracle; LMCache's worker returns early
-unless the forward context carries attention metadata, so a step with a forward pass passes
-one. After every step every computed token of every running request is checked. The rig is
+config, driven by the rigs' model runner (``connector.testing.driver``: vLLM 0.33's call order)
+over CPU paged caches owned by the KV-content oracle; LMCache's worker returns early unless the
+forward context carries attention metadata, which a step with a forward pass has. After every
+step every computed token of every running request is checked. The rig is
 connector-agnostic past the stubs: ``kv_connector`` may name a connector that wraps LMCache.
 """
 
@@ -45,6 +45,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
+
+from connector.testing.driver import ModelRunner
+from connector.testing.harness import HarnessConfig
 
 __all__ = [
     "VERSIONS",
@@ -503,16 +506,21 @@ class LMCacheReport:
         return cls(**data)
 
 
-class _Driver:
-    """vLLM's scheduler with the configured connector, a worker-role connector built the same
-    way, and the oracle's fake forward pass."""
+class _LMCacheRunner(ModelRunner):
+    """vLLM's scheduler with the configured connector, a worker-role connector built the
+    same way, and the rigs' model runner; what LMCache did each step goes in the report."""
 
-    def __init__(self, spec: LMCacheRun, kv_connector: Mapping[str, Any], report: LMCacheReport):
-        from connector.testing.harness import HarnessConfig, SchedulerHarness
-        from connector.testing.oracle import KVOracle
-
+    def __init__(
+        self,
+        spec: LMCacheRun,
+        kv_connector: Mapping[str, Any],
+        report: LMCacheReport,
+        store: PrefixStore,
+    ) -> None:
         self.spec = spec
         self.report = report
+        self.store = store
+        self._last: dict[str, tuple[int, float, tuple[int, ...]]] = {}
         config = HarnessConfig(
             block_size=spec.block_size,
             num_gpu_blocks=spec.num_gpu_blocks,
@@ -524,30 +532,14 @@ class _Driver:
             kv_connector=dict(kv_connector),
             seed=spec.seed,
         )
-        self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled)
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-
-        group = self.harness.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.oracle = KVOracle(
-            self.harness.layer_names,
-            num_blocks=spec.num_gpu_blocks,
-            block_size=spec.block_size,
-            num_kv_heads=int(group.num_kv_heads),
-            head_size=int(group.head_size),
-        )
-        self.worker: Any = KVConnectorFactory.create_connector(
-            self.harness.vllm_config, KVConnectorRole.WORKER, self.harness.kv_cache_config
-        )
-        self.worker.register_kv_caches(self.oracle.caches)
-        self.tokens: dict[str, list[int]] = {}
-        self.step = 0
-        self.skip_verify: set[str] = set()
-        self._last: dict[str, tuple[int, float, tuple[int, ...]]] = {}
+        # 0.3.9's adapter has no register_kv_caches: it reads the caches off the
+        # forward context's attention layers, one per virtual engine.
+        super().__init__(config, kv_cache_list=True)
         self._observe_claims()
 
     def _observe_claims(self) -> None:
-        """Note the external tokens vLLM accepts (an observer on the scheduler's connector)."""
+        """Note the external tokens vLLM accepts (an observer on the scheduler's
+        connector)."""
         connector = self.harness.connector
         real = connector.update_state_after_alloc
         real_lookup = connector.get_num_new_matched_tokens
@@ -555,7 +547,13 @@ class _Driver:
         def looked_up(request: Any, num_computed_tokens: int) -> Any:
             answer = real_lookup(request, num_computed_tokens)
             self.report.lookups.append(
-                (self.step, request.request_id, num_computed_tokens, answer[0], request.num_tokens)
+                (
+                    self.step,
+                    request.request_id,
+                    num_computed_tokens,
+                    answer[0],
+                    request.num_tokens,
+                )
             )
             return answer
 
@@ -567,95 +565,30 @@ class _Driver:
         connector.update_state_after_alloc = observed
         connector.get_num_new_matched_tokens = looked_up
 
-    def tokens_of(self, req_id: str, upto: int) -> list[int]:
-        from connector.testing.harness import fake_token
+    def failed_loads(self, out: Any) -> set[str]:
+        return set(self.store.failed)
 
-        tokens = self.tokens.setdefault(req_id, list(self.harness.prompts[req_id]))
-        cfg = self.harness.config
-        while len(tokens) < upto:
-            tokens.append(fake_token(req_id, len(tokens), cfg.seed, cfg.vocab_size))
-        return tokens
-
-    def _starts(self, out: Any) -> dict[str, int]:
-        counts = {new.req_id: int(new.num_computed_tokens) for new in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            counts[req_id] = int(cached.num_computed_tokens[i])
-        return counts
-
-    def _on_scheduled(self, out: Any) -> Any:
-        """One step of vLLM 0.33's model runner (KVConnectorModelRunnerMixin), in its order."""
-        from connector.testing.harness import make_kv_connector_output
-
-        store: PrefixStore = self.store
-        worker = self.worker
-        meta = out.kv_connector_metadata
-        forward = out.total_num_scheduled_tokens > 0
-        # A forward pass carries attention metadata (one entry per layer); a step without
-        # one gets a context without it, as vLLM's no-forward path does.
-        attn = {name: SimpleNamespace() for name in self.harness.layer_names} if forward else None
-        # Its attention layers hold the paged caches (0.3.9's adapter finds them there: it has
-        # no register_kv_caches).
-        layers = {name: SimpleNamespace(kv_cache=[c]) for name, c in self.oracle.caches.items()}
-        context = SimpleNamespace(attn_metadata=attn, no_compile_layers=layers, virtual_engine=0)
-        worker.handle_preemptions(meta)
-        worker.bind_connector_metadata(meta)
-        sync = bool(getattr(out, "has_sync_kv_loads", True))
-        if sync:
-            worker.start_load_kv(context)
-        bad = set(store.failed)
-        starts = self._starts(out)
-        for req_id, n in out.num_scheduled_tokens.items():
-            blocks = self.harness.request_view(req_id).block_ids[0]
-            tokens = self.tokens_of(req_id, starts[req_id] + n)
-            self.oracle.write(
-                req_id, tokens, blocks, starts[req_id], starts[req_id] + n, poisoned=req_id in bad
-            )
-        if forward:
-            for name, cache in self.oracle.caches.items():
-                worker.wait_for_layer_load(name)
-                worker.save_kv_layer(name, cache, attn[name] if attn else None)
-        if not sync:
-            worker.start_load_kv(context)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(set(out.finished_req_ids))
-        errors = worker.get_block_ids_with_load_errors()
-        stats = worker.get_kv_connector_stats()
-        events = worker.get_kv_connector_kv_cache_events()
-        worker_meta = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        retrieved, stored, failed = store.take_step()
+    def finished_step(self, out: Any, output: Any) -> set[str]:
+        retrieved, stored, failed = self.store.take_step()
         self.report.loads += [(self.step, r, n) for r, n in retrieved.items()]
         self.report.saves += [(self.step, r, n) for r, n in stored.items()]
-        if errors:
-            self.report.load_errors.append((self.step, sorted(errors)))
-        self.skip_verify = bad | failed
-        return make_kv_connector_output(
-            results.finished_sending,
-            results.finished_recving,
-            errors,
-            kv_connector_stats=stats,
-            kv_cache_events=events,
-            kv_connector_worker_meta=worker_meta,
-        )
+        if output.invalid_block_ids:
+            self.report.load_errors.append((self.step, sorted(output.invalid_block_ids)))
+        return failed
 
-    store: PrefixStore  # set by run()
-
-    def verify(self) -> None:
-        for req_id, view in self.harness.running_views().items():
-            if req_id in self.skip_verify or not view.block_ids:
-                continue
-            upto = view.num_computed_tokens
-            tokens = self.tokens_of(req_id, upto)
-            mismatch = self.oracle.verify(req_id, tokens, view.block_ids[0], upto)
+    def after_step(self, result: Any) -> None:
+        """What the step did, and the oracle's findings, each once."""
+        self.report.preemptions += [(self.step, r) for r in result.preempted]
+        self.report.resumptions += [(self.step, r) for r in result.resumed]
+        for req_id, blocks, mismatch in self.checks():
             if mismatch is None:
                 self._last.pop(req_id, None)
                 continue
             # The same wrong token seen again on later steps is the same finding: once.
-            again = (mismatch.position, mismatch.found, view.block_ids[0])
+            again = (mismatch.position, mismatch.found, blocks)
             if self._last.get(req_id) != again:
                 self._last[req_id] = again
-                self.report.mismatches.append(self._mismatch(mismatch, view.block_ids[0]))
+                self.report.mismatches.append(self._mismatch(mismatch, blocks))
 
     def _mismatch(self, m: Any, blocks: Sequence[int]) -> dict[str, Any]:
         bs = self.spec.block_size
@@ -671,15 +604,15 @@ class _Driver:
             "found": m.found,
             "wrong_tokens": m.wrong_tokens,
             "holder": self._holder(block, exclude=m.req_id),
-            # The request's whole block table, and whose KV each block holds (None: its own,
-            # unwritten, or nobody's).
+            # The request's whole block table, and whose KV each block holds (None: its
+            # own, unwritten, or nobody's).
             "blocks": list(blocks),
             "holders": [self._holder(b, exclude=m.req_id) for b in blocks],
         }
 
     def _holder(self, block: int, exclude: str) -> str | None:
-        """Whose KV the block holds: another request whose oracle values for some block-sized
-        span of its tokens are in it (first slot), or None."""
+        """Whose KV the block holds: another request whose oracle values for some
+        block-sized span of its tokens are in it (first slot), or None."""
         bs = self.spec.block_size
         row = self.oracle._rows(0, 0)[block * bs]
         for req_id, tokens in self.tokens.items():
@@ -692,33 +625,23 @@ class _Driver:
         return None
 
     def close(self) -> None:
-        """Shut both roles down (a recorder closes its log here) and note the log's path."""
+        """Shut both roles down (a recorder closes its log here) and note the log's
+        path."""
         with contextlib.suppress(Exception):
             self.worker.shutdown()
         self.harness.close()
         self.report.log_path = getattr(self.harness.connector, "log_path", None)
 
-    def run(self) -> None:
-        harness = self.harness
-        work = self.spec.prompts()
-        repeats = [(f"again-{rid}", p, 4) for rid, p, _ in work[: self.spec.repeat_prompts]]
-        for rid, prompt, max_tokens in work:
-            harness.add_request(rid, prompt, max_tokens)
-        while self.step < self.spec.max_steps:
-            result = harness.step()
-            if result is None:
-                if repeats:
-                    for rid, prompt, max_tokens in repeats:
-                        harness.add_request(rid, prompt, max_tokens)
-                    repeats = []
-                    continue
-                break
-            self.report.preemptions += [(self.step, r) for r in result.preempted]
-            self.report.resumptions += [(self.step, r) for r in result.resumed]
-            self.verify()
-            self.step += 1
+    def run_spec(self) -> None:
+        self.run(
+            self.spec.prompts(),
+            repeat_prompts=self.spec.repeat_prompts,
+            max_steps=self.spec.max_steps,
+            verify=False,
+            after_step=self.after_step,
+        )
         self.report.steps = self.step
-        self.report.finished = sorted(harness.finished)
+        self.report.finished = sorted(self.harness.finished)
 
 
 def run(
@@ -734,9 +657,8 @@ def run(
     with patched_lmcache(store, spec.events_shim):
         driver = None
         try:
-            _Driver.store = store
-            driver = _Driver(spec, kv_connector or lmcache_kv_connector(spec), report)
-            driver.run()
+            driver = _LMCacheRunner(spec, kv_connector or lmcache_kv_connector(spec), report, store)
+            driver.run_spec()
         except Exception as exc:  # the engine would have died here: report where
             step = driver.step if driver is not None else -1
             where = traceback.extract_tb(exc.__traceback__)[-1]

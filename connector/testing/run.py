@@ -2,10 +2,10 @@
 
 The scheduler role of the connector is loaded by vLLM itself through
 ``kv_connector_module_path``; the worker role is a second ``KVLedgerConnector`` instance (a
-``FaultyKVLedgerConnector``, which can fail chosen chunk loads), driven by hand in the order
-vLLM's model runner calls it, over CPU paged caches owned by the KV-content oracle. A fake
-forward pass writes every scheduled token's oracle value; after every step every computed token
-of every running request is checked.
+``FaultyKVLedgerConnector``, which can fail chosen chunk loads), driven by the rigs' model
+runner (``connector.testing.driver``: vLLM 0.33's call order) over CPU paged caches owned by
+the KV-content oracle. The fake forward pass writes every scheduled token's oracle value; after
+every step every computed token of every running request is checked.
 
 Used by the integration tests, the replay tests' real logs and ``kvledger demo``.
 """
@@ -20,16 +20,12 @@ from typing import Any
 
 import attrs
 
-from connector.testing.faults import LoadFault
-from connector.testing.harness import (
-    HarnessConfig,
-    SchedulerHarness,
-    fake_token,
-    make_kv_connector_output,
-)
-from connector.testing.oracle import KVOracle, Mismatch
+from connector.testing.driver import ModelRunner, engine_config
+from connector.testing.faults import FaultyWorkerSide, LoadFault
+from connector.testing.harness import HarnessConfig, SchedulerHarness
+from connector.testing.oracle import Mismatch
 
-__all__ = ["RunReport", "RunSpec", "run", "summarize"]
+__all__ = ["RunReport", "RunSpec", "run", "run_workload", "summarize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +50,9 @@ class RunSpec(HarnessConfig):
     # The connector: its kv_connector_extra_config, and the layout of the worker's caches.
     extra_config: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"chunk_size": 32})
     layout: str = "flash_attn"
+    # The last layers stand for a drafter's (speculative decoding): vLLM then defers
+    # wait_for_save past the draft forward (connector/testing/driver.py).
+    drafter_layers: int = 0
     # The run.
     verify: bool = True
     max_steps: int = 5000
@@ -62,6 +61,11 @@ class RunSpec(HarnessConfig):
         super().__post_init__()
         if self.kv_connector is not None:
             raise ValueError("RunSpec.kv_connector is set by the runner; use extra_config")
+
+    @property
+    def requests(self) -> int:
+        """The requests the workload sends: its own, then the repeated prompts."""
+        return self.num_requests + min(self.repeat_prompts, self.num_requests)
 
 
 @attrs.frozen
@@ -100,12 +104,26 @@ def _workload(spec: RunSpec) -> list[tuple[str, list[int], int]]:
     return out
 
 
-class _Driver:
-    """The fake worker process: connector worker role, oracle forward pass, results."""
+def run_workload(
+    runner: ModelRunner, spec: RunSpec, after_step: Callable[[Any], None] | None = None
+) -> int:
+    """Run ``spec``'s workload on ``runner`` (its requests, then its prompts sent again):
+    the steps run."""
+    return runner.run(
+        _workload(spec),
+        repeat_prompts=spec.repeat_prompts,
+        max_steps=spec.max_steps,
+        verify=spec.verify,
+        after_step=after_step,
+    )
+
+
+class _Runner(ModelRunner):
+    """The model runner with ``FaultyKVLedgerConnector`` as the worker role: it knows which
+    requests' loads failed before the forward (theirs, or a block that another request's load
+    failed or the scheduler refused), so their KV is written over a wrong prefix."""
 
     def __init__(self, spec: RunSpec, load_fault: LoadFault | None, log_dir: str | None) -> None:
-        from connector.testing.vllm import FaultyKVLedgerConnector  # imports vLLM
-
         extra = dict(spec.extra_config)
         if log_dir is not None:
             extra["log_dir"] = log_dir
@@ -117,98 +135,35 @@ class _Driver:
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
         }
-        # The spec's HarnessConfig part, with the connector the runner loads.
-        engine = {f.name: getattr(spec, f.name) for f in dataclasses.fields(HarnessConfig)}
-        config = HarnessConfig(**{**engine, "kv_connector": kv_connector})
-        self.spec = spec
-        self.harness = SchedulerHarness(config, on_scheduled=self._on_scheduled)
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-        group = self.harness.kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        self.oracle = KVOracle(
-            self.harness.layer_names,
-            num_blocks=spec.num_gpu_blocks,
-            block_size=spec.block_size,
-            num_kv_heads=min(int(group.num_kv_heads), 4),
-            head_size=min(int(group.head_size), 16),
-            layout=spec.layout,
-        )
-        self.worker = FaultyKVLedgerConnector(
-            self.harness.vllm_config,
-            KVConnectorRole.WORKER,
-            self.harness.kv_cache_config,
-            layout=spec.layout,
-            load_fault=load_fault,
-        )
-        self.worker.register_kv_caches(self.oracle.caches)
-        self.tokens: dict[str, list[int]] = {}
-        self.load_errors = 0
-        self.skip_verify: set[str] = set()
+        def make_worker(harness: SchedulerHarness) -> Any:
+            from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    @property
-    def scheduler_side(self) -> Any:
-        return self.harness.connector.scheduler_side
+            from connector.testing.vllm import FaultyKVLedgerConnector  # imports vLLM
 
-    def tokens_of(self, req_id: str, upto: int) -> list[int]:
-        tokens = self.tokens.setdefault(req_id, list(self.harness.prompts[req_id]))
-        cfg = self.harness.config
-        while len(tokens) < upto:
-            tokens.append(fake_token(req_id, len(tokens), cfg.seed, cfg.vocab_size))
-        return tokens
-
-    def _scheduled_counts(self, out: Any) -> dict[str, int]:
-        """num_computed_tokens before this step, per scheduled request, from the output."""
-        counts = {new.req_id: int(new.num_computed_tokens) for new in out.scheduled_new_reqs}
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            counts[req_id] = int(cached.num_computed_tokens[i])
-        return counts
-
-    def _on_scheduled(self, out: Any) -> Any:
-        """What a model runner does with one SchedulerOutput, in vLLM's order."""
-        worker = self.worker
-        meta = out.kv_connector_metadata
-        worker.handle_preemptions(meta)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)  # must not need the forward context
-        side = worker.worker_side
-        bad = side.failed_load_requests()
-        refused = set(meta.plan.refused_blocks) | side.load_error_blocks()
-        computed = self._scheduled_counts(out)
-        for req_id, n in out.num_scheduled_tokens.items():
-            start = computed[req_id]
-            blocks = self.harness.request_view(req_id).block_ids[0]
-            if refused and refused & set(blocks):
-                bad.add(req_id)
-            tokens = self.tokens_of(req_id, start + n)
-            self.oracle.write(req_id, tokens, blocks, start, start + n, poisoned=req_id in bad)
-        worker.wait_for_save()
-        sending, recving = worker.get_finished(set(out.finished_req_ids))
-        errors = worker.get_block_ids_with_load_errors()
-        self.load_errors += len(errors)
-        self.skip_verify = bad
-        from connector.edge import WORKER_META_CHANNEL
-
-        extra: dict[str, Any]
-        if WORKER_META_CHANNEL:
-            extra = {"kv_connector_worker_meta": worker.build_connector_worker_meta()}
-        else:  # no worker metadata (connector/edge.py): the connector stats carry it
-            extra = {"kv_connector_stats": worker.get_kv_connector_stats()}
-        worker.clear_connector_metadata()
-        return make_kv_connector_output(sending or (), recving or (), errors, **extra)
-
-    def verify(self) -> list[Mismatch]:
-        out: list[Mismatch] = []
-        for req_id, view in self.harness.running_views().items():
-            if req_id in self.skip_verify or not view.block_ids:
-                continue
-            upto = view.num_computed_tokens
-            mismatch = self.oracle.verify(
-                req_id, self.tokens_of(req_id, upto), view.block_ids[0], upto
+            return FaultyKVLedgerConnector(
+                harness.vllm_config,
+                KVConnectorRole.WORKER,
+                harness.kv_cache_config,
+                layout=spec.layout,
+                load_fault=load_fault,
             )
-            if mismatch is not None:
-                out.append(mismatch)
-        return out
+
+        config = engine_config(spec, kv_connector)
+        super().__init__(
+            config,
+            layout=spec.layout,
+            make_worker=make_worker,
+            drafter_layers=spec.drafter_layers,
+        )
+
+    def failed_loads(self, out: Any) -> set[str]:
+        side: FaultyWorkerSide = self.worker.worker_side
+        bad = side.failed_load_requests()
+        refused = set(out.kv_connector_metadata.plan.refused_blocks) | side.load_error_blocks()
+        if refused:
+            bad |= {r for r in out.num_scheduled_tokens if refused & set(self.blocks_of(r))}
+        return bad
 
 
 def run(
@@ -221,60 +176,38 @@ def run(
     """Run the workload to completion; ``progress(step, finished, total)`` after each step."""
     spec = spec or RunSpec()
     started = time.perf_counter()
-    driver = _Driver(spec, load_fault, log_dir)
-    harness = driver.harness
-    work = _workload(spec)
-    total = len(work) + min(spec.repeat_prompts, len(work))
-    pending: list[tuple[str, list[int], int]] = list(work)
-    repeats = [(f"again-{rid}", prompt, 4) for rid, prompt, _ in work[: spec.repeat_prompts]]
-    for rid, prompt, max_tokens in pending:
-        harness.add_request(rid, prompt, max_tokens)
-    mismatches: list[Mismatch] = []
-    steps = 0
-    while steps < spec.max_steps:
-        result = harness.step()
-        if result is None:
-            if repeats:
-                for rid, prompt, max_tokens in repeats:
-                    harness.add_request(rid, prompt, max_tokens)
-                repeats = []
-                continue
-            break
-        steps += 1
-        if spec.verify:
-            mismatches.extend(driver.verify())
+    runner = _Runner(spec, load_fault, log_dir)
+    harness = runner.harness
+    total = spec.requests
+
+    def after_step(result: Any) -> None:
         if progress is not None:
-            progress(steps, len(harness.finished), total)
-    side = driver.scheduler_side
+            progress(runner.step + 1, len(harness.finished), total)
+
+    steps = run_workload(runner, spec, after_step)
+    side = harness.connector.scheduler_side
     side.shutdown()
-    worker_stats = driver.worker.worker_side.stats
-    leaks: list[str] = []
-    usable = spec.num_gpu_blocks - 1  # block 0 is vLLM's null block
-    if harness.num_free_blocks != usable:
-        leaks.append(f"gpu blocks: {harness.num_free_blocks} free of {usable}")
+    worker_side = runner.worker.worker_side
     pool = side.tracker.index.stats()
-    if pool["writing"] or pool["pinned"]:
-        leaks.append(f"pool slots: {pool}")
-    if side.tracker.states:
-        leaks.append(f"tracker still holds {sorted(side.tracker.states)}")
-    if driver.worker.worker_side.saves_in_flight:
-        leaks.append("saves still in flight")
-    if not harness.is_done():
-        leaks.append(f"not done after {steps} steps: {harness.describe()}")
+    leaks = runner.leaks(
+        *([f"pool slots: {pool}"] if pool["writing"] or pool["pinned"] else []),
+        *([f"tracker still holds {sorted(side.tracker.states)}"] if side.tracker.states else []),
+        *(["saves still in flight"] if worker_side.saves_in_flight else []),
+    )
     harness.close()
     return RunReport(
         requests=total,
         steps=steps,
         preemptions=harness.stats.preemptions,
         resumptions=harness.stats.resumptions,
-        tokens_loaded=worker_stats["tokens_loaded"],
+        tokens_loaded=worker_side.stats["tokens_loaded"],
         tokens_loaded_on_resume=side.load_stats["tokens_loaded_on_resume"],
         full_hits=side.load_stats["full_hits"],
-        tokens_saved=worker_stats["tokens_saved"],
-        chunks_saved=worker_stats["chunks_saved"],
-        load_errors=driver.load_errors,
+        tokens_saved=worker_side.stats["tokens_saved"],
+        chunks_saved=worker_side.stats["chunks_saved"],
+        load_errors=runner.load_errors,
         violations=tuple(v.describe() for v in side.tracker.violations),
-        mismatches=tuple(mismatches),
+        mismatches=tuple(m for _, m in runner.mismatches),
         leaks=tuple(leaks),
         adapter_errors=side.adapter_errors,
         log_path=side.log_path,

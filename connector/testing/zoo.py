@@ -14,8 +14,9 @@ A shape is a scripted workload (``ZooRequest``: which request arrives when, with
 on a small pool, chosen so that the fault's moment happens: a preemption in the step after a
 store was issued, a request id that comes back, a prompt sent twice. ``run_shape`` runs it with
 the faulty connector or its twin: the scheduler role is loaded by vLLM (the recorder, by module
-path, wrapping the inner ``module:Class``), the worker role is driven by hand over the KV-content
-oracle's caches (``connector.testing.recorded``), and the oracle checks every computed token
+path, wrapping the inner ``module:Class``), the worker role is driven by the rigs' model runner
+over the KV-content oracle's caches (``connector.testing.driver``, built by
+``connector.testing.recorded``), and the oracle checks every computed token
 after every step. A vLLM assertion the fault trips (vLLM's engine core would die there) ends
 the run; the log is closed and still judged.
 
@@ -592,7 +593,7 @@ def run_shape(
 ) -> ZooReport:
     """Run ``shape`` with its faulty connector (or, ``fixed``, its twin) wrapped in
     ``KVLedgerRecorder``, its log in ``log_dir``; see the module docstring."""
-    from connector.testing.recorded import WrappedSpec, _Driver
+    from connector.testing.recorded import WrappedSpec, runner
 
     started = time.perf_counter()
     Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -604,7 +605,7 @@ def run_shape(
         seed=shape.seed,
         **dict(shape.engine),
     )
-    driver = _Driver(spec, log_dir)
+    driver = runner(spec, log_dir)
     harness = driver.harness
     prompts = shape.prompts()
     waiting = list(shape.requests)
@@ -621,9 +622,7 @@ def run_shape(
             )
             if (r.after is None and r.at <= steps) or gone:
                 waiting.remove(r)
-                # A request id that comes back is a new request: forget the old one's tokens.
-                driver.tokens.pop(r.req_id, None)
-                driver.oracle.forget(r.req_id)
+                driver.forget(r.req_id)  # a request id that comes back is a new request
                 harness.finished.pop(r.req_id, None)
                 harness.add_request(r.req_id, prompts[r.prompt][: r.prompt_len], r.max_tokens)
 

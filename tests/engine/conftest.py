@@ -138,6 +138,27 @@ def run_workloads(spec: EngineSpec, workloads: Sequence[Workload]) -> EngineRuns
     return result
 
 
+# -- a module's two runs: its workloads without the connector, and with it --------------------
+# A module names ENGINE (EngineSpec's fields), CONNECTOR (the connector's extra config) and
+# ``workloads(model)``; each engine starts once per module (base first).
+
+
+@pytest.fixture(scope="module")
+def base(request: pytest.FixtureRequest, tiny_model: str) -> EngineRuns:
+    """The module's workloads on its engine without the connector: the outputs to match."""
+    module = request.module
+    spec = EngineSpec(model=tiny_model, connector=False, **module.ENGINE)
+    return run_workloads(spec, module.workloads(tiny_model))
+
+
+@pytest.fixture(scope="module")
+def kv(request: pytest.FixtureRequest, tiny_model: str, base: EngineRuns) -> EngineRuns:
+    """The same workloads with KVLedgerConnector (the module's CONNECTOR)."""
+    module = request.module
+    spec = EngineSpec(model=tiny_model, extra_config=module.CONNECTOR, **module.ENGINE)
+    return run_workloads(spec, module.workloads(tiny_model))
+
+
 def kvledger_check(log_path: str) -> subprocess.CompletedProcess[str]:
     """``kvledger check LOG`` as a user runs it (this venv's entry point)."""
     assert os.path.exists(log_path), log_path

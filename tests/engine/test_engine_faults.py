@@ -43,16 +43,14 @@ def _workload(name: str, seed: int, setup: Callable[[bool], None]) -> Callable[[
 WORKLOADS = [_workload("faults", 31, _second_chunks_fail), _workload("scaled", 32, _doubled)]
 
 
-@pytest.fixture(scope="module")
-def base(tiny_model: str) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, connector=False, **ENGINE)
-    return run_workloads(spec, [make(tiny_model) for make in WORKLOADS])
+def workloads(model: str) -> list[Workload]:
+    return [make(model) for make in WORKLOADS]
 
 
 @pytest.fixture(scope="module")
 def faulty(tiny_model: str, base: EngineRuns) -> EngineRuns:
     spec = EngineSpec(model=tiny_model, faulty=True, extra_config=CONNECTOR, **ENGINE)
-    return run_workloads(spec, [make(tiny_model) for make in WORKLOADS])
+    return run_workloads(spec, workloads(tiny_model))
 
 
 def test_failed_loads_are_recomputed_and_outputs_match(

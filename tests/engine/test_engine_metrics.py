@@ -7,32 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from _metrics_truth import counted_from_log
+
 from connector import metrics
 from connector.testing.engine import Engine, EngineSpec
 from replay.source import open_log
-from tracker import events as ev
 
 from .conftest import prompts
-
-
-def _from_log(path: str) -> dict[str, int]:
-    t = dict.fromkeys(metrics.COUNTERS, 0)
-    for frame in open_log(path).frames():
-        for e in frame.events:
-            if isinstance(e, ev.LookupAnswered):
-                t["lookups"] += 1
-                t["hit_tokens"] += e.external
-            elif isinstance(e, (ev.LoadPlanned, ev.SavePlanned)) and e.keys and e.end > e.start:
-                kind = "load" if isinstance(e, ev.LoadPlanned) else "save"
-                t[f"{kind}s"] += 1
-                t[f"{kind}_tokens"] += e.end - e.start
-            elif isinstance(e, ev.LoadDone):
-                t["loads_done"] += 1
-            elif isinstance(e, ev.SaveDone):
-                t["chunks_saved"] += len(e.keys)
-            elif isinstance(e, ev.ViolationRecorded):
-                t["violations"] += 1
-    return t
 
 
 def test_kvledger_counters_in_vllms_metrics(tiny_model: str, tmp_path: Path) -> None:
@@ -52,7 +33,7 @@ def test_kvledger_counters_in_vllms_metrics(tiny_model: str, tmp_path: Path) -> 
     }
     names = {m.name for m in snapshot}
     assert {"vllm:num_requests_running", "vllm:prompt_tokens"} <= names  # vLLM's own, beside
-    truth = _from_log(log_path)
+    truth = counted_from_log(log_path)
     assert truth["load_tokens"] > 0 and truth["save_tokens"] > 0
     assert {name: int(ours[f"vllm:kvledger_{name}"]) for name in metrics.COUNTERS} == truth
     assert ours["vllm:kvledger_pool_slots"] == int(open_log(log_path).header["config"]["num_slots"])

@@ -9,11 +9,7 @@ off), so loads end inside a block.
 
 from __future__ import annotations
 
-import pytest
-
-from connector.testing.engine import EngineSpec
-
-from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
+from .conftest import EngineRuns, Workload, assert_same_outputs, prompts
 
 BLOCK = 32
 # 5 blocks of 32 tokens (vLLM keeps one as its null block): #1969's two requests of 34 + 35
@@ -34,18 +30,6 @@ def workloads(model: str) -> list[Workload]:
         Workload("partial", [(partial, 4), (partial, 12)]),
         Workload("second_round", [(again, 8), (again, 16)]),
     ]
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model: str) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, connector=False, **ENGINE)
-    return run_workloads(spec, workloads(tiny_model))
-
-
-@pytest.fixture(scope="module")
-def kv(tiny_model: str, base: EngineRuns) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, extra_config=CONNECTOR, **ENGINE)
-    return run_workloads(spec, workloads(tiny_model))
 
 
 def test_1969_preempted_request_resumes_from_the_pool(base: EngineRuns, kv: EngineRuns) -> None:

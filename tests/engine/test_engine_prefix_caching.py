@@ -8,11 +8,7 @@ chunks of two blocks, so every load spans two blocks.
 
 from __future__ import annotations
 
-import pytest
-
-from connector.testing.engine import EngineSpec
-
-from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
+from .conftest import EngineRuns, Workload, assert_same_outputs, prompts
 
 ENGINE = dict(num_blocks=5, block_size=32, max_model_len=128, max_num_seqs=4, prefix_caching=True)
 CONNECTOR = {"chunk_size": 64}
@@ -27,18 +23,6 @@ def workloads(model: str) -> list[Workload]:
         ),
         Workload("second_round", [(again, 6), (again, 12)]),
     ]
-
-
-@pytest.fixture(scope="module")
-def base(tiny_model: str) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, connector=False, **ENGINE)
-    return run_workloads(spec, workloads(tiny_model))
-
-
-@pytest.fixture(scope="module")
-def kv(tiny_model: str, base: EngineRuns) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, extra_config=CONNECTOR, **ENGINE)
-    return run_workloads(spec, workloads(tiny_model))
 
 
 def test_shared_prefix_with_prefix_caching(base: EngineRuns, kv: EngineRuns) -> None:

@@ -25,7 +25,7 @@ ENGINE = dict(num_blocks=5, block_size=BLOCK, max_model_len=128, max_num_seqs=4)
 CONNECTOR = {"chunk_size": BLOCK, "remote_lookup_timeout_ms": 2000, "remote_retry_ms": 20}
 
 
-def _workloads(model: str) -> list[Workload]:
+def workloads(model: str) -> list[Workload]:
     # Prompts of full chunks and a tail, a shared prefix: every chunk is written, then found.
     ps = prompts(model, 19, [70, 90, 100], shared_prefix=40)
     return [Workload("wrong_type", [(ps, 16)])]
@@ -42,16 +42,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model: str) -> EngineRuns:
-    spec = EngineSpec(model=tiny_model, connector=False, **ENGINE)
-    return run_workloads(spec, _workloads(tiny_model))
-
-
-@pytest.fixture(scope="module")
 def writer(tiny_model: str, server: RedisServer, base: EngineRuns) -> EngineRuns:
     extra = {**CONNECTOR, "remote_url": server.url}
     return run_workloads(
-        EngineSpec(model=tiny_model, extra_config=extra, **ENGINE), _workloads(tiny_model)
+        EngineSpec(model=tiny_model, extra_config=extra, **ENGINE), workloads(tiny_model)
     )
 
 
@@ -78,7 +72,7 @@ def reader(
     raw.config_set("maxmemory", max(1, int(raw.info("memory")["used_memory"]) - (1 << 20)))
     extra = {**CONNECTOR, "remote_url": server.url}
     spec = EngineSpec(model=tiny_model, extra_config=extra, **ENGINE)
-    runs = run_workloads(spec, _workloads(tiny_model))
+    runs = run_workloads(spec, workloads(tiny_model))
     raw.config_set("maxmemory", 0)
     return runs, names
 

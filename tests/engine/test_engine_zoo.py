@@ -52,13 +52,6 @@ def workloads(model: str) -> list[Workload]:
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model: str) -> EngineRuns:
-    return run_workloads(
-        EngineSpec(model=tiny_model, connector=False, **ENGINE), workloads(tiny_model)
-    )
-
-
-@pytest.fixture(scope="module")
 def zoo(tiny_model: str, base: EngineRuns) -> EngineRuns:
     spec = EngineSpec(model=tiny_model, extra_config=CONNECTOR, recorder=RECORDER, **ENGINE)
     return run_workloads(spec, workloads(tiny_model))
