@@ -98,15 +98,21 @@ build/lmcache-%/.installed: | $(BIN)/python
 
 lmcache: build/lmcache-deps/.installed $(foreach v,$(LMCACHE_VERSIONS),build/lmcache-$(v)/.installed)
 
+# Two pytest workers (pytest-xdist), a test file each at a time: files share module fixtures,
+# and every test that needs a port, a server or a scratch file makes its own. The slowest
+# tests are listed at the end of each run. PYTEST_WORKERS=0 runs in one process.
+PYTEST_WORKERS ?= 2
+PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
+
 pytest: setup-vllm lmcache
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 # The engine suite (tests/engine, marker `engine`): a missing engine fails here, never skips.
 pytest-engine: setup-engine
-	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q -m engine tests/engine
+	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest $(PYTEST_ARGS) -m engine tests/engine
 
 # The scheduler-harness tests (marker vllm) against other releases' real scheduler, each in its
 # own build/vllm-matrix/<version>/venv (.ci/vllm_matrix.py; the table is in
