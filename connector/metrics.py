@@ -19,6 +19,7 @@ holds the two thin vLLM classes (``KVLedgerStats``, ``KVLedgerPromMetrics``) ove
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,11 +55,14 @@ GAUGES: dict[str, str] = {
 }
 
 
+_read_all = operator.attrgetter(*COUNTERS)
+
+
 class Counters:
     """The scheduler side's running totals (plain ints; bumped on the engine-core thread),
     one attribute per name of :data:`COUNTERS`."""
 
-    __slots__ = ("_sent", *COUNTERS)
+    __slots__ = ("_last", "_sent", *COUNTERS)
 
     def __init__(self) -> None:
         self.lookups = self.hit_tokens = 0
@@ -66,6 +70,9 @@ class Counters:
         self.saves = self.save_tokens = self.chunks_saved = self.save_failures = 0
         self.violations = self.adapter_errors = 0
         self._sent: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # as the last since() sent
+        # What since() last saw, as one tuple: vLLM asks every step, and in a steady decode
+        # step nothing moved, which one tuple comparison tells (no dicts built).
+        self._last: tuple[Any, ...] = ()
 
     def totals(self) -> dict[str, int]:
         return {name: int(getattr(self, name)) for name in COUNTERS}
@@ -74,6 +81,10 @@ class Counters:
         """What changed since the previous call: the counters' increments (those that grew)
         and the ``readings`` (gauges) that moved, all of them when any did; None when
         nothing changed (vLLM then sends nothing)."""
+        seen = (_read_all(self), *readings.items())
+        if seen == self._last:
+            return None
+        self._last = seen
         now = {**self.totals(), **readings}
         changed = {k: v for k, v in now.items() if self._sent.get(k) != v}
         if not changed:

@@ -495,9 +495,8 @@ class SchedulerSide:
         c, t = self.counters, self.tracker
         c.violations = len(t.violations)
         c.adapter_errors = self.adapter_errors
-        pool = t.index.stats()
         num_slots = self.tracker_config.num_slots
-        return c.since({"pool_used_slots": num_slots - pool["free"], "pool_slots": num_slots})
+        return c.since({"pool_used_slots": num_slots - t.index.free_slots, "pool_slots": num_slots})
 
     def _plan_digests(self, step: int, out: Any, preempted: tuple[str, ...]) -> Any:
         """This step's digest plan: every scheduled request's blocks that become full, and

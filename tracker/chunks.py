@@ -183,6 +183,11 @@ class ChunkIndex:
                     evicted.append(key)
         return slots, evicted
 
+    @property
+    def free_slots(self) -> int:
+        """Slots holding nothing (what :meth:`stats` calls ``free``), read every step."""
+        return len(self._free)
+
     def stats(self) -> dict[str, int]:
         return {
             "stored": len(self._stored),
