@@ -43,3 +43,21 @@ def example_spec(store: Path, **kw: Any) -> Any:
     kw.setdefault("layout", example_connector_layout())
     extra = {"shared_storage_path": str(store), **kw.pop("extra_config", {})}
     return WrappedSpec(inner=example_connector(), extra_config=extra, **kw)
+
+
+def assert_clean(report: Any) -> None:
+    """A rig's run (connector/testing/run.py's report) that went right: the KV-content oracle
+    found no mismatch, no rule was broken, nothing leaked, every request finished."""
+    assert [m.describe() for m in report.mismatches] == []
+    assert report.violations == ()
+    assert report.leaks == ()
+    assert report.adapter_errors == 0
+    assert report.finished == report.requests
+
+
+def check_clean(log_path: str) -> None:
+    """``kvledger check`` of the run's log exits 0."""
+    from replay.replayer import check
+
+    result = check(log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]

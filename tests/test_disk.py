@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _rigs import assert_clean, check_clean
+from _verdicts import events_of
 
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.disk import DiskTier, chunk_file
@@ -111,27 +113,6 @@ def _run(directory: Path, log_dir: Path) -> Any:
     return run(RunSpec(**{**WORKLOAD, "extra_config": extra}), log_dir=str(log_dir))
 
 
-def _assert_clean(report: Any) -> None:
-    assert [m.describe() for m in report.mismatches] == []
-    assert report.violations == ()
-    assert report.leaks == ()
-    assert report.adapter_errors == 0
-    assert report.finished == report.requests
-
-
-def _events(log_path: str) -> list[ev.Event]:
-    from replay.source import open_log
-
-    return [e for frame in open_log(log_path).frames() for e in frame.events]
-
-
-def _check_clean(log_path: str) -> None:
-    from replay.replayer import check
-
-    result = check(log_path)
-    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]
-
-
 @pytest.mark.vllm
 @pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 def test_two_engines_share_a_directory_and_a_lost_or_damaged_file_is_recomputed(
@@ -139,23 +120,23 @@ def test_two_engines_share_a_directory_and_a_lost_or_damaged_file_is_recomputed(
 ) -> None:
     chunks = tmp_path / "chunks"
     first = _run(chunks, tmp_path / "a")
-    _assert_clean(first)
+    assert_clean(first)
     written = {
-        k for e in _events(first.log_path) if isinstance(e, ev.RemoteSaveDone) for k in e.keys
+        k for e in events_of(first.log_path) if isinstance(e, ev.RemoteSaveDone) for k in e.keys
     }
     assert written and {chunk_file(k, 0) for k in written} == set(os.listdir(chunks))
     second = _run(chunks, tmp_path / "b")
-    _assert_clean(second)  # the KV it loaded from the files is right, every step
+    assert_clean(second)  # the KV it loaded from the files is right, every step
     loaded = {
         k
-        for e in _events(second.log_path)
+        for e in events_of(second.log_path)
         if isinstance(e, ev.LoadPlanned)
         for k, slot in zip(e.keys, e.slots, strict=True)
         if tier_of_slot(slot) == REMOTE
     }
     assert loaded and loaded <= written
-    _check_clean(first.log_path)
-    _check_clean(second.log_path)
+    check_clean(first.log_path)
+    check_clean(second.log_path)
     # A third engine finds some files gone and some damaged: recorded, recomputed.
     for i, name in enumerate(sorted(os.listdir(chunks))):
         path = chunks / name
@@ -166,8 +147,8 @@ def test_two_engines_share_a_directory_and_a_lost_or_damaged_file_is_recomputed(
             data[-5] ^= 0x55
             path.write_bytes(bytes(data))
     third = _run(chunks, tmp_path / "c")
-    _assert_clean(third)
+    assert_clean(third)
     assert third.load_errors > 0
-    reasons = {e.reason for e in _events(third.log_path) if isinstance(e, ev.RemoteLoadFailed)}
+    reasons = {e.reason for e in events_of(third.log_path) if isinstance(e, ev.RemoteLoadFailed)}
     assert "checksum" in reasons
-    _check_clean(third.log_path)
+    check_clean(third.log_path)

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 from _redis import RedisServer, redis_server
+from _rigs import assert_clean, check_clean
+from _verdicts import events_of
 
 from connector.testing.harness import skip_reason
 from tracker import events as ev
@@ -58,27 +60,6 @@ def _run(
 
     spec = RunSpec(**{**WORKLOAD, **kw, "extra_config": _extra(url, **(extra or {}))})
     return run(spec, log_dir=str(log_dir), progress=progress)
-
-
-def _assert_clean(report: Any) -> None:
-    assert [m.describe() for m in report.mismatches] == []
-    assert report.violations == ()
-    assert report.leaks == ()
-    assert report.adapter_errors == 0
-    assert report.finished == report.requests
-
-
-def _events(log_path: str) -> list[ev.Event]:
-    from replay.source import open_log
-
-    return [e for frame in open_log(log_path).frames() for e in frame.events]
-
-
-def _check_clean(log_path: str) -> None:
-    from replay.replayer import check
-
-    result = check(log_path)
-    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]
 
 
 def _remote_tokens(events: list[ev.Event]) -> dict[str, int]:
@@ -124,7 +105,7 @@ def test_two_replicas_in_two_processes_share_prefixes(
 ) -> None:
     first = _replica_process(redis_server.url, tmp_path / "a")
     second = _replica_process(redis_server.url, tmp_path / "b")
-    a, b = _events(first["log"]), _events(second["log"])
+    a, b = events_of(first["log"]), events_of(second["log"])
     # The first engine found nothing remote and wrote every chunk it saved.
     assert sum(_remote_tokens(a).values()) == 0
     written = {k for e in a if isinstance(e, ev.RemoteSaveDone) for k in e.keys}
@@ -153,8 +134,8 @@ def test_two_replicas_in_two_processes_share_prefixes(
     rewritten = {k for e in b if isinstance(e, ev.RemoteSaveDone) for k in e.keys}
     assert read and not read & rewritten
     assert second["loaded"] > first["loaded"]
-    _check_clean(first["log"])
-    _check_clean(second["log"])
+    check_clean(first["log"])
+    check_clean(second["log"])
 
 
 def test_a_key_evicted_between_lookup_and_load_is_recomputed(
@@ -163,7 +144,7 @@ def test_a_key_evicted_between_lookup_and_load_is_recomputed(
     from connector.remote import remote_key
     from connector.worker import WorkerSide
 
-    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    assert_clean(_run(redis_server.url, tmp_path / "a"))
     raw = redis_server.client()
     fetch = WorkerSide._fetch_remote
     evicted: list[bytes] = []
@@ -180,19 +161,19 @@ def test_a_key_evicted_between_lookup_and_load_is_recomputed(
 
     monkeypatch.setattr(WorkerSide, "_fetch_remote", evict_then_fetch)
     report = _run(redis_server.url, tmp_path / "b")
-    _assert_clean(report)  # recomputed: the oracle holds at every step
+    assert_clean(report)  # recomputed: the oracle holds at every step
     assert evicted and report.load_errors > 0
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     lost = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
     assert [(e.keys, e.reason) for e in lost] == [((evicted[0],), "missing")]
     assert any(isinstance(e, ev.LoadFailed) and e.req_id == lost[0].req_id for e in events)
-    _check_clean(report.log_path)
+    check_clean(report.log_path)
 
 
 def test_corrupt_values_become_load_failures_never_wrong_kv(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    assert_clean(_run(redis_server.url, tmp_path / "a"))
     raw = redis_server.client()
     names = sorted(raw.keys(b"kvledger:*"))
     assert len(names) >= 4
@@ -203,9 +184,9 @@ def test_corrupt_values_become_load_failures_never_wrong_kv(
         else:
             raw.setrange(name, len(value) - 3, b"\xff\x00\xff")  # wrong bytes, right length
     report = _run(redis_server.url, tmp_path / "b")
-    _assert_clean(report)
+    assert_clean(report)
     assert report.load_errors > 0
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     reasons = {e.reason for e in events if isinstance(e, ev.RemoteLoadFailed)}
     assert reasons == {"length", "checksum"}
     # A corrupt chunk is never loaded: every load that read the server failed.
@@ -219,13 +200,13 @@ def test_corrupt_values_become_load_failures_never_wrong_kv(
             results.setdefault(e.req_id, type(e))
             assert type(e) is ev.LoadFailed, f"{e.req_id} loaded a corrupt chunk"
     assert results
-    _check_clean(report.log_path)
+    check_clean(report.log_path)
 
 
 def test_an_outage_mid_run_is_survived_recorded_once_and_sharing_resumes(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
-    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    assert_clean(_run(redis_server.url, tmp_path / "a"))
 
     def outage(step: int, finished: int, total: int) -> None:
         if step == 6:
@@ -243,19 +224,19 @@ def test_an_outage_mid_run_is_survived_recorded_once_and_sharing_resumes(
         num_requests=12,
         extra={"remote_lookup_timeout_ms": 2000},
     )
-    _assert_clean(report)  # no crash, the oracle held at every step
-    events = _events(report.log_path)
+    assert_clean(report)  # no crash, the oracle held at every step
+    events = events_of(report.log_path)
     kinds = [type(e) for e in events if isinstance(e, (ev.RemoteOutage, ev.RemoteRestored))]
     assert kinds == [ev.RemoteOutage, ev.RemoteRestored]  # recorded once, then back
     restored = next(i for i, e in enumerate(events) if isinstance(e, ev.RemoteRestored))
     assert any(isinstance(e, ev.RemoteSaveDone) for e in events[restored:])
-    _check_clean(report.log_path)
+    check_clean(report.log_path)
     # Sharing resumed: the restarted server holds only what was written after it came back,
     # and a third engine loads from it.
     third = _run(redis_server.url, tmp_path / "c", num_requests=12)
-    _assert_clean(third)
-    assert sum(_remote_tokens(_events(third.log_path)).values()) > 0
-    _check_clean(third.log_path)
+    assert_clean(third)
+    assert sum(_remote_tokens(events_of(third.log_path)).values()) > 0
+    check_clean(third.log_path)
 
 
 # Each wrong type Redis has, written under a key the way another program would.
@@ -274,7 +255,7 @@ def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
     """Every chunk key replaced by a list, hash, set, sorted set or stream: each GET is a
     WRONGTYPE error reply. A load failure for that chunk, recorded and recomputed; never a
     raise into vLLM, never an outage; the recomputed chunk's write replaces the key."""
-    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    assert_clean(_run(redis_server.url, tmp_path / "a"))
     raw = redis_server.client()
     names = sorted(raw.keys(b"kvledger:*"))
     assert len(names) >= 4
@@ -284,9 +265,9 @@ def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
         _WRONG_TYPES[i % len(_WRONG_TYPES)](raw, name)
     # A lookup bound a loaded test machine cannot miss: no outage here is the server's.
     report = _run(redis_server.url, tmp_path / "b", extra={"remote_lookup_timeout_ms": 2000})
-    _assert_clean(report)  # every request finished, the oracle held at every step
+    assert_clean(report)  # every request finished, the oracle held at every step
     assert report.load_errors > 0
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     failed = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
     assert failed
     for e in failed:
@@ -302,7 +283,7 @@ def test_keys_of_the_wrong_type_are_load_failures_recorded_and_then_overwritten(
         elif isinstance(e, ev.LoadFailed):
             assert planned.get(e.req_id, set()) <= refused, e.req_id
     assert not [e for e in events if isinstance(e, ev.RemoteOutage)]  # the server stayed up
-    _check_clean(report.log_path)
+    check_clean(report.log_path)
     # The recomputed chunks were written again: RENAME replaced the wrong-type keys with the
     # very bytes the first replica wrote (the same tokens, the same KV).
     healed = [name for name in names if raw.type(name) == b"string"]
@@ -322,7 +303,7 @@ def test_an_unforeseen_exception_in_the_tier_is_an_outage_never_a_raise(
     it; nothing reaches vLLM, not even as an adapter error."""
     from connector.remote import RemoteStore
 
-    _assert_clean(_run(redis_server.url, tmp_path / "a"))
+    assert_clean(_run(redis_server.url, tmp_path / "a"))
     real = getattr(RemoteStore, method)
     calls: list[int] = []
 
@@ -336,9 +317,9 @@ def test_an_unforeseen_exception_in_the_tier_is_an_outage_never_a_raise(
         redis_server.client().flushall()  # nothing to find: the second replica writes
     monkeypatch.setattr(RemoteStore, method, broken)
     report = _run(redis_server.url, tmp_path / "b", extra={"remote_lookup_timeout_ms": 2000})
-    _assert_clean(report)
+    assert_clean(report)
     assert calls
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     errors = [e.error for e in events if isinstance(e, ev.RemoteOutage)]
     assert any(f"RuntimeError: unforeseen in {method}" in text for text in errors), errors
-    _check_clean(report.log_path)
+    check_clean(report.log_path)

@@ -19,6 +19,8 @@ from typing import Any
 import _memory_tier
 import pytest
 from _memory_tier import DOWN, STORES, MemoryTier
+from _rigs import assert_clean, check_clean
+from _verdicts import events_of
 
 from connector.config import TIER_SCHEMES, ConnectorConfig, ConnectorConfigError
 from connector.scheduler import SchedulerSide
@@ -164,27 +166,6 @@ def _run(url: str, log_dir: Path, **kw: Any) -> Any:
     return run(RunSpec(**{**WORKLOAD, **kw, "extra_config": extra}), log_dir=str(log_dir))
 
 
-def _assert_clean(report: Any) -> None:
-    assert [m.describe() for m in report.mismatches] == []
-    assert report.violations == ()
-    assert report.leaks == ()
-    assert report.adapter_errors == 0
-    assert report.finished == report.requests
-
-
-def _events(log_path: str) -> list[ev.Event]:
-    from replay.source import open_log
-
-    return [e for frame in open_log(log_path).frames() for e in frame.events]
-
-
-def _check_clean(log_path: str) -> None:
-    from replay.replayer import check
-
-    result = check(log_path)
-    assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]
-
-
 def _remote_keys_loaded(events: list[ev.Event]) -> set[bytes]:
     return {
         k
@@ -202,14 +183,14 @@ def test_two_engines_share_chunks_through_a_tier_no_product_module_knows(
 ) -> None:
     url = _url()
     first = _run(url, tmp_path / "a")
-    _assert_clean(first)
-    a = _events(first.log_path)
+    assert_clean(first)
+    a = events_of(first.log_path)
     written = {k for e in a if isinstance(e, ev.RemoteSaveDone) for k in e.keys}
     assert written and not _remote_keys_loaded(a)
     assert {k for k, _ in STORES[url.partition("://")[2]]} == written
     second = _run(url, tmp_path / "b")
-    _assert_clean(second)  # the bytes it loaded from the tier are the right KV, every step
-    b = _events(second.log_path)
+    assert_clean(second)  # the bytes it loaded from the tier are the right KV, every step
+    b = events_of(second.log_path)
     loaded = _remote_keys_loaded(b)
     assert loaded and loaded <= written
     found = {
@@ -221,8 +202,8 @@ def test_two_engines_share_chunks_through_a_tier_no_product_module_knows(
     }
     assert loaded <= found
     assert second.tokens_loaded > first.tokens_loaded
-    _check_clean(first.log_path)
-    _check_clean(second.log_path)
+    check_clean(first.log_path)
+    check_clean(second.log_path)
 
 
 @pytest.mark.vllm
@@ -231,18 +212,18 @@ def test_a_chunk_the_tier_lost_or_damaged_is_a_recorded_load_failure_never_wrong
     tmp_path: Path,
 ) -> None:
     url = _url()
-    _assert_clean(_run(url, tmp_path / "a"))
+    assert_clean(_run(url, tmp_path / "a"))
     store = STORES[url.partition("://")[2]]
     for i, entry in enumerate(sorted(store)):
         if i % 2:
             store[entry] = store[entry][:-8]  # short
     report = _run(url, tmp_path / "b")
-    _assert_clean(report)  # recomputed: the oracle held at every step
+    assert_clean(report)  # recomputed: the oracle held at every step
     assert report.load_errors > 0
-    events = _events(report.log_path)
+    events = events_of(report.log_path)
     reasons = {e.reason for e in events if isinstance(e, ev.RemoteLoadFailed)}
     assert reasons == {"length"}
-    _check_clean(report.log_path)
+    check_clean(report.log_path)
 
 
 @pytest.mark.vllm
@@ -250,15 +231,15 @@ def test_a_chunk_the_tier_lost_or_damaged_is_a_recorded_load_failure_never_wrong
 def test_a_tier_down_is_an_outage_recorded_once_and_served_around(tmp_path: Path) -> None:
     url = _url()
     name = url.partition("://")[2]
-    _assert_clean(_run(url, tmp_path / "a"))
+    assert_clean(_run(url, tmp_path / "a"))
     DOWN.add(name)
     try:
         report = _run(url, tmp_path / "b")
     finally:
         DOWN.discard(name)
-    _assert_clean(report)
-    events = _events(report.log_path)
+    assert_clean(report)
+    events = events_of(report.log_path)
     outages = [e for e in events if isinstance(e, ev.RemoteOutage)]
     assert len(outages) == 1 and "MemoryDown" in outages[0].error
     assert not _remote_keys_loaded(events)  # nothing offered from a tier that is down
-    _check_clean(report.log_path)
+    check_clean(report.log_path)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from _rigs import PREEMPTING
+from _rigs import PREEMPTING, assert_clean
 
 from connector.testing.harness import (
     load_failures_reportable,
@@ -29,14 +29,6 @@ def _run(**kw):
     return run(RunSpec(**{**PREEMPTING, **kw}), load_fault=load_fault, log_dir=log_dir)
 
 
-def _assert_clean(report):
-    assert report.violations == ()
-    assert [m.describe() for m in report.mismatches] == []
-    assert report.leaks == ()
-    assert report.adapter_errors == 0
-    assert report.finished == report.requests
-
-
 @pytest.mark.parametrize(
     ("prefix_caching", "mrv2", "async_scheduling"),
     list(itertools.product([False, True], [False, True], [False, True])),
@@ -55,7 +47,7 @@ def test_preempting_workload_is_oracle_exact(prefix_caching, mrv2, async_schedul
         async_scheduling=async_scheduling,
         extra_config={"chunk_size": 32, "strict": True},
     )
-    _assert_clean(report)
+    assert_clean(report)
     assert report.preemptions > 0
     assert report.resumptions > 0
     assert report.tokens_saved > 0
@@ -73,7 +65,7 @@ def test_full_prompt_hits_leave_last_token_for_vllm():
         # Prompt tails are partial chunks: keep them, or no repeated prompt can hit fully.
         extra_config={"chunk_size": 16, "discard_partial_chunks": False},
     )
-    _assert_clean(report)
+    assert_clean(report)
     assert report.full_hits >= 1
 
 
@@ -88,7 +80,7 @@ def test_chunked_prefill_with_decode_saving():
         enable_prefix_caching=False,
         extra_config={"chunk_size": 32, "save_decode_cache": True, "discard_partial_chunks": False},
     )
-    _assert_clean(report)
+    assert_clean(report)
     assert report.tokens_loaded > 0
 
 
@@ -104,7 +96,7 @@ def test_a_drafters_deferred_finalize_keeps_every_layer_exact(async_scheduling):
         drafter_layers=1,
         extra_config={"chunk_size": 16, "strict": True},
     )
-    _assert_clean(report)
+    assert_clean(report)
     assert report.preemptions > 0
     assert report.tokens_loaded > 0 and report.tokens_saved > 0
 
@@ -125,7 +117,7 @@ def test_injected_load_failures_recompute_exactly():
         return False
 
     report = _run(enable_prefix_caching=False, load_fault=fault, extra_config={"chunk_size": 16})
-    _assert_clean(report)
+    assert_clean(report)
     assert report.load_errors > 0
     assert any(f is not None for f in failures)
 
@@ -216,7 +208,7 @@ def test_a_disk_filling_mid_run_never_stops_the_engine(
     report = _run(
         log_dir=str(tmp_path), extra_config={"chunk_size": 32, "log_background": background}
     )
-    _assert_clean(report)
+    assert_clean(report)
     assert report.finished == report.requests and report.preemptions > 0
     assert budget["bytes"] < 0  # the disk did fill
     reader = LogReader(report.log_path)
