@@ -28,6 +28,7 @@ from connector.scheduler import first_group, status_name
 from tracker import events as ev
 from tracker.codec import EncodeError
 from tracker.recorded_steps import Life, RecordedSteps
+from tracker.tracker import close_log, seal_log
 
 __all__ = ["RECORDER_FORMAT", "SchedulerRecorder"]
 
@@ -224,24 +225,12 @@ class SchedulerRecorder:
         self.step += 1
 
     def close(self) -> None:
-        closer = getattr(self.log, "close", None)
-        if closer is not None:
-            try:
-                closer()
-            except Exception as exc:
-                self._log_failed(exc)
+        close_log(self.log, self._log_failed)
 
     def seal(self, stop: str) -> bool:
         """The engine was asked to stop (``stop``: how): make the log complete as of now
         (connector/stopping.py; ``LogWriter.seal``)."""
-        sealer = getattr(self.log, "seal", None)
-        if sealer is None:
-            return False
-        try:
-            return bool(sealer(stop))
-        except Exception as exc:
-            self._log_failed(exc)
-            return False
+        return seal_log(self.log, stop, self._log_failed)
 
     def _known(self, req_id: str) -> int:
         """How many of the request's token ids the log holds (0 for a request it lacks)."""

@@ -42,7 +42,7 @@ from tracker.state import (
 )
 from tracker.wellformed import Wellformed
 
-__all__ = ["LogSink", "Tracker"]
+__all__ = ["LogSink", "Tracker", "close_log", "seal_log"]
 
 # Keys of the violation log record that a violation's detail must not shadow.
 _RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule", "state"})
@@ -54,6 +54,33 @@ class LogSink(Protocol):
     def append(self, event: ev.Event) -> None: ...
 
     def end_step(self, step: int) -> None: ...
+
+
+# A sink may also close and seal (LogWriter does; a list in a test does not). The Tracker and
+# connector/recording.py's recorder both end their logs through these two, so a failing close
+# or seal is handed to the owner's failure path the same way in both.
+
+
+def seal_log(log: Any, stop: str, failed: Callable[[Exception], None]) -> bool:
+    """``log.seal(stop)`` if it has one; an error goes to ``failed``. False: not sealed."""
+    sealer = getattr(log, "seal", None)
+    if sealer is None:
+        return False
+    try:
+        return bool(sealer(stop))
+    except Exception as exc:
+        failed(exc)
+        return False
+
+
+def close_log(log: Any, failed: Callable[[Exception], None]) -> None:
+    """``log.close()`` if it has one; an error goes to ``failed``."""
+    closer = getattr(log, "close", None)
+    if closer is not None:
+        try:
+            closer()
+        except Exception as exc:
+            failed(exc)
 
 
 class _Hot:
@@ -373,22 +400,10 @@ class Tracker:
         """Make the log complete as of now, and keep it so, for an engine asked to stop
         (``stop`` says how): see ``LogWriter.seal``. Call it only between callbacks, when no
         event is half applied. False when there is no log, or it cannot be sealed."""
-        sealer = getattr(self._log, "seal", None)
-        if sealer is None:
-            return False
-        try:
-            return bool(sealer(stop))
-        except Exception as exc:
-            self._log_failed(exc)
-            return False
+        return seal_log(self._log, stop, self._log_failed)
 
     def close(self) -> None:
-        closer = getattr(self._log, "close", None)
-        if closer is not None:
-            try:
-                closer()
-            except Exception as exc:
-                self._log_failed(exc)
+        close_log(self._log, self._log_failed)
 
     def _log_failed(self, exc: Exception) -> None:
         """The log cannot be written (disk full, a failed fsync): say so once, loudly, and go
