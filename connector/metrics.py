@@ -62,16 +62,16 @@ class Counters:
     """The scheduler side's running totals (plain ints; bumped on the engine-core thread),
     one attribute per name of :data:`COUNTERS`."""
 
-    __slots__ = ("_last", "_sent", *COUNTERS)
+    __slots__ = ("_last", *COUNTERS)
 
     def __init__(self) -> None:
         self.lookups = self.hit_tokens = 0
         self.loads = self.load_tokens = self.loads_done = self.load_failures = 0
         self.saves = self.save_tokens = self.chunks_saved = self.save_failures = 0
         self.violations = self.adapter_errors = 0
-        self._sent: dict[str, int] = dict.fromkeys(COUNTERS, 0)  # as the last since() sent
-        # What since() last saw, as one tuple: vLLM asks every step, and in a steady decode
-        # step nothing moved, which one tuple comparison tells (no dicts built).
+        # What since() last sent, as one tuple (the counters, then the readings' items): vLLM
+        # asks every step, and in a steady decode step nothing moved, which one tuple
+        # comparison tells (no dicts built).
         self._last: tuple[Any, ...] = ()
 
     def totals(self) -> dict[str, int]:
@@ -79,19 +79,16 @@ class Counters:
 
     def since(self, readings: Mapping[str, int]) -> dict[str, int] | None:
         """What changed since the previous call: the counters' increments (those that grew)
-        and the ``readings`` (gauges) that moved, all of them when any did; None when
-        nothing changed (vLLM then sends nothing)."""
-        seen = (_read_all(self), *readings.items())
+        and the ``readings`` (gauges), all of them when any value moved; None when nothing
+        changed (vLLM then sends nothing)."""
+        counts = _read_all(self)
+        seen = (counts, *readings.items())
         if seen == self._last:
             return None
+        before = self._last[0] if self._last else (0,) * len(COUNTERS)
         self._last = seen
-        now = {**self.totals(), **readings}
-        changed = {k: v for k, v in now.items() if self._sent.get(k) != v}
-        if not changed:
-            return None
-        out = {k: now[k] - self._sent.get(k, 0) for k in COUNTERS if k in changed}
+        out = {k: int(c - b) for k, c, b in zip(COUNTERS, counts, before, strict=True) if c != b}
         out.update({k: int(v) for k, v in readings.items()})
-        self._sent = now
         return out
 
 
