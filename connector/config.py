@@ -24,6 +24,7 @@ from tracker.digests import DIGEST_MODES
 
 __all__ = [
     "ENV_LOG_DIR",
+    "REDIS_SCHEMES",
     "REMOTE_URL_OPTIONS",
     "TIER_ENTRY_POINTS",
     "TIER_SCHEMES",
@@ -34,6 +35,7 @@ __all__ = [
     "check_chunk_size",
     "check_redis_url",
     "check_remote_url",
+    "connector_name",
     "redacted",
     "tier_target",
 ]
@@ -81,7 +83,7 @@ def tier_target(scheme: str) -> tuple[str, str] | None:
     imported here). None: no such tier."""
     if scheme in TIER_SCHEMES:
         return TIER_SCHEMES[scheme]
-    if scheme in _SCHEMES or not scheme.isascii() or not scheme.isalnum():
+    if scheme in REDIS_SCHEMES or not scheme.isascii() or not scheme.isalnum():
         return None
     for point in entry_points(group=TIER_ENTRY_POINTS, name=scheme):
         module, sep, attr = point.value.partition(":")
@@ -98,7 +100,7 @@ def tier_target(scheme: str) -> tuple[str, str] | None:
 
 # The query options remote_url accepts; every other one is refused by name.
 REMOTE_URL_OPTIONS = ("client_name", "db")
-_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 # redis-py options that would loosen a bound the tier relies on (the lookup's 50 ms on vLLM's
 # scheduler thread, the workers' command timeout, no retries inside the client).
 _BOUND_OPTIONS = frozenset(
@@ -185,13 +187,17 @@ def _refused_option(name: str) -> str:
     return f"query option {name!r} is not accepted ({hint})"
 
 
+def _check_url_chars(value: str) -> None:
+    if any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise _url_error("has a space or a control character (percent-encode it)", value)
+
+
 def check_remote_url(value: Any) -> str:
     """``value`` if it names a remote tier: a URL of a scheme :func:`tier_target` knows (its
     tier checks the rest when it opens), or a Redis URL (:func:`check_redis_url`); else
     ``ConnectorConfigError`` naming ``remote_url`` and what is wrong."""
     if isinstance(value, str) and "://" in value and tier_target(value.partition("://")[0]):
-        if any(ch.isspace() or not ch.isprintable() for ch in value):
-            raise _url_error("has a space or a control character (percent-encode it)", value)
+        _check_url_chars(value)
         return value
     return check_redis_url(value)
 
@@ -205,13 +211,12 @@ def check_redis_url(value: Any) -> str:
     if not isinstance(value, str) or not value:
         got = repr(value) if isinstance(value, str) else type(value).__name__
         raise ConnectorConfigError(f"remote_url must be a Redis URL string, got {got}")
-    if any(ch.isspace() or not ch.isprintable() for ch in value):
-        raise _url_error("has a space or a control character (percent-encode it)", value)
+    _check_url_chars(value)
     scheme, sep, _ = value.partition("://")
-    if not sep or scheme not in _SCHEMES:
+    if not sep or scheme not in REDIS_SCHEMES:
         others = {*TIER_SCHEMES, *(p.name for p in entry_points(group=TIER_ENTRY_POINTS))}
-        case = " (in lower case)" if scheme.lower() in (*_SCHEMES, *others) else ""
-        schemes = [f"{name}://" for name in (*_SCHEMES, *sorted(others))]
+        case = " (in lower case)" if scheme.lower() in (*REDIS_SCHEMES, *others) else ""
+        schemes = [f"{name}://" for name in (*REDIS_SCHEMES, *sorted(others))]
         listed = ", ".join(schemes[:-1]) + " or " + schemes[-1]
         raise _url_error(f"must start with {listed}{case}", value)
     try:
@@ -292,7 +297,7 @@ def _path(name: str, value: Any) -> str | None:
     return value
 
 
-def _connector_name(name: str, value: Any) -> str:
+def connector_name(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConnectorConfigError(
             f"{name} must name a connector (a vLLM registry name or module:Class), got {value!r}"
@@ -338,8 +343,7 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "remote_ttl_s": _nonneg_int,
     "log_fsync": _fsync_mode,
     "digests": _digest_mode,
-    "log_dir": _path,
-    "inner": _connector_name,
+    "inner": connector_name,
     "inner_extra_config": _map,
 }
 
@@ -400,7 +404,7 @@ class LogSettings:
 class ConnectorConfig(LogSettings):
     """``KVLedgerConnector``'s settings (see docs/using-with-vllm.md for each one)."""
 
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     host_pool_bytes: int = 4 << 30
     save_decode_cache: bool = False
     discard_partial_chunks: bool = True

@@ -49,17 +49,17 @@ from typing import Any
 
 import structlog
 
-from connector.config import ConnectorConfigError, RecorderConfig
+from connector.config import ConnectorConfigError, RecorderConfig, connector_name
 from connector.edge import (
     VLLM_VERSION,
     KVConnectorBase_V1,
     KVConnectorMetadata,
-    KVConnectorRole,
     KVConnectorWorkerMetadata,
     SupportsHMA,
     base_args,
     build_connector,
     connector_registry,
+    is_scheduler,
     token_list,
 )
 from connector.logfile import open_log
@@ -70,7 +70,6 @@ from tracker import events as ev
 from tracker.config import TrackerConfig
 
 __all__ = [
-    "RECORDER_KEYS",
     "KVLedgerRecorder",
     "RecorderMetadata",
     "RecorderWorkerMetadata",
@@ -79,19 +78,13 @@ __all__ = [
 
 _log = structlog.get_logger("kvledger.recorder")
 
-# The recorder's own extra-config keys (everything else is refused: a typo fails at startup).
-RECORDER_KEYS = frozenset(f.name for f in RecorderConfig.__attrs_attrs__)
-
 
 # --- resolving and building the inner connector ------------------------------------------
 
 
 def resolve_inner(name: str) -> Any:
     """The inner connector's class: ``module:Class``, or a name in vLLM's registry."""
-    if not isinstance(name, str) or not name:
-        raise ConnectorConfigError(
-            f"inner must name a connector (a vLLM registry name or module:Class), got {name!r}"
-        )
+    connector_name("inner", name)
     if ":" in name:
         module_name, _, cls_name = name.partition(":")
         try:
@@ -215,7 +208,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         # Wraps every scheduler callback that records (connector/stopping.py): the log is
         # sealed when a stop signal arrives, as KVLedgerConnector's is.
         self._stop: StopHook | Any = NO_HOOK
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler(role):
             self.recording = self._start_recording(vllm_config, config, block_size, chunk_size)
             if self.log_path is not None:
                 self._stop = StopHook(self.recording.seal, self.recording.close)
@@ -248,7 +241,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
             return
         from connector.digests import RecorderDigests, WorkerDigests  # torch: only when asked
 
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler(role):
             block_size = int(vllm_config.cache_config.block_size)
             self._digest_planner = RecorderDigests(self.recording, block_size)
         else:

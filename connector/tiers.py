@@ -42,6 +42,7 @@ from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
 from connector.config import (
+    REDIS_SCHEMES,
     TIER_ENTRY_POINTS,
     TIER_SCHEMES,
     ConnectorConfig,
@@ -130,7 +131,7 @@ def register_tier(scheme: str, module_path: str, class_name: str) -> None:
     """
     if not scheme.isascii() or not scheme.isalnum() or scheme != scheme.lower():
         raise ValueError(f"a tier's scheme is lower-case letters and digits, got {scheme!r}")
-    if scheme in ("redis", "rediss", "unix"):
+    if scheme in REDIS_SCHEMES:
         raise ValueError(f"{scheme}:// is the Redis tier's")
     target = (module_path, class_name)
     if TIER_SCHEMES.get(scheme, target) != target:

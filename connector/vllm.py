@@ -28,10 +28,10 @@ from connector.edge import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorPromMetrics,
-    KVConnectorRole,
     KVConnectorStats,
     KVConnectorWorkerMetadata,
     base_args,
+    is_scheduler,
 )
 from connector.messages import StepPlan, WorkerReport
 from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
@@ -246,7 +246,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         self._worker: WorkerSide | None = None
         # Wraps every scheduler callback that writes to the log (connector/stopping.py).
         self._stop: StopHook | Any = NO_HOOK
-        if role == KVConnectorRole.SCHEDULER:
+        if is_scheduler(role):
             self._scheduler = SchedulerSide(
                 self.kv_config,
                 block_size=block_size,
