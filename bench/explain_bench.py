@@ -20,17 +20,15 @@ Timings are medians of ``--rounds`` runs; the machine is shared, expect noise.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from replay_bench import write_log
+from replay_bench import median_time, write_log
 
 from replay.explain import Explainer, explain
 from replay.source import open_log
@@ -63,12 +61,7 @@ def _walk_explained(path: Path) -> int:
 
 
 def median(fn: Callable[[], Any], rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_time(fn, rounds)[0]
 
 
 def main() -> None:

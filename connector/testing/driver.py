@@ -251,7 +251,7 @@ class ModelRunner:
         for layer in layers:
             name = names[layer]
             self.worker.wait_for_layer_load(name)
-            for req_id, tokens, blocks, start, end in spans if self.compute else ():
+            for req_id, tokens, blocks, start, end in spans:
                 bad = req_id in poisoned
                 self.oracle.write(req_id, tokens, blocks, start, end, poisoned=bad, layers=[layer])
             self.worker.save_kv_layer(name, self.views[name], self.attn_metadata[name])

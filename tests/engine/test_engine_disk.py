@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from _verdicts import events_of
 
 from connector.testing.engine import EngineSpec
 from tracker import events as ev
@@ -65,13 +66,6 @@ def damaged(tiny_model: str, directory: Path, reader: EngineRuns) -> EngineRuns:
     return _run(tiny_model, directory)
 
 
-def _events(log_path: str | None) -> list[ev.Event]:
-    from replay.source import open_log
-
-    assert log_path is not None
-    return [e for frame in open_log(log_path).frames() for e in frame.events]
-
-
 def test_a_second_engine_loads_the_first_ones_chunks_from_the_files(
     base: EngineRuns, writer: EngineRuns, reader: EngineRuns, directory: Path
 ) -> None:
@@ -90,7 +84,8 @@ def test_files_gone_or_damaged_are_recomputed_and_recorded(
     assert_same_outputs(base, damaged, WORKLOAD)
     damaged.assert_check_clean()
     assert damaged.total(WORKLOAD, "remote_chunks_loaded") == 0  # nothing damaged was loaded
-    events = _events(damaged.log_path)
+    assert damaged.log_path is not None
+    events = events_of(damaged.log_path)
     reasons = {e.reason for e in events if isinstance(e, ev.RemoteLoadFailed)}
     assert "checksum" in reasons, reasons
     assert any(isinstance(e, ev.LoadFailed) for e in events)  # vLLM recomputed them

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from _redis import RedisServer, require_redis_server
+from _verdicts import events_of
 
 from connector.testing.engine import EngineSpec
 from tracker import events as ev
@@ -77,13 +78,6 @@ def reader(
     return runs, names
 
 
-def _events(log_path: str | None) -> list[ev.Event]:
-    from replay.source import open_log
-
-    assert log_path is not None
-    return [e for frame in open_log(log_path).frames() for e in frame.events]
-
-
 def test_the_writer_shares_its_chunks(writer: EngineRuns, server: RedisServer) -> None:
     writer.assert_check_clean()
     assert writer.total("wrong_type", "remote_chunks_saved") > 0
@@ -98,7 +92,8 @@ def test_wrong_type_keys_and_refused_writes_keep_the_tokens_and_the_log_checks(
     runs.assert_check_clean()  # kvledger check LOG: exit 0
     assert runs.stats.violations_total == 0
     assert runs.total("wrong_type", "remote_chunks_loaded") == 0  # nothing wrong was loaded
-    events = _events(runs.log_path)
+    assert runs.log_path is not None
+    events = events_of(runs.log_path)
     found = [e for e in events if isinstance(e, ev.RemoteFound) and any(e.found)]
     assert found  # the keys were there, of another type
     failed = [e for e in events if isinstance(e, ev.RemoteLoadFailed)]
