@@ -19,8 +19,8 @@ Phase 1 (not timed): add the requests, step until every one is running past its 
 ``--warmup-steps`` more decode steps (the prefill's chunk saves complete and are reported).
 
 Phase 2 (timed): ``--steps`` decode steps per variant, split into ``--rounds`` rounds; within a
-round the variants take turns of ``--block`` steps (A B C, then C B A, ...), so drift on a
-shared machine hits all alike. The cyclic GC's heap is frozen first, as vLLM's EngineCore does.
+round the variants take turns of ``--block`` steps, in a new random order every turn (seeded
+by ``--seed``), so drift on a shared machine and the order itself hit all alike. The cyclic GC's heap is frozen first, as vLLM's EngineCore does.
 Only the scheduler's own work is timed: ``scheduler.schedule()`` plus
 ``scheduler.update_from_output()`` (where vLLM calls the connector's scheduler-side methods),
 measured by ``perf_counter_ns`` wrappers installed on the scheduler instance. The worker and
@@ -61,7 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -357,8 +357,8 @@ def connector_spec(
 def run_timed(variants: list[Variant], args: argparse.Namespace) -> float:
     """The timed phase, the one loop of every scheduler bench (this one and
     bench/recorder_bench.py): ``args.steps`` decode steps per variant in ``args.rounds``
-    rounds, the variants taking turns of ``args.block`` steps (A B C, then C B A, ...) so that
-    drift on a shared machine hits all alike, after the cyclic GC's heap is frozen as vLLM's
+    rounds, the variants taking turns of ``args.block`` steps in a new order every turn
+    (``turn_orders``) so that drift on a shared machine, and the order itself, hit all alike, after the cyclic GC's heap is frozen as vLLM's
     EngineCore does. Returns the wall seconds; the per-method figures are frozen after it."""
     per_round = args.steps // args.rounds
     for v in variants:  # count the timed phase only
@@ -368,22 +368,37 @@ def run_timed(variants: list[Variant], args: argparse.Namespace) -> float:
     gc.collect()
     gc.freeze()
     t1 = time.perf_counter()
-    turn = 0
+    order = turn_orders(len(variants), args.seed)
     for _ in range(args.rounds):
         for v in variants:
             v.rounds.append([])
         done = 0
         while done < per_round:
             n = min(args.block, per_round - done)
-            # A B C, then C B A: no variant always runs right after another one.
-            for v in variants if turn % 2 == 0 else variants[::-1]:
-                v.run_block(n, args.requests)
+            for i in next(order):
+                variants[i].run_block(n, args.requests)
             done += n
-            turn += 1
     wall = time.perf_counter() - t1
     for v in variants:  # freeze the per-method figures before --profile steps more
         v.timer.per_method = {k: list(s) for k, s in v.timer.per_method.items()}
     return wall
+
+
+def turn_orders(n: int, seed: int) -> Iterator[list[int]]:
+    """The order of the variants in each turn: a new random one every turn (seeded), never
+    starting with the variant the last turn ended with. A fixed pattern biases the figures by
+    position: with ``A B C`` then ``C B A`` the two ends ran twice in a row, on caches their
+    first turn had just warmed, and read up to 4% faster than the identical variants between
+    them (docs/performance.md, "position bias")."""
+    rng = random.Random(seed)
+    last = -1
+    while True:
+        order = list(range(n))
+        rng.shuffle(order)
+        if n > 1 and order[0] == last:
+            order.append(order.pop(0))
+        last = order[-1]
+        yield order
 
 
 def warm_up(v: Variant, args: argparse.Namespace) -> int:
