@@ -322,12 +322,7 @@ class _Replay:
             if gaps:
                 # The writer dropped steps here (the disk fell behind): what follows was
                 # decided on facts the log lacks, so a replay cannot judge it.
-                gap = gaps[0]
-                result.incomplete = (
-                    f"steps {gap['first_step']} to {gap['last_step']} were not recorded (the "
-                    f"disk fell behind: {gap['frames']} frames, {gap['records']} records "
-                    f"dropped); checked up to step {last_step}"
-                )
+                result.incomplete = _gap_text(gaps[0], last_step)
                 break
             frames += 1
             events = frame.events
@@ -394,6 +389,10 @@ class _Replay:
             self._finish(pending, recorded)
         if self.done:
             result.stopped_early = True
+        elif gaps and result.incomplete is None:
+            # Steps dropped at the very end (the loss record is the log's last word): the
+            # run's last steps are not in it.
+            result.incomplete = _gap_text(gaps[0], last_step)
         if report is not None and not self.done:
             report.end()
         result.read_to(source)
@@ -771,3 +770,12 @@ def _check_into(
     if request is not None and not replay.request_seen and result.error is None:
         # Never "clean" for a request that is not there (a typo, another log).
         result.error = f"no request {request!r} in the log"
+
+
+def _gap_text(gap: dict[str, int], last_step: int | None) -> str:
+    """What a replay says of the steps its writer dropped (a loss record, ``LogSource.gaps``)."""
+    return (
+        f"steps {gap['first_step']} to {gap['last_step']} were not recorded (the disk fell "
+        f"behind: {gap['frames']} frames, {gap['records']} records dropped); checked up to "
+        f"step {last_step}"
+    )

@@ -5,6 +5,7 @@ are, with their own exit status (docs/debugging.md, "Exit status")."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from test_replay_check import CONFIG, drive, write_log
 from connector import logwriter as log
 from connector.logwriter import LogWriter
 from replay.cli import main
+from replay.logreader import LogReader
 from replay.replayer import check
 from tracker.tracker import Tracker
 
@@ -71,8 +73,47 @@ def test_steps_the_writer_dropped_end_the_check_there(
     drive(t, 8)
     assert writer.lost_frames > 0
     release.set()
+    _drained(writer)  # the disk caught up: what follows is written after the gap
     drive(t, 2, start=8)
     t.close()
+    result = check(path)
+    assert result.exit_code == 3 and result.problems == []
+    assert result.incomplete is not None and "were not recorded (the disk fell behind" in (
+        result.incomplete
+    )
+
+
+def _drained(writer: LogWriter, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not writer._out.room(writer._out.max_bytes):  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "the log thread never caught up"
+        time.sleep(0.005)
+
+
+def test_steps_dropped_at_the_very_end_are_said_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loss record is the log's last word (the disk came back only for the close): the
+    run's last steps are missing, and the check says so."""
+    release = threading.Event()
+    real = log._BackgroundOutput._do
+
+    def hung(out: Any, op: str, arg: Any) -> None:
+        if op == "write" and threading.current_thread().name == "kvledger-log":
+            release.wait(60)
+        real(out, op, arg)
+
+    monkeypatch.setattr(log._BackgroundOutput, "_do", hung)
+    path = tmp_path / "run.kvlog"
+    writer = LogWriter(path, CONFIG.to_dict(), background=True, max_queue_bytes=3000)
+    t = Tracker(CONFIG, log=writer)
+    drive(t, 8)
+    assert writer.lost_frames > 0
+    release.set()
+    t.close()
+    reader = LogReader(path)
+    last = [f.step for f in reader][-1]
+    assert reader.gaps and reader.gaps[-1]["first_step"] > last  # nothing after the loss
     result = check(path)
     assert result.exit_code == 3 and result.problems == []
     assert result.incomplete is not None and "were not recorded (the disk fell behind" in (
