@@ -65,7 +65,6 @@ def _params_text(params: Any) -> str:
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _KNOWN = operator.attrgetter("known")
-_NEXT = (1).__add__
 
 
 class _Batch:
@@ -79,7 +78,16 @@ class _Batch:
     exactly what the request-by-request path would; anything else in a step, and that path
     decides."""
 
-    __slots__ = ("changes", "counts", "lists", "lives", "nums", "req_ids")
+    __slots__ = (
+        "changes",
+        "counts",
+        "lists",
+        "lives",
+        "nums",
+        "one_each",
+        "req_ids",
+        "scheduled_of",
+    )
 
     def __init__(
         self,
@@ -95,6 +103,10 @@ class _Batch:
         self.lists = [lists[r] for r in req_ids]
         self.counts = list(map(_NUM_TOKENS, lives))  # each life's count, as the log gives it
         self.changes = steps.changes
+        # The tokens vLLM scheduled for each, read in one call (a tuple, or the one value),
+        # and what they are in a steady step: one each.
+        self.scheduled_of = operator.itemgetter(*req_ids)
+        self.one_each = (1,) * len(req_ids) if len(req_ids) > 1 else 1
 
     def step(self, rec: SchedulerRecorder, cached: Any, scheduled: Any, resumed: Any) -> bool:
         """Write this step of the batch (True), or leave it to the request-by-request path."""
@@ -110,8 +122,8 @@ class _Batch:
         counts = self.counts
         if (
             cached.num_computed_tokens != counts
-            # every one scheduled (KeyError if not) one token (each at least one: the sum)
-            or sum(map(scheduled.__getitem__, req_ids)) != len(req_ids)
+            # every one scheduled (KeyError if not) one token
+            or self.scheduled_of(scheduled) != self.one_each
         ):
             return False
         grown: list[Any] = []
@@ -130,7 +142,7 @@ class _Batch:
             return False
         if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
             return False
-        self.counts = list(map(_NEXT, counts))
+        self.counts = [c + 1 for c in counts]
         return True
 
 
@@ -281,8 +293,10 @@ class SchedulerRecorder:
     def scheduled(self, out: Any) -> None:
         """One ``build_connector_meta``: preemptions first, then every scheduled request; the
         steady ones in ``StepDecoded`` runs (see the class docstring)."""
-        for req_id in sorted(getattr(out, "preempted_req_ids", None) or ()):
-            self.write(ev.Preempted(self.step, str(req_id)))
+        preempted = getattr(out, "preempted_req_ids", None)
+        if preempted:
+            for req_id in sorted(preempted):
+                self.write(ev.Preempted(self.step, str(req_id)))
         num_scheduled = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
             self._guarded_one(
@@ -299,7 +313,6 @@ class SchedulerRecorder:
         if resumed_ids is None:  # older vLLM: one flag per request (connector/edge.py)
             flags = getattr(cached, "resumed_from_preemption", None) or ()
             resumed_ids = {rid for rid, flag in zip(req_ids, flags, strict=False) if flag}
-        cached_all = getattr(cached, "all_token_ids", None) or {}
         # The hot path (a few reads and comparisons per request): a running request that
         # decodes one token at the count the log last gave it, with at most one new block and
         # exactly one new token id, is an entry of a StepDecoded. The log's loss of a step
@@ -314,6 +327,7 @@ class SchedulerRecorder:
             except Exception:  # anything unexpected: decided request by request below
                 pass
         self.steps.settle()  # the lives, read directly below
+        cached_all = getattr(cached, "all_token_ids", None) or {}
         whole = steady  # every cached request an entry, its token read from its list
         scheduled_tokens = num_scheduled.get
         lives, lists = self._lives, self._token_lists
