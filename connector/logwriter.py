@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -30,6 +31,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Literal, Protocol
@@ -37,9 +39,10 @@ from typing import IO, Any, Final, Literal, Protocol
 import msgpack
 
 from tracker import codec
-from tracker.events import Event
+from tracker.events import Event, RecordLost, StepDecoded
 from tracker.framing import (
     DEFAULT_MAX_FRAME_BYTES,
+    MAX_FRAME_RECORDS,
     LogError,
     end_record,
     frame_bytes,
@@ -70,6 +73,18 @@ CLOSE_TIMEOUT_S: Final = 30.0
 SEAL_TIMEOUT_S: Final = 2.0
 # Room kept in the queue for the loss record itself.
 _LOST_RECORD_BYTES: Final = 128
+# What a step's frame adds to its records, at most: the payload's array headers, seq, step and
+# wall clock (9 bytes each at most), and the frame's length, checksums.
+_FRAME_OVERHEAD: Final = 48
+# A segment's header names the previous segment's digest: 32 hex digits (BLAKE2b-128).
+_DIGEST_HEX: Final = "0" * 32
+# The segment digest is fed in pieces shorter than CPython's HASHLIB_GIL_MINSIZE (2048): a hash
+# object that once took that much in one call releases the GIL around every later update. On
+# vLLM's scheduler thread such a release is not free: it wakes the log's thread when that one
+# waits for the GIL (about 15 us a step on a 2-vCPU VM), and releases this frequent and short
+# starve it (3.11's GIL asks its holder to hand over only after 5 ms without a switch), so
+# the queue grows while the disk idles. Measured in docs/performance.md ("the GIL").
+_HASH_PIECE: Final = 2047
 
 _logger = logging.getLogger("kvledger.log")
 
@@ -130,7 +145,10 @@ class LogWriter:
         self._encoders = codec.encoder_table()
         self._encoder = codec.Encoder()
         self._refs = self._encoder.refs
-        self._pending: list[bytes] = []  # the step's records, each packed
+        # The step's records, each packed, or a StepDecoded to pack with its frame (_Later),
+        # and the bytes they take at most.
+        self._pending: list[bytes | _Later] = []
+        self._pending_size = 0
         self._frame_step = 0
         self._last_step = -1  # the step of the last frame written (-1: none yet)
         self._mark = 0
@@ -142,14 +160,16 @@ class LogWriter:
         # written as one loss record before the next frame ({} when none).
         self._lost: dict[str, int] = {}
         self.lost_frames = 0  # over the whole log
-        self._digest = hashlib.blake2b(digest_size=16)
+        # The bytes of the segment being written, as handed to the output (a step's frame
+        # counted at its bound when the output frames it): for rotation. The output keeps
+        # the exact count, and the segment's digest (_DirectOutput).
         self._size = 0
         self._rotate_due = False
         # Once sealed (seal()): where the end record starts, and how the engine was stopped.
         self._sealed_at: int | None = None
         self.stop: str | None = None
         try:
-            self._open_segment(0, "")
+            self._open_segment(0)
         except BaseException:
             # A log that cannot start (a full disk, a read-only directory) leaves no file
             # behind: an empty or header-less file would read as damage later.
@@ -177,6 +197,13 @@ class LogWriter:
         elif event.step != self._frame_step:
             self._write_pending()
             self._begin_frame(event.step)
+        if type(event) is StepDecoded and event.req_id in self._refs and self._sealed_at is None:
+            # The decode step's one record, packed with its frame (on the log's thread when
+            # there is one): its fields are tuples of ints, fixed, and its req_id interned.
+            # Each int takes at most 9 bytes.
+            self._pending.append((event, self._refs))
+            self._pending_size += 24 + 9 * (len(event.nums) + len(event.blocks) + len(event.tokens))
+            return
         fn = self._encoders.get(event.__class__)
         if fn is None:
             raise codec.EncodeError(f"not an event type the codec knows: {type(event)!r}")
@@ -185,13 +212,15 @@ class LogWriter:
         # step's frame is untouched, and the caller can record the loss in its place.
         mark = len(self._refs)
         try:
-            self._pending.append(self._packer.pack(fn(event, self._refs)))
+            record = self._packer.pack(fn(event, self._refs))
         except (TypeError, ValueError, OverflowError) as e:
             self._packer.reset()
             self._encoder.rollback(mark)
             raise codec.EncodeError(
                 f"cannot encode a {type(event).__name__} of step {event.step}: {e}"
             ) from None
+        self._pending.append(record)
+        self._pending_size += len(record)
 
     def end_step(self, step: int) -> None:
         """Write the frame of ``step`` (nothing if it has no events) and flush it to the OS."""
@@ -227,7 +256,7 @@ class LogWriter:
                 return False
             self._out = out
             self.stop = stop
-            self._sealed_at = self._size
+            self._sealed_at = out.size
         try:
             if self._pending:
                 self._write_pending()
@@ -314,28 +343,33 @@ class LogWriter:
         self._frame_step = step
         self._mark = self._encoder.mark()
 
-    def _open_segment(self, number: int, prev_digest: str) -> None:
+    def _open_segment(self, number: int) -> None:
         path = self._first.with_name(segment_name(self._first.name, number))
-        start = segment_start(
-            segment_header(
-                library_version=_library_version(),
-                created_wall_ns=time.time_ns(),
-                run_id=self.run_id,
-                segment=number,
-                first_seq=self.seq,
-                prev_segment_digest=prev_digest,
-                config=self.config,
-            )
+        # The header names the previous segment's digest, which the output holds (on the
+        # log's thread, the bytes may not be written yet): it fills it in. Built here once to
+        # check the config and to count its bytes (a digest is always 32 hex digits).
+        start = functools.partial(
+            _segment_start,
+            library_version=_library_version(),
+            created_wall_ns=time.time_ns(),
+            run_id=self.run_id,
+            segment=number,
+            first_seq=self.seq,
+            config=self.config,
         )
-        self._out.open(path, sync_dir=self.fsync != "never")
+        size = len(start(_DIGEST_HEX if number else ""))
+        try:
+            self._out.open(path, start, sync_dir=self.fsync != "never")
+        except LogWriteError as e:  # the header could not be written
+            self._fail(str(e))
+            self._failure_raised = True
+            raise
         self._open = True
-        self._digest = hashlib.blake2b(digest_size=16)
-        self._size = 0
+        self._size = size
         self._rotate_due = False
         self.paths.append(path)
         self._encoder = codec.Encoder()
         self._refs = self._encoder.refs
-        self._write(start)
 
     def _write_end(self, how: Literal["closed", "rotated"]) -> None:
         """The segment's end record (:func:`tracker.framing.end_record`). A sealed log
@@ -354,7 +388,7 @@ class LogWriter:
         try:
             self._open = False
             self._out.close()
-            self._open_segment(number, self._digest.hexdigest())
+            self._open_segment(number)
         except OSError as e:
             self._fail(f"rotation to segment {number} failed: {e}")
             self._failure_raised = True
@@ -363,10 +397,32 @@ class LogWriter:
     def _write_pending(self) -> bool:
         """Write the pending frame; False when it was dropped (the background queue full)."""
         records = self._pending
+        size = self._pending_size + _FRAME_OVERHEAD
         self._pending = []
+        self._pending_size = 0
         seq = self.seq
+        if (
+            size <= self.max_frame_bytes
+            and len(records) <= MAX_FRAME_RECORDS
+            and self._sealed_at is None
+        ):
+            # One frame: the output builds it (the payload, the checksums, the digest), on the
+            # log's thread when there is one.
+            if not self._out.room(size + _LOST_RECORD_BYTES):
+                self._drop(seq, 1, len(records))
+                return False
+            if self._lost:
+                self._write_lost()
+            self._last_step = self._frame_step
+            self.seq = seq + 1
+            try:
+                self._out.write_step(seq, self._frame_step, time.time_ns(), records, size)
+            except OSError as e:
+                self._failed_write(e)
+            self._wrote(size)
+            return True
         try:
-            payloads = self._pack(records)
+            payloads = self._pack([_packed(self._packer, r) for r in records])
         except codec.EncodeError:
             # Nothing of this step is written: forget its ids and seq numbers, so the log
             # stays consistent (the caller hears about the bad event).
@@ -375,21 +431,30 @@ class LogWriter:
             raise
         data = b"".join(map(frame_bytes, payloads))
         if not self._out.room(len(data) + _LOST_RECORD_BYTES):
-            # The disk is behind by max_queue_bytes: drop this step rather than block the
-            # engine. Its ids and seq numbers are forgotten, so the log stays consistent, and
-            # the loss is written in its place once the queue has room.
-            self._encoder.rollback(self._mark)
-            self.seq = seq
-            self._lose(len(payloads), len(records))
+            self._drop(seq, len(payloads), len(records))
             return False
         if self._lost:
             self._write_lost()
         self._last_step = self._frame_step  # before the write: a sealed write ends with it
         self._write(data)
         self._mark = self._encoder.mark()
+        self._wrote(0)
+        return True
+
+    def _drop(self, seq: int, frames: int, records: int) -> None:
+        """The disk is behind by max_queue_bytes: drop this step rather than block the
+        engine. Its ids and seq numbers are forgotten, so the log stays consistent, and the
+        loss is written in its place once the queue has room."""
+        self._encoder.rollback(self._mark)
+        self.seq = seq
+        self._lose(frames, records)
+
+    def _wrote(self, size: int) -> None:
+        """A step's frames went to the output (``size``: their bytes, when not counted yet)."""
+        self._size += size
+        self._mark = self._encoder.mark()
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
-        return True
 
     def _lose(self, frames: int, records: int) -> None:
         lost = self._lost
@@ -434,11 +499,13 @@ class LogWriter:
                 self._out.overwrite(self._sealed_at, data + self._end_record("closed"))
                 self._sealed_at += len(data)
         except OSError as e:
-            self._fail(f"write to {self.path} failed: {e}")
-            self._failure_raised = True
-            raise LogWriteError(self._failure) from e
-        self._digest.update(data)
+            self._failed_write(e)
         self._size += len(data)
+
+    def _failed_write(self, e: OSError) -> None:
+        self._fail(f"write to {self.path} failed: {e}")
+        self._failure_raised = True
+        raise LogWriteError(self._failure) from e
 
     def _fsync(self, when: str) -> None:
         try:
@@ -452,16 +519,63 @@ class LogWriter:
         _logger.error("kvledger log writer failed: %s", reason)
 
 
+def _segment_start(prev_segment_digest: str, **fields: Any) -> bytes:
+    """A segment's first bytes (:func:`tracker.framing.segment_start`), naming the previous
+    segment's digest."""
+    return segment_start(segment_header(prev_segment_digest=prev_segment_digest, **fields))
+
+
+# A StepDecoded appended, packed when its frame is built, with its segment's intern table.
+_Later = tuple[StepDecoded, dict[str, int]]
+_ENCODE_STEP: Final = codec.encoder_table()[StepDecoded]
+_ENCODE_LOST: Final = codec.encoder_table()[RecordLost]
+
+
+def _packed(packer: msgpack.Packer, record: bytes | _Later) -> bytes:
+    """A pending record, packed. A StepDecoded msgpack cannot hold (an int of 2**64) is
+    written as the ``RecordLost`` that says so, in its place: it is found where the frame is
+    built, after the writer took it (a value no tokenizer gives)."""
+    if isinstance(record, bytes):
+        return record
+    event, refs = record
+    try:
+        return packer.pack(_ENCODE_STEP(event, refs))  # type: ignore[no-any-return]
+    except (TypeError, ValueError, OverflowError) as e:
+        packer.reset()
+        error = f"cannot encode a StepDecoded of step {event.step}: {e}"
+        lost = RecordLost(event.step, event.req_id, "StepDecoded", error)
+        return packer.pack(_ENCODE_LOST(lost, refs))  # type: ignore[no-any-return]
+
+
+def _hash(digest: Any, data: bytes) -> None:
+    """``digest.update(data)`` in pieces of at most ``_HASH_PIECE`` bytes: without ever
+    releasing the GIL (see ``_HASH_PIECE``)."""
+    if len(data) <= _HASH_PIECE:
+        digest.update(data)
+        return
+    view = memoryview(data)
+    for i in range(0, len(data), _HASH_PIECE):
+        digest.update(view[i : i + _HASH_PIECE])
+
+
 class _Output(Protocol):
-    """Where a writer's bytes go. The writer decides every byte (frames, digests, rotation)
-    on its own thread; an output only opens, writes, syncs and closes files."""
+    """Where a writer's bytes go. The writer decides what goes into the log (the records,
+    their seq numbers, the frames' boundaries, rotation, the end); an output writes it: it
+    opens, writes, syncs and closes the files, builds a step's frame from its records, and
+    keeps each segment's byte count and digest (the next segment's header names it)."""
+
+    size: int
 
     @property
     def failure(self) -> str | None: ...
 
-    def open(self, path: Path, *, sync_dir: bool) -> None: ...
+    def open(self, path: Path, start: Callable[[str], bytes], *, sync_dir: bool) -> None: ...
 
     def write(self, data: bytes) -> None: ...
+
+    def write_step(
+        self, seq: int, step: int, wall_ns: int, records: list[bytes | _Later], size: int
+    ) -> None: ...
 
     def fsync(self) -> None: ...
 
@@ -488,16 +602,56 @@ class _DirectOutput:
 
     def __init__(self) -> None:
         self._file: IO[bytes] | None = None
+        self._packer = msgpack.Packer(use_bin_type=True)
+        self._digest: Any = None  # the segment's BLAKE2b-128 (None before the first)
+        self.size = 0  # the segment's bytes
 
-    def open(self, path: Path, *, sync_dir: bool) -> None:
+    def open(self, path: Path, start: Callable[[str], bytes], *, sync_dir: bool) -> None:
+        """Start a segment at ``path`` with ``start(digest of the previous segment)``."""
+        prev = "" if self._digest is None else self._digest.hexdigest()
         self._file = _create(path)
-        if sync_dir:
-            _fsync_dir(path.parent)
+        try:
+            if sync_dir:
+                _fsync_dir(path.parent)
+            self._digest = hashlib.blake2b(digest_size=16)
+            self.size = 0
+            _DirectOutput.write(self, start(prev))
+        except BaseException as e:
+            # A segment without its header would read as damage: none is left (a first
+            # segment that cannot start, a full disk at rotation: the log says the rotated
+            # segment is missing).
+            with contextlib.suppress(OSError):
+                _DirectOutput.close(self)
+                path.unlink()
+            if isinstance(e, OSError):
+                raise LogWriteError(f"write to {path} failed: {e}") from e
+            raise
 
     def write(self, data: bytes) -> None:
         assert self._file is not None
         self._file.write(data)
         self._file.flush()
+        _hash(self._digest, data)
+        self.size += len(data)
+
+    def write_step(
+        self, seq: int, step: int, wall_ns: int, records: list[bytes | _Later], size: int
+    ) -> None:
+        """One frame of a step (``seq``; its ``records`` packed; ``size`` bounds its bytes)."""
+        self.write(self._frame(seq, step, wall_ns, records))
+
+    def _frame(self, seq: int, step: int, wall_ns: int, records: list[bytes | _Later]) -> bytes:
+        packer = self._packer
+        (payload,) = step_payloads(
+            packer.pack,
+            packer.pack_array_header,
+            seq,
+            step,
+            wall_ns,
+            [_packed(packer, r) for r in records],
+            1 << 62,  # one frame: the writer checked its bound against max_frame_bytes
+        )
+        return frame_bytes(payload)
 
     def fsync(self) -> None:
         assert self._file is not None
@@ -532,48 +686,56 @@ class _DirectOutput:
 class _BackgroundOutput(_DirectOutput):
     """Writes on a thread of its own, through a queue bounded in bytes, so a slow or hung
     disk never stalls the caller (vLLM's scheduler): the caller asks :meth:`room` before each
-    frame and drops the frame when there is none. The first file is created, and its header
-    written, on the caller's thread (a log that cannot start says so at once); after that an
-    error is kept in :attr:`failure`, which the writer checks before each step, and what is
-    queued after it is discarded.
+    frame and drops the frame when there is none. The first segment is created, and its
+    header written, on the caller's thread (a log that cannot start says so at once); after
+    that an error is kept in :attr:`failure`, which the writer checks before each step, and
+    what is queued after it is discarded.
 
-    The caller's side costs a deque append per write: the thread wakes on its own every
-    ``_WAKE_S``, or at once for anything but a write (an ``fsync``, a rotation, the stop) and
-    when ``_WAKE_BYTES`` are waiting, and writes what it finds in one call. Each counter is
-    written by one thread only (``_enqueued`` by the caller, ``_written`` by the thread), so
-    neither needs a lock."""
+    The caller's side costs a deque append per step: the thread builds the step's frame (its
+    payload, checksums, and the segment's digest) and writes it. In vLLM that is Python work
+    done while the scheduler thread waits for the model, off the step's path. The thread
+    wakes on its own every ``_WAKE_S``, or at once for anything but a step (an ``fsync``, a
+    rotation, the stop) and when ``_WAKE_BYTES`` are waiting, and writes what it finds in one
+    call. Each counter is written by one thread only (``_enqueued`` by the caller,
+    ``_written`` by the thread), so neither needs a lock; a step counts at the bound the
+    writer gave it on both sides."""
 
     _WAKE_S = 0.05
     _WAKE_BYTES = 1 << 20
 
     def __init__(self, max_bytes: int) -> None:
+        super().__init__()
         self.max_bytes = max_bytes
         self.failure: str | None = None
         self._enqueued = 0  # bytes handed over (the caller's thread only)
         self._written = 0  # bytes taken off the queue (the writer thread only)
         self._ops: collections.deque[tuple[str, Any]] = collections.deque()
         self._wake = threading.Event()
-        self._file: IO[bytes] | None = None
         self._path: Path | None = None
         self._thread: threading.Thread | None = None
 
-    def open(self, path: Path, *, sync_dir: bool) -> None:
-        if self._path is None:  # the first segment: on the caller's thread
-            super().open(path, sync_dir=sync_dir)
-            self._path = path
-        else:
-            self._put("open", (path, sync_dir))
-
-    def write(self, data: bytes) -> None:
+    def open(self, path: Path, start: Callable[[str], bytes], *, sync_dir: bool) -> None:
         if self._thread is None:
-            # The first segment's header, on the caller's thread too: a log that cannot
+            # The first segment and its header, on the caller's thread: a log that cannot
             # start says so at once. The thread takes over from here.
-            self._do("write", data)
+            super().open(path, start, sync_dir=sync_dir)
+            self._path = path
             self._thread = threading.Thread(target=self._run, name="kvledger-log", daemon=True)
             self._thread.start()
-            return
-        self._ops.append(("write", data))
-        self._enqueued += len(data)
+        else:
+            self._put("open", (path, start, sync_dir))
+
+    def write(self, data: bytes) -> None:
+        self._queue(("write", data), len(data))
+
+    def write_step(
+        self, seq: int, step: int, wall_ns: int, records: list[bytes | _Later], size: int
+    ) -> None:
+        self._queue(("step", (seq, step, wall_ns, records, size)), size)
+
+    def _queue(self, op: tuple[str, Any], size: int) -> None:
+        self._ops.append(op)
+        self._enqueued += size
         if self._enqueued - self._written >= self._WAKE_BYTES:
             self._wake.set()
 
@@ -610,6 +772,7 @@ class _BackgroundOutput(_DirectOutput):
             return None
         direct = _DirectOutput()
         direct._file, self._file = self._file, None
+        direct._digest, direct.size = self._digest, self.size
         return direct
 
     def _put(self, op: str, arg: Any) -> None:
@@ -625,19 +788,26 @@ class _BackgroundOutput(_DirectOutput):
                 op, arg = ops.popleft()
                 if op == "stop":
                     return
-                if op == "write":  # with every write queued behind it: one call
-                    parts = [arg]
-                    while ops and ops[0][0] == "write":
-                        parts.append(ops.popleft()[1])
-                    arg = b"".join(parts)
+                size = 0
                 try:
-                    if self.failure is None:
+                    if op in _DATA:  # with every write queued behind it: one call
+                        parts = []
+                        while True:
+                            size += len(arg) if op == "write" else arg[-1]
+                            if self.failure is None:
+                                parts.append(arg if op == "write" else self._frame(*arg[:-1]))
+                            if not ops or ops[0][0] not in _DATA:
+                                break
+                            op, arg = ops.popleft()
+                        op = "write"
+                        if self.failure is None:
+                            self._do(op, b"".join(parts))
+                    elif self.failure is None:
                         self._do(op, arg)
-                except OSError as e:
+                except Exception as e:  # an OSError; anything else is a bug, but the same loss
                     self.failure = f"{op} of {self._path} failed: {e}"
                 finally:
-                    if op == "write":
-                        self._written += len(arg)
+                    self._written += size
 
     def _do(self, op: str, arg: Any) -> None:
         """One queued operation, done as the direct output does it."""
@@ -648,9 +818,13 @@ class _BackgroundOutput(_DirectOutput):
         elif op == "close":
             _DirectOutput.close(self)
         elif op == "open":
-            path, sync_dir = arg
-            _DirectOutput.open(self, path, sync_dir=sync_dir)
+            path, start, sync_dir = arg
+            _DirectOutput.open(self, path, start, sync_dir=sync_dir)
             self._path = path
+
+
+# The queued operations that carry bytes (written together, in one call).
+_DATA: Final = frozenset({"write", "step"})
 
 
 def _fsync_dir(path: Path) -> None:

@@ -540,7 +540,7 @@ def test_a_log_that_cannot_be_written_never_stops_the_engine(tmp_path) -> None:
     def no_space(*args: Any, **kwargs: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    writer._write = no_space  # every later frame write fails
+    writer._out.write = writer._out.write_step = no_space  # the disk is full from here on
     r = FakeRequest("R", list(range(7, 47)))
     for step in range(3):
         assert side.get_num_new_matched_tokens(r, 0) == (0, False)
