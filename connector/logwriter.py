@@ -39,7 +39,7 @@ from typing import IO, Any, Final, Literal, Protocol
 import msgpack
 
 from tracker import codec
-from tracker.events import Event, RecordLost, StepDecoded
+from tracker.events import Event, RecordLost, StepDecoded, int_tuple
 from tracker.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_FRAME_RECORDS,
@@ -197,12 +197,20 @@ class LogWriter:
         elif event.step != self._frame_step:
             self._write_pending()
             self._begin_frame(event.step)
-        if type(event) is StepDecoded and event.req_id in self._refs and self._sealed_at is None:
-            # The decode step's one record, packed with its frame (on the log's thread when
-            # there is one): its fields are tuples of ints, fixed, and its req_id interned.
-            # Each int takes at most 9 bytes.
-            self._pending.append((event, self._refs))
-            self._pending_size += 24 + 9 * (len(event.nums) + len(event.blocks) + len(event.tokens))
+        if type(event) is StepDecoded:
+            # The decode step's one record: packed with its frame (on the log's thread when
+            # there is one) once its req_id is interned. Its fields are tuples, fixed; each
+            # int takes at most 9 bytes; one that is not an int costs this record (_packed).
+            later = (event, self._refs)
+            if event.req_id in self._refs and self._sealed_at is None:
+                self._pending.append(later)
+                self._pending_size += 24 + 9 * (
+                    len(event.nums) + len(event.blocks) + len(event.tokens)
+                )
+                return
+            record = _packed(self._packer, later)
+            self._pending.append(record)
+            self._pending_size += len(record)
             return
         fn = self._encoders.get(event.__class__)
         if fn is None:
@@ -532,13 +540,22 @@ _ENCODE_LOST: Final = codec.encoder_table()[RecordLost]
 
 
 def _packed(packer: msgpack.Packer, record: bytes | _Later) -> bytes:
-    """A pending record, packed. A StepDecoded msgpack cannot hold (an int of 2**64) is
-    written as the ``RecordLost`` that says so, in its place: it is found where the frame is
-    built, after the writer took it (a value no tokenizer gives)."""
+    """A pending record, packed. A StepDecoded's numbers are ints here (numpy's and torch's
+    become ints: ``tracker.events.int_tuple``, as every id from vLLM is taken); one that is
+    no integer, or one msgpack cannot hold (2**64), makes the record the ``RecordLost`` that
+    says so, in its place: found where the frame is built, after the writer took it (values
+    no tokenizer and no block pool give)."""
     if isinstance(record, bytes):
         return record
     event, refs = record
     try:
+        nums, blocks, tokens = (
+            int_tuple(event.nums),
+            int_tuple(event.blocks),
+            int_tuple(event.tokens),
+        )
+        if nums is not event.nums or blocks is not event.blocks or tokens is not event.tokens:
+            event = StepDecoded(event.step, event.req_id, nums, blocks, tokens)
         return packer.pack(_ENCODE_STEP(event, refs))  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError) as e:
         packer.reset()

@@ -389,7 +389,13 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                 connector_output = dataclasses.replace(
                     connector_output, kv_connector_worker_meta=wrapped.inner
                 )
-            self._record("update_connector_output", self._output, connector_output)
+            rec = self.recording
+            if rec is not None and rec.log is not None:
+                try:
+                    rec.connector_output(connector_output)
+                except Exception as exc:  # a failure costs that record only
+                    with _suppressed():
+                        rec.lost("update_connector_output", exc)
             if reports and self._digest_planner is not None:
                 try:
                     self.recording_write(*self._digest_planner.report(reports))
@@ -405,10 +411,6 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         """Write events (the digests' own) into this step of the log."""
         if self.recording is not None:
             self.recording.write(*events)
-
-    def _output(self, connector_output: Any) -> None:
-        assert self.recording is not None
-        self.recording.connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: Any) -> Any:
         with self._stop:

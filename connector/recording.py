@@ -137,7 +137,7 @@ class _Batch:
                     if group:
                         grown += (life.num, group[0])
         try:
-            tokens = list(map(operator.getitem, self.lists, counts))
+            tokens = tuple(map(operator.getitem, self.lists, counts))
         except IndexError:  # a token not known yet
             return False
         if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
@@ -382,23 +382,27 @@ class SchedulerRecorder:
             self._batch = _Batch(req_ids, run, nums, lists, self.steps)
 
     def _decoded(
-        self, run: list[Life], nums: Any, tokens: list[Any], grown: list[Any], batch: bool = False
+        self, run: list[Life], nums: Any, tokens: Any, grown: list[Any], batch: bool = False
     ) -> bool:
         """One run of steady steps, as one ``StepDecoded``; its requests advance once the log
         took it (as a reader's ``RecordedSteps.follow`` advances them; a batch's lazily).
         False: lost."""
         if self.log is None:
             return False
+        observe = self.observe
         try:
+            # The token ids are vLLM's; the writer makes them ints, or says the record is
+            # lost (connector/logwriter.py, _packed), off this thread. An observer gets
+            # them as ints here.
             event = ev.StepDecoded(
                 self.step,
                 "",
                 tuple(nums),
                 ev.int_tuple(grown) if grown else (),
-                ev.int_tuple(tokens),
+                tokens if observe is None else ev.int_tuple(tokens),
             )
-            if self.observe is not None:
-                self.observe(event)
+            if observe is not None:
+                observe(event)
             self.log.append(event)
         except EncodeError as exc:  # a token id the log cannot hold: those steps are lost
             self.lost("StepDecoded", exc)
@@ -458,12 +462,13 @@ class SchedulerRecorder:
     def connector_output(self, output: Any) -> None:
         """The worker's results of a step, as vLLM hands them to ``update_connector_output``."""
         recving = getattr(output, "finished_recving", None) or ()
-        failed = set(getattr(output, "failed_recving", None) or ())
+        failed = getattr(output, "failed_recving", None) or ()
         sending = getattr(output, "finished_sending", None) or ()
         invalid = getattr(output, "invalid_block_ids", None)
         stats = getattr(output, "kv_connector_stats", None)
         if not (recving or failed or sending or invalid) and stats is None:
             return  # most steps: nothing to record
+        failed = set(failed)
         for req_id in sorted(recving):
             self.write(ev.InnerRecvDone(self.step, str(req_id), req_id in failed))
         for req_id in sorted(failed - set(recving)):

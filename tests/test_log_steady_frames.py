@@ -116,3 +116,27 @@ def test_the_digest_fed_in_pieces_is_the_digest(size: int, split: int) -> None:
     logwriter._hash(h, data[:split])
     logwriter._hash(h, data[split:])
     assert h.hexdigest() == hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_decode_step_numbers_are_ints_or_the_record_is_lost(
+    tmp_path: Path, background: bool
+) -> None:
+    """The writer takes a decode step's ids as every id from vLLM is taken (int_tuple):
+    numpy's and torch's integers are ints in the log; a float costs the record, said in its
+    place. The first StepDecoded of a segment is packed at once, the rest with the frame."""
+    np = pytest.importorskip("numpy")
+    first = ev.StepDecoded(0, "", (0,), (), (np.int64(5),))
+    numpy_ids = ev.StepDecoded(1, "", (0, 1), (np.int32(4), 9), (np.int64(6), 7))
+    a_float = ev.StepDecoded(2, "", (0, 1), (), (8, 1.5))  # type: ignore[arg-type]
+    steps = [(0, (first,)), (1, (numpy_ids,)), (2, (a_float,))]
+    w = _write(tmp_path / "run.kvlog", steps, background=background)
+    frames, reader = read_all(tmp_path)
+    assert reader.stop is None and w.lost_frames == 0
+    assert frames[0].events == (ev.StepDecoded(0, "", (0,), (), (5,)),)
+    (read,) = frames[1].events
+    assert read == ev.StepDecoded(1, "", (0, 1), (4, 9), (6, 7))
+    assert all(type(x) is int for x in (*read.nums, *read.blocks, *read.tokens))
+    (lost,) = frames[2].events
+    assert isinstance(lost, ev.RecordLost) and lost.step == 2
+    assert "expected integers, got float 1.5" in lost.error
