@@ -111,8 +111,15 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 # The engine suite (tests/engine, marker `engine`): a missing engine fails here, never skips.
+# The served tests run alone, after the rest: they stop a real server by Ctrl-C and SIGTERM,
+# and vLLM kills its engine core soon after; whether the connector's stop handler runs first
+# is a race that another engine's load, on a 2-vCPU machine, can decide (docs/using-with-vllm.md,
+# its table of how the engine stopped).
 pytest-engine: setup-engine
-	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest $(PYTEST_ARGS) -m engine tests/engine
+	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest $(PYTEST_ARGS) -m engine tests/engine \
+		--ignore tests/engine/test_served.py
+	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q --durations=15 -m engine \
+		tests/engine/test_served.py
 
 # The scheduler-harness tests (marker vllm) against other releases' real scheduler, each in its
 # own build/vllm-matrix/<version>/venv (.ci/vllm_matrix.py; the table is in
