@@ -4,16 +4,15 @@ are, with their own exit status (docs/debugging.md, "Exit status")."""
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _logfiles import step_frames_end
+from test_log_background import _HungDisk
 from test_replay_check import CONFIG, drive, write_log
 
-from connector import logwriter as log
 from connector.logwriter import LogWriter
 from replay.cli import main
 from replay.logreader import LogReader
@@ -55,24 +54,21 @@ def test_a_log_of_a_running_engine_reads_to_its_last_step(tmp_path: Path) -> Non
     assert check(path).exit_code == 0
 
 
-def test_steps_the_writer_dropped_end_the_check_there(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    release = threading.Event()
-    real = log._BackgroundOutput._do
-
-    def hung(out: Any, op: str, arg: Any) -> None:  # the disk hangs, then comes back
-        if op == "write" and threading.current_thread().name == "kvledger-log":
-            release.wait(60)
-        real(out, op, arg)
-
-    monkeypatch.setattr(log._BackgroundOutput, "_do", hung)
-    path = tmp_path / "run.kvlog"
+def _behind(path: Path, disk: _HungDisk) -> tuple[LogWriter, Tracker]:
+    """Eight steps driven while the disk hangs (steps dropped), then the disk comes back."""
     writer = LogWriter(path, CONFIG.to_dict(), background=True, max_queue_bytes=3000)
     t = Tracker(CONFIG, log=writer)
     drive(t, 8)
     assert writer.lost_frames > 0
-    release.set()
+    disk.release.set()
+    return writer, t
+
+
+def test_steps_the_writer_dropped_end_the_check_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "run.kvlog"
+    writer, t = _behind(path, _HungDisk(monkeypatch))
     _drained(writer)  # the disk caught up: what follows is written after the gap
     drive(t, 2, start=8)
     t.close()
@@ -95,21 +91,8 @@ def test_steps_dropped_at_the_very_end_are_said_too(
 ) -> None:
     """The loss record is the log's last word (the disk came back only for the close): the
     run's last steps are missing, and the check says so."""
-    release = threading.Event()
-    real = log._BackgroundOutput._do
-
-    def hung(out: Any, op: str, arg: Any) -> None:
-        if op == "write" and threading.current_thread().name == "kvledger-log":
-            release.wait(60)
-        real(out, op, arg)
-
-    monkeypatch.setattr(log._BackgroundOutput, "_do", hung)
     path = tmp_path / "run.kvlog"
-    writer = LogWriter(path, CONFIG.to_dict(), background=True, max_queue_bytes=3000)
-    t = Tracker(CONFIG, log=writer)
-    drive(t, 8)
-    assert writer.lost_frames > 0
-    release.set()
+    _, t = _behind(path, _HungDisk(monkeypatch))
     t.close()
     reader = LogReader(path)
     last = [f.step for f in reader][-1]
