@@ -14,7 +14,6 @@ the request concerned, logged, and the request falls back to recompute.
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -31,7 +30,6 @@ from tracker.config import TrackerConfig
 from tracker.digests import DigestPlanner
 from tracker.plans import blocks_covering, transfer_plan
 from tracker.remote import lookup_keys
-from tracker.steady_batch import SteadyBatch
 from tracker.tracker import Tracker
 
 __all__ = ["SchedulerSide", "first_group", "status_name"]
@@ -69,54 +67,6 @@ def first_group(block_ids: Any) -> tuple[int, ...]:
     ):
         return tuple(block_ids[0])
     return tuple(block_ids)
-
-
-def resumed_set_or_flags(resumed_ids: Any, resumed_flags: Any) -> bool:
-    """Whether vLLM resumed any request this step (a set of ids, or older vLLM's one flag per
-    request: connector/edge.py)."""
-    if resumed_ids is not None:
-        return bool(resumed_ids)
-    return any(resumed_flags or ())
-
-
-class _Batch:
-    """The adapter's half of a steady batch (tracker/steady_batch.py): vLLM's running
-    requests of the last step that was steady for each. While vLLM schedules exactly these
-    again, in the same order, one token each, with at most one new block each and none
-    resumed, the step is checked with a few list comparisons (loops in C) and recorded by
-    ``Tracker.batch_step`` as the one ``StepDecoded`` the request-by-request path would have
-    recorded; anything else, and that path decides."""
-
-    __slots__ = ("batch", "one_each", "scheduled_of")
-
-    def __init__(self, batch: SteadyBatch) -> None:
-        self.batch = batch
-        req_ids = batch.req_ids
-        # The tokens vLLM scheduled for each, read in one call (a tuple, or the one value).
-        self.scheduled_of = operator.itemgetter(*req_ids)
-        self.one_each = (1,) * len(req_ids) if len(req_ids) > 1 else 1
-
-    @classmethod
-    def of(cls, tracker: Tracker, req_ids: Any) -> _Batch | None:
-        batch = tracker.steady_batch(list(req_ids))
-        return None if batch is None else cls(batch)
-
-    def step(self, tracker: Tracker, cached: Any, num_scheduled: Any) -> bool:
-        """This step of the batch, recorded (True), or left to the request-by-request path."""
-        batch = self.batch
-        if cached.req_ids != batch.req_ids or self.scheduled_of(num_scheduled) != self.one_each:
-            return False
-        grown: list[tuple[int, int]] = []
-        new_block_ids = cached.new_block_ids
-        if new_block_ids.count(None) != len(new_block_ids):
-            for i, blocks in enumerate(new_block_ids):
-                if blocks:
-                    group = blocks[0]  # one list per KV-cache group
-                    if len(group) > 1:
-                        return False
-                    if group:
-                        grown.append((i, int(group[0])))
-        return tracker.batch_step(batch, cached.num_computed_tokens, grown)
 
 
 def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -247,10 +197,6 @@ class SchedulerSide:
         # loaded, refused in this step's plan (vLLM schedules a sync-load admission in the
         # step that allocates it). Emptied at every step's end.
         self._unlooked: dict[str, int] = {}
-        # The running requests of the last step that was steady for each (_Batch), and
-        # whether the step being built still is.
-        self._batch: _Batch | None = None
-        self._whole = False
         self._unlooked_refused: list[int] = []
         # Worker ranks that must confirm every transfer (tensor x pipeline parallel size).
         self.world_size = max(1, int(world_size))
@@ -397,23 +343,15 @@ class SchedulerSide:
         preempted: tuple[str, ...] = ()
         steady: list[int] = []
         grown: list[tuple[int, int]] = []
-        batch, self._batch = self._batch, None
-        self._whole = False
         try:
             preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             for req_id in preempted:
                 tracker.preempted(req_id)
-            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown, batch):
+            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown):
                 decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             self._adapter_error("build_connector_meta", exc)
-            self._whole = False
         tracker.decoded(steady, grown)
-        if self._whole and self._batch is None:
-            try:
-                self._batch = _Batch.of(tracker, scheduler_output.scheduled_cached_reqs.req_ids)
-            except Exception:  # never the engine's problem: the next step goes request by request
-                self._batch = None
         plan = self._plan(step, decisions, preempted)
         if self.digests is not None:
             plan = attrs.evolve(plan, digests=self._plan_digests(step, scheduler_output, preempted))
@@ -421,11 +359,7 @@ class SchedulerSide:
         return plan
 
     def _scheduled_requests(
-        self,
-        out: Any,
-        steady: list[int],
-        grown: list[tuple[int, int]],
-        batch: _Batch | None = None,
+        self, out: Any, steady: list[int], grown: list[tuple[int, int]]
     ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
         """(req id, a reader of its facts) per scheduled request. Reading happens inside the
         per-request guard, so one malformed entry costs one request, not the step.
@@ -453,16 +387,8 @@ class SchedulerSide:
         resumed_flags = (
             None if resumed_ids is not None else getattr(cached, "resumed_from_preemption", None)
         )
-        if batch is not None and not resumed_set_or_flags(resumed_ids, resumed_flags):
-            try:
-                if batch.step(self.tracker, cached, num_scheduled):
-                    self._batch = batch
-                    return
-            except Exception:  # anything unexpected: decided request by request below
-                pass
         cached_all = getattr(cached, "all_token_ids", None) or {}
         decode_step_ok = self.tracker.decode_step_ok
-        whole = True  # every cached request a steady step: the next step may be a batch's
         num_computed = cached.num_computed_tokens
         new_block_ids = cached.new_block_ids
         resumed_set = resumed_ids if resumed_ids is not None else ()
@@ -487,7 +413,6 @@ class SchedulerSide:
                             continue
             except Exception:  # malformed: the full path below reports it
                 pass
-            whole = False
 
             def read_cached(i: int = i, req_id: str = req_id) -> dict[str, Any]:
                 if resumed_ids is not None:
@@ -503,7 +428,6 @@ class SchedulerSide:
                 }
 
             yield str(req_id), read_cached
-        self._whole = whole and bool(cached.req_ids)
 
     def _scheduled_one(
         self, req_id: str, read: Callable[[], dict[str, Any]]

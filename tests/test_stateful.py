@@ -25,7 +25,6 @@ from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.plans import TransferPlan, transfer_plan
 from tracker.state import Phase
-from tracker.steady_batch import SteadyBatch
 from tracker.tracker import Tracker
 
 POISON = -1  # KV computed over a failed load: attends to garbage
@@ -147,8 +146,6 @@ class VLLMModel(RuleBasedStateMachine):
         # The connector's hot path: a steady single-token step is only numbered
         # (decode_step_ok / decoded, one StepDecoded for the step) and folded lazily.
         self.fast_decode = fast_decode
-        # The connector's steady batch (tracker/steady_batch.py), with the fast path.
-        self.batch: SteadyBatch | None = None
         # Load failures roll num_computed back; under async scheduling the next step is
         # already scheduled from the old count, a case vLLM itself does not support.
         self.load_failures = failures and not async_sched
@@ -374,16 +371,8 @@ class VLLMModel(RuleBasedStateMachine):
         ]
         loading: set[bytes] = set()  # chunks this step's loads read
         steady: list[int] = []
-        cached = [s for s in order if s.admission is not ev.Admission.NEW]
-        batch, self.batch = self.batch, None
-        whole = self.fast_decode and bool(cached)  # every cached request a steady step
         for s in order:
             req = s.req
-            if s is (cached[0] if cached else None) and batch is not None:
-                if self._batch_step(batch, cached):
-                    self.batch = batch
-                    whole = False
-                    break
             if (
                 self.fast_decode
                 and s.admission is ev.Admission.RUNNING
@@ -396,8 +385,6 @@ class VLLMModel(RuleBasedStateMachine):
                     steady.append(num)
                     req.nc = s.nc + s.ns
                     continue
-            if s.admission is not ev.Admission.NEW:
-                whole = False
             ds = t.scheduled(
                 req.rid,
                 num_computed=s.nc,
@@ -451,36 +438,6 @@ class VLLMModel(RuleBasedStateMachine):
                         event("partial chunk saved")
             req.nc = s.nc + s.ns  # vLLM's _update_after_schedule
         t.decoded(steady)
-        if whole:
-            self.batch = t.steady_batch([s.req.rid for s in cached])
-
-    def _batch_step(self, batch: SteadyBatch, cached: list[Scheduled]) -> bool:
-        """The connector's steady batch (connector/scheduler.py, _Batch): the cached requests
-        of the last step that was steady for each, again, one token each, at most one new
-        block each. It must decide only what the request-by-request path decides, and record
-        the same StepDecoded (its numbers, its blocks, in order)."""
-        t = self.t
-        if [s.req.rid for s in cached] != batch.req_ids or any(
-            s.admission is not ev.Admission.RUNNING or s.ns != 1 or len(s.new_blocks) > 1
-            for s in cached
-        ):
-            return False
-        per_request = [
-            t.decode_step_ok(s.req.rid, s.nc, s.new_blocks[0] if s.new_blocks else None)
-            for s in cached
-        ]
-        grown = [(i, s.new_blocks[0]) for i, s in enumerate(cached) if s.new_blocks]
-        if not t.batch_step(batch, [s.nc for s in cached], grown):
-            event("steady batch left to the request-by-request path")
-            return False
-        assert None not in per_request, "the batch took a step the request's path refuses"
-        assert tuple(per_request) == batch.nums
-        event("steady batch step")
-        if grown:
-            event("steady batch step with a new block")
-        for s in cached:
-            s.req.nc = s.nc + s.ns
-        return True
 
     # --- the worker ------------------------------------------------------------------------------
 

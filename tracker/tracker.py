@@ -40,7 +40,6 @@ from tracker.state import (
     steady_decode,
     steady_limit,
 )
-from tracker.steady_batch import SteadyBatch
 from tracker.wellformed import Wellformed
 
 __all__ = ["LogSink", "Tracker", "close_log", "seal_log"]
@@ -116,14 +115,6 @@ class Tracker:
         # Blocks appended by those steps: req id -> block ids not applied yet.
         self._pending_blocks: dict[str, list[int]] = {}
         self._hot: dict[str, _Hot] = {}
-        # The steady batch (tracker/steady_batch.py) whose steps are not in _pending yet: its
-        # requests, and how many steps each of them took since (_settle writes them in).
-        self._batch_req_ids: list[str] = []
-        self._batch_steps = 0
-        # Counts what may move the hot view of a request of the last batch built (its state
-        # stored, a request-by-request steady step): a batch built before it is rebuilt.
-        self._changes = 0
-        self._batch_members: set[str] = set()
         # Request numbers for StepDecoded: the lowest free number, taken at RequestAdded,
         # freed at Finished; a replay of the same events assigns the same numbers.
         self._numbers = RequestNumbers()
@@ -160,8 +151,6 @@ class Tracker:
         """Fold an input event, derive and fold its decisions, check, log. Never raises for
         bad input unless the configuration is strict."""
         self.counts["events"] += 1
-        if self._batch_steps:
-            self._settle()
         handler = self._APPLY.get(event.__class__, Tracker._apply_request_event)
         found = self._wellformed.check(event)
         if found:
@@ -289,8 +278,6 @@ class Tracker:
         return self.step
 
     def state(self, req_id: str) -> RequestState | None:
-        if self._batch_steps:
-            self._settle()
         if req_id in self._pending:
             self._materialize(req_id)
         return self._states.get(req_id)
@@ -298,7 +285,6 @@ class Tracker:
     @property
     def states(self) -> dict[str, RequestState]:
         """The live states (every pending steady decode step folded in first)."""
-        self._settle()
         for req_id in list(self._pending):
             self._materialize(req_id)
         return self._states
@@ -315,8 +301,6 @@ class Tracker:
         """The request's number if its single-token step, at vLLM's ``num_computed`` and with
         at most one new block, is steady (see ``StepDecoded``); None: use ``scheduled``.
         A few integer comparisons: the bounds were derived when the state last changed."""
-        if self._batch_steps:
-            self._settle()
         hot = self._hot.get(req_id)
         if hot is None:
             return None
@@ -339,8 +323,6 @@ class Tracker:
         ``grown``: (number, block id) of those whose table grew by one block."""
         if not nums:
             return
-        self._settle()
-        self._changes += 1
         flat = tuple(x for pair in grown for x in pair)
         event = ev.StepDecoded(self.step, "", tuple(nums), flat)
         pending, req_of = self._pending, self._req_of
@@ -352,72 +334,7 @@ class Tracker:
         self.counts["events"] += 1
         self._record(event, ())
 
-    # --- steady decode: the batch (tracker/steady_batch.py) ----------------------------------
-
-    def steady_batch(self, req_ids: Sequence[str]) -> SteadyBatch | None:
-        """The batch of these requests, vLLM's running requests in its order, each of which
-        just took a steady step (``decode_step_ok``); None where one has no hot view."""
-        self._settle()
-        hot = self._hot
-        hots = [hot.get(r) for r in req_ids]
-        if not hots or None in hots:
-            return None
-        pending, blocks = self._pending, self._pending_blocks
-        bs = self.config.block_size
-        views: list[_Hot] = hots  # type: ignore[assignment]  # no None: checked above
-        nums = tuple(h.num for h in views)
-        members = set(req_ids)
-        if len(set(nums)) != len(nums) or len(members) != len(nums):
-            return None
-        self._batch_members = members
-        return SteadyBatch(
-            list(req_ids),
-            nums,
-            [h.num_tokens + pending.get(r, 0) for h, r in zip(views, req_ids, strict=True)],
-            [h.limit for h in views],
-            [h.capacity + len(blocks.get(r, ())) * bs for h, r in zip(views, req_ids, strict=True)],
-            self._changes,
-        )
-
-    def batch_step(
-        self, batch: SteadyBatch, num_computed: list[int], grown: list[tuple[int, int]]
-    ) -> bool:
-        """One steady step of every request of ``batch`` (vLLM's ``num_computed`` for each, in
-        its order; ``grown``: (index, block id) of those whose table grew by one block),
-        recorded as the one ``StepDecoded`` that ``decode_step_ok`` and ``decoded`` would have
-        recorded, the requests advanced by one shared counter. False, changing nothing: the
-        step is to be decided request by request."""
-        bs = self.config.block_size
-        if batch.changes != self._changes or not batch.fits(num_computed, grown, bs):
-            return False
-        req_ids = batch.req_ids
-        if req_ids is not self._batch_req_ids:
-            self._settle()
-            self._batch_req_ids = req_ids
-        self._batch_steps += 1
-        flat: tuple[int, ...] = ()
-        if grown:
-            nums, pending_blocks = batch.nums, self._pending_blocks
-            for i, block in grown:
-                pending_blocks.setdefault(req_ids[i], []).append(block)
-            flat = tuple(x for i, block in grown for x in (nums[i], block))
-        batch.advance(grown, bs)
-        self.counts["events"] += 1
-        self._record(ev.StepDecoded(self.step, "", batch.nums, flat), ())
-        return True
-
-    def _settle(self) -> None:
-        """Write the batch's steps into ``_pending`` (where every other path reads them)."""
-        k = self._batch_steps
-        if k:
-            pending = self._pending
-            for req_id in self._batch_req_ids:
-                pending[req_id] = pending.get(req_id, 0) + k
-            self._batch_steps = 0
-
     def _store(self, req_id: str, state: RequestState) -> None:
-        if req_id in self._batch_members:
-            self._changes += 1
         self._states[req_id] = state
         num = self._num_of.get(req_id)
         if num is not None and req_id not in self._pending:
