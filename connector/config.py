@@ -297,6 +297,12 @@ def _path(name: str, value: Any) -> str | None:
     return value
 
 
+def _nonempty_str(name: str, value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ConnectorConfigError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
 def connector_name(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise ConnectorConfigError(
@@ -345,6 +351,8 @@ _CHECKS: dict[str, Callable[[str, Any], Any]] = {
     "digests": _digest_mode,
     "inner": connector_name,
     "inner_extra_config": _map,
+    "remote_secret_file": _nonempty_str,
+    "remote_secret_env": _nonempty_str,
 }
 
 
@@ -426,6 +434,12 @@ class ConnectorConfig(LogSettings):
     remote_retry_ms: int = 500
     remote_ttl_s: int = 0  # expire chunks after this long (0: never; the server's policy)
     remote_max_chunk_bytes: int = 512 << 20  # Redis's default proto-max-bulk-len
+    # A secret shared by the engines of one tier (connector/values.py): every value carries a
+    # MAC under it, and a value without the right one is never loaded. From a file, or from
+    # the environment variable named; never from the config itself (it is logged), never
+    # printed. None: values carry checksums only.
+    remote_secret_file: str | None = None
+    remote_secret_env: str | None = None
     # KV-content digests (connector/digests.py, tracker/digests.py): "off", "sampled" (one layer
     # of each block, chosen by its key) or "full" (every layer). Off by default: opt in per
     # deployment once its cost is measured (docs/performance.md).
@@ -438,6 +452,15 @@ class ConnectorConfig(LogSettings):
         values, extra = _read(cls, extra, environ)
         if extra.get("remote_url") is not None:
             values["remote_url"] = check_remote_url(extra["remote_url"])
+        secrets = [k for k in ("remote_secret_file", "remote_secret_env") if values.get(k)]
+        if len(secrets) > 1:
+            raise ConnectorConfigError(
+                "remote_secret_file and remote_secret_env are both set: give the secret one way"
+            )
+        if secrets and values.get("remote_url") is None:
+            raise ConnectorConfigError(
+                f"{secrets[0]} is set but remote_url is not: no tier to sign"
+            )
         return cls(**values)
 
     def check_block_size(self, block_size: int) -> None:

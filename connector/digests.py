@@ -27,6 +27,7 @@ the device; the host waits once per step (one ``tolist`` for every digest of the
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -152,6 +153,11 @@ class WorkerDigests:
         self._before_of: dict[tuple[str, int], int] = {}
         self._blocks: list[tuple[str, int, bytes, int]] = []
         self._loads: list[tuple[str, int, bytes, int, int, int]] = []
+        # The digests of blocks computed here, (req id, block index) -> (key, digest), kept
+        # (bounded) until the chunk holding them is written to the remote tier with them.
+        self._computed: OrderedDict[tuple[str, int], tuple[bytes, int]] = OrderedDict()
+        # Digests that came with values loaded from the remote tier, reported as carried.
+        self._carried: list[tuple[str, int, bytes, int]] = []
         self.errors = 0
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -226,9 +232,12 @@ class WorkerDigests:
                 for b, v in zip(blocks, values, strict=True):
                     self._keep_before(b, v)
             elif blocks is plan.full:
-                self._blocks.extend(
-                    (b.req_id, b.block_index, b.key, v) for b, v in zip(blocks, values, strict=True)
-                )
+                computed = self._computed
+                for b, v in zip(blocks, values, strict=True):
+                    self._blocks.append((b.req_id, b.block_index, b.key, v))
+                    computed[(b.req_id, b.block_index)] = (b.key, v)
+                while len(computed) > _MAX_PENDING:
+                    computed.popitem(last=False)
             else:
                 for b, v in zip(blocks, values, strict=True):
                     was = self._before_of.pop((b.req_id, b.block_index), None)
@@ -240,17 +249,36 @@ class WorkerDigests:
         _log.warning("kvledger.digest_failed", where=where, error=f"{type(exc).__name__}: {exc}")
 
     def forget(self, req_ids: Sequence[str]) -> None:
-        """Requests that finished: their pending before-digests are dropped."""
+        """Requests that finished: their pending before-digests are dropped (the digests of
+        their blocks stay, bounded: their last chunks are written to the tier after this)."""
         gone = set(req_ids)
         for k in [k for k in self._before_of if k[0] in gone]:
             del self._before_of[k]
 
+    def of_blocks(self, req_id: str, first: int, end: int) -> tuple[tuple[bytes, int], ...]:
+        """(key, digest) of blocks ``[first, end)`` of ``req_id`` computed here, up to the
+        first one not known: what a value written to the remote tier carries."""
+        out = []
+        for i in range(first, end):
+            known = self._computed.get((req_id, i))
+            if known is None:
+                break
+            out.append(known)
+        return tuple(out)
+
+    def carried(self, req_id: str, first: int, digests: Sequence[tuple[bytes, int]]) -> None:
+        """A value loaded into blocks ``first, first + 1, ...`` of ``req_id`` carried these
+        (key, digest): reported, so that the log judges the load by them."""
+        self._carried.extend(
+            (req_id, first + i, key, digest) for i, (key, digest) in enumerate(digests)
+        )
+
     def report(self) -> DigestReport | None:
         """What was digested since the last report."""
-        if not (self._blocks or self._loads):
+        if not (self._blocks or self._loads or self._carried):
             return None
-        out = DigestReport(tuple(self._blocks), tuple(self._loads), self.rank)
-        self._blocks, self._loads = [], []
+        out = DigestReport(tuple(self._blocks), tuple(self._loads), self.rank, tuple(self._carried))
+        self._blocks, self._loads, self._carried = [], [], []
         return out
 
 

@@ -4,10 +4,10 @@ A ``connector.tiers.Tier``: engines on one machine (or on machines sharing a fil
 ``stat`` is fast) that name the same directory share their chunks, as they would through a
 Redis server. It moves bytes and says what happened; the tracker decides.
 
-One file per chunk and rank, ``<chunk key hex>.<rank>.kvl``, holding the value Redis holds
-(``connector/remote.py``: a header with the payload's length and the CRC-32 of each piece,
-then the payload), so a torn or damaged file is refused (``length``, ``checksum``), never
-loaded. A file is written under a temporary name in the same directory and published by
+One file per chunk and rank, ``<chunk key hex>.<rank>.kvl2``, holding the value the worker
+sealed (``connector/values.py``: a header binding it to its chunk key, rank and KV layout,
+with its checksums, then the payload), so a torn, damaged or swapped file is refused (the
+worker checks it: ``length``, ``checksum``, ``misplaced``, ...), never loaded. A file is written under a temporary name in the same directory and published by
 ``os.replace``: a reader sees a whole file or none. Not fsynced: this is a cache, and a
 file the machine lost in a crash fails its checksum or is gone, a recorded miss.
 
@@ -26,15 +26,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 from urllib.parse import unquote, urlsplit
 
 from connector.config import ConnectorConfig, ConnectorConfigError, redacted
-from connector.remote import decode_value, describe, encode_header
+from connector.remote import describe
 from connector.tiers import MISSING, REFUSED, TierUnavailable
+
+if TYPE_CHECKING:
+    from connector.values import Sealed
 
 __all__ = ["DiskTier", "chunk_file"]
 
-_SUFFIX = ".kvl"
+_SUFFIX = ".kvl2"  # the value format (files of the earlier one, .kvl, are never read)
 
 
 def chunk_file(key: bytes, rank: int) -> str:
@@ -122,9 +126,9 @@ class DiskTier:
         self._serving()
         return [1 if os.path.isfile(self._path(key)) else 0 for key in keys]
 
-    def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | str]:
         self._serving()
-        out: list[memoryview | str] = []
+        out: list[bytes | memoryview | str] = []
         for key in keys:
             try:
                 with open(self._path(key), "rb") as f:
@@ -135,20 +139,20 @@ class DiskTier:
             except OSError as exc:
                 out.append(f"{REFUSED}: {describe(exc)}")
                 continue
-            out.append(decode_value(value, expected_len))
+            out.append(value)
         return out
 
-    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
+    def put(self, items: Sequence[tuple[bytes, Sealed]]) -> list[str | None]:
         self._serving()
-        return [self._put_one(key, payload) for key, payload in items]
+        return [self._put_one(key, value) for key, value in items]
 
-    def _put_one(self, key: bytes, payload: memoryview) -> str | None:
+    def _put_one(self, key: bytes, value: Sealed) -> str | None:
         final = self._path(key)
         temp = f"{final}.tmp.{os.getpid()}.{os.urandom(4).hex()}"
         try:
             with open(temp, "wb") as f:
-                f.write(encode_header(payload))
-                f.write(payload)
+                f.write(value.head())
+                f.write(value.payload)
             os.replace(temp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):

@@ -8,21 +8,17 @@ nothing. Which chunks a lookup may count on is the tracker's decision, made from
 connector records (``tracker/remote.py``): which keys a lookup found, which writes the server
 confirmed, which reads came back missing, short, corrupt or refused, when the server went away.
 
-The value of a chunk is a header then the chunk's bytes::
+A value is stored verbatim as the worker sealed it (``connector/values.py``: a header that
+binds it to its chunk key, rank and KV layout, with its checksums, then the chunk's bytes); the
+worker checks what ``get`` returns. A value is written to a temporary key (``SET`` of a zeroed
+header and the payload, sent from the host slot without a copy, while the header's checksums
+are computed on threads; ``SETRANGE`` of the header once they are known) and published by
+``RENAME``: a reader sees the whole value or none (``RemoteStore.put``).
 
-    b"KVL1" | payload length (u64) | piece size (u32) | pieces (u32) | crc32 of each piece (u32)
-
-A value whose length, header or any piece's checksum does not match is refused: a load
-failure, never wrong KV. The checksum is CRC-32 over pieces of ``PIECE_BYTES``, computed on a
-few threads at once (zlib releases the GIL), so that a 32 MiB chunk costs a few milliseconds,
-not the twenty a single CRC-32 over it takes, and while the payload is on the wire. A value
-is written to a temporary key (``SET`` of a zeroed header and the payload, sent from the host
-slot without a copy; ``SETRANGE`` of the header once the checksums are known) and published
-by ``RENAME``: a reader sees the whole value or none (``RemoteStore.put``).
-
-Keys: ``kvledger:<chunk key hex>:<rank>``. The chunk key already names the model, the KV
+Keys: ``kvledger:v2:<chunk key hex>:<rank>``. The chunk key already names the model, the KV
 layout and the request's cache salt; the rank separates the shares of a chunk that each
-tensor-parallel worker holds.
+tensor-parallel worker holds; ``v2`` the value format (an engine of an earlier format, whose
+keys were ``kvledger:<hex>:<rank>``, and this one never read each other's values).
 
 Failures. Nothing the client raises leaves this module but ``RemoteUnavailable`` (and
 ``ConnectorConfigError`` at startup): every error of redis-py, and anything unforeseen, is
@@ -55,16 +51,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import time
-import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
 from connector.config import ConnectorConfig, ConnectorConfigError, check_redis_url, redacted
 from connector.tiers import MISSING, REFUSED, UNAVAILABLE, TierUnavailable
+
+if TYPE_CHECKING:
+    from connector.values import Sealed
 
 __all__ = [
     "MISSING",
@@ -74,15 +70,10 @@ __all__ = [
     "RemoteStore",
     "RemoteUnavailable",
     "UnexpectedReply",
-    "decode_value",
     "describe",
-    "encode_header",
     "remote_key",
 ]
 
-MAGIC = b"KVL1"
-_HEAD = struct.Struct("<4sQII")
-PIECE_BYTES = 4 << 20
 MAX_BACKOFF_S = 30.0
 # A write's temporary key expires after this long should its RENAME never come.
 _TEMP_TTL_S = 300
@@ -103,7 +94,6 @@ TIER_COMMANDS = (
     "EXPIRE",
     "PERSIST",
 )
-_CRC_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvledger-crc")
 _MESSAGE_CHARS = 300  # a hostile server's error text is kept, bounded
 # The connection settings a checked URL gives redis-py (connector/config.py refuses the rest).
 _URL_KWARGS = frozenset(
@@ -126,7 +116,7 @@ class UnexpectedReply(Exception):
 
 
 def remote_key(key: bytes, rank: int) -> bytes:
-    return b"kvledger:%s:%d" % (key.hex().encode(), rank)
+    return b"kvledger:v2:%s:%d" % (key.hex().encode(), rank)
 
 
 def _secrets(url: str) -> tuple[str, ...]:
@@ -273,64 +263,19 @@ def _client(url: str, timeout_s: float, deadline: _Deadline | None) -> Any:
         ) from None
 
 
-def _pieces(payload: memoryview) -> list[memoryview]:
-    n = len(payload)
-    return [payload[i : i + PIECE_BYTES] for i in range(0, n, PIECE_BYTES)] or [payload]
-
-
-def _crcs(payload: memoryview) -> list[int]:
-    pieces = _pieces(payload)
-    if len(pieces) == 1:
-        return [zlib.crc32(pieces[0])]
-    return list(_CRC_POOL.map(zlib.crc32, pieces))
-
-
-def _header(length: int, crcs: Sequence[int]) -> bytes:
-    return _HEAD.pack(MAGIC, length, PIECE_BYTES, len(crcs)) + struct.pack(f"<{len(crcs)}I", *crcs)
-
-
-def encode_header(payload: memoryview) -> bytes:
-    """The header stored before ``payload``: its length and the CRC-32 of each piece."""
-    return _header(len(payload), _crcs(payload))
-
-
 def _set_command(
-    name: bytes, payload: memoryview, pieces: int, ttl_s: int
+    name: bytes, payload: memoryview, head_len: int, ttl_s: int
 ) -> list[bytes | memoryview]:
     """``SET name <zeroed header><payload> [EX ttl_s]`` in RESP, as buffers sent one after
     the other: the payload is not copied into one value with its header."""
-    value_len = _HEAD.size + 4 * pieces + len(payload)
+    value_len = head_len + len(payload)
     args: list[bytes] = [b"SET", name]
     tail: list[bytes] = [b"EX", str(ttl_s).encode()] if ttl_s else []
     out: list[bytes | memoryview] = [b"*%d\r\n" % (3 + len(tail))]
     out += [b"$%d\r\n%s\r\n" % (len(a), a) for a in args]
-    out += [b"$%d\r\n" % value_len, bytes(_HEAD.size + 4 * pieces), payload, b"\r\n"]
+    out += [b"$%d\r\n" % value_len, bytes(head_len), payload, b"\r\n"]
     out += [b"$%d\r\n%s\r\n" % (len(a), a) for a in tail]
     return out
-
-
-def decode_value(value: bytes | None, expected_len: int) -> memoryview | str:
-    """The payload of a stored value, or why it cannot be used: ``missing`` (no such key),
-    ``length`` (a header or payload of the wrong length), ``checksum`` (wrong bytes)."""
-    if value is None:
-        return MISSING
-    view = memoryview(value)
-    if len(view) < _HEAD.size:
-        return "length"
-    magic, length, piece, count = _HEAD.unpack_from(view)
-    head = _HEAD.size + 4 * count
-    if (
-        magic != MAGIC
-        or length != expected_len
-        or piece != PIECE_BYTES
-        or count != max(1, -(-length // PIECE_BYTES))
-        or len(view) != head + length
-    ):
-        return "length"
-    payload = view[head:]
-    if list(struct.unpack_from(f"<{count}I", view, _HEAD.size)) != _crcs(payload):
-        return "checksum"
-    return payload
 
 
 class RemoteStore:
@@ -478,13 +423,13 @@ class RemoteStore:
         found: list[int] = self._call(run)
         return found
 
-    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
-        """Write every (key, payload), each with its header, published atomically: one
+    def put(self, items: Sequence[tuple[bytes, Sealed]]) -> list[str | None]:
+        """Write every (key, value), each published atomically: one
         round trip. Returns, for each item, None once the server confirmed it, or why it
         was not written (``refused: <error reply>``: out of memory, a read-only replica, its
         temporary key lost; the other items are unaffected).
 
-        The checksums are computed on the CRC threads while the payloads are on the wire,
+        The header's checksums are computed on threads while the payloads are on the wire,
         not before: each value goes out as a zeroed header then its payload (one ``SET`` to a
         temporary key, sent from the host slot without a copy), a ``SETRANGE`` writes the
         header over the zeros once its checksums are known, and a ``RENAME`` publishes it
@@ -492,7 +437,6 @@ class RemoteStore:
         zeroed header. (``MULTI``/``EXEC`` would be atomic too, but inside a transaction the
         ``SETRANGE`` copies the whole value: half the throughput.) The temporary key expires
         on its own should the connection die before the ``RENAME``."""
-        crcs = [[_CRC_POOL.submit(zlib.crc32, p) for p in _pieces(payload)] for _, payload in items]
         names = [remote_key(key, self.rank) for key, _ in items]
         temps = [b"%s:tmp:%s" % (name, os.urandom(8).hex().encode()) for name in names]
         error_class = self._error_class()
@@ -513,12 +457,12 @@ class RemoteStore:
                     return exc
 
             try:
-                for (_, payload), futures, temp in zip(items, crcs, temps, strict=True):
-                    conn.send_packed_command(_set_command(temp, payload, len(futures), _TEMP_TTL_S))
-                for (_, payload), futures, temp, name in zip(
-                    items, crcs, temps, names, strict=True
-                ):
-                    header = _header(len(payload), [f.result() for f in futures])
+                for (_, value), temp in zip(items, temps, strict=True):
+                    conn.send_packed_command(
+                        _set_command(temp, value.payload, value.head_len, _TEMP_TTL_S)
+                    )
+                for (_, value), temp, name in zip(items, temps, names, strict=True):
+                    header = value.head()
                     ttl = ("EXPIRE", name, self.ttl_s) if self.ttl_s else ("PERSIST", name)
                     conn.send_packed_command(
                         conn.pack_commands(
@@ -547,9 +491,9 @@ class RemoteStore:
         written: list[str | None] = self._call(run)
         return written
 
-    def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
-        """Each key's verified payload, or why it cannot be used: ``decode_value``'s reasons,
-        or ``refused: <error reply>`` (a key of another type: ``WRONGTYPE``)."""
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | str]:
+        """Each key's value as stored, or why it cannot be read: ``missing``, or
+        ``refused: <error reply>`` (a key of another type: ``WRONGTYPE``)."""
         error_class = self._error_class()
 
         def run() -> list[Any]:
@@ -567,7 +511,9 @@ class RemoteStore:
         return [
             f"{REFUSED}: {self.describe(v)}"
             if isinstance(v, BaseException)
-            else decode_value(v, expected_len)
+            else MISSING
+            if v is None
+            else v
             for v in self._call(run)
         ]
 

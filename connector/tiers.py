@@ -21,15 +21,19 @@ log format changes (design note 18).
 The contract, which the sides rely on to keep a serving engine up:
 
 - a chunk is named by its 16-byte chunk key; a tier stores each worker rank's share apart
-  (``rank``), and the bytes of a chunk it returns are exactly the bytes stored, verified,
-  or the read fails (a reason, never wrong bytes);
+  (``rank``). It stores a value (``connector/values.py``: a header that binds the bytes to
+  their chunk key, rank and KV layout, with their checksums or MAC, then the chunk's bytes)
+  and returns it verbatim: the worker seals every value before ``put`` and checks every value
+  after ``get``, so a tier never decides whether bytes are a chunk's, and cannot forget to
+  (design note 21);
 - ``exists``, ``get`` and ``put`` either answer for every key (in order), or raise: a raise
   means the tier is not serving us (an outage, recorded once until it answers again). The
   sides catch everything a tier raises and record :func:`down_reason` of it; nothing
   reaches vLLM;
-- a reason is one line: :data:`MISSING`, ``length``, ``checksum``, ``refused: <error>``
-  (this chunk's own command failed; the others and the tier are fine) or
-  ``unavailable[: <error>]`` (written by the sides when the tier is down);
+- a tier's reason is one line: :data:`MISSING`, ``refused: <error>`` (this chunk's own
+  command failed; the others and the tier are fine) or ``unavailable[: <error>]`` (written by
+  the sides when the tier is down); the value's check adds its own (``length``,
+  ``checksum``, and ``tracker.remote.FOREIGN_REASONS``: not this chunk's);
 - the scheduler side's instance (``scheduler=True``) answers ``exists`` within its lookup
   bound: it runs on vLLM's scheduler thread.
 """
@@ -37,9 +41,10 @@ The contract, which the sides rely on to keep a serving engine up:
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Sequence
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from connector.config import (
     REDIS_SCHEMES,
@@ -49,6 +54,9 @@ from connector.config import (
     ConnectorConfigError,
     tier_target,
 )
+
+if TYPE_CHECKING:
+    from connector.values import Sealed
 
 __all__ = [
     "MISSING",
@@ -101,13 +109,16 @@ class Tier(Protocol):
         """1 for each key it holds, else 0."""
         ...
 
-    def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
-        """Each key's verified bytes (``expected_len`` of them), or why they cannot be used."""
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | str]:
+        """Each key's value exactly as stored, or why it cannot be read (:data:`MISSING`,
+        ``refused: <error>``). The worker checks the value (``connector/values.py``)."""
         ...
 
-    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
-        """Store each (key, bytes): None once stored for good (readable by every engine
-        sharing the tier), else why not. A reader sees a whole value or none."""
+    def put(self, items: Sequence[tuple[bytes, Sealed]]) -> list[str | None]:
+        """Store each (key, value): ``value.head()`` then ``value.payload``, verbatim (or
+        ``value.head_len`` zeros, the payload, then the head over the zeros). None once
+        stored for good (readable by every engine sharing the tier), else why not. A reader
+        sees a whole value or none."""
         ...
 
     def describe(self, exc: BaseException) -> str:
@@ -175,6 +186,7 @@ def open_tier(config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> Tie
             f"remote_url {scheme}:// opens {':'.join(tier_target(scheme) or REDIS_TIER)}, "
             "which has no from_config: not a connector.tiers.Tier"
         )
+    _check_interface(cls, scheme)
     tier: Tier = cls.from_config(config, rank=rank, scheduler=scheduler)
     if not isinstance(tier, Tier):
         raise ConnectorConfigError(
@@ -182,6 +194,24 @@ def open_tier(config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> Tie
             "connector.tiers.Tier's methods"
         )
     return tier
+
+
+def _check_interface(cls: Any, scheme: str) -> None:
+    """A tier written for the interface before values were sealed by the worker
+    (``get(keys, expected_len)``: it checked the bytes itself, or forgot to) refuses to start:
+    it would be handed sealed values it does not expect."""
+    get = getattr(cls, "get", None)
+    try:
+        params = inspect.signature(get).parameters if callable(get) else {}
+    except (TypeError, ValueError):  # a builtin or C method: nothing to read
+        return
+    if "expected_len" in params:
+        raise ConnectorConfigError(
+            f"remote_url {scheme}:// opens {cls.__module__}:{cls.__qualname__}, written for "
+            "kvledger's earlier Tier interface (get(keys, expected_len)): a tier now stores and "
+            "returns values verbatim, and the worker checks them (docs/remote.md, Writing a "
+            "tier): drop expected_len and any check of your own"
+        )
 
 
 def down_reason(tier: Tier, exc: Exception) -> str:

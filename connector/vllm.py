@@ -267,6 +267,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         else:
             self._worker = self.make_worker_side(self.kv_config, num_slots=num_slots, rank=rank)
             self._worker.pool_format = pool_format  # what the salt names: caches must match
+            self._worker.salt = salt  # a remote value is bound to it (connector/values.py)
 
     def make_worker_side(self, config: ConnectorConfig, *, num_slots: int, rank: int) -> WorkerSide:
         """Build the worker role's ``WorkerSide`` (called once, from ``__init__``): a host pool

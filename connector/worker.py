@@ -66,14 +66,16 @@ from connector.config import ConnectorConfig
 from connector.digests import WorkerDigests
 from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from connector.store import HostChunkPool
-from connector.tiers import REFUSED, UNAVAILABLE, Tier, down_reason, open_tier
+from connector.tiers import REFUSED, UNAVAILABLE, Tier, TierUnavailable, down_reason, open_tier
 from connector.transfer import (
     KVCacheLayoutError,
     TransferBackend,
     TransferHandle,
     slot_mapping_for,
 )
+from connector.values import ValueSeal, layout_fingerprint, read_secret
 from tracker.plans import blocks_covering
+from tracker.remote import foreign
 from tracker.tiers import POOL, REMOTE, tier_of_slot
 
 __all__ = ["WorkerSide"]
@@ -127,9 +129,17 @@ class WorkerSide:
         # Keys read from the remote tier and not saved locally yet (oldest first, bounded): their
         # local saves, a step or more later (a prefill spans steps), are not written back.
         self._read_remote: dict[bytes, None] = {}
-        self._upload_slot: dict[tuple[str, bytes], int] = {}
-        self._to_upload: list[tuple[str, bytes, int]] = []
+        # (request, key) -> (slot, the chunk's first block, its blocks) of saves to upload.
+        self._upload_slot: dict[tuple[str, bytes], tuple[int, int, int]] = {}
+        self._to_upload: list[tuple[str, bytes, int, int, int]] = []
+        # The digests each fetched value carried (connector/values.py), by key.
+        self._carried: dict[bytes, tuple[tuple[bytes, int], ...]] = {}
+        # The chunk keys' salt (connector.vllm sets it): part of what binds a value to its KV
+        # layout. The seal is made once the caches are registered (the layout is known then).
+        self.salt = ""
+        self.values: ValueSeal | None = None
         self.remote: Tier | None = open_tier(config, rank=rank, scheduler=False)
+        self._secret = read_secret(config) if self.remote is not None else None
         if self.remote is not None:
             # A tier that refuses the configuration raises; one down is served around (the
             # scheduler records the outage).
@@ -179,6 +189,13 @@ class WorkerSide:
             )
         if self.remote is not None:
             self.remote.check_chunk_bytes(self.pool.slot_bytes)  # ConnectorConfigError if not
+            spec = self.pool.spec
+            layout = layout_fingerprint(
+                self.salt, spec.pool_format, spec.dtype, self.pool.chunk_shape
+            )
+            self.values = ValueSeal(
+                rank=self.rank, layout=layout, secret=self._secret, digests=self.config.digests
+            )
 
     def _ready(self) -> tuple[TransferBackend, HostChunkPool]:
         if self.backend is None or self.pool is None:
@@ -271,6 +288,7 @@ class WorkerSide:
         while len(self._read_remote) > _READ_REMOTE_KEYS:
             del self._read_remote[next(iter(self._read_remote))]
         self._fetched = {}
+        self._carried = {}
         self._report = self._report.merged(
             WorkerReport(loads_done=tuple(done), loads_failed=tuple(failed), rank=self.rank)
         )
@@ -287,17 +305,42 @@ class WorkerSide:
         if not keys:
             return
         _, pool = self._ready()
-        if self.remote is None or not self.remote.available():
+        if self.remote is None or self.values is None or not self.remote.available():
             self._fetched = dict.fromkeys(keys, UNAVAILABLE)
             return
-        got: list[memoryview | str]
+        got: list[bytes | memoryview | str]
         try:
-            got = self.remote.get(keys, pool.slot_bytes)
+            got = self.remote.get(keys)
+            if len(got) != len(keys):
+                raise TierUnavailable(f"TierError: {len(got)} values for {len(keys)} keys")
         except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
             why = f"{UNAVAILABLE}: {self._remote_error(exc)}"
             _log.warning("kvledger.remote_unavailable", rank=self.rank, error=why)
             got = [why] * len(keys)
-        self._fetched = dict(zip(keys, got, strict=True))
+        fetched: dict[bytes, memoryview | str] = {}
+        for key, value in zip(keys, got, strict=True):
+            fetched[key] = self._open(key, value, pool.slot_bytes)
+        self._fetched = fetched
+
+    def _open(self, key: bytes, value: bytes | memoryview | str, size: int) -> memoryview | str:
+        """A fetched value's chunk bytes, if it is this chunk's (connector/values.py), else
+        why not; a foreign value is logged, loudly: someone wrote it to the tier."""
+        if isinstance(value, str):
+            return value
+        assert self.values is not None
+        try:
+            opened = self.values.open(key, value, size)
+        except Exception as exc:  # a value no check foresaw: refused, never loaded
+            opened = f"format: unreadable value ({type(exc).__name__}: {exc})"
+        if isinstance(opened, str):
+            if foreign(opened):
+                _log.warning(
+                    "kvledger.remote_foreign_value", rank=self.rank, key=key.hex(), why=opened
+                )
+            return opened
+        if opened.digests:
+            self._carried[key] = opened.digests
+        return opened.payload
 
     def _remote_error(self, exc: Exception) -> str:
         assert self.remote is not None
@@ -345,6 +388,15 @@ class WorkerSide:
         self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
         self.stats["chunks_loaded"] += 1
         self.stats["remote_chunks_loaded"] += 1
+        carried = self._carried.get(chunk.key)
+        if carried and self.digests is not None:
+            # The saver's digests of the blocks this load filled whole: the log judges the
+            # load by them (tracker/digests.py), without the saver's log.
+            bs = backend.spec.block_size
+            first = (chunk.token_start - chunk.slot_offset) // bs
+            lo, hi = -(-chunk.token_start // bs), chunk.token_end // bs
+            rows = carried[max(0, lo - first) : max(0, hi - first)]
+            self.digests.carried(load.req_id, max(lo, first), rows)
 
     def _load_one(self, load: TransferPlan, block_size: int) -> tuple[int, ...]:
         """Load every chunk; returns the blocks that could not be filled (empty: success)."""
@@ -429,7 +481,9 @@ class WorkerSide:
                     handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
                     if self.remote is not None and chunk.key not in self._read_remote:
-                        self._upload_slot[(save.req_id, chunk.key)] = chunk.slot
+                        first = (chunk.token_start - chunk.slot_offset) // block_size
+                        blocks = self.config.chunk_size // block_size
+                        self._upload_slot[(save.req_id, chunk.key)] = (chunk.slot, first, blocks)
                     self._read_remote.pop(chunk.key, None)
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
@@ -450,9 +504,9 @@ class WorkerSide:
                 handle.synchronize()
             if handle.done():
                 done.setdefault(req_id, []).append(key)
-                slot = self._upload_slot.pop((req_id, key), None)
-                if slot is not None:
-                    self._to_upload.append((req_id, key, slot))
+                where = self._upload_slot.pop((req_id, key), None)
+                if where is not None:
+                    self._to_upload.append((req_id, key, *where))
             else:
                 still.append((req_id, key, handle))
         self._saves_in_flight = still
@@ -486,24 +540,35 @@ class WorkerSide:
         their host slots (which no plan reuses before the next step), in one round trip;
         report what the tier confirmed and what it did not."""
         items, self._to_upload = self._to_upload, []
-        if not items or self.remote is None or self.pool is None:
+        if not items or self.remote is None or self.pool is None or self.values is None:
             return
-        pool = self.pool
+        pool, seal, digests = self.pool, self.values, self.digests
         results: list[str | None]
         if not self.remote.available():
             results = [UNAVAILABLE] * len(items)
         else:
             try:
-                results = self.remote.put(
-                    [(key, _bytes_of(pool.slot(slot))) for _, key, slot in items]
-                )
+                values = [
+                    (
+                        key,
+                        seal.seal(
+                            key,
+                            _bytes_of(pool.slot(slot)),
+                            () if digests is None else digests.of_blocks(req_id, first, first + n),
+                        ),
+                    )
+                    for req_id, key, slot, first, n in items
+                ]
+                results = self.remote.put(values)
+                if len(results) != len(items):
+                    raise TierUnavailable(f"TierError: {len(results)} results for {len(items)}")
             except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
                 down = f"{UNAVAILABLE}: {self._remote_error(exc)}"
                 _log.warning("kvledger.remote_unavailable", rank=self.rank, error=down)
                 results = [down] * len(items)
         # (what, request, why) -> keys: a write the tier refused fails alone.
         outcomes: dict[tuple[str, str, str], list[bytes]] = {}
-        for (req_id, key, _), why in zip(items, results, strict=True):
+        for (req_id, key, *_), why in zip(items, results, strict=True):
             what = "saved" if why is None else "save_failed"
             outcomes.setdefault((what, req_id, why or ""), []).append(key)
         self.stats["remote_chunks_saved"] += results.count(None)

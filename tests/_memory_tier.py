@@ -14,6 +14,7 @@ from typing import Any
 
 from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.tiers import MISSING, TierUnavailable, register_tier
+from connector.values import Sealed
 
 __all__ = ["DOWN", "STORES", "MemoryTier", "register"]
 
@@ -67,23 +68,14 @@ class MemoryTier:
         store = self._serving("exists")
         return [1 if (k, self.rank) in store else 0 for k in keys]
 
-    def get(self, keys: Sequence[bytes], expected_len: int) -> list[memoryview | str]:
+    def get(self, keys: Sequence[bytes]) -> list[bytes | memoryview | str]:
         store = self._serving("get")
-        out: list[memoryview | str] = []
-        for key in keys:
-            value = store.get((key, self.rank))
-            if value is None:
-                out.append(MISSING)
-            elif len(value) != expected_len:
-                out.append("length")
-            else:
-                out.append(memoryview(value))
-        return out
+        return [store.get((key, self.rank), MISSING) for key in keys]
 
-    def put(self, items: Sequence[tuple[bytes, memoryview]]) -> list[str | None]:
+    def put(self, items: Sequence[tuple[bytes, Sealed]]) -> list[str | None]:
         store = self._serving("put")
-        for key, payload in items:
-            store[(key, self.rank)] = bytes(payload)
+        for key, value in items:
+            store[(key, self.rank)] = value.to_bytes()
         return [None] * len(items)
 
     def describe(self, exc: BaseException) -> str:

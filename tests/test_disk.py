@@ -17,10 +17,26 @@ from connector.config import ConnectorConfig, ConnectorConfigError
 from connector.disk import DiskTier, chunk_file
 from connector.testing.harness import skip_reason
 from connector.tiers import Tier, TierUnavailable, open_tier
+from connector.values import Sealed, ValueSeal
 from tracker import events as ev
 from tracker.tiers import REMOTE, tier_of_slot
 
 KEYS = [bytes([i]) * 16 for i in range(4)]
+SEAL = ValueSeal(rank=0, layout=b"L" * 16)
+
+
+def _sealed(key: bytes, payload: bytes) -> tuple[bytes, Sealed]:
+    return key, SEAL.seal(key, memoryview(payload))
+
+
+def _opened(keys: list[bytes], got: list[object], size: int) -> list[object]:
+    """What the worker makes of each value ``get`` returned: its bytes, or why not."""
+    return [
+        g
+        if isinstance(g, str)
+        else (lambda o: o if isinstance(o, str) else bytes(o.payload))(SEAL.open(k, g, size))  # type: ignore[arg-type]
+        for k, g in zip(keys, got, strict=True)
+    ]
 
 
 def _tier(path: Path, rank: int = 0) -> DiskTier:
@@ -36,13 +52,9 @@ def test_put_exists_get_round_trip_per_rank(tmp_path: Path) -> None:
     tier = _tier(tmp_path / "chunks")  # made at startup
     assert tier.check(startup=True) is None
     payloads = [os.urandom(1000) for _ in KEYS[:2]]
-    assert (
-        tier.put([(k, memoryview(p)) for k, p in zip(KEYS, payloads, strict=False)]) == [None] * 2
-    )
+    assert tier.put([_sealed(k, p) for k, p in zip(KEYS, payloads, strict=False)]) == [None] * 2
     assert tier.exists(KEYS) == [1, 1, 0, 0]
-    got = tier.get(KEYS[:3], 1000)
-    assert [bytes(g) for g in got[:2] if not isinstance(g, str)] == payloads
-    assert got[2] == "missing"
+    assert _opened(KEYS[:3], tier.get(KEYS[:3]), 1000) == [*payloads, "missing"]
     other = _tier(tmp_path / "chunks", rank=1)  # each rank's share apart
     assert other.exists(KEYS) == [0, 0, 0, 0]
     assert sorted(os.listdir(tmp_path / "chunks")) == sorted(chunk_file(k, 0) for k in KEYS[:2])
@@ -50,25 +62,25 @@ def test_put_exists_get_round_trip_per_rank(tmp_path: Path) -> None:
 
 def test_a_short_or_damaged_file_is_refused_never_loaded(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
-    tier.put([(k, memoryview(b"\x07" * 500)) for k in KEYS[:3]])
+    tier.put([_sealed(k, b"\x07" * 500) for k in KEYS[:3]])
     short, damaged = (tmp_path / chunk_file(k, 0) for k in KEYS[:2])
     short.write_bytes(short.read_bytes()[:-1])
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 0xFF
     damaged.write_bytes(bytes(data))
-    assert tier.get(KEYS[:3], 500)[:2] == ["length", "checksum"]
-    assert tier.get([KEYS[2]], 499) == ["length"]  # a chunk of another size
+    assert _opened(KEYS[:3], tier.get(KEYS[:3]), 500)[:2] == ["length", "checksum"]
+    assert _opened([KEYS[2]], tier.get([KEYS[2]]), 499) == ["length"]  # another size
 
 
 def test_a_file_that_cannot_be_read_or_written_fails_alone(tmp_path: Path) -> None:
     tier = _tier(tmp_path)
     (tmp_path / chunk_file(KEYS[0], 0)).mkdir()  # in the way of the chunk's file
-    results = tier.put([(KEYS[0], memoryview(b"a" * 10)), (KEYS[1], memoryview(b"b" * 10))])
+    results = tier.put([_sealed(KEYS[0], b"a" * 10), _sealed(KEYS[1], b"b" * 10)])
     assert results[0] is not None and results[0].startswith("refused: ")
     assert results[1] is None
-    got = tier.get(KEYS[:2], 10)
+    got = _opened(KEYS[:2], tier.get(KEYS[:2]), 10)
     assert isinstance(got[0], str) and got[0].startswith("refused: IsADirectoryError")
-    assert bytes(got[1]) == b"b" * 10
+    assert got[1] == b"b" * 10
     assert not [n for n in os.listdir(tmp_path) if ".tmp." in n]  # no temporary left behind
 
 
@@ -76,7 +88,7 @@ def test_a_directory_gone_is_an_outage_until_it_is_back(tmp_path: Path) -> None:
     tier = _tier(tmp_path / "d")
     shutil.rmtree(tmp_path / "d")
     assert tier.check() is not None
-    for call in (lambda: tier.exists(KEYS), lambda: tier.get(KEYS, 1), lambda: tier.put([])):
+    for call in (lambda: tier.exists(KEYS), lambda: tier.get(KEYS), lambda: tier.put([])):
         with pytest.raises(TierUnavailable, match="not a directory"):
             call()
     (tmp_path / "d").mkdir()

@@ -1,6 +1,6 @@
 """The remote tier's store (``connector/remote.py``) against a real ``redis-server``; its
-configuration; the value format (a property: any truncation or flipped byte is refused); and
-the remote facts' fold (``tracker/remote.py``) and the two-tier lookup."""
+configuration; and the remote facts' fold (``tracker/remote.py``) and the two-tier lookup.
+The value format is tests/test_values.py's."""
 
 from __future__ import annotations
 
@@ -9,18 +9,10 @@ from pathlib import Path
 
 import pytest
 from _redis import RedisServer, redis_server, require_redis_server
-from hypothesis import given
-from hypothesis import strategies as st
 
 from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.remote import (
-    MISSING,
-    PIECE_BYTES,
-    RemoteStore,
-    decode_value,
-    encode_header,
-    remote_key,
-)
+from connector.remote import MISSING, RemoteStore, remote_key
+from connector.values import PIECE_BYTES, Sealed, ValueSeal
 from tracker import events as ev
 from tracker.config import TrackerConfig
 from tracker.tiers import REMOTE_SLOT
@@ -31,6 +23,26 @@ __all__ = ["redis_server"]  # the fixture, imported for pytest
 
 def _store(url: str, **kw: object) -> RemoteStore:
     return RemoteStore(url, timeout_s=2.0, retry_s=0.05, **kw)  # type: ignore[arg-type]
+
+
+def _seal(rank: int = 0) -> ValueSeal:
+    return ValueSeal(rank=rank, layout=b"L" * 16)
+
+
+def _sealed(key: bytes, payload: bytes, rank: int = 0) -> tuple[bytes, Sealed]:
+    return key, _seal(rank).seal(key, memoryview(payload))
+
+
+def _opened(keys: list[bytes], got: list[object], size: int, rank: int = 0) -> list[object]:
+    """What the worker makes of each value ``get`` returned: its bytes, or why not."""
+    out: list[object] = []
+    for key, value in zip(keys, got, strict=True):
+        if isinstance(value, str):
+            out.append(value)
+            continue
+        opened = _seal(rank).open(key, value, size)  # type: ignore[arg-type]
+        out.append(opened if isinstance(opened, str) else bytes(opened.payload))
+    return out
 
 
 # --- configuration ---------------------------------------------------------------------------
@@ -75,35 +87,6 @@ def test_no_remote_url_means_no_remote_tier() -> None:
     assert len(side.tracker.index.remote) == 0
 
 
-# --- the value format --------------------------------------------------------------------------
-
-
-def _value(payload: bytes) -> bytes:
-    return encode_header(memoryview(payload)) + payload
-
-
-@given(st.binary(min_size=1, max_size=512), st.data())
-def test_any_truncation_or_flipped_byte_is_refused(payload: bytes, data: st.DataObject) -> None:
-    value = _value(payload)
-    assert bytes(decode_value(value, len(payload))) == payload  # type: ignore[arg-type]
-    cut = data.draw(st.integers(0, len(value) - 1))
-    assert decode_value(value[:cut], len(payload)) == "length"
-    at = data.draw(st.integers(0, len(value) - 1))
-    flipped = bytearray(value)
-    flipped[at] ^= 1 << data.draw(st.integers(0, 7))
-    assert isinstance(decode_value(bytes(flipped), len(payload)), str)
-    assert decode_value(value, len(payload) + 1) == "length"  # another layout's chunk
-    assert decode_value(None, len(payload)) == MISSING
-
-
-def test_a_payload_of_several_pieces_is_checked_piece_by_piece() -> None:
-    payload = os.urandom(2 * PIECE_BYTES + 17)
-    value = bytearray(_value(payload))
-    assert bytes(decode_value(bytes(value), len(payload))) == payload  # type: ignore[arg-type]
-    value[-1] ^= 0xFF  # the last piece
-    assert decode_value(bytes(value), len(payload)) == "checksum"
-
-
 # --- the store, on a real server -----------------------------------------------------------------
 
 
@@ -112,10 +95,10 @@ def test_put_exists_get_round_trip(redis_server: RedisServer) -> None:
     store = _store(redis_server.url, rank=1)
     assert store.check() is None
     a, b = os.urandom(1000), os.urandom(1000)
-    store.put([(b"k" * 16, memoryview(a)), (b"j" * 16, memoryview(b))])
+    store.put([_sealed(b"k" * 16, a, 1), _sealed(b"j" * 16, b, 1)])
     assert store.exists([b"k" * 16, b"x" * 16, b"j" * 16]) == [1, 0, 1]
-    got = store.get([b"j" * 16, b"x" * 16, b"k" * 16], 1000)
-    assert [bytes(g) if not isinstance(g, str) else g for g in got] == [b, MISSING, a]
+    keys = [b"j" * 16, b"x" * 16, b"k" * 16]
+    assert _opened(keys, store.get(keys), 1000, rank=1) == [b, MISSING, a]
     # Keyed by rank: another rank's share is another key.
     assert _store(redis_server.url, rank=0).exists([b"k" * 16]) == [0]
     assert redis_server.client().exists(remote_key(b"k" * 16, 1)) == 1
@@ -126,21 +109,22 @@ def test_a_multi_piece_value_with_a_ttl_is_stored_whole_with_its_header(
     redis_server: RedisServer,
 ) -> None:
     # put() sends a zeroed header and the payload, then writes the header once the CRCs of
-    # its pieces are known: the stored value is exactly encode_header(payload) + payload.
+    # its pieces are known: the stored value is exactly the sealed value, header and payload.
     store = _store(redis_server.url, ttl_s=100)
     payload = os.urandom(2 * PIECE_BYTES + 12345)  # three pieces, the last one short
-    store.put([(b"m" * 16, memoryview(payload)), (b"n" * 16, memoryview(payload[:7]))])
+    m, n = _sealed(b"m" * 16, payload), _sealed(b"n" * 16, payload[:7])
+    store.put([m, n])
     raw = redis_server.client()
     name = remote_key(b"m" * 16, 0)
-    assert raw.get(name) == encode_header(memoryview(payload)) + payload
+    assert raw.get(name) == m[1].to_bytes()
     assert 0 < raw.ttl(name) <= 100
-    got = store.get([b"n" * 16, b"m" * 16], len(payload))
-    assert got[0] == "length"  # a 7-byte value read as a chunk of the other size
-    assert bytes(got[1]) == payload  # type: ignore[arg-type]
+    keys = [b"n" * 16, b"m" * 16]
+    # A 7-byte value read as a chunk of the other size; the other one whole.
+    assert _opened(keys, store.get(keys), len(payload)) == ["length", payload]
     # The connection went back to the pool clean: the next command reads its own reply.
     assert store.exists([b"m" * 16, b"n" * 16]) == [1, 1]
     # Published by RENAME: no temporary key is left; without a TTL the value keeps none.
-    _store(redis_server.url).put([(b"o" * 16, memoryview(payload[:100]))])
+    _store(redis_server.url).put([_sealed(b"o" * 16, payload[:100])])
     assert raw.ttl(remote_key(b"o" * 16, 0)) == -1
     assert sorted(raw.keys()) == sorted(remote_key(k * 16, 0) for k in (b"m", b"n", b"o"))
 
@@ -150,14 +134,12 @@ def test_wrong_length_and_wrong_bytes_in_the_server_are_refused(redis_server: Re
     store = _store(redis_server.url)
     payload = os.urandom(4096)
     keys = [bytes([i]) * 16 for i in range(3)]
-    store.put([(k, memoryview(payload)) for k in keys])
+    store.put([_sealed(k, payload) for k in keys])
     raw = redis_server.client()
     value = raw.get(remote_key(keys[0], 0))
     raw.set(remote_key(keys[0], 0), value[:-1])  # short
     raw.setrange(remote_key(keys[1], 0), len(value) - 100, b"\x00garbage")  # wrong bytes
-    got = store.get(keys, 4096)
-    assert got[:2] == ["length", "checksum"]
-    assert bytes(got[2]) == payload  # type: ignore[arg-type]
+    assert _opened(keys, store.get(keys), 4096) == ["length", "checksum", payload]
 
 
 @pytest.mark.redis
@@ -168,7 +150,7 @@ def test_a_password_is_honoured_and_a_wrong_one_is_a_clear_startup_error(tmp_pat
     server.start()
     try:
         assert _store(server.url).check() is None
-        _store(server.url).put([(b"p" * 16, memoryview(b"xyz"))])
+        _store(server.url).put([_sealed(b"p" * 16, b"xyz")])
         assert server.client().exists(remote_key(b"p" * 16, 0)) == 1
         for url in (server.url_with("wrong-pw"), f"redis://127.0.0.1:{server.port}/0"):
             config = ConnectorConfig.from_extra_config({"remote_url": url, "chunk_size": 32})

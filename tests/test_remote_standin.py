@@ -22,12 +22,14 @@ import pytest
 from _redis import CODES, DRIP_S, ERRORS, FAULTS, StandIn, standin
 
 from connector.remote import TIER_COMMANDS, RemoteStore, RemoteUnavailable
+from connector.values import ValueSeal
 from tracker import events as ev
 
 __all__ = ["standin"]  # the fixture, imported for pytest
 
 KEYS = [bytes([i]) * 16 for i in range(3)]
 PAYLOAD = os.urandom(3000)
+SEAL = ValueSeal(rank=0, layout=b"L" * 16)
 # A password, a database other than 0 and a client name: the handshake sends AUTH, CLIENT
 # (SETINFO, SETNAME) and SELECT.
 QUERY = "?client_name=kvledger-test"
@@ -90,8 +92,8 @@ def _exercise(store: RemoteStore, outcomes: list[str]) -> None:
     ops: list[Callable[[], Any]] = [
         store.check,
         lambda: store.exists(KEYS),
-        lambda: store.get(KEYS, len(PAYLOAD)),
-        lambda: store.put([(k, memoryview(PAYLOAD)) for k in KEYS]),
+        lambda: store.get(KEYS),
+        lambda: store.put([(k, SEAL.seal(k, memoryview(PAYLOAD))) for k in KEYS]),
     ]
     _run_ops(store, ops, outcomes)
 
@@ -102,10 +104,10 @@ def _assert_answers_right(store: RemoteStore) -> None:
     while not store.available() and time.monotonic() < deadline:
         time.sleep(0.001)
     assert store.check() is None
-    assert store.put([(k, memoryview(PAYLOAD)) for k in KEYS]) == [None] * len(KEYS)
+    assert store.put([(k, SEAL.seal(k, memoryview(PAYLOAD))) for k in KEYS]) == [None] * len(KEYS)
     assert store.exists([*KEYS, b"z" * 16]) == [1, 1, 1, 0]
-    got = store.get(KEYS, len(PAYLOAD))
-    assert [bytes(g) for g in got] == [PAYLOAD] * len(KEYS)  # type: ignore[arg-type]
+    got = [SEAL.open(k, g, len(PAYLOAD)) for k, g in zip(KEYS, store.get(KEYS), strict=True)]
+    assert [bytes(g.payload) for g in got] == [PAYLOAD] * len(KEYS)  # type: ignore[union-attr]
 
 
 # --- the commands: every one the tier sends is listed, and so faulted below ------------------
@@ -115,9 +117,11 @@ def test_the_tier_sends_exactly_the_commands_it_lists(standin: StandIn) -> None:
     for ttl in (0, 60):
         store = _store(standin, ttl_s=ttl)
         assert store.check(startup=True) is None
-        assert store.put([(k, memoryview(PAYLOAD)) for k in KEYS]) == [None] * len(KEYS)
+        assert store.put([(k, SEAL.seal(k, memoryview(PAYLOAD))) for k in KEYS]) == [None] * len(
+            KEYS
+        )
         assert store.exists(KEYS) == [1, 1, 1]
-        assert all(not isinstance(g, str) for g in store.get(KEYS, len(PAYLOAD)))
+        assert all(not isinstance(g, str) for g in store.get(KEYS))
         store.close()
     assert set(standin.seen) == set(TIER_COMMANDS), (
         "the tier sends a command TIER_COMMANDS does not list (or no longer sends one): "
@@ -160,7 +164,7 @@ def test_every_error_code_on_any_command_is_reported_as_its_kind(
 
     store = _store(standin, ttl_s=60 if command == "EXPIRE" else 0)
     assert store.check(startup=True) is None
-    assert store.put([(k, memoryview(PAYLOAD)) for k in KEYS]) == [None] * len(KEYS)
+    assert store.put([(k, SEAL.seal(k, memoryview(PAYLOAD))) for k in KEYS]) == [None] * len(KEYS)
     standin.fail(command, "error", error)
     outcomes: list[str] = []
     _exercise(store, outcomes)
@@ -233,7 +237,7 @@ def test_a_lookup_is_bounded_as_a_whole_not_read_by_read(standin: StandIn, comma
     scheduler = RemoteStore(standin.url("/1", QUERY), timeout_s=0.2, retry_s=0.001, bounded=True)
     worker = _store(standin)
     assert scheduler.check(startup=True) is None and worker.check(startup=True) is None
-    assert worker.put([(k, memoryview(PAYLOAD)) for k in KEYS]) == [None] * len(KEYS)
+    assert worker.put([(k, SEAL.seal(k, memoryview(PAYLOAD))) for k in KEYS]) == [None] * len(KEYS)
     standin.fail(command, "drip")  # every reply byte DRIP_S apart: each read in time
     assert DRIP_S < 0.2
     outcomes: list[str] = []

@@ -37,7 +37,15 @@ from typing import Any, Final, NamedTuple
 
 import attrs
 
-from tracker.events import EVENT_TYPES, Event, Finished, LoadDigested, Scheduled, StepDecoded
+from tracker.events import (
+    EVENT_TYPES,
+    BlockDigested,
+    Event,
+    Finished,
+    LoadDigested,
+    Scheduled,
+    StepDecoded,
+)
 
 __all__ = [
     "DELTA_FIELDS",
@@ -115,11 +123,19 @@ def _load_digested_v1_to_v2(fields: list[Any]) -> list[Any]:
     return fields
 
 
+def _block_digested_v1_to_v2(fields: list[Any]) -> list[Any]:
+    # v1: [start, keys, digests, rank]  ->  v2: + carried (the default, False: computed here).
+    if len(fields) > 4:
+        raise DecodeError(f"BlockDigested v1: expected at most 4 fields, got {len(fields)}")
+    return fields
+
+
 UPCASTERS: Final[dict[tuple[int, int], Upcaster]] = {
     (Finished.TAG, 1): _finished_v1_to_v2,
     (StepDecoded.TAG, 1): _step_decoded_v1_to_v2,
     (StepDecoded.TAG, 2): _step_decoded_v2_to_v3,
     (LoadDigested.TAG, 1): _load_digested_v1_to_v2,
+    (BlockDigested.TAG, 1): _block_digested_v1_to_v2,
 }
 """``(tag, from_version) -> upcaster`` to ``from_version + 1``."""
 

@@ -127,40 +127,58 @@ class DigestReport:
     blocks: tuple[tuple[str, int, bytes, int], ...] = ()
     loads: tuple[tuple[str, int, bytes, int, int, int], ...] = ()
     rank: int = 0
+    # Digests that came with values loaded from the remote tier (req id, block index, key,
+    # digest): the saving engine's (connector/values.py).
+    carried: tuple[tuple[str, int, bytes, int], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.loads)
+        return bool(self.blocks or self.loads or self.carried)
 
     def merged(self, other: DigestReport) -> DigestReport:
-        return DigestReport(self.blocks + other.blocks, self.loads + other.loads, self.rank)
+        return DigestReport(
+            self.blocks + other.blocks,
+            self.loads + other.loads,
+            self.rank,
+            self.carried + other.carried,
+        )
 
     def to_plain(self) -> list[Any]:
-        return [[list(b) for b in self.blocks], [list(x) for x in self.loads], self.rank]
+        return [
+            [list(b) for b in self.blocks],
+            [list(x) for x in self.loads],
+            self.rank,
+            [list(c) for c in self.carried],
+        ]
 
     @classmethod
     def from_plain(cls, data: Any) -> DigestReport:
-        blocks, loads, rank = data
+        blocks, loads, rank, *rest = data
+        carried = rest[0] if rest else ()
         return cls(
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in blocks),
             tuple((str(r), int(i), bytes(k), int(b), int(a), int(s)) for r, i, k, b, a, s in loads),
             int(rank),
+            tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in carried),
         )
 
     def events(self, step: int) -> list[ev.Event]:
         """The report as log events: one ``BlockDigested`` / ``LoadDigested`` per run of
-        consecutive blocks of one request, in report order."""
+        consecutive blocks of one request, in report order; the carried digests first, so
+        that the loads they came with are judged by them."""
         out: list[ev.Event] = []
-        for req_id, start, rows in _runs(self.blocks):
-            out.append(
-                ev.BlockDigested(
-                    step,
-                    req_id,
-                    start,
-                    tuple(r[2] for r in rows),
-                    tuple(r[3] for r in rows),
-                    self.rank,
+        for rows_of, carried in ((self.carried, True), (self.blocks, False)):
+            for req_id, start, rows in _runs(rows_of):
+                out.append(
+                    ev.BlockDigested(
+                        step,
+                        req_id,
+                        start,
+                        tuple(r[2] for r in rows),
+                        tuple(r[3] for r in rows),
+                        self.rank,
+                        carried,
+                    )
                 )
-            )
         for req_id, start, lrows in _runs(self.loads, by_step=True):
             out.append(
                 ev.LoadDigested(
@@ -550,11 +568,13 @@ class DigestPlanner:
 
 @attrs.define
 class BookStats:
-    """What the book saw: blocks digested (after a forward), loaded blocks checked, of which
-    verified (a recorded digest matched), mismatched, unchanged, and unverifiable (no digest
-    recorded for the key)."""
+    """What the book saw: blocks digested (after a forward), digests carried by values loaded
+    from the remote tier (the saving engine's), loaded blocks checked, of which verified (a
+    recorded digest matched), mismatched, unchanged, and unverifiable (no digest recorded for
+    the key)."""
 
     digested: int = 0
+    carried: int = 0  # digests that came with values loaded from the remote tier
     loaded: int = 0
     verified: int = 0
     mismatched: int = 0
@@ -590,8 +610,12 @@ class DigestBook:
 
     def _record(self, e: ev.BlockDigested) -> None:
         book = self._book
+        stats = self.stats
         for key, digest in zip(e.keys, e.digests, strict=True):
-            self.stats.digested += 1
+            if e.carried:
+                stats.carried += 1
+            else:
+                stats.digested += 1
             k = (e.rank, key)
             seen = book.get(k, ())
             if digest not in seen and len(seen) < DIGESTS_PER_KEY:

@@ -441,13 +441,19 @@ class RecordLost(InputEvent):
 class BlockDigested(InputEvent):
     """After a forward pass, the worker digested the blocks that became full: block
     ``start + i`` of the request, keyed ``keys[i]`` (its token prefix), held ``digests[i]``
-    (a 64-bit digest of its bytes, a signed int, on worker ``rank``)."""
+    (a 64-bit digest of its bytes, a signed int, on worker ``rank``).
+
+    ``carried``: the digests came with a value the request loaded from the remote tier
+    (connector/values.py): the engine that saved the chunk computed them, and this log can
+    judge the load by them without that engine's log."""
 
     TAG: ClassVar[int] = 60
+    VERSION: ClassVar[int] = 2  # v1 had no `carried`
     start: int
     keys: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
     digests: tuple[int, ...] = attrs.field(default=(), converter=_ints)
     rank: int = 0
+    carried: bool = False
 
 
 @attrs.frozen(slots=True)

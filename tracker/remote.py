@@ -7,7 +7,12 @@ replay of the log rebuilds it, hence every lookup answer and load plan that coun
 
 - ``RemoteFound``: a lookup asked the store; the keys it found are present, the others not;
 - ``RemoteSaveDone``: a write was confirmed: present. ``RemoteSaveFailed`` changes nothing;
-- ``RemoteLoadFailed``: a load found the key gone, short or corrupt: not present;
+- ``RemoteLoadFailed``: a load found the key gone, short or corrupt: not present. One whose
+  value was not this chunk's (:data:`FOREIGN_REASONS`: another chunk's, rank's or layout's,
+  not signed with the shared secret, another format: ``connector/values.py`` checks) is also
+  a violation, ``foreign_value``: someone wrote to the tier what no engine of this layout
+  saved there. Nothing was loaded (the load failed and vLLM recomputed), so the request does
+  not fall back to recompute: its own save of the chunk writes the right value back;
 - ``RemoteOutage`` / ``RemoteRestored``: the store is down (nothing is offered from it, and
   what it held before is forgotten, except by a load its lookup already counted:
   ``RemoteKeys.loadable``) or back.
@@ -25,10 +30,50 @@ from collections.abc import Callable, Sequence
 
 from tracker import events as ev
 from tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
-from tracker.state import RequestState
+from tracker.state import RequestState, Violation
 from tracker.wellformed import malformed
 
-__all__ = ["REMOTE_EFFECTS", "REMOTE_TYPES", "apply_remote", "lookup_keys"]
+__all__ = [
+    "FOREIGN_REASONS",
+    "FORMAT",
+    "MISPLACED",
+    "REMOTE_EFFECTS",
+    "REMOTE_TYPES",
+    "UNAUTHENTICATED",
+    "WRONG_LAYOUT",
+    "WRONG_RANK",
+    "apply_remote",
+    "foreign",
+    "foreign_violations",
+    "lookup_keys",
+]
+
+# Why a value read from the tier is not the chunk asked for (connector/values.py); each is
+# the start of a RemoteLoadFailed's reason, ``<name>[: <detail>]``.
+MISPLACED = "misplaced"  # it names another chunk key: swapped between keys
+WRONG_RANK = "wrong_rank"  # another tensor-parallel worker's share
+WRONG_LAYOUT = "wrong_layout"  # written by an engine whose KV bytes mean something else
+UNAUTHENTICATED = "unauthenticated"  # no MAC, or a wrong one, under the shared secret
+FORMAT = "format"  # not a value of this format (an older kvledger's, or not kvledger's)
+FOREIGN_REASONS = (MISPLACED, WRONG_RANK, WRONG_LAYOUT, UNAUTHENTICATED, FORMAT)
+
+
+def foreign(reason: str) -> bool:
+    """Whether a ``RemoteLoadFailed``'s reason says the value was not this chunk's (rather
+    than gone, damaged, refused or unavailable)."""
+    return reason.partition(":")[0] in FOREIGN_REASONS
+
+
+def foreign_violations(event: ev.Event) -> list[Violation]:
+    """``foreign_value`` for a well-formed ``RemoteLoadFailed`` whose value was not its
+    chunk's: the tier served someone else's bytes under this key (never loaded)."""
+    if event.__class__ is not ev.RemoteLoadFailed:
+        return []
+    assert isinstance(event, ev.RemoteLoadFailed)
+    if not foreign(event.reason) or malformed(event):
+        return []
+    detail = {"keys": "|".join(k.hex() for k in event.keys), "reason": event.reason}
+    return [Violation("foreign_value", event.step, event.req_id, "RemoteLoadFailed", detail)]
 
 
 def _found(remote: RemoteKeys, e: ev.Event) -> None:

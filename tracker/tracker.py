@@ -30,7 +30,7 @@ from tracker.history import RETIRED_MEMORY, retires
 from tracker.index_fold import apply_decision, apply_input
 from tracker.numbering import RequestNumbers
 from tracker.plans import answer_lookup, plan_load, plan_save
-from tracker.remote import REMOTE_TYPES, apply_remote
+from tracker.remote import REMOTE_TYPES, apply_remote, foreign_violations
 from tracker.state import (
     Phase,
     RequestState,
@@ -189,10 +189,13 @@ class Tracker:
         return []
 
     def _apply_remote_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
-        """The remote tier's facts: the index's remote keys alone change (tracker/remote.py)."""
+        """The remote tier's facts: the index's remote keys alone change (tracker/remote.py).
+        A value that was not its chunk's is a violation (``foreign_value``) that changes no
+        request: nothing of it was loaded, and the request's own save heals the tier."""
         apply_remote(self.index, event)
         self._record(event, ())
-        return []
+        found = foreign_violations(event)
+        return self._report(found, self.state(event.req_id)) if found else []
 
     def _apply_digest_event(self, event: ev.Event) -> list[ev.DecisionEvent]:
         """The worker's digests (BlockDigested, LoadDigested): the digest book alone changes;
