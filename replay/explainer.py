@@ -30,6 +30,7 @@ from tracker.plans import (
     span_tier,
     transfer_plan,
 )
+from tracker.remote import foreign
 from tracker.state import RequestState
 from tracker.tiers import POOL, tier_of_slot
 
@@ -143,6 +144,7 @@ class _Life:
     __slots__ = (
         "admissions",
         "current",
+        "foreign",
         "hw",
         "lookup",
         "pool_full_step",
@@ -164,6 +166,9 @@ class _Life:
         self.admissions = 0
         self.recompute_only = False
         self.pool_full_step: int | None = None
+        # The last value its load read from the remote tier that was not its chunk's
+        # (tracker.remote.foreign): (step, reason).
+        self.foreign: tuple[int, str] | None = None
 
 
 OnAdmission = Callable[[AdmissionMisses], None]
@@ -424,6 +429,9 @@ class Explainer:
     def _remote_load_failed(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.RemoteLoadFailed)
+        life = self.lives.get(item.life)
+        if life is not None and foreign(e.reason):
+            life.foreign = (e.step, e.reason)
         for key in e.keys:
             if key in self.remote_seen:
                 self.remote_lost[key] = (e.step, f"a load found it {e.reason or 'gone'}")
@@ -654,6 +662,15 @@ class Explainer:
         life.lookup = None
         life.current = adm
 
+    @staticmethod
+    def _load_failed(life: _Life, start: int, end: int, step: int | None) -> Miss:
+        """Tokens whose load failed: ``foreign_value`` when the load failed because the
+        remote tier served a value that was not its chunk's (the one fact a user acts on:
+        someone writes to the tier), else ``load_failed``."""
+        if life.foreign is not None and life.foreign[0] == step:
+            return Miss(start, end, "foreign_value", step, detail=life.foreign[1])
+        return Miss(start, end, "load_failed", step)
+
     def _close(self, label: str, life: _Life) -> None:
         adm = life.current
         life.current = None
@@ -688,7 +705,7 @@ class Explainer:
                 if adm.fail_at is not None:
                     ok_end = max(local, min(ext_end, adm.fail_at))
                     if ok_end < ext_end:
-                        misses.append(Miss(ok_end, ext_end, "load_failed", adm.fail_step))
+                        misses.append(self._load_failed(life, ok_end, ext_end, adm.fail_step))
             for lo, hi, tier in adm.tiers:
                 hits[tier] += max(0, min(hi, ok_end) - max(lo, local))
             served = local + hits["pool"] + hits["remote"]

@@ -51,6 +51,9 @@ REASONS: dict[str, str] = {
     "remote_down": "the remote tier, which held it, was down at the lookup",
     "remote_evicted": "the remote tier held it once and did not any more (evicted, expired, "
     "restarted empty)",
+    "foreign_value": "vLLM accepted it from the remote tier, which held a value under its key "
+    "that is not this chunk's (another chunk's, rank's or layout's, or not signed with the shared "
+    "secret): refused, never loaded, and vLLM recomputed from there",
     "load_failed": "vLLM accepted it, its load failed, and vLLM recomputed from there",
     "load_refused": "vLLM counted it as loaded; the tracker refused the load (a violation) and "
     "vLLM recomputed it",
@@ -134,6 +137,7 @@ _FACTS = {
     "pool_full": "{by} found no slot at step {step}",
     "remote_down": "down since step {step}",
     "remote_evicted": "since step {step}",
+    "foreign_value": "refused at step {step}; vLLM recomputed",
     "load_failed": "failed at step {step}; vLLM recomputed",
     "recompute_only": "{by}, at step {step}",
     "not_offered": "computed by {by} at step {step}",

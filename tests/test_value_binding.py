@@ -70,6 +70,7 @@ def _remote_loads_done(events: list[ev.Event]) -> int:
 def _served_without_wrong_kv(report: Any, reason: str) -> list[ev.Event]:
     """The run had no oracle mismatch, refused values with ``reason``, recorded each as a
     ``foreign_value`` violation and nothing else; its log checks exit 1 naming it."""
+    from replay.explain import explain
     from replay.replayer import check
 
     assert [m.describe() for m in report.mismatches] == []
@@ -85,6 +86,16 @@ def _served_without_wrong_kv(report: Any, reason: str) -> list[ev.Event]:
     assert result.exit_code == 1
     assert {p.name for p in result.problems} == {"foreign_value"}
     assert all(p.kind == "violation" and p.recorded_too for p in result.problems)
+    # explain names it, for the tokens whose load read a refused value, with the reason.
+    misses = [
+        m
+        for r in explain(report.log_path).requests
+        for a in r.admissions
+        for m in a.misses
+        if m.reason == "foreign_value"
+    ]
+    assert misses and all(m.detail.startswith(reason) for m in misses)
+    assert {m.step for m in misses} <= {e.step for e in refused}
     return events
 
 
