@@ -52,6 +52,13 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         help="a log file, the segment files of one log in order, or a directory holding them",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object, no prose")
+    p.add_argument(
+        "--replicas",
+        action="store_true",
+        help="each LOG is another engine's log (a file or a directory) and they shared one "
+        "remote tier: check each, then judge what each loaded against the digests every "
+        "engine computed (digests on: catches values forged on the tier)",
+    )
     p.add_argument("--request", metavar="ID", help="report only this request's problems")
     p.add_argument("--first", action="store_true", help="stop at the first problem")
     p.add_argument(
@@ -86,6 +93,14 @@ def run_check(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"kvledger check: --with: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "replicas", False):
+        if overrides or args.differential:
+            print(
+                "kvledger check: --replicas takes neither --with nor --differential",
+                file=sys.stderr,
+            )
+            return 2
+        return _run_replicas(args)
     paths = args.logs[0] if len(args.logs) == 1 else list(args.logs)
     bar = None if args.json else progress_bar(sys.stderr, "check", unit="bytes")
     with bar if bar is not None else nullcontext():
@@ -120,6 +135,52 @@ def run_check(args: argparse.Namespace) -> int:
         elif result.stop is not None:
             warn_damage(", ".join(args.logs), result.stop)
     return result.exit_code
+
+
+def _run_replicas(args: argparse.Namespace) -> int:
+    """``check --replicas``: each log checked alone, then the logs judged together
+    (replay/replicas.py). The exit code is the worst of them."""
+    from replay.replayer import check
+    from replay.replicas import cross_check
+
+    results = []
+    for path in args.logs:
+        result = check(path, request=args.request, first=args.first)
+        results.append(result)
+        if not args.json:
+            print(f"== {path}")
+            render(result, sys.stdout, limit=args.limit)
+            print()
+    readable = [p for p, r in zip(args.logs, results, strict=True) if r.error is None]
+    cross = cross_check(readable)
+    code = max([r.exit_code for r in results] + [1 if cross.problems else 0])
+    if args.json:
+        out = {
+            "logs": [r.to_dict() for r in results],
+            "replicas": cross.to_dict(),
+            "exit_code": code,
+        }
+        print(json.dumps(out, indent=2))
+        return code
+    print(f"== the {len(readable)} logs together (one remote tier)")
+    print(
+        f"  remote    {_n(cross.remote_loaded)} chunks loaded from the tier, "
+        f"{_n(cross.saved_elsewhere)} of them saved there by another of these logs"
+    )
+    print(
+        f"  digests   {_n(cross.judged)} loaded or carried block digests judged against what "
+        f"the replicas computed; {_n(cross.unjudged)} not computed by any of them"
+    )
+    for n, p in enumerate(cross.problems[: args.limit], 1):
+        print(f"problem {n}: {p.describe()}")
+        print(f"  {p.detail}")
+        print(f"  at {p.path}")
+    more = len(cross.problems) - args.limit
+    if more > 0:
+        print(f"  ... and {more} more")
+    verdict = f"{len(cross.problems)} problems" if cross.problems else "consistent"
+    print(f"result: {verdict} across the replicas (exit {code})")
+    return code
 
 
 # --- check's report -------------------------------------------------------------------------
