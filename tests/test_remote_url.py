@@ -18,7 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from connector.config import REMOTE_URL_OPTIONS, ConnectorConfig, ConnectorConfigError
-from connector.remote import RemoteStore, describe
+from connector.remote import RemoteStore, describe, remote_key
+from connector.values import ValueSeal
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 
@@ -213,12 +214,13 @@ def test_a_database_the_server_does_not_have_is_a_startup_error(redis_server: Re
 def test_a_unix_socket_url_is_served(redis_server: RedisServer) -> None:
     store = RemoteStore(redis_server.unix_url + "?db=3", timeout_s=2.0, retry_s=0.05)
     assert store.check(startup=True) is None
-    assert store.put([(b"u" * 16, memoryview(b"xyz"))]) == [None]
+    value = ValueSeal(rank=0, layout=b"L" * 16).seal(b"u" * 16, memoryview(b"xyz"))
+    assert store.put([(b"u" * 16, value)]) == [None]
     assert store.exists([b"u" * 16]) == [1]
-    assert redis_server.client().exists(b"kvledger:" + (b"u" * 16).hex().encode() + b":0") == 0
+    assert redis_server.client().exists(remote_key(b"u" * 16, 0)) == 0
     raw = redis_server.client()
     raw.select(3)
-    assert raw.exists(b"kvledger:" + (b"u" * 16).hex().encode() + b":0") == 1
+    assert raw.exists(remote_key(b"u" * 16, 0)) == 1
 
 
 @pytest.mark.redis

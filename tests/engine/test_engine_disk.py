@@ -70,7 +70,7 @@ def test_a_second_engine_loads_the_first_ones_chunks_from_the_files(
     base: EngineRuns, writer: EngineRuns, reader: EngineRuns, directory: Path
 ) -> None:
     assert writer.total(WORKLOAD, "remote_chunks_saved") > 0
-    assert any(directory.glob("*.0.kvl"))
+    assert any(directory.glob("*.0.kvl2"))
     assert reader.total(WORKLOAD, "remote_chunks_loaded") > 0
     for runs in (writer, reader):
         assert_same_outputs(base, runs, WORKLOAD)  # every request, token for token
