@@ -149,6 +149,36 @@ def test_a_tier_that_cannot_be_loaded_or_is_no_tier_is_a_startup_error() -> None
         open_tier(_config("notier://x"), scheduler=True)
 
 
+class OldInterfaceTier(MemoryTier):
+    """A tier written for the interface before the worker sealed values: it checked (or
+    forgot to check) the bytes itself and returned bare payloads."""
+
+    def get(self, keys: Any, expected_len: int) -> Any:  # type: ignore[override]
+        return super().get(keys)
+
+
+def test_a_tier_written_for_the_old_interface_refuses_to_start() -> None:
+    register_tier("oldtier", __name__, "OldInterfaceTier")
+    with pytest.raises(ConnectorConfigError, match=r"earlier Tier interface") as info:
+        open_tier(_config("oldtier://x"), scheduler=False)
+    assert "drop expected_len" in str(info.value)
+
+
+def test_a_plug_in_tier_stores_sealed_values_it_never_checks() -> None:
+    """The worker seals every value it puts and checks every value it gets, around the tier:
+    the memory tier holds the whole value, header included, bound to its key."""
+    from connector.values import ValueSeal
+
+    url = _url()
+    tier = open_tier(_config(url), scheduler=False)
+    assert tier is not None
+    seal = ValueSeal(rank=0, layout=b"L" * 16)
+    tier.put([(b"a" * 16, seal.seal(b"a" * 16, memoryview(b"x" * 64)))])
+    (stored,) = STORES[url.partition("://")[2]].values()
+    assert len(stored) > 64 and stored.endswith(b"x" * 64)
+    assert seal.open(b"b" * 16, stored, 64) == f"misplaced: the value of chunk {(b'a' * 16).hex()}"
+
+
 def test_the_tiers_own_url_check_runs_at_startup() -> None:
     with pytest.raises(ConnectorConfigError, match="memory://<name>"):
         SchedulerSide(_config("memory://not-a-name"), block_size=16, num_slots=4)
