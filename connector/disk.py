@@ -55,11 +55,13 @@ def _directory(url: str) -> str:
             f"remote_url file:// takes no query or fragment: {redacted(url)}"
         )
     path = unquote(parts.path)
-    if not path.startswith("/") or path.rstrip("/") == "" or "\x00" in path:
+    # Judged after normalising: /., /./ and // all name / itself.
+    normal = os.path.normpath(path)
+    if not path.startswith("/") or normal.strip("/") == "" or "\x00" in path:
         raise ConnectorConfigError(
             f"remote_url file:// must name an absolute directory other than /: {redacted(url)}"
         )
-    return os.path.normpath(path)
+    return normal
 
 
 class DiskTier:

@@ -88,6 +88,10 @@ def test_a_directory_gone_is_an_outage_until_it_is_back(tmp_path: Path) -> None:
     [
         ("file://host/x", "file:///absolute"),
         ("file:///", "other than /"),
+        ("file:////", "other than /"),
+        ("file:///.", "other than /"),
+        ("file:///./", "other than /"),
+        ("file:///.//.", "other than /"),
         ("file:///x?mode=1", "no query"),
         ("file://relative", "file:///absolute"),
     ],
