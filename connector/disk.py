@@ -55,6 +55,13 @@ def _directory(url: str) -> str:
             f"remote_url file:// takes no query or fragment: {redacted(url)}"
         )
     path = unquote(parts.path)
+    if ".." in path.split("/"):
+        # Normalising /srv/x/../../etc/kvl would make and fill /etc/kvl, a directory the
+        # URL does not plainly name.
+        raise ConnectorConfigError(
+            "remote_url file:// may not have .. in its path: name the directory plainly "
+            f"(file:///srv/kvl): {redacted(url)}"
+        )
     # Judged after normalising: /., /./ and // all name / itself.
     normal = os.path.normpath(path)
     if not path.startswith("/") or normal.strip("/") == "" or "\x00" in path:
@@ -83,7 +90,13 @@ class DiskTier:
         assert config.remote_url is not None
         tier = cls(config.remote_url, rank=rank)
         try:
-            os.makedirs(tier.directory, exist_ok=True)
+            # The directory named, never its parents: a typo makes no tree of directories.
+            os.mkdir(tier.directory)
+        except FileExistsError:
+            if not os.path.isdir(tier.directory):
+                raise ConnectorConfigError(
+                    f"remote_url {redacted(config.remote_url)}: {tier.directory} is not a directory"
+                ) from None
         except OSError as exc:
             raise ConnectorConfigError(
                 f"remote_url {redacted(config.remote_url)}: the directory cannot be made: "

@@ -103,6 +103,41 @@ def test_a_bad_file_url_is_a_startup_error_naming_the_key(url: str, says: str) -
     assert says in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "tail", ["/a/b/../../made", "/a/%2e%2e/made", "/a/b/..", "/a/b/%2E%2E%2F..%2Fmade"]
+)
+def test_a_path_with_dot_dot_is_refused_and_makes_nothing(tail: str, tmp_path: Path) -> None:
+    """file:///srv/x/../../etc/kvl made /etc/kvl (tried under tmp_path: a regression then
+    makes nothing outside it)."""
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    for url in (tmp_path.as_uri() + tail, "file:///.."):
+        config = ConnectorConfig.from_extra_config(
+            {"chunk_size": 32, "remote_url": url}, environ={}
+        )
+        with pytest.raises(
+            ConnectorConfigError, match=r"remote_url file:// may not have \.\."
+        ) as info:
+            open_tier(config, scheduler=True)
+        assert "name the directory plainly" in str(info.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b"]
+
+
+def test_only_the_named_directory_is_made_never_its_parents(tmp_path: Path) -> None:
+    leaf = tmp_path / "p" / "q" / "leaf"
+    config = ConnectorConfig.from_extra_config(
+        {"chunk_size": 32, "remote_url": leaf.as_uri()}, environ={}
+    )
+    with pytest.raises(ConnectorConfigError, match="remote_url"):
+        open_tier(config, scheduler=True)
+    assert not (tmp_path / "p").exists()
+    (tmp_path / "afile").write_text("")
+    config = ConnectorConfig.from_extra_config(
+        {"chunk_size": 32, "remote_url": (tmp_path / "afile").as_uri()}, environ={}
+    )
+    with pytest.raises(ConnectorConfigError, match="is not a directory"):
+        open_tier(config, scheduler=True)
+
+
 # --- under vLLM's real scheduler, with the KV-content oracle ------------------------------------
 
 WORKLOAD: dict[str, Any] = dict(
