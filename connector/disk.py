@@ -16,6 +16,13 @@ permission, a full disk) fails that chunk alone, ``refused: <error>``; a directo
 gone or not a directory is an outage (``TierUnavailable``), which the scheduler side records
 once and probes each step (``check``) until the directory serves again.
 
+At startup the directory named is made, never its parents. One whose parent is not there yet
+(a mount not up) is an outage, as a Redis server down at startup is: the connector starts,
+the scheduler records it, and each probe tries to make the directory again, so the tier
+comes up by itself once the parent is there. What no wait mends is a configuration error
+(``ConnectorConfigError`` naming ``remote_url``): a path that is a file, a directory that
+cannot be made (a permission) or that exists and cannot be written.
+
 Nothing evicts: the directory grows until the filesystem is full (each write then fails,
 recorded). Delete files whenever you like (by age, say: ``find DIR -name '*.kvl' -mmin +60
 -delete``): a chunk gone is a recorded miss that vLLM recomputes.
@@ -81,6 +88,10 @@ class DiskTier:
         self.url = url
         self.rank = rank
         self.directory = _directory(url)
+        # Until the directory has been there once, check() makes it when its parent is there.
+        # After, a directory gone is an outage until someone puts it back: it may have been
+        # removed on purpose, or a mount gone would have us write under its mount point.
+        self._there = False
 
     def __repr__(self) -> str:
         return f"DiskTier({self.directory!r}, rank={self.rank})"
@@ -89,20 +100,31 @@ class DiskTier:
     def from_config(cls, config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> DiskTier:
         assert config.remote_url is not None
         tier = cls(config.remote_url, rank=rank)
-        try:
-            # The directory named, never its parents: a typo makes no tree of directories.
-            os.mkdir(tier.directory)
-        except FileExistsError:
-            if not os.path.isdir(tier.directory):
-                raise ConnectorConfigError(
-                    f"remote_url {redacted(config.remote_url)}: {tier.directory} is not a directory"
-                ) from None
-        except OSError as exc:
-            raise ConnectorConfigError(
-                f"remote_url {redacted(config.remote_url)}: the directory cannot be made: "
-                f"{describe(exc)}"
-            ) from None
+        tier._make(startup=True)  # a parent not there yet: the sides' check says so
         return tier
+
+    def _make(self, *, startup: bool) -> str | None:
+        """Make the directory named, never its parents: None once it is there, else why not
+        (``Type: message``). A parent not there is only that (a mount not up yet); at
+        ``startup``, anything else raises ``ConnectorConfigError``: no wait mends it."""
+        try:
+            os.mkdir(self.directory)
+        except FileExistsError:
+            if os.path.isdir(self.directory):
+                self._there = True
+                return None
+            why = f"NotADirectoryError: {self.directory} is not a directory"
+        except FileNotFoundError:
+            parent = os.path.dirname(self.directory)
+            return f"FileNotFoundError: {self.directory} cannot be made: {parent} is not there"
+        except OSError as exc:
+            why = f"the directory cannot be made: {describe(exc)}"
+        else:
+            self._there = True
+            return None
+        if startup:
+            raise ConnectorConfigError(f"remote_url {redacted(self.url)}: {why}")
+        return why
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, chunk_file(key, self.rank))
@@ -115,7 +137,12 @@ class DiskTier:
         return True  # a local call: asked each time, no back-off
 
     def check(self, *, startup: bool = False) -> str | None:
-        """None if the directory is there and this process may read and write in it."""
+        """None if the directory is there and this process may read and write in it. Until
+        it has been there once, it is made here (see the module's docstring)."""
+        if not self._there:
+            why = self._make(startup=startup)
+            if why is not None:
+                return why
         try:
             self._serving()
         except TierUnavailable as exc:
