@@ -33,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Sequence
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError, redacted
+from connector.config import ConnectorConfig, ConnectorConfigError, redacted, url_path
 from connector.remote import decode_value, describe, encode_header
 from connector.tiers import MISSING, REFUSED, TierUnavailable
 
@@ -52,7 +52,10 @@ def chunk_file(key: bytes, rank: int) -> str:
 def _directory(url: str) -> str:
     """The directory of a ``file://`` URL: an absolute path, no host but ``localhost``, no
     query or fragment; else ``ConnectorConfigError`` naming ``remote_url``."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 host
+        parts = urlsplit("-:")  # no file:// URL: refused below
     if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
         raise ConnectorConfigError(
             f"remote_url must be file:///absolute/path/to/dir for the disk tier: {redacted(url)}"
@@ -61,7 +64,7 @@ def _directory(url: str) -> str:
         raise ConnectorConfigError(
             f"remote_url file:// takes no query or fragment: {redacted(url)}"
         )
-    path = unquote(parts.path)
+    path = url_path(url, "file:// path")  # UTF-8, no control character: else refused
     if ".." in path.split("/"):
         # Normalising /srv/x/../../etc/kvl would make and fill /etc/kvl, a directory the
         # URL does not plainly name.
@@ -71,7 +74,7 @@ def _directory(url: str) -> str:
         )
     # Judged after normalising: /., /./ and // all name / itself.
     normal = os.path.normpath(path)
-    if not path.startswith("/") or normal.strip("/") == "" or "\x00" in path:
+    if not path.startswith("/") or normal.strip("/") == "":
         raise ConnectorConfigError(
             f"remote_url file:// must name an absolute directory other than /: {redacted(url)}"
         )

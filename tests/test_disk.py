@@ -94,6 +94,15 @@ def test_a_directory_gone_is_an_outage_until_it_is_back(tmp_path: Path) -> None:
         ("file:///.//.", "other than /"),
         ("file:///x?mode=1", "no query"),
         ("file://relative", "file:///absolute"),
+        ("file://[::1/x", "file:///absolute"),
+        # What urllib's unquote would silently make a U+FFFD, and what decodes to a control
+        # or invisible character, each shown.
+        ("file:///srv/%ff%fe", "file:// path has percent-escapes that are not UTF-8 (%ff%fe)"),
+        ("file:///srv/a%C3/b%e9", "not UTF-8 (%C3 %e9)"),
+        ("file:///srv/kv%0Al", "control or invisible character, percent-encoded (%0A)"),
+        ("file:///srv/kvl%00", "control or invisible character, percent-encoded (%00)"),
+        ("file:///srv/%1b[0m", "(%1b)"),
+        ("file:///srv/k%E2%80%8Bvl", "(%E2%80%8B)"),  # a zero-width space
     ],
 )
 def test_a_bad_file_url_is_a_startup_error_naming_the_key(url: str, says: str) -> None:
@@ -101,6 +110,11 @@ def test_a_bad_file_url_is_a_startup_error_naming_the_key(url: str, says: str) -
     with pytest.raises(ConnectorConfigError, match="remote_url") as info:
         open_tier(config, scheduler=True)
     assert says in str(info.value)
+
+
+def test_a_path_percent_encoded_as_utf8_is_the_directory_it_spells(tmp_path: Path) -> None:
+    tier = _tier(Path(f"{tmp_path}/caf\u00e9 d"))  # as_uri encodes: caf%C3%A9%20d
+    assert tier.directory == f"{tmp_path}/caf\u00e9 d" and os.path.isdir(tier.directory)
 
 
 @pytest.mark.parametrize(
