@@ -20,8 +20,9 @@ from tracker.config import ConfigError
 __all__ = ["add_check", "render", "render_problem", "run_check"]
 
 _EPILOG = """\
-exit status: 0 clean, 1 problems, 2 the log could not be read to its end,
-  3 incomplete (no end record: the engine is still writing it or died; steps dropped)
+exit status: 0 clean, 1 problems, 2 the log could not be read to its end (a torn tail,
+  a corrupt frame), 3 incomplete (no end record: the engine is still writing it or died
+  between two writes; steps dropped)
 examples:
   kvledger check kvledger-1234.kvlog
   kvledger check logs/ --first                  # a directory holding one log's segments
