@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Mapping
 from importlib.metadata import entry_points
 from typing import Any
-from urllib.parse import unquote_plus, urlsplit
+from urllib.parse import unquote, unquote_plus, urlsplit
 
 import attrs
 
@@ -38,6 +38,7 @@ __all__ = [
     "connector_name",
     "redacted",
     "tier_target",
+    "url_path",
 ]
 
 # Turns the event log on without touching the serving command line.
@@ -192,6 +193,45 @@ def _check_url_chars(value: str) -> None:
         raise _url_error("has a space or a control character (percent-encode it)", value)
 
 
+_ESCAPES = re.compile(r"(?:%[0-9A-Fa-f]{2})+")
+
+
+def _shown_escapes(runs: list[str]) -> str:
+    shown = [run if len(run) <= 24 else run[:21] + "..." for run in runs[:3]]
+    return " ".join(shown) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+
+
+def url_path(url: str, what: str) -> str:
+    """The path of ``url``, percent-decoded as UTF-8; else ``ConnectorConfigError`` naming
+    ``remote_url``, ``what`` (``file:// path``) and the escapes at fault: escapes whose bytes
+    are not UTF-8 (urllib's ``unquote`` would make each a U+FFFD, a path nobody named), or that
+    decode to a control or invisible character (a newline, a NUL) where a space is the only
+    one a path may have."""
+    _check_url_chars(url)
+    path = urlsplit(url).path
+    runs = _ESCAPES.findall(path)
+    not_utf8 = []
+    for run in runs:
+        try:
+            unquote(run, errors="strict")
+        except UnicodeDecodeError:
+            not_utf8.append(run)
+    if not_utf8:
+        raise _url_error(
+            f"{what} has percent-escapes that are not UTF-8 ({_shown_escapes(not_utf8)}): a "
+            "path is UTF-8 text, each byte of a character percent-encoded (é is %C3%A9)",
+            url,
+        )
+    hidden = [run for run in runs if any(ch != " " and not ch.isprintable() for ch in unquote(run))]
+    if hidden:
+        raise _url_error(
+            f"{what} has a control or invisible character, percent-encoded "
+            f"({_shown_escapes(hidden)}): name a path without one",
+            url,
+        )
+    return unquote(path, errors="strict")
+
+
 def check_remote_url(value: Any) -> str:
     """``value`` if it names a remote tier: a URL of a scheme :func:`tier_target` knows (its
     tier checks the rest when it opens), or a Redis URL (:func:`check_redis_url`); else
@@ -202,21 +242,35 @@ def check_remote_url(value: Any) -> str:
     return check_redis_url(value)
 
 
+def _other_schemes() -> set[str]:
+    """The schemes of the tiers other than Redis: registered, or installed packages'."""
+    return {*TIER_SCHEMES, *(p.name for p in entry_points(group=TIER_ENTRY_POINTS))}
+
+
 def check_redis_url(value: Any) -> str:
     """``value`` if it is a Redis URL the remote tier accepts, else ``ConnectorConfigError``
     naming ``remote_url`` and what is wrong, with the URL shown ``redacted``: no password, no
     query value. Accepted: ``redis://[[user]:password@]host[:port][/db]``, ``rediss://`` the
     same, ``unix://[[user]:password@]/path/to/socket``; query options ``REMOTE_URL_OPTIONS``
     only (``db``, for a socket; ``client_name``)."""
-    if not isinstance(value, str) or not value:
-        got = repr(value) if isinstance(value, str) else type(value).__name__
-        raise ConnectorConfigError(f"remote_url must be a Redis URL string, got {got}")
+    if not isinstance(value, str):
+        raise ConnectorConfigError(
+            f"remote_url must be a Redis URL string, got {type(value).__name__}"
+        )
+    if not value.strip():
+        registered = sorted(_other_schemes() - {"file"})
+        theirs = ", ".join(f"{name}://..." for name in registered) or "its-scheme://..."
+        raise ConnectorConfigError(
+            f"remote_url is empty ({value!r}): give a URL (redis://host:6379/0, "
+            "rediss://host:6379/0, unix:///path/to/redis.sock, file:///path/to/dir, or a "
+            f"registered tier's: {theirs}), or leave remote_url unset (null) for no remote tier"
+        )
     _check_url_chars(value)
     scheme, sep, _ = value.partition("://")
     if not sep or scheme not in REDIS_SCHEMES:
-        others = {*TIER_SCHEMES, *(p.name for p in entry_points(group=TIER_ENTRY_POINTS))}
-        case = " (in lower case)" if scheme.lower() in (*REDIS_SCHEMES, *others) else ""
-        schemes = [f"{name}://" for name in (*REDIS_SCHEMES, *sorted(others))]
+        known = _other_schemes()
+        case = " (in lower case)" if scheme.lower() in (*REDIS_SCHEMES, *known) else ""
+        schemes = [f"{name}://" for name in (*REDIS_SCHEMES, *sorted(known))]
         listed = ", ".join(schemes[:-1]) + " or " + schemes[-1]
         raise _url_error(f"must start with {listed}{case}", value)
     try:
@@ -253,6 +307,7 @@ def check_redis_url(value: Any) -> str:
             raise _url_error("names a host: a socket is unix:///path/to/redis.sock", value)
         if parts.path in ("", "/"):
             raise _url_error("names no socket path (unix:///path/to/redis.sock)", value)
+        url_path(value, "unix:// socket path")  # redis-py's unquote would replace, not refuse
         return value
     if not host:
         raise _url_error("names no host (redis://host:6379/0)", value)

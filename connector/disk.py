@@ -16,6 +16,13 @@ permission, a full disk) fails that chunk alone, ``refused: <error>``; a directo
 gone or not a directory is an outage (``TierUnavailable``), which the scheduler side records
 once and probes each step (``check``) until the directory serves again.
 
+At startup the directory named is made, never its parents. One whose parent is not there yet
+(a mount not up) is an outage, as a Redis server down at startup is: the connector starts,
+the scheduler records it, and each probe tries to make the directory again, so the tier
+comes up by itself once the parent is there. What no wait mends is a configuration error
+(``ConnectorConfigError`` naming ``remote_url``): a path that is a file, a directory that
+cannot be made (a permission) or that exists and cannot be written.
+
 Nothing evicts: the directory grows until the filesystem is full (each write then fails,
 recorded). Delete files whenever you like (by age, say: ``find DIR -name '*.kvl' -mmin +60
 -delete``): a chunk gone is a recorded miss that vLLM recomputes.
@@ -27,9 +34,9 @@ import contextlib
 import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError, redacted
+from connector.config import ConnectorConfig, ConnectorConfigError, redacted, url_path
 from connector.remote import describe
 from connector.tiers import MISSING, REFUSED, TierUnavailable
 
@@ -49,7 +56,10 @@ def chunk_file(key: bytes, rank: int) -> str:
 def _directory(url: str) -> str:
     """The directory of a ``file://`` URL: an absolute path, no host but ``localhost``, no
     query or fragment; else ``ConnectorConfigError`` naming ``remote_url``."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # an unclosed [ of an IPv6 host
+        parts = urlsplit("-:")  # no file:// URL: refused below
     if parts.scheme != "file" or parts.netloc not in ("", "localhost"):
         raise ConnectorConfigError(
             f"remote_url must be file:///absolute/path/to/dir for the disk tier: {redacted(url)}"
@@ -58,12 +68,21 @@ def _directory(url: str) -> str:
         raise ConnectorConfigError(
             f"remote_url file:// takes no query or fragment: {redacted(url)}"
         )
-    path = unquote(parts.path)
-    if not path.startswith("/") or path.rstrip("/") == "" or "\x00" in path:
+    path = url_path(url, "file:// path")  # UTF-8, no control character: else refused
+    if ".." in path.split("/"):
+        # Normalising /srv/x/../../etc/kvl would make and fill /etc/kvl, a directory the
+        # URL does not plainly name.
+        raise ConnectorConfigError(
+            "remote_url file:// may not have .. in its path: name the directory plainly "
+            f"(file:///srv/kvl): {redacted(url)}"
+        )
+    # Judged after normalising: /., /./ and // all name / itself.
+    normal = os.path.normpath(path)
+    if not path.startswith("/") or normal.strip("/") == "":
         raise ConnectorConfigError(
             f"remote_url file:// must name an absolute directory other than /: {redacted(url)}"
         )
-    return os.path.normpath(path)
+    return normal
 
 
 class DiskTier:
@@ -76,6 +95,10 @@ class DiskTier:
         self.url = url
         self.rank = rank
         self.directory = _directory(url)
+        # Until the directory has been there once, check() makes it when its parent is there.
+        # After, a directory gone is an outage until someone puts it back: it may have been
+        # removed on purpose, or a mount gone would have us write under its mount point.
+        self._there = False
 
     def __repr__(self) -> str:
         return f"DiskTier({self.directory!r}, rank={self.rank})"
@@ -84,14 +107,31 @@ class DiskTier:
     def from_config(cls, config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> DiskTier:
         assert config.remote_url is not None
         tier = cls(config.remote_url, rank=rank)
-        try:
-            os.makedirs(tier.directory, exist_ok=True)
-        except OSError as exc:
-            raise ConnectorConfigError(
-                f"remote_url {redacted(config.remote_url)}: the directory cannot be made: "
-                f"{describe(exc)}"
-            ) from None
+        tier._make(startup=True)  # a parent not there yet: the sides' check says so
         return tier
+
+    def _make(self, *, startup: bool) -> str | None:
+        """Make the directory named, never its parents: None once it is there, else why not
+        (``Type: message``). A parent not there is only that (a mount not up yet); at
+        ``startup``, anything else raises ``ConnectorConfigError``: no wait mends it."""
+        try:
+            os.mkdir(self.directory)
+        except FileExistsError:
+            if os.path.isdir(self.directory):
+                self._there = True
+                return None
+            why = f"NotADirectoryError: {self.directory} is not a directory"
+        except FileNotFoundError:
+            parent = os.path.dirname(self.directory)
+            return f"FileNotFoundError: {self.directory} cannot be made: {parent} is not there"
+        except OSError as exc:
+            why = f"the directory cannot be made: {describe(exc)}"
+        else:
+            self._there = True
+            return None
+        if startup:
+            raise ConnectorConfigError(f"remote_url {redacted(self.url)}: {why}")
+        return why
 
     def _path(self, key: bytes) -> str:
         return os.path.join(self.directory, chunk_file(key, self.rank))
@@ -104,7 +144,12 @@ class DiskTier:
         return True  # a local call: asked each time, no back-off
 
     def check(self, *, startup: bool = False) -> str | None:
-        """None if the directory is there and this process may read and write in it."""
+        """None if the directory is there and this process may read and write in it. Until
+        it has been there once, it is made here (see the module's docstring)."""
+        if not self._there:
+            why = self._make(startup=startup)
+            if why is not None:
+                return why
         try:
             self._serving()
         except TierUnavailable as exc:

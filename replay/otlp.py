@@ -37,6 +37,7 @@ from typing import Any
 from replay.explainer import Explainer
 from replay.extras import require
 from replay.misses import HITS, AdmissionMisses
+from replay.partial import PARTIAL_KEY, partial_reason, publish
 from replay.results import ExportResult
 from replay.source import LogPath, open_log
 from tracker import events as ev
@@ -140,6 +141,8 @@ def _lives(log: LogPath) -> tuple[dict[str, _Life], int, dict[str, Any], StopInf
         "kvledger.run_id": str(src.header.get("run_id", "")),
         "kvledger.version": str(src.header.get("library_version", "")),
         "vllm.version": src.run_info.get("vllm_version"),
+        # On every span, to any OTLP backend: the log was read only in part (replay.partial).
+        PARTIAL_KEY: partial_reason(src.damage, src.missing_segments()),
     }
     return lives, last_ns, resource, src.damage
 
@@ -312,7 +315,8 @@ def to_protobuf(document: dict[str, Any]) -> Any:
 
 def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> ExportResult:
     """Write the log's spans to ``out``: OTLP/JSON lines, or protobuf for ``.binpb``/``.pb``
-    (whole or not at all)."""
+    (whole or not at all; a log read only in part to ``out``'s partial name:
+    ``replay.partial``)."""
     binary = out.lower().endswith(BINARY_SUFFIXES)
     if binary:  # missing extra: say so before reading the log
         require(
@@ -331,7 +335,7 @@ def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> ExportRe
                 for d in documents:
                     f.write(json.dumps(d, separators=(",", ":")))
                     f.write("\n")
-        os.replace(tmp, out)
+        out = publish(tmp, out, resource[PARTIAL_KEY])
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -340,4 +344,13 @@ def write_otlp(log: LogPath, out: str, *, per_line: int = _PER_LINE) -> ExportRe
         "spans": len(all_spans),
         "miss events": sum(len(s.get("events", ())) for s in all_spans),
     }
-    return ExportResult(out, "otlp", "otlp", counts, [] if damage is None else [damage], (), None)
+    return ExportResult(
+        out,
+        "otlp",
+        "otlp",
+        counts,
+        [] if damage is None else [damage],
+        (),
+        None,
+        resource[PARTIAL_KEY],
+    )

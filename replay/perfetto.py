@@ -28,6 +28,7 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
+from replay.partial import PARTIAL_KEY, partial_reason, publish
 from replay.results import ExportResult
 from replay.source import LogPath
 from replay.tables import Row, TableRows, collect
@@ -170,16 +171,27 @@ def _build(log: LogPath, problems: bool) -> tuple[dict[str, Any], TableRows]:
         events.append(instant)
     events += _misses(rows["misses"], tids, clock)
     events += _counters(rows["steps"], clock)
-    doc = {
-        "traceEvents": events,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "log": os.fspath(log) if isinstance(log, (str, os.PathLike)) else str(log),
-            "clock": "the log's wall clock, microseconds since its first frame",
-            "damage": None if info.damage is None else info.damage.describe(),
-            "check_error": info.check_error,
-        },
+    partial = partial_reason(info.damage, info.missing)
+    if partial is not None:  # on the timeline itself, where the log's reading stopped
+        events.append(
+            {
+                "ph": "i",
+                "pid": _PID,
+                "ts": clock(last_step),
+                "name": f"the log was read only to here: {partial}",
+                "cat": "partial",
+                "s": "g",
+            }
+        )
+    other: dict[str, Any] = {
+        "log": os.fspath(log) if isinstance(log, (str, os.PathLike)) else str(log),
+        "clock": "the log's wall clock, microseconds since its first frame",
+        "damage": None if info.damage is None else info.damage.describe(),
+        "check_error": info.check_error,
     }
+    if partial is not None:
+        other[PARTIAL_KEY] = partial
+    doc = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
     return doc, info
 
 
@@ -361,13 +373,15 @@ def _counters(steps: list[Row], clock: _Clock) -> list[dict[str, Any]]:
 
 
 def write_trace(log: LogPath, out: str, *, problems: bool = True) -> ExportResult:
-    """Write :func:`trace` of ``log`` to ``out`` (whole or not at all)."""
+    """Write :func:`trace` of ``log`` to ``out`` (whole or not at all; a log read only in
+    part to ``out``'s partial name: ``replay.partial``)."""
     doc, info = _build(log, problems)
+    partial = doc["otherData"].get(PARTIAL_KEY)
     tmp = out + ".tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, out)
+        out = publish(tmp, out, partial)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -381,4 +395,4 @@ def write_trace(log: LogPath, out: str, *, problems: bool = True) -> ExportResul
         "counter values": phs["C"],
     }
     damage = [] if info.damage is None else [info.damage]
-    return ExportResult(out, "perfetto", "trace", counts, damage, (), info.check_error)
+    return ExportResult(out, "perfetto", "trace", counts, damage, (), info.check_error, partial)

@@ -301,9 +301,11 @@ class CheckResult:
 
 @attrs.frozen
 class ExportResult:
-    """What ``export`` wrote: ``rows`` per table (a trace: its events per phase type; spans:
-    traces, spans and miss events), the logs' damage, the runs of a tree, and why the problems
-    table is incomplete (``check_error``)."""
+    """What ``export`` wrote: where (``out``: the file written, whose name is marked when
+    ``partial``; the directory or the tree), ``rows`` per table (a trace: its events per phase
+    type; spans: traces, spans and miss events), the logs' damage, the runs of a tree, why the
+    problems table is incomplete (``check_error``), and why the files hold the log only in
+    part (``partial``: ``replay.partial``; a tree's, run by run), None when whole."""
 
     out: str
     format: str
@@ -312,6 +314,7 @@ class ExportResult:
     damage: list[StopInfo] = attrs.field(factory=list)
     runs: tuple[str, ...] = ()
     check_error: str | None = None
+    partial: str | None = None
 
     @property
     def total(self) -> int:

@@ -6,9 +6,13 @@ The sources, each a view per table of :data:`replay.tables.TABLES`:
 - several logs: the same, one ``run`` column added (:func:`replay.writers.run_name`), all
   runs in each view;
 - an export directory (``kvledger export LOG -o DIR``): its ``<table>.parquet`` or
-  ``<table>.jsonl`` files;
+  ``<table>.jsonl`` files (``<table>.partial.parquet``, ... when the export was of a log
+  read only in part: ``replay.partial``);
 - a Hive tree (``kvledger export LOG... -o TREE --partition run``): its Hive partitions, so
-  ``run`` is a column.
+  ``run`` is a column (``<name>.partial`` for a run read only in part).
+
+What a source holds of a log read only in part is said in :attr:`QueryResult.partial`, as a
+log's damage is in :attr:`QueryResult.damage`.
 
 **Files.** By default a query reads these tables and nothing else: the sources are read
 through pyarrow (a log's tables computed in memory, an export's files as pyarrow datasets,
@@ -33,6 +37,7 @@ from typing import Any
 import attrs
 
 from replay.extras import require
+from replay.partial import PARTIAL, PARTIAL_KEY
 from replay.tables import TABLES, collect
 from tracker.framing import StopInfo
 
@@ -63,6 +68,7 @@ class QueryResult:
     types: list[str]
     rows: list[tuple[Any, ...]]
     damage: list[StopInfo] = attrs.field(factory=list)  # logs read only up to damage
+    partial: list[str] = attrs.field(factory=list)  # exports of logs read only in part, why
 
     def to_dicts(self) -> list[dict[str, Any]]:
         return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
@@ -73,7 +79,7 @@ def source_kind(path: str) -> tuple[str, str]:
     ``jsonl``), else ``log``."""
     if os.path.isdir(path):
         for fmt, ext in (("parquet", ".parquet"), ("jsonl", ".jsonl")):
-            if os.path.exists(os.path.join(path, "requests" + ext)):
+            if any(os.path.exists(os.path.join(path, "requests" + m + ext)) for m in ("", PARTIAL)):
                 return "directory", fmt
             if glob.glob(os.path.join(path, "requests", "run=*", "*" + ext)):
                 return "tree", fmt
@@ -118,11 +124,13 @@ def connect(
     problems: bool = True,
     damage: list[StopInfo] | None = None,
     allow_files: bool = False,
+    partial: list[str] | None = None,
 ) -> Any:
     """A DuckDB connection with one view per table over ``sources`` (see the module
     docstring). ``problems=False`` leaves a log's ``problems`` view empty (no replay); the
-    damage of logs read only in part is appended to ``damage``. Unless ``allow_files``, the
-    connection is :data:`LOCKED` once the views exist: queries read them and nothing else."""
+    damage of logs read only in part is appended to ``damage``, and why an export's files
+    hold a log only in part to ``partial``. Unless ``allow_files``, the connection is
+    :data:`LOCKED` once the views exist: queries read them and nothing else."""
     duckdb = require("duckdb", "sql", _WHAT)
     if not sources:
         raise SqlError("no source: name a log, an export directory or a tree")
@@ -132,7 +140,7 @@ def connect(
     con = duckdb.connect()
     try:
         if kinds[0][0] != "log":
-            _register_export(con, os.fspath(sources[0]), *kinds[0])
+            _register_export(con, os.fspath(sources[0]), *kinds[0], partial)
         else:
             _register_logs(con, [os.fspath(s) for s in sources], problems, damage)
         if not allow_files:
@@ -144,21 +152,50 @@ def connect(
     return con
 
 
-def _register_export(con: Any, path: str, kind: str, fmt: str) -> None:
-    """One view per table of an export directory or a Hive tree."""
+def _register_export(
+    con: Any, path: str, kind: str, fmt: str, partial: list[str] | None = None
+) -> None:
+    """One view per table of an export directory or a Hive tree; why its files hold a log
+    only in part (a directory's, once; a tree's, run by run) appended to ``partial``."""
     ext = "." + fmt
+    said: dict[str, str] = {}
     for table in TABLES:
         if kind == "tree":
             root = os.path.join(path, table)
             files = sorted(glob.glob(os.path.join(glob.escape(root), "*", "*" + ext)))
+            for f in files:
+                run = os.path.basename(os.path.dirname(f))
+                if run.endswith(PARTIAL):
+                    said.setdefault(run, _partial_why(f, fmt))
         else:
             root = None
-            one = os.path.join(path, table + ext)
-            files = [one] if os.path.exists(one) else []
+            whole = os.path.join(path, table + ext)
+            part = os.path.join(path, table + PARTIAL + ext)
+            files = [f for f in (whole, part) if os.path.exists(f)]
+            if len(files) == 2:
+                raise SqlError(
+                    f"{path} holds {table}{ext} and {table}{PARTIAL}{ext}, of two exports: "
+                    "export again, or remove one"
+                )
+            if files == [part]:
+                said.setdefault(path, _partial_why(part, fmt))
         if not files:
             continue  # a table this export (or no run of the tree) has
         con.register(f"_{table}", _dataset(files, fmt, table, root))
         con.execute(f'CREATE VIEW "{table}" AS SELECT * FROM "_{table}"')
+    if partial is not None:
+        partial += [f"{where}: {why}" for where, why in said.items()]
+
+
+def _partial_why(path: str, fmt: str) -> str:
+    """Why a partial export's file holds its log only in part: its metadata says (parquet),
+    else only its name does."""
+    if fmt == "parquet":
+        pq = require("pyarrow.parquet", "sql", _WHAT)
+        why = (pq.read_metadata(path).metadata or {}).get(PARTIAL_KEY.encode())
+        if why is not None:
+            return str(why.decode("utf-8", "replace"))
+    return f"its files are named {PARTIAL}: the log was read only in part"
 
 
 def _register_logs(
@@ -203,15 +240,19 @@ def query(
     if problems is None:
         problems = "problems" in sql.lower()
     damage: list[StopInfo] = []
+    partial: list[str] = []
     try:
-        con = connect(sources, problems=problems, damage=damage, allow_files=allow_files)
+        con = connect(
+            sources, problems=problems, damage=damage, allow_files=allow_files, partial=partial
+        )
     except refused as e:
         raise SqlError(str(e)) from None
     try:
         rel = con.sql(sql)
         if rel is None:  # a statement with no result (CREATE, SET, ...)
-            return QueryResult([], [], [], damage)
-        return QueryResult(list(rel.columns), [str(t) for t in rel.types], rel.fetchall(), damage)
+            return QueryResult([], [], [], damage, partial)
+        rows = rel.fetchall()
+        return QueryResult(list(rel.columns), [str(t) for t in rel.types], rows, damage, partial)
     except refused as e:
         message = str(e)
         if not allow_files and any(word in message for word in _LOCK_WORDS):

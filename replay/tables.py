@@ -41,7 +41,7 @@ from replay.counts import COUNTERS, StepCounts
 from replay.explainer import Explainer
 from replay.format import plain_fields
 from replay.misses import AdmissionMisses
-from replay.source import LogPath, LogSource, open_log
+from replay.source import LogPath, LogSource, MissingSegments, open_log
 from tracker import events as ev
 from tracker.chunks import ChunkIndex
 from tracker.config import TrackerConfig
@@ -297,11 +297,12 @@ Emit = Callable[[str, Row], None]
 
 
 class TableRows(NamedTuple):
-    """What :func:`table_rows` read: the log's damage, and check's error (the problems table
-    is then empty or partial)."""
+    """What :func:`table_rows` read: the log's damage, check's error (the problems table is
+    then empty or partial), and the log's segment files that were not there."""
 
     damage: StopInfo | None
     check_error: str | None
+    missing: MissingSegments | None = None
 
 
 _PHASES = {
@@ -858,7 +859,7 @@ def table_rows(path: LogPath | LogSource, emit: Emit, *, problems: bool = True) 
         if row["event"] in labels:
             row["request"] = labels[row["event"]]
         emit("problems", row)
-    return TableRows(src.damage, check_error)
+    return TableRows(src.damage, check_error, src.missing_segments())
 
 
 def collect(

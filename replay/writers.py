@@ -19,7 +19,9 @@ must agree:
 Every file appears complete or not at all (written aside, then renamed into place). A
 mismatch between the form and ``fmt``, a missing parent directory, a file where a directory
 is needed (or the reverse) raise :class:`ExportError` (a ``ValueError``) naming what was
-wrong, before anything is read.
+wrong, before anything is read. A log read only in part (damage, segment files not there)
+is written as far as it was read, every file marked partial in its name and inside
+(``replay.partial``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import IO, Any
 
 from replay.extras import require
 from replay.otlp import write_otlp
+from replay.partial import PARTIAL, PARTIAL_KEY, partial_reason, publish
 from replay.perfetto import write_trace
 from replay.results import ExportResult
 from replay.source import LogPath, open_log
@@ -157,18 +160,31 @@ def export(
         require("pyarrow", "parquet", "a parquet export (or use --format jsonl)")
     src = open_log(log)  # unreadable: raise before anything is written
     if form == "stdout":
-        sink: _Sink = _JsonlSink(None, only=table, stream=sys.stdout)
-        info = table_rows(src, sink.add, problems=problems and table == "problems")
-        sink.close()
+        stream = _JsonlSink(None, only=table, stream=sys.stdout)
+        info = table_rows(src, stream.add, problems=problems and table == "problems")
+        partial = partial_reason(info.damage, info.missing)
+        if partial is not None:  # a stream has no name to mark: its last line says it
+            stream.stream_line({PARTIAL_KEY: partial})
+        stream.close()
         return ExportResult(
-            out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error
+            out_s, fmt, form, stream.counts, _damage(info.damage), (), info.check_error, partial
         )
     with _Staging(out_s, form) as stage:
         sink = _make_sink(fmt, stage.path, only=table, batch_rows=batch_rows)
         want = problems and (table is None or table == "problems")
         info = table_rows(src, sink.add, problems=want)
-        sink.close()
-    return ExportResult(out_s, fmt, form, sink.counts, _damage(info.damage), (), info.check_error)
+        stage.partial = partial_reason(info.damage, info.missing)
+        sink.close(stage.partial)
+    return ExportResult(
+        stage.written,
+        fmt,
+        form,
+        sink.counts,
+        _damage(info.damage),
+        (),
+        info.check_error,
+        stage.partial,
+    )
 
 
 def run_name(log: LogPath) -> str:
@@ -208,18 +224,41 @@ def export_runs(
     counts: Counter[str] = Counter()
     damage: list[StopInfo] = []
     errors: list[str] = []
+    partial: list[str] = []
+    runs: list[str] = []
     with _Staging(out_s, "tree") as stage:
         for name, src in zip(names, sources, strict=True):
             part = os.path.join(stage.path, "{table}", f"run={name}")
             sink = _make_sink(fmt, part, only=None, batch_rows=batch_rows, part=True)
             info = table_rows(src, sink.add, problems=problems)
-            sink.close()
+            why = partial_reason(info.damage, info.missing)
+            sink.close(why)
             counts.update(sink.counts)
             damage += _damage(info.damage)
             if info.check_error:
                 errors.append(f"run={name}: {info.check_error}")
+            # A run read only in part is run=<name>.partial: the run column says so on every
+            # row, to any reader of the tree. The run's other partition, from an earlier
+            # export, goes.
+            run, other = (name + PARTIAL, name) if why is not None else (name, name + PARTIAL)
+            if why is not None:
+                partial.append(f"run={run}: {why}")
+                for t in TABLES:
+                    os.rename(part.replace("{table}", t), os.path.join(stage.path, t, f"run={run}"))
+            stage.stale += [os.path.join(t, f"run={other}") for t in TABLES]
+            runs.append(run)
+        twice = [n for n, k in Counter(runs).items() if k > 1]
+        if twice:
+            raise ExportError(f"two logs would be run={twice[0]}: rename one of them")
     return ExportResult(
-        out_s, fmt, "tree", dict(counts), damage, tuple(names), "; ".join(errors) or None
+        out_s,
+        fmt,
+        "tree",
+        dict(counts),
+        damage,
+        tuple(runs),
+        "; ".join(errors) or None,
+        "; ".join(partial) or None,
     )
 
 
@@ -229,11 +268,16 @@ def _damage(d: StopInfo | None) -> list[StopInfo]:
 
 class _Staging:
     """A directory beside ``out`` to write into; on success its files are renamed into
-    ``out`` (a file output: the one file is), on failure it is removed."""
+    ``out`` (a file output: the one file is), their names marked when ``partial`` is set
+    (``replay.partial.publish``), and the ``stale`` paths under ``out`` (a tree's partitions
+    replaced) are removed; on failure it is removed. ``written``: the file or directory."""
 
     def __init__(self, out: str, form: str) -> None:
         self.out = out
         self.form = form
+        self.partial: str | None = None
+        self.stale: list[str] = []
+        self.written = out
         parent = os.path.dirname(os.path.abspath(out))
         self.path = tempfile.mkdtemp(prefix=".kvledger-export-", dir=parent)
 
@@ -250,14 +294,16 @@ class _Staging:
     def _commit(self) -> None:
         if self.form == "file":
             (only,) = os.listdir(self.path)
-            os.replace(os.path.join(self.path, only), self.out)
+            self.written = publish(os.path.join(self.path, only), self.out, self.partial)
             return
         for root, _, files in os.walk(self.path):
             rel = os.path.relpath(root, self.path)
             target = os.path.normpath(os.path.join(self.out, rel))
             os.makedirs(target, exist_ok=True)
             for f in files:
-                os.replace(os.path.join(root, f), os.path.join(target, f))
+                publish(os.path.join(root, f), os.path.join(target, f), self.partial)
+        for rel in self.stale:
+            shutil.rmtree(os.path.join(self.out, rel), ignore_errors=True)
 
 
 # --- sinks: rows in, files out --------------------------------------------------------------
@@ -273,7 +319,9 @@ class _Sink:
     def add(self, table: str, row: Row) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self, partial: str | None = None) -> None:
+        """Finish the files; ``partial``: why they hold the log only in part, written inside
+        them where the format has a place (parquet's key-value metadata)."""
         raise NotImplementedError
 
     def tables(self) -> list[str]:
@@ -316,7 +364,14 @@ class _JsonlSink(_Sink):
             f.write("\n")
             self.counts[table] += 1
 
-    def close(self) -> None:
+    def stream_line(self, obj: dict[str, Any]) -> None:
+        """One more line on the standard output stream (not a row of any table)."""
+        assert self.stream is not None
+        self.stream.write(self.dumps(obj))
+        self.stream.write("\n")
+
+    def close(self, partial: str | None = None) -> None:
+        # No place inside a JSON lines file that is not a row: the name says partial.
         for f in self.files.values():
             if f is self.stream:
                 f.flush()
@@ -389,11 +444,13 @@ class _ParquetSink(_Sink):
             if len(batch) >= self.batch_rows:
                 self._flush(table)
 
-    def close(self) -> None:
+    def close(self, partial: str | None = None) -> None:
         for table, batch in self.batches.items():
             if batch or table not in self.writers:  # an empty table still has its schema
                 self._flush(table)
         for writer in self.writers.values():
+            if partial is not None:  # known only now: the footer is written at close
+                writer.add_key_value_metadata({PARTIAL_KEY: partial})
             writer.close()
 
 

@@ -219,3 +219,48 @@ def test_the_readme_example_prints_what_the_readme_shows(
     assert found is not None, "README.md: the example or its output block is gone"
     exec(compile(found.group(1), "README.md", "exec"), {"__name__": "readme"})
     assert capsys.readouterr().out == found.group(2)
+
+
+def _check_exits(tmp_path: Path) -> dict[str, int]:
+    """``kvledger check``'s exit status for a log closed, open (no end record: cut between
+    two frames) and torn (cut inside its last frame), from the tool itself."""
+    from _logfiles import step_frames_end, torn_copy
+    from test_replay_check import write_log
+
+    from replay.replayer import check
+
+    closed = tmp_path / "closed.kvlog"
+    write_log(closed)
+    data = closed.read_bytes()
+    opened = tmp_path / "open.kvlog"
+    opened.write_bytes(data[: step_frames_end(data)])
+    torn = torn_copy(closed, tmp_path / "torn.kvlog", 5)
+    return {
+        name: check(p).exit_code
+        for name, p in (("closed", closed), ("open", opened), ("torn", torn))
+    }
+
+
+_EXIT = re.compile(r"\bexit(?:s| status|s with status)? ([0-9])\b")
+
+
+def test_every_page_gives_a_torn_tail_the_exit_status_check_gives(tmp_path: Path) -> None:
+    """docs/using-with-vllm.md said a torn tail was exit 3 while the tool (and
+    docs/debugging.md) said 2: a line naming a torn tail and an exit status must give the
+    tool's, and each row of "How the log ends" must give the status of the log it names."""
+    codes = _check_exits(tmp_path)
+    wrong = [
+        f"{page.relative_to(ROOT)}:{n}: {line.strip()[:160]}"
+        for page in PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        if "torn" in line.lower() and {int(d) for d in _EXIT.findall(line)} - {codes["torn"]}
+    ]
+    assert wrong == [], f"kvledger check exits {codes['torn']} on a torn tail"
+    text = (DOCS / "using-with-vllm.md").read_text()
+    table = text.split("### How the log ends", 1)[1].split("\n\n| how the engine stopped", 1)[1]
+    rows = [r for r in table.split("\n\n", 1)[0].splitlines() if r.startswith("| ")][1:]
+    assert len(rows) >= 8
+    for row in rows:
+        log, verdict = (c.strip() for c in row.strip("|").split(" | ")[2:4])
+        ending = "torn" if "torn" in log else "open" if log.startswith("open") else "closed"
+        assert verdict.startswith(f"exit {codes[ending]}"), (ending, row)

@@ -63,8 +63,13 @@ def _every_command(named: Path, against: Path, out: Path, capsys) -> dict[str, t
     code, text, err = _run(capsys, "show", str(named), "--request", "req-b", "--json")
     got["show"] = (code, len(json.loads(text)["rows"]) if code != 2 or text else None, err)
     table = out / f"events-{named.name}.jsonl"
-    code, _, err = _run(capsys, "export", str(named), "--table", "events", "-o", str(table))
-    got["export"] = (code, _count_rows(table), err)
+    code, text, err = _run(
+        capsys, "export", str(named), "--table", "events", "-o", str(table), "--json"
+    )
+    # A log not all there is written marked partial (replay.partial): named so, and said.
+    written = Path(json.loads(text)["out"])
+    assert (written != table) == (json.loads(text)["partial"] is not None)
+    got["export"] = (code, _count_rows(written), err, written.name)
     code, text, err = _run(capsys, "sql", str(named), "SELECT count(*) AS n FROM events", "--json")
     got["sql"] = (code, json.loads(text)[0]["n"], err)
     page = out / f"timeline-{named.name}.html"
@@ -96,7 +101,7 @@ def test_a_segment_path_reads_the_whole_log(logs: Path, tmp_path: Path, which: i
     assert got["timeline"][:2] == (0, [0, SEGMENTS - 1])
     assert got["tail"][:2] == (0, (SEGMENTS, str(run[0])))  # followed from the first segment
     assert got["diff"][:2] == (0, True)
-    for command, (_, _, err) in got.items():
+    for command, (_, _, err, *_) in got.items():
         assert "not all of it" not in err and "Traceback" not in err, command
 
 
@@ -129,10 +134,11 @@ def test_a_log_missing_its_last_segments_is_said_and_is_incomplete(
     said = f"read 5 segments of this log, not all of it: the last one was rotated into {part}/run.000005.kvlog, which is not there"
     assert got["check"][:2] == (3, total) and "INCOMPLETE" not in got["check"][2]
     for command in ("stats", "show", "export", "sql", "timeline", "diff"):
-        code, _, err = got[command]
+        code, _, err, *_ = got[command]
         assert code == 3, (command, err)
         assert err.count(said) == 1, (command, err)  # once, though diff reads it twice
     assert got["stats"][1] == got["export"][1] == got["sql"][1] == total
+    assert got["export"][3] == "events-run.kvlog.partial.jsonl"
     # tail follows a live log: the rotation's next segment may still come, so it waits; with
     # --once it says what it read.
     assert got["tail"][:2] == (0, (5, str(part / "run.kvlog")))
@@ -148,10 +154,11 @@ def test_a_log_missing_its_start_is_said_and_exits_2(logs: Path, tmp_path: Path,
     said = "read 5 segments of this log, not all of it: segments 0 to 5 (the log's start) not there"
     assert got["check"][0] == 2
     for command in ("stats", "show", "export", "sql", "timeline", "diff"):
-        code, _, err = got[command]
+        code, _, err, *_ = got[command]
         assert code == 2, (command, err)
         assert said in err, (command, err)
     assert got["stats"][1] == got["export"][1] == got["sql"][1] == _events(run[6:])
+    assert got["export"][3] == "events-run.000008.kvlog.partial.jsonl"
     code, (steps, first), err = got["tail"]
     assert (code, steps, first) == (2, 5, str(part / "run.000006.kvlog"))
     assert "not all of the log is there: segments 0 to 5 (the log's start) not there" in err

@@ -172,3 +172,31 @@ def test_protobuf_without_the_extra_says_which_to_install(
     with pytest.raises(MissingExtra, match=r"kvledger\[otlp\]"):
         write_otlp(CLEAN, str(tmp_path / "s.binpb"))
     assert not (tmp_path / "s.binpb").exists()
+
+
+def test_the_spans_of_a_torn_log_are_marked_partial(tmp_path: Path, capsys: Any) -> None:
+    """The file is named *.partial.otlp.json, and every span's resource says why: a backend
+    that reads only the spans shows it on each."""
+    from _logfiles import torn_copy
+
+    torn = torn_copy(_run(tmp_path), tmp_path / "torn.kvlog", 5)
+    out = tmp_path / "s.otlp.json"
+    out.write_text("an earlier whole export")
+    assert main(["export", str(torn), "-o", str(out)]) == 2
+    assert "s.partial.otlp.json" in capsys.readouterr().err
+    assert not out.exists()
+    marked = tmp_path / "s.partial.otlp.json"
+    assert validate(marked)  # still OTLP
+    for line in marked.read_text().splitlines():
+        for rs in json.loads(line)["resourceSpans"]:
+            assert "torn_tail" in _attrs(rs["resource"])["kvledger.partial"]
+    assert main(["export", str(torn), "-o", str(tmp_path / "s.binpb")]) == 2
+    assert (tmp_path / "s.partial.binpb").exists() and not (tmp_path / "s.binpb").exists()
+    # A whole export afterwards replaces the partial one.
+    assert main(["export", str(CLEAN), "-o", str(out)]) == 0
+    assert out.exists() and not marked.exists()
+    assert all(
+        "kvledger.partial" not in _attrs(rs["resource"])
+        for line in out.read_text().splitlines()
+        for rs in json.loads(line)["resourceSpans"]
+    )

@@ -252,3 +252,22 @@ def test_trace_processor_loads_it(tmp_path: Path) -> None:
         assert flows == 8
     finally:
         tp.close()
+
+
+def test_the_trace_of_a_torn_log_is_marked_partial(tmp_path: Path, capsys: Any) -> None:
+    """Named *.partial.perfetto.json, otherData says why, and a global instant on the
+    timeline marks where the log was read to."""
+    from _logfiles import torn_copy
+
+    torn = torn_copy(SHORT, tmp_path / "torn.kvlog", 200)
+    out = tmp_path / "t.perfetto.json"
+    assert main(["export", str(torn), "-o", str(out)]) == 2
+    assert "t.partial.perfetto.json" in capsys.readouterr().err
+    assert not out.exists()
+    doc = json.loads((tmp_path / "t.partial.perfetto.json").read_text())
+    why = doc["otherData"]["kvledger.partial"]
+    assert why.startswith("read stopped early: ") and "torn_tail" in why
+    (mark,) = [e for e in doc["traceEvents"] if e.get("cat") == "partial"]
+    assert mark["ph"] == "i" and mark["s"] == "g" and why in mark["name"]
+    assert mark["ts"] == max(e["ts"] for e in doc["traceEvents"] if "ts" in e)
+    assert "kvledger.partial" not in trace(CLEAN)["otherData"]

@@ -86,6 +86,8 @@ MALFORMED = [
     ("unix:///", "names no socket path"),
     ("unix://localhost/tmp/redis.sock", "names a host"),
     ("unix://:6379/tmp/redis.sock", "names a host"),
+    ("unix:///tmp/%ff.sock", "unix:// socket path has percent-escapes that are not UTF-8 (%ff)"),
+    ("unix:///tmp/a%0a.sock", "control or invisible character, percent-encoded (%0a)"),
     # Query options other than client_name and db, each refused by name.
     ("redis://127.0.0.1:6379/0?socket_timeout=3", "'socket_timeout' is not accepted"),
     ("redis://127.0.0.1:6379/0?socket_timeout=abc", "'socket_timeout' is not accepted"),
@@ -116,7 +118,11 @@ MALFORMED = [
     (6379, "must be a Redis URL string, got int"),
     (b"redis://127.0.0.1:6379/0", "must be a Redis URL string, got bytes"),
     ({"password": "x"}, "must be a Redis URL string, got dict"),
-    ("", "must be a Redis URL string, got ''"),
+    # Empty: what is accepted, and that it may be left unset.
+    ("", "is empty (''): give a URL (redis://host:6379/0, rediss://host:6379/0, unix:///"),
+    ("  ", "is empty ('  ')"),
+    ("\t", "or leave remote_url unset (null) for no remote tier"),
+    ("", "file:///path/to/dir, or a registered tier's: "),
 ]
 
 

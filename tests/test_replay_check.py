@@ -349,6 +349,46 @@ def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
     assert broken.stop.path == str(writer.paths[2])
 
 
+def test_the_reports_log_line_stays_short_for_a_thousand_segments(
+    tmp_path: Path, capsys: Any
+) -> None:
+    """The report's `log` line named every segment: a thousand made a 60 KB line. Past three,
+    it says how many and names the first and the last; --json's `paths` lists every one."""
+    out = tmp_path / "segments"
+    out.mkdir()
+    writer = LogWriter(
+        out / "run.kvlog",
+        {**CONFIG.to_dict(), "vllm_version": "test"},
+        fsync="never",
+        rotate_bytes=1,  # a segment per frame
+    )
+    t = Tracker(CONFIG, log=writer)
+    drive(t, 167)
+    t.close()
+    paths = [str(p) for p in writer.paths]
+    assert len(paths) >= 1000
+    assert main(["check", str(out)]) == 0
+    text = capsys.readouterr().out
+    (line,) = [x for x in text.splitlines() if x.startswith("  log ")]
+    assert line.startswith(f"  log       {len(paths):,} segments: {paths[0]} ... {paths[-1]} (")
+    assert len(line) < 300
+    assert main(["check", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["paths"] == paths
+    # Three or fewer are each named.
+    assert main(["check", *paths[:3]]) in (2, 3)
+    text = capsys.readouterr().out
+    (line,) = [x for x in text.splitlines() if x.startswith("  log ")]
+    assert line.startswith(f"  log       {', '.join(paths[:3])} (")
+    # A log that cannot be read at all: the same bound on the line that names it.
+    garbage = tmp_path / "garbage.kvlog"
+    garbage.write_bytes(b"not a log")
+    assert main(["check", str(garbage), *paths[1:]]) == 2
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first == f"kvledger check: cannot check {len(paths):,} segments: {garbage} ... {paths[-1]}"
+    )
+
+
 # --- synthetic logs: one behaviour each ---------------------------------------------------------
 
 

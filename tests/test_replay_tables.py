@@ -358,8 +358,94 @@ def test_a_torn_log_exports_what_it_holds_and_says_so(tmp_path: Path, capsys: An
     code, _, err = _cli(capsys, "export", str(torn), "-o", str(tmp_path / "t"), "--format", "jsonl")
     assert code == 2 and "read stopped early" in err
     st = replay.stats(torn)
-    events = (tmp_path / "t" / "events.jsonl").read_text().splitlines()
+    events = (tmp_path / "t" / "events.partial.jsonl").read_text().splitlines()
     assert 0 < len(events) == st.events < replay.stats(SHORT).events
+
+
+def _damaged(kind: str, where: Path) -> Path:
+    """SHORT torn inside its last frame (a crash mid-write), or with a byte of a frame near
+    its end flipped (a checksum mismatch)."""
+    from _logfiles import torn_copy
+
+    if kind == "torn":
+        return torn_copy(SHORT, where / "torn.kvlog", 200)
+    data = bytearray(SHORT.read_bytes())
+    data[len(data) - 60] ^= 0xFF
+    bad = where / "corrupt.kvlog"
+    bad.write_bytes(bytes(data))
+    return bad
+
+
+@pytest.mark.parametrize(("kind", "says"), [("torn", "torn_tail"), ("corrupt", "checksum")])
+def test_a_damaged_log_exports_files_marked_partial_in_name_and_metadata(
+    kind: str, says: str, tmp_path: Path, capsys: Any
+) -> None:
+    """Exit 2 and a line on stderr are gone once the files are read elsewhere: each file of a
+    log read only in part is <table>.partial.parquet, its footer's metadata says why, and a
+    whole export of the same directory from before is not left beside it."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    damaged = _damaged(kind, tmp_path)
+    out = tmp_path / "t"
+    assert _cli(capsys, "export", str(CLEAN), "-o", str(out))[0] == 0  # an earlier export
+    code, text, err = _cli(capsys, "export", str(damaged), "-o", str(out), "--json")
+    assert code == 2 and "read stopped early" in err and ".partial" in err
+    report = json.loads(text)
+    assert says in report["partial"] and report["out"] == str(out)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(f"{t}.partial.parquet" for t in TABLES)
+    for name in names:
+        why = pq.read_metadata(out / name).metadata[b"kvledger.partial"].decode()
+        assert why.startswith("read stopped early: ") and says in why
+    assert pq.read_table(out / "events.partial.parquet").num_rows == replay.stats(damaged).events
+    # kvledger sql over it says so, as over the log itself, and reads what is there.
+    code, text, err = _cli(capsys, "sql", str(out), "SELECT count(*) AS n FROM requests", "--json")
+    assert code == 2 and "an export of a log read only in part" in err and says in err
+    assert json.loads(text)[0]["n"] > 0
+    # A whole export afterwards replaces them all.
+    assert _cli(capsys, "export", str(CLEAN), "-o", str(out))[0] == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{t}.parquet" for t in TABLES)
+
+
+def test_every_form_of_a_partial_export_is_marked(tmp_path: Path, capsys: Any) -> None:
+    """One table in one file (parquet, JSON lines), standard output, a Hive tree."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    damaged = _damaged("torn", tmp_path)
+    one = tmp_path / "adm.parquet"
+    one.write_bytes(b"an earlier whole export")
+    code, text, _ = _cli(
+        capsys, "export", str(damaged), "--table", "admissions", "-o", str(one), "--json"
+    )
+    marked = tmp_path / "adm.partial.parquet"
+    assert code == 2 and json.loads(text)["out"] == str(marked)
+    assert not one.exists() and b"kvledger.partial" in pq.read_metadata(marked).metadata
+    code, _, err = _cli(
+        capsys, "export", str(damaged), "--table", "steps", "-o", str(tmp_path / "s.jsonl")
+    )
+    assert code == 2 and f"to {tmp_path / 's.partial.jsonl'} (jsonl)" in err
+    assert (tmp_path / "s.partial.jsonl").exists() and not (tmp_path / "s.jsonl").exists()
+    # Standard output has no name to mark: its last line says it.
+    code, text, _ = _cli(capsys, "export", str(damaged), "--table", "steps", "-o", "-")
+    *rows, last = text.splitlines()
+    assert code == 2 and "torn_tail" in json.loads(last)["kvledger.partial"]
+    assert rows and all("kvledger.partial" not in json.loads(r) for r in rows)
+    # A tree: the run is <name>.partial, on every row; its earlier whole partition goes.
+    tree = tmp_path / "fleet"
+    writers.export_runs([CLEAN], tree, names=["torn"])
+    code, _, err = _cli(
+        capsys, "export", str(CLEAN), str(damaged), "-o", str(tree), "--partition", "run"
+    )
+    assert code == 2 and "runs replay-clean, torn.partial" in err
+    assert sorted(p.name for p in (tree / "requests").iterdir()) == [
+        "run=replay-clean",
+        "run=torn.partial",
+    ]
+    part = tree / "requests" / "run=torn.partial" / "part-0.parquet"
+    assert b"torn_tail" in pq.read_metadata(part).metadata[b"kvledger.partial"]
+    code, text, err = _cli(
+        capsys, "sql", str(tree), "SELECT DISTINCT run FROM steps ORDER BY run", "--json"
+    )
+    assert code == 2 and "run=torn.partial: read stopped early" in err
+    assert [r["run"] for r in json.loads(text)] == ["replay-clean", "torn.partial"]
 
 
 def test_many_logs_make_one_hive_tree(tmp_path: Path, synthetic_log: Path, capsys: Any) -> None:

@@ -20,8 +20,9 @@ from tracker.config import ConfigError
 __all__ = ["add_check", "render", "render_problem", "run_check"]
 
 _EPILOG = """\
-exit status: 0 clean, 1 problems, 2 the log could not be read to its end,
-  3 incomplete (no end record: the engine is still writing it or died; steps dropped)
+exit status: 0 clean, 1 problems, 2 the log could not be read to its end (a torn tail,
+  a corrupt frame), 3 incomplete (no end record: the engine is still writing it or died
+  between two writes; steps dropped)
 examples:
   kvledger check kvledger-1234.kvlog
   kvledger check logs/ --first                  # a directory holding one log's segments
@@ -133,7 +134,7 @@ def run_check(args: argparse.Namespace) -> int:
         if result.error is not None:
             print(f"kvledger check: {result.error}", file=sys.stderr)
         elif result.stop is not None:
-            warn_damage(", ".join(args.logs), result.stop)
+            warn_damage(_files(args.logs), result.stop)
     return result.exit_code
 
 
@@ -235,11 +236,20 @@ def _n(x: int) -> str:
     return f"{x:,}"
 
 
+def _files(paths: Sequence[str]) -> str:
+    """A log's files for one line of the report: each named when there are at most three,
+    else how many and the first and the last (a thousand segments made a 60 KB line). The
+    JSON output's ``paths`` lists every one."""
+    if len(paths) <= 3:
+        return ", ".join(elide(p) for p in paths)
+    return f"{_n(len(paths))} segments: {elide(paths[0])} ... {elide(paths[-1])}"
+
+
 def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     """The human report of a CheckResult."""
     w = out.write
     if result.error is not None and not result.counts:
-        w(f"kvledger check: cannot check {', '.join(result.paths)}\n")
+        w(f"kvledger check: cannot check {_files(result.paths)}\n")
         w(f"  error     {result.error}\n")
         if result.stop is not None:
             w(f"  at        {result.stop.path}: byte offset {result.stop.offset}\n")
@@ -260,7 +270,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     if "vllm_version" in info:
         made.append(f"vLLM {elide(str(info['vllm_version']))}")
     w("summary\n")
-    w(f"  log       {', '.join(result.paths)} ({', '.join(made)})\n")
+    w(f"  log       {_files(result.paths)} ({', '.join(made)})\n")
     cfg = {k: v for k, v in result.config.items() if k not in ("salt", "strict")}
     which = "   (kvledger's, for --differential)" if "recorded" in c else ""
     w(f"  config    {' '.join(f'{k}={v}' for k, v in cfg.items())}{which}\n")

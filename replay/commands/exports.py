@@ -13,6 +13,7 @@ from typing import Any
 from replay import charts
 from replay.commands.common import (
     EXIT_OK,
+    EXIT_UNREADABLE,
     LINE,
     fail,
     guard,
@@ -22,6 +23,7 @@ from replay.commands.common import (
 )
 from replay.extras import Output
 from replay.format import elide
+from replay.partial import PARTIAL, PARTIAL_KEY
 from replay.steps import parse_steps
 
 __all__ = ["add_export", "add_sql", "add_timeline"]
@@ -201,6 +203,23 @@ def _timeline(args: argparse.Namespace) -> int:
     return status
 
 
+# How each form of a partial export is marked (replay.partial), said after the damage.
+_PARTIAL_SAID = {
+    "directory": f"the files hold the log only up to where reading stopped: each is named "
+    f"<table>{PARTIAL}.<ext>, and a parquet file's metadata says why ({PARTIAL_KEY})",
+    "file": f"the file holds the log only up to where reading stopped: it is named "
+    f"*{PARTIAL}.*, and a parquet file's metadata says why ({PARTIAL_KEY})",
+    "tree": f"runs read only in part are run=<name>{PARTIAL}, and their parquet files' "
+    f"metadata says why ({PARTIAL_KEY})",
+    "trace": f"the trace holds the log only up to where reading stopped: it is named "
+    f"*{PARTIAL}.*, with {PARTIAL_KEY} in otherData and an instant where the log ends",
+    "otlp": f"the spans hold the log only up to where reading stopped: the file is named "
+    f"*{PARTIAL}.*, and every span's resource has {PARTIAL_KEY}",
+    "stdout": f"the rows are the log's only up to where reading stopped: the last line is "
+    f'{{"{PARTIAL_KEY}": why}}',
+}
+
+
 @guard
 def _export(args: argparse.Namespace) -> int:
     from replay import writers
@@ -223,6 +242,8 @@ def _export(args: argparse.Namespace) -> int:
     status = warn_damage(", ".join(args.logs), *result.damage)
     if result.check_error:
         print(f"kvledger: export: problems table incomplete: {result.check_error}", file=sys.stderr)
+    if result.partial is not None:
+        print(f"kvledger: export: {_PARTIAL_SAID[result.form]}", file=sys.stderr)
     where = "standard output" if result.form == "stdout" else result.out
     if args.json:
         print_json(
@@ -234,6 +255,7 @@ def _export(args: argparse.Namespace) -> int:
                 "runs": list(result.runs),
                 "damage": [d.describe() for d in result.damage],
                 "check_error": result.check_error,
+                "partial": result.partial,
                 "exit_code": status,
             }
         )
@@ -265,6 +287,9 @@ def _sql(args: argparse.Namespace) -> int:
     *sources, query = args.sources
     result = sql.query(sources, query, allow_files=args.allow_files)
     status = warn_damage(", ".join(sources), *result.damage)
+    for why in result.partial:  # an export of a log read only in part: as the log would say
+        print(f"kvledger: an export of a log read only in part: {why}", file=sys.stderr)
+        status = EXIT_UNREADABLE
     if args.json:
         print_json(result.to_dicts())
         return status
