@@ -39,6 +39,8 @@ ACCEPTED = [
     "remote_lookup_timeout_ms",
     "remote_max_chunk_bytes",
     "remote_retry_ms",
+    "remote_secret_env",
+    "remote_secret_file",
     "remote_timeout_ms",
     "remote_ttl_s",
     "remote_url",
@@ -72,6 +74,8 @@ def test_defaults(extra: dict[str, Any] | None) -> None:
         "remote_retry_ms": 500,
         "remote_ttl_s": 0,
         "remote_max_chunk_bytes": 512 << 20,
+        "remote_secret_file": None,
+        "remote_secret_env": None,
         "digests": "off",
     }
     assert sorted(attrs.asdict(config)) == ACCEPTED

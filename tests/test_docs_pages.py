@@ -65,7 +65,8 @@ def test_the_generated_tables_are_current() -> None:
 
 def _code_rules() -> set[str]:
     """Every rule the code reports: the core's (docs/gen_events.py finds them in tracker/),
-    and those the connector records through ``Tracker.mark_violation``."""
+    those the connector records through ``Tracker.mark_violation``, and ``check
+    --replicas``'s."""
     sys.path.insert(0, str(DOCS))
     try:
         import gen_events
@@ -74,7 +75,9 @@ def _code_rules() -> set[str]:
     rules = set(re.findall(r"^\| `(\w+)` \|", gen_events.rules_table(), flags=re.M))
     for path in (ROOT / "connector").glob("*.py"):
         rules |= set(re.findall(r'mark_violation\([^,]+,\s*"(\w+)"', path.read_text()))
-    return rules
+    from replay.replicas import RULE  # check --replicas: a rule over several logs
+
+    return rules | {RULE}
 
 
 def test_the_rule_table_names_every_rule_the_code_reports() -> None:

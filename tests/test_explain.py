@@ -387,6 +387,28 @@ def test_the_remote_tier_evicted_the_chunk(tmp_path: Path) -> None:
     assert a.hit["remote"] == 8 and misses(a) == [(8, 16, "remote_evicted")]
 
 
+def test_a_value_not_its_chunks_is_named_foreign_value(tmp_path: Path) -> None:
+    """The remote tier served another chunk's value under the second key (swapped): the
+    worker refused it, the load failed from there, and explain names the fact a user acts on,
+    with the value's reason, not a bare load_failed."""
+    r = Run(tmp_path / "log")
+    p = prompt(16, 15)
+    keys = _remote(r, p)
+    r.add("again", [*p, 5])
+    r.t.apply(ev.RemoteFound(r.t.step, "again", keys, (1, 1)))
+    r.admit("again")
+    r.step()
+    why = f"misplaced: the value of chunk {keys[0].hex()}"
+    r.t.apply(ev.RemoteLoadFailed(r.t.step, "again", keys[1:], why))
+    r.load("again", failed_block=2)  # the second chunk (tokens 8..15)
+    x = explained(r.close())
+    a = admission(x, "again")
+    assert a.hit["remote"] == 8 and a.load_result == "failed"
+    assert misses(a) == [(8, 16, "foreign_value"), (16, 17, "new_prefix")]
+    assert a.misses[0].detail == why
+    assert a.misses[0].describe().startswith("foreign_value (refused at step")
+
+
 def test_a_remote_hit_counts_as_remote(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")
     p = prompt(16, 14)
