@@ -196,6 +196,9 @@ class Explainer:
         # What the remote store was seen holding, and losing: shared by every run that used it.
         self.remote_seen: dict[bytes, int] = {}  # key -> step it was last seen on the store
         self.remote_lost: dict[bytes, tuple[int, str]] = {}
+        # Keys whose value a load found foreign, until this engine wrote them: (step, reason).
+        # The tracker does not count them when a lookup finds them (tracker/remote.py).
+        self.remote_foreign: dict[bytes, tuple[int, str]] = {}
         self.run = ""  # the log being fed ("": the one explained; else an earlier run's name)
         self.new_run("", config)
 
@@ -425,13 +428,17 @@ class Explainer:
         for key in e.keys:
             self.remote_seen[key] = e.step
             self.remote_lost.pop(key, None)
+            self.remote_foreign.pop(key, None)
 
     def _remote_load_failed(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.RemoteLoadFailed)
-        life = self.lives.get(item.life)
-        if life is not None and foreign(e.reason):
-            life.foreign = (e.step, e.reason)
+        if foreign(e.reason):
+            life = self.lives.get(item.life)
+            if life is not None:
+                life.foreign = (e.step, e.reason)
+            for key in e.keys:
+                self.remote_foreign[key] = (e.step, e.reason)
         for key in e.keys:
             if key in self.remote_seen:
                 self.remote_lost[key] = (e.step, f"a load found it {e.reason or 'gone'}")
@@ -578,6 +585,9 @@ class Explainer:
 
     def _remote_why(self, span: Span) -> Miss | None:
         key = span.key
+        distrusted = self.remote_foreign.get(key)
+        if distrusted is not None:
+            return Miss(span.start, span.end, "foreign_value", distrusted[0], detail=distrusted[1])
         if key not in self.remote_seen:
             return None
         if self.remote_down is not None:

@@ -51,9 +51,10 @@ REASONS: dict[str, str] = {
     "remote_down": "the remote tier, which held it, was down at the lookup",
     "remote_evicted": "the remote tier held it once and did not any more (evicted, expired, "
     "restarted empty)",
-    "foreign_value": "vLLM accepted it from the remote tier, which held a value under its key "
-    "that is not this chunk's (another chunk's, rank's or layout's, or not signed with the shared "
-    "secret): refused, never loaded, and vLLM recomputed from there",
+    "foreign_value": "the remote tier held a value under its key that is not this chunk's "
+    "(another chunk's, rank's or layout's, or not signed with the shared secret): refused, never "
+    "loaded (a load that counted on it failed and vLLM recomputed; later lookups do not count it "
+    "until this engine writes the chunk)",
     "load_failed": "vLLM accepted it, its load failed, and vLLM recomputed from there",
     "load_refused": "vLLM counted it as loaded; the tracker refused the load (a violation) and "
     "vLLM recomputed it",
@@ -137,7 +138,7 @@ _FACTS = {
     "pool_full": "{by} found no slot at step {step}",
     "remote_down": "down since step {step}",
     "remote_evicted": "since step {step}",
-    "foreign_value": "refused at step {step}; vLLM recomputed",
+    "foreign_value": "refused at step {step}",
     "load_failed": "failed at step {step}; vLLM recomputed",
     "recompute_only": "{by}, at step {step}",
     "not_offered": "computed by {by} at step {step}",

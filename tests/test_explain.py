@@ -409,6 +409,31 @@ def test_a_value_not_its_chunks_is_named_foreign_value(tmp_path: Path) -> None:
     assert a.misses[0].describe().startswith("foreign_value (refused at step")
 
 
+def test_a_key_whose_value_was_foreign_is_not_counted_again_and_explained(tmp_path: Path) -> None:
+    """The tier still holds the foreign value (a lookup finds the key): the tracker does not
+    count it until this engine writes the chunk, and explain says why, not new_prefix."""
+    r = Run(tmp_path / "log")
+    p = prompt(16, 16)
+    keys = _remote(r, p)
+    r.add("again", [*p, 5])
+    r.t.apply(ev.RemoteFound(r.t.step, "again", keys, (1, 1)))
+    r.admit("again")
+    r.step()
+    why = "wrong_layout: written under another KV layout (0123456789ab)"
+    r.t.apply(ev.RemoteLoadFailed(r.t.step, "again", keys[1:], why))
+    r.load("again", failed_block=2)
+    r.finish("again")
+    r.step()
+    r.add("c", [*p, 6])
+    r.t.apply(ev.RemoteFound(r.t.step, "c", keys, (1, 1)))
+    r.admit("c")
+    x = explained(r.close())
+    c = admission(x, "c")
+    assert c.tokens_hit == 8
+    assert misses(c) == [(8, 16, "foreign_value"), (16, 17, "new_prefix")]
+    assert c.misses[0].detail == why
+
+
 def test_a_remote_hit_counts_as_remote(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")
     p = prompt(16, 14)

@@ -210,6 +210,23 @@ def test_a_lookup_counts_only_what_the_store_was_seen_holding() -> None:
     assert t.lookup("a", 0, prompt) == 96
 
 
+def test_a_key_whose_value_was_foreign_is_counted_again_only_once_written_here() -> None:
+    t = _tracker()
+    prompt = list(range(100, 200))
+    t.add_request("a", prompt)
+    keys = t.state("a").keys[:3]  # type: ignore[union-attr]
+    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
+    assert t.lookup("a", 0, prompt) == 96
+    t.apply(ev.RemoteLoadFailed(t.step, "a", (keys[1],), "misplaced: the value of chunk 00"))
+    t.apply(ev.RemoteFound(t.step, "a", tuple(keys), (1, 1, 1)))
+    assert t.lookup("a", 0, prompt) == 32  # the store holds a value, not this chunk's
+    t.apply(ev.RemoteLoadFailed(t.step, "a", (keys[2],), "checksum"))  # damage: not distrust
+    t.apply(ev.RemoteFound(t.step, "a", (keys[2],), (1,)))
+    t.apply(ev.RemoteSaveDone(t.step, "", (keys[1],)))  # this engine wrote the right value
+    assert t.lookup("a", 0, prompt) == 96
+    assert [v.rule for v in t.violations] == ["foreign_value"]
+
+
 def _counted_remote(t: Tracker, prompt: list[int]) -> list[bytes]:
     """Request "a": a lookup that counts its 3 full chunks from the server, then allocated."""
     t.add_request("a", prompt)

@@ -292,12 +292,17 @@ class ChunkIndex:
 class RemoteKeys:
     """What the remote store was last seen to hold: keys a lookup found or a write confirmed,
     dropped when a lookup or a load found them gone. During an outage it holds nothing and
-    offers nothing. Changed only by ``tracker.remote``'s fold of recorded events."""
+    offers nothing. A key whose value was not its chunk's (``distrust``) is not counted again
+    when a lookup finds it, only once this engine's own write of it is confirmed. Changed only
+    by ``tracker.remote``'s fold of recorded events."""
 
-    __slots__ = ("_before", "_present", "up")
+    __slots__ = ("_before", "_distrusted", "_present", "up")
 
     def __init__(self) -> None:
         self._present: OrderedDict[bytes, None] = OrderedDict()
+        # Keys whose value a load found foreign (another chunk's, layout's, unsigned): the
+        # store says it holds them, and what it holds is not theirs (bounded: oldest first).
+        self._distrusted: OrderedDict[bytes, None] = OrderedDict()
         # What it held when it last went down: a lookup answered just before (earlier in the
         # same step) counted on these, and its load may still read them (``loadable``).
         self._before: OrderedDict[bytes, None] = OrderedDict()
@@ -317,13 +322,34 @@ class RemoteKeys:
         gone is a load failure vLLM recomputes."""
         return key in self._present or key in self._before
 
-    def add(self, keys: Iterable[bytes]) -> None:
-        present = self._present
+    def add(self, keys: Iterable[bytes], *, written: bool = False) -> None:
+        """Keys the store holds: a lookup found them, or (``written``) this engine's write
+        was confirmed, which alone makes a distrusted key trusted again."""
+        present, distrusted = self._present, self._distrusted
         for key in keys:
+            if key in distrusted:
+                if not written:
+                    continue
+                del distrusted[key]
             present[key] = None
             present.move_to_end(key)
         while len(present) > REMOTE_MEMORY:
             present.popitem(last=False)
+
+    def distrust(self, keys: Iterable[bytes]) -> None:
+        """The store's values under ``keys`` are not their chunks': not held, and not
+        counted when a lookup finds them, until this engine writes them."""
+        distrusted = self._distrusted
+        for key in keys:
+            self._present.pop(key, None)
+            self._before.pop(key, None)
+            distrusted[key] = None
+            distrusted.move_to_end(key)
+        while len(distrusted) > REMOTE_MEMORY:
+            distrusted.popitem(last=False)
+
+    def distrusted(self, key: bytes) -> bool:
+        return key in self._distrusted
 
     def discard(self, keys: Iterable[bytes]) -> None:
         for key in keys:

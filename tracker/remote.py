@@ -5,14 +5,19 @@ A remote store changes under us (another replica writes, the server evicts or re
 nothing here assumes: the index of remote keys is exactly what the recorded events say, and a
 replay of the log rebuilds it, hence every lookup answer and load plan that counted on it.
 
-- ``RemoteFound``: a lookup asked the store; the keys it found are present, the others not;
-- ``RemoteSaveDone``: a write was confirmed: present. ``RemoteSaveFailed`` changes nothing;
+- ``RemoteFound``: a lookup asked the store; the keys it found are present (but a distrusted
+  one: below), the others not;
+- ``RemoteSaveDone``: a write was confirmed: present, and trusted again. ``RemoteSaveFailed``
+  changes nothing;
 - ``RemoteLoadFailed``: a load found the key gone, short or corrupt: not present. One whose
   value was not this chunk's (:data:`FOREIGN_REASONS`: another chunk's, rank's or layout's,
   not signed with the shared secret, another format: ``connector/values.py`` checks) is also
   a violation, ``foreign_value``: someone wrote to the tier what no engine of this layout
   saved there. Nothing was loaded (the load failed and vLLM recomputed), so the request does
-  not fall back to recompute: its own save of the chunk writes the right value back;
+  not fall back to recompute: its own save of the chunk writes the right value back. Until
+  this engine's write of the key is confirmed, the key is *distrusted*: a lookup that finds
+  it does not count it (the store holds a value, not this chunk's), so a tier whose value
+  keeps being foreign costs one failed load per key, not one per lookup;
 - ``RemoteOutage`` / ``RemoteRestored``: the store is down (nothing is offered from it, and
   what it held before is forgotten, except by a load its lookup already counted:
   ``RemoteKeys.loadable``) or back.
@@ -84,12 +89,15 @@ def _found(remote: RemoteKeys, e: ev.Event) -> None:
 
 def _saved(remote: RemoteKeys, e: ev.Event) -> None:
     assert isinstance(e, ev.RemoteSaveDone)
-    remote.add(e.keys)
+    remote.add(e.keys, written=True)
 
 
 def _lost(remote: RemoteKeys, e: ev.Event) -> None:
     assert isinstance(e, ev.RemoteLoadFailed)
-    remote.discard(e.keys)
+    if foreign(e.reason):
+        remote.distrust(e.keys)
+    else:
+        remote.discard(e.keys)
 
 
 def _nothing(remote: RemoteKeys, e: ev.Event) -> None:
