@@ -11,7 +11,7 @@ itself count misses through this one class.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from replay.computed import ANY_ROOT, Computed, History
@@ -40,6 +40,29 @@ __all__ = ["FATES_MEMORY", "HISTORY_TOKENS", "Explainer", "OnAdmission"]
 HISTORY_TOKENS = 1 << 24
 # Chunk keys whose fate in the pool (or on the remote store) is remembered, at most.
 FATES_MEMORY = 1 << 20
+
+
+# The reasons a computation in the lookup's own step overrides (Explainer._in_flight): what the
+# lookup could not know yet, since vLLM records a step's schedule after its lookups.
+_IN_FLIGHT_OVER = frozenset({"new_prefix", "earlier_run"})
+
+
+def _retell(pieces: list[Miss], start: int, end: int, why: Miss) -> None:
+    """Give the pieces' tokens in ``[start, end)`` missed for a reason in
+    :data:`_IN_FLIGHT_OVER` the reason and facts of ``why``, in place, splitting pieces at the
+    bounds."""
+    out: list[Miss] = []
+    for m in pieces:
+        if m.reason not in _IN_FLIGHT_OVER or m.end <= start or m.start >= end:
+            out.append(m)
+            continue
+        a, b = max(m.start, start), min(m.end, end)
+        if m.start < a:
+            out.append(m._replace(end=a))
+        out.append(why._replace(start=a, end=b))
+        if b < m.end:
+            out.append(m._replace(start=b))
+    pieces[:] = out
 
 
 def _moved(m: Miss, start: int, end: int) -> Miss:
@@ -215,6 +238,11 @@ class Explainer:
         self.retired: dict[str, tuple[bool, int | None]] = {}
         self.fates: dict[bytes, _Fate] = {}
         self.remote_down: tuple[int, str] | None = None
+        # This step's lookups whose units no one had computed yet, by parent key: a request
+        # that computes them later in the same step (vLLM records a step's schedule after its
+        # lookups) was computing them when the lookup asked (_in_flight).
+        self._waiting: dict[bytes, list[tuple[str, _Lookup, int, bytes, tuple[int, ...]]]] = {}
+        self._waiting_step = -1
         self.without_lookup = 0  # admissions with no lookup before them (nothing acted on)
         self._reading: list[bytes] = []  # the chunks a failing load read, still stored
 
@@ -481,6 +509,8 @@ class Explainer:
             self.history.add(span.parent, seq, fact)
             if span.start == 0:
                 self.history.add(ANY_ROOT, seq, fact)
+            if self._waiting and step == self._waiting_step:
+                self._in_flight(label, step, span.parent, seq)
             if not span.partial:
                 life.reg_full = span.end
         life.reg_end = upto
@@ -490,6 +520,7 @@ class Explainer:
     def _look(self, label: str, state: RequestState, num_tokens: int, step: int) -> _Lookup:
         """Why each token past the units the index holds (a prefix) misses, at this lookup."""
         pieces: list[Miss] = []
+        waiting: list[tuple[bytes, int, tuple[int, ...]]] = []
         broken: Miss | None = None
         life = self.lives.get(label)
         salt = "" if life is None else life.salt
@@ -503,6 +534,10 @@ class Explainer:
                     pieces.append(_moved(broken, span.start, span.end))
                 continue
             why, chain = self._why(span, state, salt, chain)
+            if any(m.reason in _IN_FLIGHT_OVER for m in why):
+                waiting.append(
+                    (span.parent, span.start, tuple(state.token_ids[span.start : span.end]))
+                )
             if not self.recorded:
                 # A prompt's tail is saved as its whole blocks: what became of those, and the
                 # partial block past them by policy.
@@ -526,7 +561,31 @@ class Explainer:
             pieces.append(
                 Miss(end, num_tokens, "unexplained", detail="the token ids are not in the log")
             )
-        return _Lookup(step, pieces, state.recompute_only)
+        snap = _Lookup(step, pieces, state.recompute_only)
+        if waiting:
+            if step != self._waiting_step:
+                self._waiting, self._waiting_step = {}, step
+            for parent, start, tokens in waiting:
+                self._waiting.setdefault(parent, []).append((label, snap, start, parent, tokens))
+        return snap
+
+    def _in_flight(self, label: str, step: int, parent: bytes, seq: Sequence[int]) -> None:
+        """``label`` computes ``seq`` (the unit after ``parent``) in this step: every lookup
+        of another request in this step that missed those tokens as never computed (or as an
+        earlier run's) missed them because this one was computing them. Facts of this run come
+        before an earlier run's, and this is the fact: it names the request and the step."""
+        for who, snap, start, _, tokens in self._waiting.get(parent, ()):
+            if who == label:
+                continue
+            shared = 0
+            for a, b in zip(tokens, seq, strict=False):
+                if a != b:
+                    break
+                shared += 1
+            if shared:
+                _retell(
+                    snap.pieces, start, start + shared, Miss(0, 0, "being_computed", step, label)
+                )
 
     def _why(
         self, span: Span, state: RequestState, salt: str, chain: bytes | None

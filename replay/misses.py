@@ -43,6 +43,8 @@ REASONS: dict[str, str] = {
     "(discard_partial_chunks), or these tokens lie inside a longer chunk",
     "decode_not_saved": "computed as decode output, which is not saved (save_decode_cache off)",
     "save_failed": "its save failed (or was cancelled: computed over a failed load)",
+    "being_computed": "another request of this run was computing it in the step the lookup "
+    "asked: nothing of it was saved yet",
     "save_in_flight": "its save was planned, or due, and not confirmed when the lookup asked",
     "evicted": "evicted from the host pool: its slot went to another request's save (or it "
     "left outside the plans, reset_cache)",
@@ -132,6 +134,7 @@ _FACTS = {
     "partial_chunk": "computed by {by} at step {step}",
     "decode_not_saved": "decode output of {by} at step {step}",
     "save_failed": "{by}'s save failed at step {step}",
+    "being_computed": "computed by {by} in step {step}, as the lookup asked",
     "save_in_flight": "saved by {by} from step {step}",
     "evicted": "evicted at step {step} to make room for {by}",
     "dropped": "dropped at step {step}: {by}'s load of it failed",

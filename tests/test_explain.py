@@ -327,6 +327,54 @@ def test_a_failed_load_is_recomputed_and_the_chunk_dropped(tmp_path: Path) -> No
     assert misses(c) == [(8, 16, "dropped")] and c.misses[0].by == "b"
 
 
+def test_a_prefix_another_request_computes_in_the_lookups_step_names_it(tmp_path: Path) -> None:
+    """Two requests share a prompt and arrive together; the second looks up while the first
+    computes the prompt's second chunk in the same step (vLLM records a step's schedule after
+    its lookups). Those tokens were being computed by the first, not new: explain names it
+    and the step, before any earlier run's fact (issue 28)."""
+    for earlier in (False, True):
+        r = Run(tmp_path / f"log-{earlier}")
+        p = prompt(16, 23)
+        if earlier:  # an earlier run computed the whole prompt: a fact of another log
+            old = Run(tmp_path / "old")
+            old.add("old", p)
+            old.admit("old")
+            old_log = old.close()
+        t = r.t
+        r.add("a", p)
+        assert t.lookup("a", 0, p) == 0
+        t.allocated("a", [1, 2, 3, 4, 5, 6], 0)
+        t.scheduled(  # the first chunk this step
+            "a",
+            num_computed=0,
+            num_scheduled=8,
+            all_token_ids=p,
+            block_ids=[1, 2, 3, 4, 5, 6],
+            admission=NEW,
+        )
+        r.step()
+        r.add("b", p)
+        assert t.lookup("b", 0, p) == 0  # asked before a's step is scheduled
+        t.scheduled("a", num_computed=8, num_scheduled=8, all_token_ids=p)  # a computes 8..16
+        t.allocated("b", [7, 8, 9, 10, 11], 0)
+        t.scheduled(
+            "b",
+            num_computed=0,
+            num_scheduled=16,
+            all_token_ids=p,
+            block_ids=[7, 8, 9, 10, 11],
+            admission=NEW,
+        )
+        path = r.close()
+        x = explain(path, earlier=[old_log] if earlier else [])
+        b = admission(x, "b")
+        assert misses(b) == [(0, 8, "save_in_flight"), (8, 16, "being_computed")]
+        computing = b.misses[1]
+        assert (computing.by, computing.step) == ("a", 1)
+        assert "computed by a in step 1" in computing.describe()
+        check_admission(b)
+
+
 def test_pool_full_no_slot_to_save(tmp_path: Path) -> None:
     r = Run(tmp_path / "log", num_slots=1)
     p = prompt(8, 10)
@@ -704,7 +752,7 @@ def _by_reason(spans: Sequence[tuple[int, int, str, str]]) -> dict[str, int]:
 def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
     """The run of docs/why-missed.md (tests/_miss_run.py): vLLM's real scheduler with the
     connector, proven by the KV-content oracle, a pool of five chunks, prompts that share 40
-    tokens, three asked again, one failed load: five reasons, each with its facts."""
+    tokens, three asked again, one failed load: six reasons, each with its facts."""
     from connector.testing.harness import skip_reason
 
     reason = skip_reason()
@@ -717,6 +765,7 @@ def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
     x = explained(tmp_path / "run")
     assert set(x.totals()["reasons"]) == {
         "new_prefix",
+        "being_computed",  # req-0 and req-1 computed their shared 40 tokens in one step
         "prefix_diverged",
         "partial_chunk",
         "evicted",
@@ -729,6 +778,9 @@ def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
             if m.reason == "evicted":
                 assert a.request in ("req-4", "again-req-0", "again-req-1", "again-req-2")
                 assert m.by is not None and m.step is not None
+            if m.reason == "being_computed":  # each by the other, in the step both asked
+                assert {a.request, m.by} == {"req-0", "req-1"} and m.step == a.lookup_step
+                assert (m.start, m.end) == (0, 40)
     failed = admission(x, "again-req-1")
     assert (0, 32, "load_failed") in misses(failed) and failed.load_result == "failed"
 
