@@ -5,12 +5,30 @@ a recorder's log written event by event (``write_recorded``), for the recorder's
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Iterable
 from typing import Any
 
 from tracker import events as ev
 from tracker.recorded_steps import RecordedSteps
+
+
+def check_replicas(*logs: str) -> tuple[int, dict[str, Any]]:
+    """``kvledger check --replicas --json LOG...`` as a user runs it: its exit status and its
+    JSON (whose ``exit_code`` says the same)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "replay", "check", "--replicas", "--json", *logs],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out: dict[str, Any] = json.loads(done.stdout)
+    assert out["exit_code"] == done.returncode, done.stderr
+    return done.returncode, out
 
 
 def write_recorded(

@@ -435,20 +435,27 @@ def test_the_remote_tier_evicted_the_chunk(tmp_path: Path) -> None:
     assert a.hit["remote"] == 8 and misses(a) == [(8, 16, "remote_evicted")]
 
 
-def test_a_value_not_its_chunks_is_named_foreign_value(tmp_path: Path) -> None:
-    """The remote tier served another chunk's value under the second key (swapped): the
-    worker refused it, the load failed from there, and explain names the fact a user acts on,
-    with the value's reason, not a bare load_failed."""
-    r = Run(tmp_path / "log")
-    p = prompt(16, 15)
+def _foreign_second_chunk(r: Run, p: list[int], reason: str) -> tuple[tuple[bytes, ...], str]:
+    """a's two chunks on the remote tier; "again" finds both and loads them, and the worker
+    refuses the second one's value for ``reason`` (``{}``: the first key's hex): the load
+    fails from there. The keys, and the reason as recorded."""
     keys = _remote(r, p)
     r.add("again", [*p, 5])
     r.t.apply(ev.RemoteFound(r.t.step, "again", keys, (1, 1)))
     r.admit("again")
     r.step()
-    why = f"misplaced: the value of chunk {keys[0].hex()}"
+    why = reason.format(keys[0].hex())
     r.t.apply(ev.RemoteLoadFailed(r.t.step, "again", keys[1:], why))
     r.load("again", failed_block=2)  # the second chunk (tokens 8..15)
+    return keys, why
+
+
+def test_a_value_not_its_chunks_is_named_foreign_value(tmp_path: Path) -> None:
+    """The remote tier served another chunk's value under the second key (swapped): the
+    worker refused it, the load failed from there, and explain names the fact a user acts on,
+    with the value's reason, not a bare load_failed."""
+    r = Run(tmp_path / "log")
+    _, why = _foreign_second_chunk(r, prompt(16, 15), "misplaced: the value of chunk {}")
     x = explained(r.close())
     a = admission(x, "again")
     assert a.hit["remote"] == 8 and a.load_result == "failed"
@@ -462,14 +469,7 @@ def test_a_key_whose_value_was_foreign_is_not_counted_again_and_explained(tmp_pa
     count it until this engine writes the chunk, and explain says why, not new_prefix."""
     r = Run(tmp_path / "log")
     p = prompt(16, 16)
-    keys = _remote(r, p)
-    r.add("again", [*p, 5])
-    r.t.apply(ev.RemoteFound(r.t.step, "again", keys, (1, 1)))
-    r.admit("again")
-    r.step()
-    why = "wrong_layout: written under another KV layout (0123456789ab)"
-    r.t.apply(ev.RemoteLoadFailed(r.t.step, "again", keys[1:], why))
-    r.load("again", failed_block=2)
+    keys, why = _foreign_second_chunk(r, p, "wrong_layout: written under another KV layout ({})")
     r.finish("again")
     r.step()
     r.add("c", [*p, 6])

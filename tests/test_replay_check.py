@@ -874,27 +874,15 @@ def test_version_falls_back_to_the_pyproject_version_when_not_installed(
 def test_check_replicas_reads_each_log_and_judges_them_together(tmp_path: Path) -> None:
     """``check --replicas``: each log checked alone, then together; a log that cannot be read
     is its own exit 2 and is left out of the cross-check, never a crash."""
-    import subprocess
-    import sys
+    from _verdicts import check_replicas
 
     clean = str(Path(__file__).parent / "data" / "replay-clean.kvlog")
     junk = tmp_path / "junk.kvlog"
     junk.write_bytes(b"hello, not a log")
-
-    def run(*logs: str) -> tuple[int, dict]:
-        done = subprocess.run(
-            [sys.executable, "-m", "replay", "check", "--replicas", "--json", *logs],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        return done.returncode, json.loads(done.stdout)
-
-    code, out = run(clean, clean)
+    code, out = check_replicas(clean, clean)
     assert code == 0 and out["exit_code"] == 0
     assert [r["exit_code"] for r in out["logs"]] == [0, 0]
     assert out["replicas"]["problems"] == [] and len(out["replicas"]["logs"]) == 2
-    code, out = run(clean, str(junk))
+    code, out = check_replicas(clean, str(junk))
     assert code == 2 and [r["exit_code"] for r in out["logs"]] == [0, 2]
     assert out["replicas"]["logs"] == [clean]

@@ -13,16 +13,13 @@ vLLM's real scheduler with the KV-content oracle, two engines sharing a ``file:/
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _rigs import assert_clean
-from _verdicts import events_of
+from _verdicts import check_replicas, events_of
 
 from connector.testing.harness import skip_reason
 from connector.values import _FIXED, ValueSeal
@@ -76,19 +73,6 @@ def _forge(directory: Path, *, keep_digests: bool) -> int:
     return forged
 
 
-def _cli_replicas(*logs: str) -> dict[str, Any]:
-    done = subprocess.run(
-        [sys.executable, "-m", "replay", "check", "--replicas", "--json", *logs],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    out: dict[str, Any] = json.loads(done.stdout)
-    assert out["exit_code"] == done.returncode, done.stderr
-    return out
-
-
 def test_the_savers_digests_travel_with_the_value_and_judge_the_load(tmp_path: Path) -> None:
     chunks = tmp_path / "chunks"
     first = _run(chunks, tmp_path / "a")
@@ -136,12 +120,12 @@ def test_a_forged_value_without_digests_is_caught_by_the_replicas_logs_together(
     assert alone.exit_code == 0, [(p.describe(), p.detail) for p in alone.problems]
     assert alone.counts["digests"]["unverifiable"] > 0
     # Together with the saver's log, every forged load is named.
-    out = _cli_replicas(first.log_path, second.log_path)
-    assert out["exit_code"] == 1
+    code, out = check_replicas(first.log_path, second.log_path)
+    assert code == 1
     problems = out["replicas"]["problems"]
     assert problems and {p["name"] for p in problems} == {RULE}
     # Named at each load of forged KV: from the tier, and from the host pool it went to.
     loaders = {e.req_id for e in events_of(second.log_path) if isinstance(e, ev.LoadPlanned)}
     assert {p["req_id"] for p in problems} <= loaders
     # The untampered pair is consistent (the saver against itself and the first run).
-    assert _cli_replicas(first.log_path, first.log_path)["exit_code"] == 0
+    assert check_replicas(first.log_path, first.log_path)[0] == 0

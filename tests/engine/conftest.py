@@ -143,6 +143,31 @@ def run_workloads(spec: EngineSpec, workloads: Sequence[Workload]) -> EngineRuns
 # ``workloads(model)``; each engine starts once per module (base first).
 
 
+# The engine and connector of the modules whose engines share a redis-server (module
+# ``redis``): chunks of one block, and a lookup bound a loaded test machine cannot miss (an
+# outage there would be the machine's).
+REDIS_BLOCK = 32
+REDIS_ENGINE = dict(num_blocks=5, block_size=REDIS_BLOCK, max_model_len=128, max_num_seqs=4)
+REDIS_CONNECTOR = {
+    "chunk_size": REDIS_BLOCK,
+    "remote_lookup_timeout_ms": 2000,
+    "remote_retry_ms": 20,
+}
+
+
+@pytest.fixture(scope="module")
+def redis(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A redis-server of the module's own (tests/_redis.py), stopped after it."""
+    from _redis import RedisServer, require_redis_server
+
+    server = RedisServer(require_redis_server(), tmp_path_factory.mktemp("redis"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def base(request: pytest.FixtureRequest, tiny_model: str) -> EngineRuns:
     """The module's workloads on its engine without the connector: the outputs to match."""

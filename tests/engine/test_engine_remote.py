@@ -8,22 +8,27 @@ the same tokens as without the connector, and the log checks clean.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _redis import RedisServer, require_redis_server
+from _redis import RedisServer
 from _verdicts import events_of
 
 from connector.testing.engine import EngineSpec
 from tracker import events as ev
 
-from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
+from .conftest import (
+    REDIS_CONNECTOR,
+    REDIS_ENGINE,
+    EngineRuns,
+    Workload,
+    assert_same_outputs,
+    prompts,
+    run_workloads,
+)
 
-BLOCK = 32
-ENGINE = dict(num_blocks=5, block_size=BLOCK, max_model_len=128, max_num_seqs=4)
-# A lookup bound a loaded test machine cannot miss: an outage here would be the machine's.
-CONNECTOR = {"chunk_size": BLOCK, "remote_lookup_timeout_ms": 2000, "remote_retry_ms": 20}
+ENGINE = REDIS_ENGINE
+CONNECTOR = REDIS_CONNECTOR
 
 
 def workloads(model: str) -> list[Workload]:
@@ -33,13 +38,8 @@ def workloads(model: str) -> list[Workload]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    redis = RedisServer(require_redis_server(), tmp_path_factory.mktemp("redis"))
-    redis.start()
-    try:
-        yield redis
-    finally:
-        redis.stop()
+def server(redis: RedisServer) -> RedisServer:
+    return redis
 
 
 @pytest.fixture(scope="module")

@@ -8,21 +8,25 @@ the chunk it belongs to, and ``kvledger check`` exits 1 naming ``foreign_value``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from _redis import RedisServer, require_redis_server
+from _redis import RedisServer
 from _verdicts import events_of
 
 from connector.testing.engine import EngineSpec
 from tracker import events as ev
 
-from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
+from .conftest import (
+    REDIS_CONNECTOR,
+    REDIS_ENGINE,
+    EngineRuns,
+    Workload,
+    assert_same_outputs,
+    prompts,
+    run_workloads,
+)
 
-BLOCK = 32
-ENGINE = dict(num_blocks=5, block_size=BLOCK, max_model_len=128, max_num_seqs=4)
-# A lookup bound a loaded test machine cannot miss: an outage here would be the machine's.
-CONNECTOR = {"chunk_size": BLOCK, "remote_lookup_timeout_ms": 2000, "remote_retry_ms": 20}
+ENGINE = REDIS_ENGINE
+CONNECTOR = REDIS_CONNECTOR
 
 
 def workloads(model: str) -> list[Workload]:
@@ -32,17 +36,8 @@ def workloads(model: str) -> list[Workload]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    redis = RedisServer(require_redis_server(), tmp_path_factory.mktemp("redis"))
-    redis.start()
-    try:
-        yield redis
-    finally:
-        redis.stop()
-
-
-@pytest.fixture(scope="module")
-def reader(tiny_model: str, server: RedisServer, base: EngineRuns) -> tuple[EngineRuns, dict]:
+def reader(tiny_model: str, redis: RedisServer, base: EngineRuns) -> tuple[EngineRuns, dict]:
+    server = redis
     extra = {**CONNECTOR, "remote_url": server.url}
     spec = EngineSpec(model=tiny_model, extra_config=extra, **ENGINE)
     writer = run_workloads(spec, workloads(tiny_model))
