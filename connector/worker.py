@@ -129,9 +129,9 @@ class WorkerSide:
         # Keys read from the remote tier and not saved locally yet (oldest first, bounded): their
         # local saves, a step or more later (a prefill spans steps), are not written back.
         self._read_remote: dict[bytes, None] = {}
-        # (request, key) -> (slot, the chunk's first block, its blocks) of saves to upload.
-        self._upload_slot: dict[tuple[str, bytes], tuple[int, int, int]] = {}
-        self._to_upload: list[tuple[str, bytes, int, int, int]] = []
+        # (request, key) -> (slot, the chunk's first block) of saves to upload.
+        self._upload_slot: dict[tuple[str, bytes], tuple[int, int]] = {}
+        self._to_upload: list[tuple[str, bytes, int, int]] = []
         # The digests each fetched value carried (connector/values.py), by key.
         self._carried: dict[bytes, tuple[tuple[bytes, int], ...]] = {}
         # The chunk keys' salt (connector.vllm sets it): part of what binds a value to its KV
@@ -482,8 +482,7 @@ class WorkerSide:
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
                     if self.remote is not None and chunk.key not in self._read_remote:
                         first = (chunk.token_start - chunk.slot_offset) // block_size
-                        blocks = self.config.chunk_size // block_size
-                        self._upload_slot[(save.req_id, chunk.key)] = (chunk.slot, first, blocks)
+                        self._upload_slot[(save.req_id, chunk.key)] = (chunk.slot, first)
                     self._read_remote.pop(chunk.key, None)
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start
                     self.stats["chunks_saved"] += 1
@@ -543,6 +542,7 @@ class WorkerSide:
         if not items or self.remote is None or self.pool is None or self.values is None:
             return
         pool, seal, digests = self.pool, self.values, self.digests
+        n = self.config.chunk_size // pool.spec.block_size  # a chunk's blocks
         results: list[str | None]
         if not self.remote.available():
             results = [UNAVAILABLE] * len(items)
@@ -557,7 +557,7 @@ class WorkerSide:
                             () if digests is None else digests.of_blocks(req_id, first, first + n),
                         ),
                     )
-                    for req_id, key, slot, first, n in items
+                    for req_id, key, slot, first in items
                 ]
                 results = self.remote.put(values)
                 if len(results) != len(items):
