@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 
-.PHONY: setup setup-vllm setup-engine lmcache demo demo-engine test lint typecheck pytest pytest-engine pytest-vllm-oldest matrix docs bench clean
+.PHONY: setup setup-vllm setup-engine lmcache demo demo-engine test lint typecheck wheel-check pytest pytest-engine pytest-vllm-oldest matrix docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -73,7 +73,7 @@ lint: setup
 # tracker/ strictly (pyproject); connector/ and replay/ checked too, against vLLM's real
 # types (so the result is the same on every machine).
 typecheck: setup-vllm
-	$(BIN)/mypy tracker connector replay
+	$(BIN)/mypy -p kvledger
 
 # LMCache's real vLLM v1 adapter (issue 9; tests marked lmcache, connector/testing/lmcache.py):
 # each pinned release in its own directory, since they cannot share a site-packages; the rig
@@ -107,6 +107,12 @@ PYTEST_ARGS := -q -n $(PYTEST_WORKERS) --dist loadfile --durations=15
 pytest: setup-vllm lmcache
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# The wheel as a user installs it (.ci/wheel_check.py): one top-level package, installed alone
+# in a fresh venv beside vLLM's scheduler, `kvledger --version` and the connector's import from
+# another directory, both connectors by name through vLLM's plugin loader.
+wheel-check: setup
+	$(BIN)/python .ci/wheel_check.py
+
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
@@ -130,7 +136,7 @@ pytest-vllm-oldest: setup-vllm
 matrix: setup-vllm
 	$(BIN)/python .ci/vllm_matrix.py --all
 
-test: lint typecheck pytest pytest-engine pytest-vllm-oldest docs
+test: lint typecheck wheel-check pytest pytest-engine pytest-vllm-oldest docs
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py

@@ -278,7 +278,7 @@ def test_env(version: str, py: Path, files: list[str], pytest_args: list[str]) -
         [
             str(py),
             "-c",
-            "import vllm, sys; from connector.testing.harness import skip_reason; "
+            "import vllm, sys; from kvledger.connector.testing.harness import skip_reason; "
             "r = skip_reason(); print('PROBE-VERSION', vllm.__version__); "
             "print('PROBE-ERROR', r or ''); sys.exit(r is not None)",
         ],

@@ -38,11 +38,11 @@ from collections.abc import Callable
 
 import torch
 
-from connector.digests import WorkerDigests
-from connector.kv_layout import slot_mapping_for
-from connector.store import HostChunkPool
-from connector.transfer import TransferBackend
-from tracker.digests import DigestBlock, DigestPlan, block_keys
+from kvledger.connector.digests import WorkerDigests
+from kvledger.connector.kv_layout import slot_mapping_for
+from kvledger.connector.store import HostChunkPool
+from kvledger.connector.transfer import TransferBackend
+from kvledger.tracker.digests import DigestBlock, DigestPlan, block_keys
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -143,7 +143,7 @@ def worker_part(args: argparse.Namespace) -> None:
 
 
 def harness_part(args: argparse.Namespace) -> None:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     modes = ("off", "sampled", "full")
     per_step: dict[str, list[float]] = {m: [] for m in modes}

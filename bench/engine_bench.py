@@ -61,10 +61,10 @@ BLOCK = 32  # vLLM's block size in every engine here
 # engine's process): the worker's loads (start_load_kv: every chunk moved into vLLM's blocks),
 # its saves (wait_for_save), and the scheduler side's bookkeeping (lookups, plans, results).
 TIMED = {
-    "load_s": ("connector.worker", "WorkerSide", ("start_load_kv",)),
-    "save_s": ("connector.worker", "WorkerSide", ("wait_for_save",)),
+    "load_s": ("kvledger.connector.worker", "WorkerSide", ("start_load_kv",)),
+    "save_s": ("kvledger.connector.worker", "WorkerSide", ("wait_for_save",)),
     "scheduler_s": (
-        "connector.scheduler",
+        "kvledger.connector.scheduler",
         "SchedulerSide",
         (
             "on_new_request",
@@ -99,7 +99,7 @@ def time_connector(timers: dict[str, float]) -> None:
 
 def serve(spec_json: str) -> None:
     """Start one engine, then answer ``generate`` requests read from stdin, one JSON per line."""
-    from connector.testing.engine import Engine, EngineSpec
+    from kvledger.connector.testing.engine import Engine, EngineSpec
 
     spec = EngineSpec(**json.loads(spec_json))
     timers = dict.fromkeys(TIMED, 0.0)
@@ -182,7 +182,7 @@ def bench_engine(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     here with a fixed seed, large enough that a long prefill takes seconds on CPU, and room
     for the batch (``args.batch`` prompts of ``args.batch_prompt`` + ``args.batch_tokens``)
     or the ``args.long`` prompt at once, with headroom."""
-    from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from kvledger.connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     model_spec = TinyLlamaSpec(
         hidden_size=1024,

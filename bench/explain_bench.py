@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from replay_bench import median_time, write_log
 
-from replay.explain import Explainer, explain
-from replay.source import open_log
-from replay.summary import stats
-from tracker.history import walk
+from kvledger.replay.explain import Explainer, explain
+from kvledger.replay.source import open_log
+from kvledger.replay.summary import stats
+from kvledger.tracker.history import walk
 
 
 def _walk(path: Path) -> int:

@@ -42,10 +42,10 @@ OPS = ("read+verify", "decode", "follow", "check", "write")
 def _classes() -> tuple[Any, Any, Any]:
     """LogReader, LogFollower, LogWriter of the tree on sys.path (before or after the split)."""
     try:
-        from connector.logwriter import LogWriter
-        from replay.logreader import LogFollower, LogReader
+        from kvledger.connector.logwriter import LogWriter
+        from kvledger.replay.logreader import LogFollower, LogReader
     except ImportError:  # a tree from before the split: all three in tracker.log
-        from tracker.log import LogFollower, LogReader, LogWriter  # type: ignore[no-redef]
+        from kvledger.tracker.log import LogFollower, LogReader, LogWriter  # type: ignore[no-redef]
     return LogReader, LogFollower, LogWriter
 
 
@@ -64,7 +64,7 @@ def _op(what: str, paths: list[str], scratch: str) -> tuple[float, int]:
         follower.close()
         assert follower.ending == "closed", follower.stop
     elif what == "check":
-        from replay.replayer import check
+        from kvledger.replay.replayer import check
 
         result = check(paths)
         n = result.counts["events"]

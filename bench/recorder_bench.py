@@ -56,7 +56,7 @@ def recorder_spec(
         extra["digests"] = digests
     return {
         "kv_connector": "KVLedgerRecorder",
-        "kv_connector_module_path": "connector.vllm",
+        "kv_connector_module_path": "kvledger.connector.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }

@@ -42,8 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from connector.remote import RemoteStore, remote_key
-from connector.values import ValueSeal, layout_fingerprint
+from kvledger.connector.remote import RemoteStore, remote_key
+from kvledger.connector.values import ValueSeal, layout_fingerprint
 
 GB = 1e9
 # Llama-3.1-8B: K and V, 32 layers, 8 KV heads, head size 128, 2 bytes (bf16), per token.

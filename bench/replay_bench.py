@@ -46,12 +46,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from replay.replayer import check
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import check
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 BLOCK = 16
 CHUNK = 256

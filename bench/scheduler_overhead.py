@@ -69,8 +69,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/scheduler_overhead.py` from anywhere
     sys.path.insert(0, str(ROOT))
 
-from connector.testing.driver import ModelRunner  # noqa: E402
-from connector.testing.harness import HarnessConfig, SchedulerHarness, skip_reason  # noqa: E402
+from kvledger.connector.testing.driver import ModelRunner  # noqa: E402
+from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness, skip_reason  # noqa: E402
 
 TARGET = 1.05
 
@@ -348,7 +348,7 @@ def connector_spec(
         extra["log_background"] = background
     return {
         "kv_connector": "KVLedgerConnector",
-        "kv_connector_module_path": "connector.vllm",
+        "kv_connector_module_path": "kvledger.connector.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": extra,
     }

@@ -35,9 +35,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from replay_bench import write_log
 
-import replay
-from replay import sql, writers
-from replay.tables import table_rows
+from kvledger import replay
+from kvledger.replay import sql, writers
+from kvledger.replay.tables import table_rows
 
 QUERY = "SELECT step, sum(hit) / sum(asked) AS hit_rate FROM admissions GROUP BY step"
 

@@ -34,12 +34,12 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.chunks import chunk_keys, root_key
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import chunk_keys, root_key
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 BLOCK = 16
 CHUNK = 256

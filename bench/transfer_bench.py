@@ -41,8 +41,13 @@ from pathlib import Path
 
 import torch
 
-from connector.store import HostChunkPool
-from connector.transfer import TransferBackend, TransferHandle, slot_mapping_for, slot_tokens
+from kvledger.connector.store import HostChunkPool
+from kvledger.connector.transfer import (
+    TransferBackend,
+    TransferHandle,
+    slot_mapping_for,
+    slot_tokens,
+)
 
 GB = 1e9
 
@@ -341,7 +346,7 @@ def cpu_backend(caches: dict[str, torch.Tensor], chunk_tokens: int, isa: str) ->
     try:
         return TransferBackend(caches, chunk_tokens, cpu_isa=isa)
     except TypeError:
-        import connector.transfer as transfer
+        import kvledger.connector.transfer as transfer
 
         transfer.cpu_attn_isa = lambda *_: isa  # type: ignore[assignment]
         return TransferBackend(caches, chunk_tokens)

@@ -20,7 +20,7 @@ from urllib.parse import unquote, unquote_plus, urlsplit
 
 import attrs
 
-from tracker.digests import DIGEST_MODES
+from kvledger.tracker.digests import DIGEST_MODES
 
 __all__ = [
     "ENV_LOG_DIR",
@@ -71,7 +71,7 @@ def _pos_int(name: str, value: Any) -> int:
 # The URL names the remote tier by its scheme (connector/tiers.py opens it): a Redis URL, or
 # a scheme tier_target knows, whose tier checks the rest of its URL when it opens.
 # scheme -> (module, class) of a connector.tiers.Tier; connector.tiers.register_tier adds one.
-TIER_SCHEMES: dict[str, tuple[str, str]] = {"file": ("connector.disk", "DiskTier")}
+TIER_SCHEMES: dict[str, tuple[str, str]] = {"file": ("kvledger.connector.disk", "DiskTier")}
 # The entry-point group a package names its tiers in, by scheme: found in every process vLLM
 # starts (its workers too), where a register_tier call in the serving script is not.
 TIER_ENTRY_POINTS = "kvledger.tiers"

@@ -35,10 +35,16 @@ import attrs
 import structlog
 import torch
 
-from connector.kv_layout import describe_kv_caches
-from tracker import events as ev
-from tracker.digests import DIGEST_MODES, DigestBlock, DigestPlan, DigestPlanner, DigestReport
-from tracker.recorded_steps import RecordedSteps
+from kvledger.connector.kv_layout import describe_kv_caches
+from kvledger.tracker import events as ev
+from kvledger.tracker.digests import (
+    DIGEST_MODES,
+    DigestBlock,
+    DigestPlan,
+    DigestPlanner,
+    DigestReport,
+)
+from kvledger.tracker.recorded_steps import RecordedSteps
 
 __all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests"]
 

@@ -36,12 +36,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError, redacted, url_path
-from connector.remote import describe
-from connector.tiers import MISSING, REFUSED, TierUnavailable
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError, redacted, url_path
+from kvledger.connector.remote import describe
+from kvledger.connector.tiers import MISSING, REFUSED, TierUnavailable
 
 if TYPE_CHECKING:
-    from connector.values import Sealed
+    from kvledger.connector.values import Sealed
 
 __all__ = ["DiskTier", "chunk_file"]
 

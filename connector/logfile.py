@@ -17,7 +17,7 @@ from typing import Any
 
 import structlog
 
-from connector.config import ConnectorConfigError, LogSettings
+from kvledger.connector.config import ConnectorConfigError, LogSettings
 
 __all__ = ["LOG_PREFIXES", "log_path", "open_log"]
 
@@ -42,7 +42,10 @@ def open_log(
     """``(writer, path, error)``: a ``LogWriter`` in ``settings.log_dir`` (None, None, None
     without one). A directory that cannot be written gives ``(None, None, error)``, logged, or
     raises :class:`ConnectorConfigError` under ``log_required``."""
-    from connector.logwriter import LogWriteError, LogWriter  # file I/O only when asked for
+    from kvledger.connector.logwriter import (  # file I/O only when asked for
+        LogWriteError,
+        LogWriter,
+    )
 
     log_dir = settings.log_dir
     if not log_dir:

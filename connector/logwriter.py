@@ -38,9 +38,9 @@ from typing import IO, Any, Final, Literal, Protocol
 
 import msgpack
 
-from tracker import codec
-from tracker.events import Event, RecordLost, StepDecoded, int_tuple
-from tracker.framing import (
+from kvledger.tracker import codec
+from kvledger.tracker.events import Event, RecordLost, StepDecoded, int_tuple
+from kvledger.tracker.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     MAX_FRAME_RECORDS,
     LogError,

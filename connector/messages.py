@@ -17,8 +17,8 @@ from typing import Any
 
 import attrs
 
-from tracker.digests import DigestPlan, DigestReport
-from tracker.plans import ChunkTransfer, TransferPlan
+from kvledger.tracker.digests import DigestPlan, DigestReport
+from kvledger.tracker.plans import ChunkTransfer, TransferPlan
 
 __all__ = ["ChunkTransfer", "StepPlan", "TransferPlan", "WorkerReport"]
 

@@ -4,7 +4,6 @@ it answered, in kvledger's log format, for ``kvledger check`` to judge offline.
 Load it the way ``KVLedgerConnector`` is loaded, naming the connector it wraps::
 
     --kv-transfer-config '{"kv_connector": "KVLedgerRecorder",
-                           "kv_connector_module_path": "connector.vllm",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {
                                "inner": "LMCacheConnectorV1",
@@ -49,8 +48,8 @@ from typing import Any
 
 import structlog
 
-from connector.config import ConnectorConfigError, RecorderConfig, connector_name
-from connector.edge import (
+from kvledger.connector.config import ConnectorConfigError, RecorderConfig, connector_name
+from kvledger.connector.edge import (
     VLLM_VERSION,
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -62,12 +61,12 @@ from connector.edge import (
     is_scheduler,
     token_list,
 )
-from connector.logfile import open_log
-from connector.recording import RECORDER_FORMAT, SchedulerRecorder
-from connector.scheduler import first_group
-from connector.stopping import NO_HOOK, StopHook
-from tracker import events as ev
-from tracker.config import TrackerConfig
+from kvledger.connector.logfile import open_log
+from kvledger.connector.recording import RECORDER_FORMAT, SchedulerRecorder
+from kvledger.connector.scheduler import first_group
+from kvledger.connector.stopping import NO_HOOK, StopHook
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
 
 __all__ = [
     "KVLedgerRecorder",
@@ -239,7 +238,10 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         """The digests' planner (scheduler) or digester (worker), when digests are on."""
         if self.digests == "off":
             return
-        from connector.digests import RecorderDigests, WorkerDigests  # torch: only when asked
+        from kvledger.connector.digests import (  # torch: only when asked
+            RecorderDigests,
+            WorkerDigests,
+        )
 
         if is_scheduler(role):
             block_size = int(vllm_config.cache_config.block_size)

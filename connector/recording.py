@@ -24,11 +24,11 @@ from typing import Any
 
 import structlog
 
-from connector.scheduler import first_group, status_name
-from tracker import events as ev
-from tracker.codec import EncodeError
-from tracker.recorded_steps import Life, RecordedSteps
-from tracker.tracker import close_log, seal_log
+from kvledger.connector.scheduler import first_group, status_name
+from kvledger.tracker import events as ev
+from kvledger.tracker.codec import EncodeError
+from kvledger.tracker.recorded_steps import Life, RecordedSteps
+from kvledger.tracker.tracker import close_log, seal_log
 
 __all__ = ["RECORDER_FORMAT", "SchedulerRecorder"]
 

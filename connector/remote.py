@@ -56,11 +56,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote, unquote, urlsplit
 
-from connector.config import ConnectorConfig, ConnectorConfigError, check_redis_url, redacted
-from connector.tiers import MISSING, REFUSED, UNAVAILABLE, TierUnavailable
+from kvledger.connector.config import (
+    ConnectorConfig,
+    ConnectorConfigError,
+    check_redis_url,
+    redacted,
+)
+from kvledger.connector.tiers import MISSING, REFUSED, UNAVAILABLE, TierUnavailable
 
 if TYPE_CHECKING:
-    from connector.values import Sealed
+    from kvledger.connector.values import Sealed
 
 __all__ = [
     "MISSING",

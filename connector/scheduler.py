@@ -20,17 +20,17 @@ from typing import Any, TypeVar
 import attrs
 import structlog
 
-from connector.config import ConnectorConfig
-from connector.logfile import open_log
-from connector.messages import StepPlan, TransferPlan, WorkerReport
-from connector.metrics import Counters
-from connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.digests import DigestPlanner
-from tracker.plans import blocks_covering, transfer_plan
-from tracker.remote import lookup_keys
-from tracker.tracker import Tracker
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.logfile import open_log
+from kvledger.connector.messages import StepPlan, TransferPlan, WorkerReport
+from kvledger.connector.metrics import Counters
+from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import DigestPlanner
+from kvledger.tracker.plans import blocks_covering, transfer_plan
+from kvledger.tracker.remote import lookup_keys
+from kvledger.tracker.tracker import Tracker
 
 __all__ = ["SchedulerSide", "first_group", "status_name"]
 

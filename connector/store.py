@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 import torch
 
-from connector.kv_layout import PagedKVSpec
-from connector.transfer import TransferBackend, TransferHandle
+from kvledger.connector.kv_layout import PagedKVSpec
+from kvledger.connector.transfer import TransferBackend, TransferHandle
 
 __all__ = ["HostChunkPool", "SlotBusyError", "SlotMode"]
 

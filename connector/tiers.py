@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from connector.config import (
+from kvledger.connector.config import (
     REDIS_SCHEMES,
     TIER_ENTRY_POINTS,
     TIER_SCHEMES,
@@ -56,7 +56,7 @@ from connector.config import (
 )
 
 if TYPE_CHECKING:
-    from connector.values import Sealed
+    from kvledger.connector.values import Sealed
 
 __all__ = [
     "MISSING",
@@ -77,7 +77,7 @@ MISSING = "missing"
 REFUSED = "refused"
 UNAVAILABLE = "unavailable"
 # The tier a Redis URL opens (connector.config checks Redis URLs itself).
-REDIS_TIER = ("connector.remote", "RemoteStore")
+REDIS_TIER = ("kvledger.connector.remote", "RemoteStore")
 
 
 class TierUnavailable(Exception):
@@ -191,7 +191,7 @@ def open_tier(config: ConnectorConfig, *, rank: int = 0, scheduler: bool) -> Tie
     if not isinstance(tier, Tier):
         raise ConnectorConfigError(
             f"remote_url {scheme}:// opened a {type(tier).__name__}, which lacks some of "
-            "connector.tiers.Tier's methods"
+            "kvledger.connector.tiers.Tier's methods"
         )
     return tier
 

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from connector.kv_layout import (
+from kvledger.connector.kv_layout import (
     BLOCK_DIM,
     CPU_ISAS,
     KV_DIM,

@@ -50,8 +50,8 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from tracker.remote import (
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.tracker.remote import (
     FORMAT,
     MISPLACED,
     UNAUTHENTICATED,

@@ -4,7 +4,6 @@
 is loaded from this module the same way. Load ``KVLedgerConnector`` with::
 
     --kv-transfer-config '{"kv_connector": "KVLedgerConnector",
-                           "kv_connector_module_path": "connector.vllm",
                            "kv_role": "kv_both",
                            "kv_connector_extra_config": {"chunk_size": 256}}'
 
@@ -19,9 +18,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connector import edge, metrics
-from connector.config import ConnectorConfig
-from connector.edge import (
+from kvledger.connector import edge, metrics
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.edge import (
     PROM_METRICS,
     VLLM_VERSION,
     WORKER_META_CHANNEL,
@@ -33,13 +32,13 @@ from connector.edge import (
     base_args,
     is_scheduler,
 )
-from connector.messages import StepPlan, WorkerReport
-from connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
-from connector.scheduler import SchedulerSide
-from connector.stopping import NO_HOOK, StopHook
+from kvledger.connector.messages import StepPlan, WorkerReport
+from kvledger.connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
+from kvledger.connector.scheduler import SchedulerSide
+from kvledger.connector.stopping import NO_HOOK, StopHook
 
 if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
-    from connector.worker import WorkerSide
+    from kvledger.connector.worker import WorkerSide
 
 __all__ = ["KVLedgerConnector", "KVLedgerMetadata", "KVLedgerRecorder", "KVLedgerWorkerMetadata"]
 
@@ -151,7 +150,7 @@ def _pool_format(vllm_config: Any, block_size: int, head_size: int) -> str:
     tokens as rows (``tokens``). A wrong guess cannot go unnoticed: the worker refuses caches
     of another format when vLLM registers them (``WorkerSide.register_kv_caches``), reading
     the kernel from the layers vLLM set it on (``_attention_isa``)."""
-    from connector.kv_layout import TOKENS, cpu_attn_isa, pool_format
+    from kvledger.connector.kv_layout import TOKENS, cpu_attn_isa, pool_format
 
     if not edge.on_cpu_platform():
         return TOKENS
@@ -171,7 +170,7 @@ def _attention_isa(vllm_config: Any, layer_names: Any) -> str | None:
     context = getattr(compilation, "static_forward_context", None) or {}
     isas = {str(isa) for name in layer_names if (isa := getattr(context.get(name), "isa", None))}
     if len(isas) > 1:
-        from connector.kv_layout import KVCacheLayoutError
+        from kvledger.connector.kv_layout import KVCacheLayoutError
 
         raise KVCacheLayoutError(
             f"vLLM's CPU attention runs the kernels {sorted(isas)} on different layers; "
@@ -215,7 +214,7 @@ def _slot_geometry(vllm_config: Any, kv_cache_config: Any) -> tuple[int, int, st
     rank = getattr(parallel, "rank", 0)
     salt = f"{model}|{num_layers}L|{desc}|tp{parallel.tensor_parallel_size}r{rank}"
     fmt = _pool_format(vllm_config, block_size, head_size)
-    from connector.kv_layout import TOKENS
+    from kvledger.connector.kv_layout import TOKENS
 
     if fmt != TOKENS:
         salt += f"|pool={fmt}"
@@ -273,7 +272,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         """Build the worker role's ``WorkerSide`` (called once, from ``__init__``): a host pool
         of ``num_slots`` chunk slots for worker ``rank``. A subclass may return a subclass of
         ``WorkerSide``; the test rigs inject load faults this way."""
-        from connector.worker import WorkerSide  # torch only where bytes move
+        from kvledger.connector.worker import WorkerSide  # torch only where bytes move
 
         return WorkerSide(config, num_slots=num_slots, rank=rank)
 

@@ -62,21 +62,28 @@ import attrs
 import structlog
 import torch
 
-from connector.config import ConnectorConfig
-from connector.digests import WorkerDigests
-from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
-from connector.store import HostChunkPool
-from connector.tiers import REFUSED, UNAVAILABLE, Tier, TierUnavailable, down_reason, open_tier
-from connector.transfer import (
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.digests import WorkerDigests
+from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
+from kvledger.connector.store import HostChunkPool
+from kvledger.connector.tiers import (
+    REFUSED,
+    UNAVAILABLE,
+    Tier,
+    TierUnavailable,
+    down_reason,
+    open_tier,
+)
+from kvledger.connector.transfer import (
     KVCacheLayoutError,
     TransferBackend,
     TransferHandle,
     slot_mapping_for,
 )
-from connector.values import ValueSeal, layout_fingerprint, read_secret
-from tracker.plans import blocks_covering
-from tracker.remote import foreign
-from tracker.tiers import POOL, REMOTE, tier_of_slot
+from kvledger.connector.values import ValueSeal, layout_fingerprint, read_secret
+from kvledger.tracker.plans import blocks_covering
+from kvledger.tracker.remote import foreign
+from kvledger.tracker.tiers import POOL, REMOTE, tier_of_slot
 
 __all__ = ["WorkerSide"]
 

@@ -31,9 +31,9 @@ import attrs
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tracker import events as ev  # noqa: E402
-from tracker.config import TrackerConfig  # noqa: E402
-from tracker.state import Phase, RequestState, fold, new_state  # noqa: E402
+from kvledger.tracker import events as ev  # noqa: E402
+from kvledger.tracker.config import TrackerConfig  # noqa: E402
+from kvledger.tracker.state import Phase, RequestState, fold, new_state  # noqa: E402
 
 
 def _first_line(doc: str | None) -> str:
@@ -178,7 +178,7 @@ def _enclosing(before: str) -> str:
 
 def rules_table() -> str:
     """Every rule name the core can report, and the function that reports it."""
-    from tracker.wellformed import RULES
+    from kvledger.tracker.wellformed import RULES
 
     # tracker/wellformed.py's rules come from its table, not from a call naming each.
     found: dict[str, list[str]] = {rule: ["`tracker/wellformed.py` `malformed`"] for rule in RULES}
@@ -227,7 +227,7 @@ def _wire_value(value: object) -> str:
 def records_table() -> str:
     """Every record type the codec writes: tag, version, kind, and the wire fields after
     ``req_id`` in order, with their defaults and transforms (the header's schemas)."""
-    from tracker import codec
+    from kvledger.tracker import codec
 
     schemas, defaults, transforms = codec.schemas(), codec.defaults(), codec.transforms()
     by_name = {cls.__name__: cls for cls in ev.EVENT_TYPES}
@@ -263,7 +263,7 @@ def wellformed_table() -> str:
     """What no event of each type can say: tracker/wellformed.py's table, in words."""
     import typing
 
-    from tracker import wellformed as wf
+    from kvledger.tracker import wellformed as wf
 
     about = {
         wf.ONE: "empty (`field_empty`)",

@@ -1,6 +1,6 @@
 """Offline replay of kvledger logs: the library behind the ``kvledger`` command.
 
-    import replay
+    from kvledger import replay
 
     result = replay.check("kvledger-1234.kvlog")          # re-fold, re-derive, compare
     result.exit_code, result.problems[0].describe()
@@ -32,20 +32,20 @@ from typing import Any
 __all__ = ["check", "diff", "export", "open", "show", "stats", "timeline"]
 
 _LAZY = {
-    "open": ("replay.source", "open_log"),
-    "check": ("replay.replayer", "check"),
-    "diff": ("replay.divergence", "diff"),
-    "show": ("replay.lives", "show"),
-    "stats": ("replay.summary", "stats"),
-    "timeline": ("replay.charts", "timeline"),
-    "export": ("replay.writers", "export"),
+    "open": ("kvledger.replay.source", "open_log"),
+    "check": ("kvledger.replay.replayer", "check"),
+    "diff": ("kvledger.replay.divergence", "diff"),
+    "show": ("kvledger.replay.lives", "show"),
+    "stats": ("kvledger.replay.summary", "stats"),
+    "timeline": ("kvledger.replay.charts", "timeline"),
+    "export": ("kvledger.replay.writers", "export"),
 }
 
 
 def __getattr__(name: str) -> Any:
     target = _LAZY.get(name)
     if target is None:
-        raise AttributeError(f"module 'replay' has no attribute {name!r}")
+        raise AttributeError(f"module 'kvledger.replay' has no attribute {name!r}")
     module_name, attr = target
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value  # once loaded, a plain attribute

@@ -1,7 +1,7 @@
-"""``python -m replay`` is ``kvledger``."""
+"""``python -m kvledger.replay`` is ``kvledger``."""
 
 import sys
 
-from replay.cli import main
+from kvledger.replay.cli import main
 
 sys.exit(main())

@@ -26,17 +26,17 @@ from typing import Any
 
 import attrs
 
-from replay.extras import pyplot, write_atomic
-from replay.misses import Miss
-from replay.naming import resolve
-from replay.source import LogPath, LogSource, open_log
-from replay.steps import StepRange, ordered, range_text
-from replay.tables import Row, collect
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.framing import Frame, StopInfo
-from tracker.history import walk
-from tracker.state import RequestState
+from kvledger.replay.extras import pyplot, write_atomic
+from kvledger.replay.misses import Miss
+from kvledger.replay.naming import resolve
+from kvledger.replay.source import LogPath, LogSource, open_log
+from kvledger.replay.steps import StepRange, ordered, range_text
+from kvledger.replay.tables import Row, collect
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.framing import Frame, StopInfo
+from kvledger.tracker.history import walk
+from kvledger.tracker.state import RequestState
 
 __all__ = [
     "FORMATS",

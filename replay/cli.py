@@ -23,16 +23,16 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NoReturn
 
-from replay.commands import check, exports, live, views
-from replay.commands.common import EXIT_OK, EXIT_UNREADABLE, Handler, print_json
+from kvledger.replay.commands import check, exports, live, views
+from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, Handler, print_json
 
 __all__ = ["build_parser", "main"]
 
 
 def version() -> str:
     """The installed kvledger's version (the ``pyproject.toml`` beside the packages when it
-    is not installed), and which files answer to its three packages (a distribution of the
-    same import name installed beside it would show here)."""
+    is not installed), and which folder answers to the import name ``kvledger`` (a
+    distribution of the same import name installed beside it would show here)."""
     import importlib.metadata
     import importlib.util
 
@@ -40,12 +40,9 @@ def version() -> str:
         number = importlib.metadata.version("kvledger")
     except importlib.metadata.PackageNotFoundError:
         number = _pyproject_version() or "unknown"
-    places = []
-    for name in ("tracker", "connector", "replay"):  # found, not imported (no torch, no vLLM)
-        spec = importlib.util.find_spec(name)
-        found = list(spec.submodule_search_locations or ()) if spec is not None else []
-        places.append(f"{name} from {found[0] if found else '?'}")
-    where = ", ".join(places)
+    spec = importlib.util.find_spec("kvledger")  # found, not imported (no torch, no vLLM)
+    found = list(spec.submodule_search_locations or ()) if spec is not None else []
+    where = f"from {found[0] if found else '?'}"
     return f"kvledger {number} ({where})"
 
 

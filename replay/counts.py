@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import attrs
 
-from tracker import events as ev
+from kvledger.tracker import events as ev
 
 __all__ = ["COUNTERS", "SUMMED", "StepCounts", "moved"]
 

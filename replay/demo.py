@@ -16,7 +16,7 @@ import sys
 import tempfile
 from typing import Any
 
-from replay.extras import progress_bar
+from kvledger.replay.extras import progress_bar
 
 __all__ = ["add_arguments", "command_name", "main", "problems_in", "setup_error"]
 
@@ -83,7 +83,7 @@ def main(args: argparse.Namespace) -> int:
         )
     # vLLM's own startup warnings (hybrid KV cache manager, experimental API) are noise here.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
@@ -92,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
             f"kvledger demo needs vLLM's scheduler: {reason}",
             "install it with: make setup-vllm",
         )
-    from connector.testing.run import RunSpec, run, summarize
+    from kvledger.connector.testing.run import RunSpec, run, summarize
 
     # The demo is an application: it may quiet vLLM's own logger (a library never would).
     logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -205,7 +205,7 @@ def _failures(report: Any, log_problems: int | None) -> list[str]:
 def command_name() -> str:
     """How to run kvledger again from here: ``kvledger`` when it is on PATH, else the script
     beside this Python (``.venv/bin/kvledger``, relative to the current directory), else
-    ``python -m replay``."""
+    ``python -m kvledger.replay``."""
     import shutil
 
     if shutil.which("kvledger"):
@@ -214,7 +214,7 @@ def command_name() -> str:
     if os.path.exists(script):
         rel = os.path.relpath(script)
         return rel if rel.startswith("..") or os.sep in rel else os.path.join(".", rel)
-    return f"{sys.executable} -m replay"
+    return f"{sys.executable} -m kvledger.replay"
 
 
 def problems_in(path: str | None) -> int | None:
@@ -222,7 +222,7 @@ def problems_in(path: str | None) -> int | None:
     was written)."""
     if path is None or not os.path.exists(path):
         return None
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     result = check(path)
     return len(result.problems)

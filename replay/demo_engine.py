@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any
 
-from replay.demo import command_name, problems_in, setup_error
+from kvledger.replay.demo import command_name, problems_in, setup_error
 
 __all__ = ["main"]
 
@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
             "kvledger demo --engine: --async-scheduling is not available on vLLM's CPU engine "
             "(it runs Model Runner V1 with sync scheduling)",
         )
-    from connector.testing.engine import engine_missing
+    from kvledger.connector.testing.engine import engine_missing
 
     reason = engine_missing()
     if reason is not None:
@@ -82,7 +82,7 @@ def _prompts(tokenizer: Any, requests: int, seed: int) -> list[list[int]]:
     cut to 34 to 40 tokens."""
     import random
 
-    from connector.testing.tiny_model import corpus
+    from kvledger.connector.testing.tiny_model import corpus
 
     lines = corpus()
     rng = random.Random(seed)
@@ -100,8 +100,8 @@ def _run(args: argparse.Namespace, blocks: int, requests: int) -> int:
 
     from transformers import AutoTokenizer
 
-    from connector.testing.engine import Engine, EngineSpec
-    from connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
+    from kvledger.connector.testing.engine import Engine, EngineSpec
+    from kvledger.connector.testing.tiny_model import TinyLlamaSpec, build_tiny_llama
 
     say = (lambda *a, **k: None) if args.json else print
     model = str(build_tiny_llama())

@@ -60,11 +60,11 @@ from typing import Any
 
 import attrs
 
-from replay.format import describe_event, event_content, event_fields, field_names
-from replay.source import LogPath, LogSource, damage_dict, open_log
-from tracker import events as ev
-from tracker.framing import StopInfo
-from tracker.history import GLOBAL_TYPES, POOL, Lives, labelled, walk
+from kvledger.replay.format import describe_event, event_content, event_fields, field_names
+from kvledger.replay.source import LogPath, LogSource, damage_dict, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import StopInfo
+from kvledger.tracker.history import GLOBAL_TYPES, POOL, Lives, labelled, walk
 
 __all__ = ["ORDERS", "DiffResult", "Divergence", "EventAt", "diff", "ignorable_fields"]
 

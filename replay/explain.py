@@ -47,8 +47,8 @@ from typing import Any
 
 import attrs
 
-from replay.explainer import HISTORY_TOKENS, Explainer
-from replay.misses import (
+from kvledger.replay.explainer import HISTORY_TOKENS, Explainer
+from kvledger.replay.misses import (
     HITS,
     NOTES,
     REASONS,
@@ -59,11 +59,11 @@ from replay.misses import (
     Tally,
     totals,
 )
-from replay.naming import resolve
-from replay.source import LogPath, LogSource, open_log
-from tracker.config import TrackerConfig
-from tracker.framing import StopInfo
-from tracker.history import walk
+from kvledger.replay.naming import resolve
+from kvledger.replay.source import LogPath, LogSource, open_log
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.framing import StopInfo
+from kvledger.tracker.history import walk
 
 # The model is replay.misses and the walk replay.explainer: their names are here too, where
 # users of the library met them first.

@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from replay.computed import ANY_ROOT, Computed, History
-from replay.misses import AdmissionMisses, Miss, zero_hits
-from tracker import events as ev
-from tracker.chunks import ChunkIndex
-from tracker.config import TrackerConfig
-from tracker.history import RETIRED_MEMORY, Folded, retires
-from tracker.index_fold import apply_recorded
-from tracker.plans import (
+from kvledger.replay.computed import ANY_ROOT, Computed, History
+from kvledger.replay.misses import AdmissionMisses, Miss, zero_hits
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.history import RETIRED_MEMORY, Folded, retires
+from kvledger.tracker.index_fold import apply_recorded
+from kvledger.tracker.plans import (
     Span,
     block_hit,
     lookup_spans,
@@ -30,9 +30,9 @@ from tracker.plans import (
     span_tier,
     transfer_plan,
 )
-from tracker.remote import foreign
-from tracker.state import RequestState
-from tracker.tiers import POOL, tier_of_slot
+from kvledger.tracker.remote import foreign
+from kvledger.tracker.state import RequestState
+from kvledger.tracker.tiers import POOL, tier_of_slot
 
 __all__ = ["FATES_MEMORY", "HISTORY_TOKENS", "Explainer", "OnAdmission"]
 

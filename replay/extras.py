@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import IO, Any, Literal
 
-from replay.format import elide
+from kvledger.replay.format import elide
 
 __all__ = [
     "MissingExtra",

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tracker import events as ev
+from kvledger.tracker import events as ev
 
 __all__ = [
     "WIDE",

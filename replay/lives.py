@@ -15,15 +15,15 @@ from typing import Any
 
 import attrs
 
-from replay.format import describe_event
-from replay.naming import RequestNotFound, resolve
-from replay.source import LogPath, LogSource, damage_dict, open_log
-from replay.steps import StepRange
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.framing import StopInfo
-from tracker.history import POOL, Folded, walk
-from tracker.wellformed import malformed
+from kvledger.replay.format import describe_event
+from kvledger.replay.naming import RequestNotFound, resolve
+from kvledger.replay.source import LogPath, LogSource, damage_dict, open_log
+from kvledger.replay.steps import StepRange
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.framing import StopInfo
+from kvledger.tracker.history import POOL, Folded, walk
+from kvledger.tracker.wellformed import malformed
 
 __all__ = [
     "Fold",
@@ -366,7 +366,7 @@ def request_lines(path: LogPath | LogSource) -> tuple[list[RequestLine], StopInf
     """Every request life of a log, in arrival order, from its tidy tables
     (``replay.tables``: the same numbers as ``export``, ``sql``, ``stats`` and ``explain``),
     and the log's damage."""
-    from replay.tables import collect  # the tables' builder: loaded only for the list
+    from kvledger.replay.tables import collect  # the tables' builder: loaded only for the list
 
     rows, info = collect(path, ["requests", "admissions", "misses", "problems"])
     asked: dict[str, int] = {}

@@ -16,7 +16,7 @@ from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, Final, TypeVar
 
-from tracker.framing import (
+from kvledger.tracker.framing import (
     DEFAULT_MAX_FRAME_BYTES,
     Ending,
     Frame,

@@ -34,15 +34,15 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from replay.explainer import Explainer
-from replay.extras import require
-from replay.misses import HITS, AdmissionMisses
-from replay.partial import PARTIAL_KEY, partial_reason, publish
-from replay.results import ExportResult
-from replay.source import LogPath, open_log
-from tracker import events as ev
-from tracker.framing import StopInfo
-from tracker.history import walk
+from kvledger.replay.explainer import Explainer
+from kvledger.replay.extras import require
+from kvledger.replay.misses import HITS, AdmissionMisses
+from kvledger.replay.partial import PARTIAL_KEY, partial_reason, publish
+from kvledger.replay.results import ExportResult
+from kvledger.replay.source import LogPath, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import StopInfo
+from kvledger.tracker.history import walk
 
 __all__ = ["BINARY_SUFFIXES", "spans", "to_protobuf", "write_otlp"]
 

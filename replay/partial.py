@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import os
 
-from replay.source import MissingSegments
-from tracker.framing import StopInfo
+from kvledger.replay.source import MissingSegments
+from kvledger.tracker.framing import StopInfo
 
 __all__ = ["PARTIAL", "PARTIAL_KEY", "partial_name", "partial_reason", "publish"]
 

@@ -28,10 +28,10 @@ import os
 from collections import Counter, defaultdict
 from typing import Any
 
-from replay.partial import PARTIAL_KEY, partial_reason, publish
-from replay.results import ExportResult
-from replay.source import LogPath
-from replay.tables import Row, TableRows, collect
+from kvledger.replay.partial import PARTIAL_KEY, partial_reason, publish
+from kvledger.replay.results import ExportResult
+from kvledger.replay.source import LogPath
+from kvledger.replay.tables import Row, TableRows, collect
 
 __all__ = ["trace", "write_trace"]
 

@@ -25,15 +25,15 @@ from typing import Any
 
 import attrs
 
-from replay.format import format_event
-from replay.results import CheckResult, Problem
-from replay.source import LogSource
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.digests import DigestBook
-from tracker.recorded_rules import RecordedRules
-from tracker.recorded_steps import RecordedSteps
-from tracker.state import Violation
+from kvledger.replay.format import format_event
+from kvledger.replay.results import CheckResult, Problem
+from kvledger.replay.source import LogSource
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import DigestBook
+from kvledger.tracker.recorded_rules import RecordedRules
+from kvledger.tracker.recorded_steps import RecordedSteps
+from kvledger.tracker.state import Violation
 
 __all__ = ["check_recorded_into"]
 
@@ -196,7 +196,7 @@ class _Differential:
     def __init__(self, config: TrackerConfig) -> None:
         import structlog  # with the Tracker: loaded only for --differential
 
-        from tracker.tracker import Tracker
+        from kvledger.tracker.tracker import Tracker
 
         # kvledger's decisions here are a comparison, not a run: its log calls write nothing.
         quiet = structlog.ReturnLogger()

@@ -48,16 +48,16 @@ from typing import Any
 import attrs
 import structlog
 
-from replay.counts import moved
-from replay.recorded import check_recorded_into
-from replay.results import CheckResult, Problem, RecordedViolation, WhatIf
-from replay.source import LogPath, LogSource, LogUnreadable, open_log
-from tracker import events as ev
-from tracker.config import ConfigError, TrackerConfig
-from tracker.framing import Frame, LogFormatError
-from tracker.state import RequestState
-from tracker.tracker import Tracker
-from tracker.wellformed import malformed
+from kvledger.replay.counts import moved
+from kvledger.replay.recorded import check_recorded_into
+from kvledger.replay.results import CheckResult, Problem, RecordedViolation, WhatIf
+from kvledger.replay.source import LogPath, LogSource, LogUnreadable, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import ConfigError, TrackerConfig
+from kvledger.tracker.framing import Frame, LogFormatError
+from kvledger.tracker.state import RequestState
+from kvledger.tracker.tracker import Tracker
+from kvledger.tracker.wellformed import malformed
 
 __all__ = [
     "DIVERGENT_ADMISSION_RULES",

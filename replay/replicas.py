@@ -27,10 +27,10 @@ from typing import Any
 
 import attrs
 
-from replay.results import Problem
-from replay.source import LogPath, open_log
-from tracker import events as ev
-from tracker.wellformed import malformed
+from kvledger.replay.results import Problem
+from kvledger.replay.source import LogPath, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.wellformed import malformed
 
 __all__ = ["RULE", "ReplicaCheck", "cross_check"]
 
@@ -73,7 +73,7 @@ def _events(path: LogPath) -> Iterable[tuple[ev.Event, Any]]:
 
 def cross_check(paths: Sequence[LogPath]) -> ReplicaCheck:
     """Judge every log's loads against the digests all the logs' engines computed."""
-    from tracker.tiers import REMOTE_SLOT
+    from kvledger.tracker.tiers import REMOTE_SLOT
 
     computed: dict[tuple[int, bytes], set[int]] = {}
     saved: list[set[bytes]] = []

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from replay.format import event_dict, jsonable
-from tracker import events as ev
-from tracker.framing import StopInfo
+from kvledger.replay.format import event_dict, jsonable
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import StopInfo
 
 if TYPE_CHECKING:
-    from replay.source import LogSource
+    from kvledger.replay.source import LogSource
 
 __all__ = ["CheckResult", "ExportResult", "Problem", "RecordedViolation", "WhatIf"]
 

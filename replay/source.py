@@ -34,10 +34,10 @@ from typing import Any
 
 import attrs
 
-from replay.logreader import LogReader, segment_paths
-from tracker.config import ConfigError, TrackerConfig
-from tracker.events import Event
-from tracker.framing import (
+from kvledger.replay.logreader import LogReader, segment_paths
+from kvledger.tracker.config import ConfigError, TrackerConfig
+from kvledger.tracker.events import Event
+from kvledger.tracker.framing import (
     ENDINGS,
     Frame,
     LogFormatError,

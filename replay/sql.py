@@ -36,10 +36,10 @@ from typing import Any
 
 import attrs
 
-from replay.extras import require
-from replay.partial import PARTIAL, PARTIAL_KEY
-from replay.tables import TABLES, collect
-from tracker.framing import StopInfo
+from kvledger.replay.extras import require
+from kvledger.replay.partial import PARTIAL, PARTIAL_KEY
+from kvledger.replay.tables import TABLES, collect
+from kvledger.tracker.framing import StopInfo
 
 __all__ = ["LOCKED", "QueryResult", "SqlError", "connect", "query", "source_kind"]
 
@@ -92,7 +92,7 @@ def _dataset(files: list[str], fmt: str, table: str, hive_root: str | None) -> A
     opening a file itself."""
     pa = require("pyarrow", "sql", _WHAT)
     ds = require("pyarrow.dataset", "sql", _WHAT)
-    from replay.writers import arrow_schema
+    from kvledger.replay.writers import arrow_schema
 
     schema = arrow_schema(TABLES[table])
     full = schema if hive_root is None else schema.append(pa.field("run", pa.string()))
@@ -202,7 +202,7 @@ def _register_logs(
     con: Any, logs: list[str], problems: bool, damage: list[StopInfo] | None
 ) -> None:
     pa = require("pyarrow", "sql", _WHAT)
-    from replay.writers import arrow_table, run_name
+    from kvledger.replay.writers import arrow_table, run_name
 
     names = [run_name(log) for log in logs]
     if len(set(names)) != len(names):

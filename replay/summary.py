@@ -11,16 +11,16 @@ from typing import Any
 
 import attrs
 
-from replay.counts import COUNTERS, SUMMED, StepCounts
-from replay.explainer import Explainer
-from replay.misses import Tally
-from replay.source import LogPath, LogSource, damage_dict, open_log
-from tracker import events as ev
-from tracker.digests import DigestBook
-from tracker.framing import Frame, StopInfo
-from tracker.history import walk
-from tracker.state import RequestState
-from tracker.wellformed import Wellformed
+from kvledger.replay.counts import COUNTERS, SUMMED, StepCounts
+from kvledger.replay.explainer import Explainer
+from kvledger.replay.misses import Tally
+from kvledger.replay.source import LogPath, LogSource, damage_dict, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.digests import DigestBook
+from kvledger.tracker.framing import Frame, StopInfo
+from kvledger.tracker.history import walk
+from kvledger.tracker.state import RequestState
+from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["LookupStats", "Stats", "stats"]
 

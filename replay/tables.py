@@ -37,17 +37,17 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from replay.counts import COUNTERS, StepCounts
-from replay.explainer import Explainer
-from replay.format import plain_fields
-from replay.misses import AdmissionMisses
-from replay.source import LogPath, LogSource, MissingSegments, open_log
-from tracker import events as ev
-from tracker.chunks import ChunkIndex
-from tracker.config import TrackerConfig
-from tracker.framing import StopInfo
-from tracker.history import GLOBAL_TYPES, POOL, retires, walk
-from tracker.state import Phase, RequestState
+from kvledger.replay.counts import COUNTERS, StepCounts
+from kvledger.replay.explainer import Explainer
+from kvledger.replay.format import plain_fields
+from kvledger.replay.misses import AdmissionMisses
+from kvledger.replay.source import LogPath, LogSource, MissingSegments, open_log
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.framing import StopInfo
+from kvledger.tracker.history import GLOBAL_TYPES, POOL, retires, walk
+from kvledger.tracker.state import Phase, RequestState
 
 __all__ = [
     "EVENT_TABLES",
@@ -806,8 +806,8 @@ _HANDLERS: dict[type[ev.Event], Callable[..., None]] = {
 
 def _problems(path: LogPath) -> tuple[list[Row], str | None]:
     """check's problems as rows (``request`` still the raw id), and check's error."""
-    from replay.format import format_event
-    from replay.replayer import check  # the Tracker: loaded only when the problems are
+    from kvledger.replay.format import format_event
+    from kvledger.replay.replayer import check  # the Tracker: loaded only when the problems are
 
     result = check(path, max_problems=1 << 62)
     rows = [

@@ -21,10 +21,10 @@ from typing import Any
 
 import attrs
 
-from replay.counts import StepCounts
-from replay.logreader import LogFollower
-from replay.source import log_files
-from tracker.framing import Frame, StopInfo
+from kvledger.replay.counts import StepCounts
+from kvledger.replay.logreader import LogFollower
+from kvledger.replay.source import log_files
+from kvledger.tracker.framing import Frame, StopInfo
 
 __all__ = ["StepNews", "TailEnd", "follow", "news"]
 

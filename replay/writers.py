@@ -37,14 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from replay.extras import require
-from replay.otlp import write_otlp
-from replay.partial import PARTIAL, PARTIAL_KEY, partial_reason, publish
-from replay.perfetto import write_trace
-from replay.results import ExportResult
-from replay.source import LogPath, open_log
-from replay.tables import TABLES, Column, Row, table_rows
-from tracker.framing import StopInfo
+from kvledger.replay.extras import require
+from kvledger.replay.otlp import write_otlp
+from kvledger.replay.partial import PARTIAL, PARTIAL_KEY, partial_reason, publish
+from kvledger.replay.perfetto import write_trace
+from kvledger.replay.results import ExportResult
+from kvledger.replay.source import LogPath, open_log
+from kvledger.replay.tables import TABLES, Column, Row, table_rows
+from kvledger.tracker.framing import StopInfo
 
 __all__ = ["FORMATS", "ExportError", "ExportResult", "export", "export_runs", "run_name"]
 

@@ -16,7 +16,7 @@ __all__ = ["require_lmcache"]
 
 def require_lmcache(versions: Sequence[str]) -> None:
     """Skip (fail in CI) unless every version in ``versions`` is installed."""
-    from connector.testing.lmcache import BUILD, missing_versions
+    from kvledger.connector.testing.lmcache import BUILD, missing_versions
 
     missing = missing_versions(versions)
     if missing:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.tiers import MISSING, TierUnavailable, register_tier
-from connector.values import Sealed
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.connector.tiers import MISSING, TierUnavailable, register_tier
+from kvledger.connector.values import Sealed
 
 __all__ = ["DOWN", "STORES", "MemoryTier", "register"]
 

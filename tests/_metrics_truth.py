@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 
-from connector import metrics
-from replay.source import open_log
-from tracker import events as ev
+from kvledger.connector import metrics
+from kvledger.replay.source import open_log
+from kvledger.tracker import events as ev
 
 
 def counted_from_log(path: str | os.PathLike[str]) -> dict[str, int]:

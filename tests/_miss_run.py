@@ -25,7 +25,7 @@ def failing_load(req_id: str, chunk: Any) -> bool:
 
 
 def make(log_dir: str) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     report = run(RunSpec(**SPEC), load_fault=failing_load, log_dir=log_dir)
     assert report.ok, report

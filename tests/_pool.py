@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tracker.chunks import ChunkIndex
+from kvledger.tracker.chunks import ChunkIndex
 
 
 def stored_items(index: ChunkIndex) -> list[tuple[bytes, int | None]]:

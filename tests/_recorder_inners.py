@@ -16,7 +16,7 @@ except ImportError:  # vLLM < 0.12 called it SharedStorageConnector
         SharedStorageConnector as ExampleConnector,
     )
 
-from connector.vllm import KVLedgerConnector
+from kvledger.connector.vllm import KVLedgerConnector
 
 
 class InnerBoom(RuntimeError):

@@ -21,11 +21,11 @@ from typing import Any
 
 import attrs
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 BLOCK = 16
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
@@ -287,7 +287,7 @@ SMALL = dict(num_requests=4, num_gpu_blocks=12, prompt_len=(20, 50), max_tokens=
 @functools.cache
 def _real_runs(root: str) -> dict[str, Path]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     specs = {
         "base": RunSpec(**SMALL),
@@ -310,7 +310,7 @@ def real_run_logs(tmp_path_factory: Any) -> dict[str, Path]:
     ``chunk16`` (chunk size 16), ``loads`` (vLLM's prefix cache off: loads from the pool); the
     test is skipped where vLLM's scheduler is not usable. The ``real_logs`` fixture
     (conftest.py)."""
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:

@@ -30,7 +30,7 @@ PREEMPTING_RECORDED: dict[str, Any] = dict(
 def example_spec(store: Path, **kw: Any) -> Any:
     """A ``WrappedSpec`` of ``kw`` whose inner is vLLM's ExampleConnector, saving under
     ``store``; the test is skipped where this vLLM's ExampleConnector cannot load on a CPU."""
-    from connector.testing.recorded import (
+    from kvledger.connector.testing.recorded import (
         WrappedSpec,
         example_connector,
         example_connector_cpu_problem,
@@ -57,7 +57,7 @@ def assert_clean(report: Any) -> None:
 
 def check_clean(log_path: str) -> None:
     """``kvledger check`` of the run's log exits 0."""
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     result = check(log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems[:5]]

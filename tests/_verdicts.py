@@ -12,8 +12,8 @@ import sys
 from collections.abc import Iterable
 from typing import Any
 
-from tracker import events as ev
-from tracker.recorded_steps import RecordedSteps
+from kvledger.tracker import events as ev
+from kvledger.tracker.recorded_steps import RecordedSteps
 
 
 def check_replicas(*logs: str) -> tuple[int, dict[str, Any]]:
@@ -40,8 +40,8 @@ def write_recorded(
 ) -> str:
     """A log of ``events`` (a frame per step), chunks of one block; its header a recorder's
     wrapping a connector "Test" (``recorder_format`` None: kvledger's own log)."""
-    from connector.logwriter import LogWriter
-    from tracker.config import TrackerConfig
+    from kvledger.connector.logwriter import LogWriter
+    from kvledger.tracker.config import TrackerConfig
 
     header: dict[str, Any] = TrackerConfig(block_size=block_size, chunk_size=block_size).to_dict()
     if recorder_format is not None:
@@ -58,7 +58,7 @@ def write_recorded(
 
 
 def events_of(path: str) -> list[ev.Event]:
-    from replay.source import open_log
+    from kvledger.replay.source import open_log
 
     return [e for frame in open_log(path).frames() for e in frame.events]
 
@@ -82,7 +82,7 @@ def expanded(events: list[ev.Event]) -> list[ev.Event]:
 def verdicts(path: str, **kw: Any) -> dict[str, Any]:
     """Every problem ``check`` finds (what it names, where, and the events and states it
     shows), its exit code, and the counts that do not depend on how steps were written."""
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     result = check(path, **kw)
     counts = result.counts

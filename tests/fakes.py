@@ -45,8 +45,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from connector.messages import StepPlan, WorkerReport
-from connector.scheduler import SchedulerSide
+from kvledger.connector.messages import StepPlan, WorkerReport
+from kvledger.connector.scheduler import SchedulerSide
 
 __all__ = [
     "PREEMPT_SIGNALS",
@@ -625,7 +625,7 @@ class ManualEvent:
 def hold_saves(worker: Any, monkeypatch: Any) -> list[ManualEvent]:
     """Make every later save of ``worker`` stay in flight until its event is completed (or
     synchronized by a blocking wait). Returns the events, in issue order."""
-    from connector.transfer import TransferHandle
+    from kvledger.connector.transfer import TransferHandle
 
     events: list[ManualEvent] = []
     real_save = worker.backend.save

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_connector_scenarios import blocks, make_engine, no_violations, ok_kv, prompt
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from replay.replayer import check
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.plans import answer_lookup, transfer_plan
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import check
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.plans import answer_lookup, transfer_plan
+from kvledger.tracker.tracker import Tracker
 
 B, C = 4, 16  # 4 blocks a chunk
 CONFIG = TrackerConfig(block_size=B, chunk_size=C, num_slots=64)

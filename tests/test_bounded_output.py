@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from replay.format import WIDE
-from tracker import events as ev
-from tracker.config import TrackerConfig
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.replay.format import WIDE
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
 
 MB5 = 5 << 20
 # What every command may print for these small logs, whatever their values hold.

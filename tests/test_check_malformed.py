@@ -17,11 +17,11 @@ from typing import Any
 import attrs
 import pytest
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.config import TrackerConfig
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
 
 KEY, KEY2 = bytes(range(16)), bytes(range(16, 32))
 PROMPT = tuple(range(100, 148))

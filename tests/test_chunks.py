@@ -9,7 +9,7 @@ from _pool import stored_items
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key
+from kvledger.tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key
 
 
 def _busy(index: ChunkIndex, key: bytes) -> bool:
@@ -322,7 +322,7 @@ class _ListFreeSlots:
 )
 def test_free_slots_keep_the_plain_lists_order(n: int, ops: list[tuple[str, int]]) -> None:
     # Slot choice is recorded in every SavePlanned: a replay must hand out the same slots.
-    from tracker.chunks import _FreeSlots
+    from kvledger.tracker.chunks import _FreeSlots
 
     lazy, plain = _FreeSlots(n), _ListFreeSlots(n)
     for op, arg in ops:

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from connector.testing.harness import skip_reason
-from replay import demo
-from replay.cli import main
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.replay import demo
+from kvledger.replay.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from replay.cli import main
-from replay.replayer import check
+from kvledger.replay.cli import main
+from kvledger.replay.replayer import check
 
 DATA = Path(__file__).resolve().parent / "data"
 LOG = DATA / "replay-clean.kvlog"
@@ -141,7 +141,7 @@ def test_a_reader_that_goes_away_keeps_the_exit_status(argv: list[str], code: in
     import subprocess
     import sys
 
-    script = "import sys; from replay.cli import main; sys.exit(main(sys.argv[1:]))"
+    script = "import sys; from kvledger.replay.cli import main; sys.exit(main(sys.argv[1:]))"
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first write: the break is certain
     try:
@@ -158,7 +158,7 @@ def test_a_reader_that_goes_away_keeps_the_exit_status(argv: list[str], code: in
 def _subcommands() -> dict[str, Any]:
     import argparse
 
-    from replay.cli import build_parser
+    from kvledger.replay.cli import build_parser
 
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

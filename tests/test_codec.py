@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker import codec
-from tracker import events as ev
+from kvledger.tracker import codec
+from kvledger.tracker import events as ev
 
 # --- strategies: one per event class, derived from its attrs fields --------------------------
 

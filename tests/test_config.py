@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from connector.logwriter import LogWriter
-from tracker.config import ConfigError, TrackerConfig
+from kvledger.connector.logwriter import LogWriter
+from kvledger.tracker.config import ConfigError, TrackerConfig
 
 BAD = [
     ({"num_slots": 2**64 - 1}, "num_slots"),
@@ -35,7 +35,7 @@ def test_a_bad_value_is_refused_by_name(values: dict[str, object], name: str) ->
 
 
 def test_the_largest_accepted_pool_costs_nothing_to_build() -> None:
-    from tracker.tracker import Tracker
+    from kvledger.tracker.tracker import Tracker
 
     tracemalloc.start()
     Tracker(TrackerConfig(num_slots=2**32))

@@ -20,9 +20,9 @@ from fakes import (
     hold_saves,
 )
 
-from connector.config import ENV_LOG_DIR, ConnectorConfig, ConnectorConfigError
-from connector.messages import ChunkTransfer, StepPlan, TransferPlan
-from connector.scheduler import SchedulerSide
+from kvledger.connector.config import ENV_LOG_DIR, ConnectorConfig, ConnectorConfigError
+from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan
+from kvledger.connector.scheduler import SchedulerSide
 
 ACCEPTED = [
     "block_hits",
@@ -221,12 +221,12 @@ BLOCK = 16
 def vllm_build() -> Callable[..., Any]:
     """``build(role, **extra) -> KVLedgerConnector`` through vLLM's own connector factory (the
     third-party loading path: kv_connector_module_path), for a tiny model's VllmConfig."""
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
         pytest.skip(reason)
-    from connector.testing.harness import (
+    from kvledger.connector.testing.harness import (
         HarnessConfig,
         _build_kv_cache_config,
         _build_vllm_config,
@@ -244,7 +244,7 @@ def vllm_build() -> Callable[..., Any]:
             block_size=BLOCK,
             kv_connector={
                 "kv_connector": connector,
-                "kv_connector_module_path": "connector.vllm",
+                "kv_connector_module_path": "kvledger.connector.vllm",
                 "kv_role": "kv_both",
                 "kv_connector_extra_config": extra,
             },
@@ -259,7 +259,7 @@ def vllm_build() -> Callable[..., Any]:
 
 
 def _oracle_caches() -> Any:
-    from connector.testing.oracle import KVOracle
+    from kvledger.connector.testing.oracle import KVOracle
 
     # The harness model: 2 layers, 2 KV heads of 16, float32.
     return KVOracle(
@@ -280,7 +280,7 @@ def test_the_salt_names_the_pool_format(vllm_build: Callable[..., Any], monkeypa
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends import cpu_attn
 
-    from connector.kv_layout import KVCacheLayoutError
+    from kvledger.connector.kv_layout import KVCacheLayoutError
 
     salt = vllm_build("scheduler", chunk_size=32).scheduler_side.tracker_config.salt
     assert "pool=" not in salt
@@ -300,7 +300,7 @@ def test_the_salt_names_the_pool_format(vllm_build: Callable[..., Any], monkeypa
 
 @pytest.mark.vllm
 def test_scheduler_role(vllm_build: Callable[..., Any]) -> None:
-    from connector.vllm import KVLedgerConnector, KVLedgerMetadata
+    from kvledger.connector.vllm import KVLedgerConnector, KVLedgerMetadata
 
     connector = vllm_build("scheduler", chunk_size=32, host_pool_bytes=1 << 20)
     assert isinstance(connector, KVLedgerConnector)
@@ -332,8 +332,8 @@ def test_scheduler_role(vllm_build: Callable[..., Any]) -> None:
 
 @pytest.mark.vllm
 def test_worker_role_loads_with_no_forward_context(vllm_build: Callable[..., Any]) -> None:
-    from connector.vllm import KVLedgerMetadata, KVLedgerWorkerMetadata
-    from connector.worker import WorkerSide
+    from kvledger.connector.vllm import KVLedgerMetadata, KVLedgerWorkerMetadata
+    from kvledger.connector.worker import WorkerSide
 
     connector = vllm_build("worker", chunk_size=32, host_pool_bytes=1 << 20)
     assert isinstance(connector.worker_side, WorkerSide)
@@ -366,7 +366,7 @@ def test_worker_role_handle_preemptions_with_an_id_set(
     vllm_build: Callable[..., Any], monkeypatch
 ) -> None:
     """vLLM 0.14 - 0.18 pass the preempted request ids instead of the metadata."""
-    from connector.vllm import KVLedgerMetadata
+    from kvledger.connector.vllm import KVLedgerMetadata
 
     connector = vllm_build("worker", chunk_size=32, host_pool_bytes=1 << 20)
     oracle = _oracle_caches()
@@ -467,8 +467,8 @@ def test_chunk_size_not_a_multiple_of_vllm_block_size_worker(
 
 def test_two_connectors_logging_to_one_directory_do_not_collide(tmp_path) -> None:
     """An engine restarted in place opens a second log in the same directory: a new file."""
-    from connector.config import ConnectorConfig
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.config import ConnectorConfig
+    from kvledger.connector.scheduler import SchedulerSide
 
     config = ConnectorConfig(chunk_size=16, log_dir=str(tmp_path))
     first = SchedulerSide(config, block_size=16, num_slots=4)
@@ -487,7 +487,7 @@ def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
     stats (aggregated per rank, serialisable), and the scheduler side confirms saves from it."""
     import pickle
 
-    import connector.vllm as front
+    import kvledger.connector.vllm as front
 
     monkeypatch.setattr(front, "WORKER_META_CHANNEL", False)
     worker = vllm_build("worker", chunk_size=32, host_pool_bytes=1 << 20)
@@ -518,7 +518,7 @@ def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
     )
     keys = [c.key for p in plan.saves for c in p.chunks]
     assert keys
-    from connector.messages import WorkerReport
+    from kvledger.connector.messages import WorkerReport
 
     report = WorkerReport(saves_done=(("R", tuple(keys)),))
     from types import SimpleNamespace
@@ -534,7 +534,7 @@ def test_before_vllm_0_18_reports_ride_in_the_connector_stats(
 def test_a_log_that_cannot_be_written_never_stops_the_engine(tmp_path) -> None:
     """Disk full mid-run: the failure is reported once (Tracker.log_error), logging stops, and
     every callback goes on answering as before."""
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     side = SchedulerSide(
         ConnectorConfig(chunk_size=16, log_dir=str(tmp_path)), block_size=16, num_slots=8
@@ -557,7 +557,7 @@ def test_a_log_that_cannot_be_written_never_stops_the_engine(tmp_path) -> None:
 def test_max_async_lag_follows_async_scheduling_and_draft_tokens() -> None:
     from types import SimpleNamespace
 
-    from connector.vllm import _max_async_lag
+    from kvledger.connector.vllm import _max_async_lag
 
     def cfg(async_scheduling: bool, drafts: int | None) -> Any:
         spec = None if drafts is None else SimpleNamespace(num_speculative_tokens=drafts)
@@ -577,7 +577,7 @@ def test_max_async_lag_follows_async_scheduling_and_draft_tokens() -> None:
 
 # The recorder wraps vLLM's toy connector here: what it wraps is not what is tested.
 def _inner(tmp_path: Any) -> dict[str, Any]:
-    from connector.testing.recorded import example_connector
+    from kvledger.connector.testing.recorded import example_connector
 
     return {
         "inner": example_connector(),
@@ -615,7 +615,7 @@ def _error(build: Callable[[], Any]) -> tuple[type, str]:
 
 @pytest.mark.parametrize(("key", "value"), BAD_SHARED)
 def test_a_bad_value_gets_the_same_error_from_both_configs(key: str, value: Any) -> None:
-    from connector.config import RecorderConfig
+    from kvledger.connector.config import RecorderConfig
 
     def connector() -> Any:
         ConnectorConfig.from_extra_config({key: value}, environ={}).check_block_size(16)
@@ -645,7 +645,7 @@ def test_a_bad_value_refuses_both_classes_alike(
 
 
 def _writer_settings(writer: Any) -> dict[str, Any]:
-    from connector.logwriter import _BackgroundOutput
+    from kvledger.connector.logwriter import _BackgroundOutput
 
     out = writer._out
     return {
@@ -710,7 +710,7 @@ def test_the_recorder_takes_the_chunk_size_it_is_given(
     vllm_build: Callable[..., Any], tmp_path: Any
 ) -> None:
     """A chunk size of whole blocks is the recorded one, as given (none: 256)."""
-    from replay.source import open_log
+    from kvledger.replay.source import open_log
 
     for given, recorded in ((48, 48), (None, 256)):
         extra = {} if given is None else {"chunk_size": given}
@@ -723,7 +723,7 @@ def test_the_recorder_takes_the_chunk_size_it_is_given(
 
 
 def test_the_recorder_refuses_unknown_keys_naming_where_the_inners_go() -> None:
-    from connector.config import RecorderConfig
+    from kvledger.connector.config import RecorderConfig
 
     with pytest.raises(ConnectorConfigError) as info:
         RecorderConfig.from_extra_config({"inner": "X", "chunk_sz": 16}, environ={})

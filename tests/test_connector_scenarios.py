@@ -35,14 +35,14 @@ from fakes import (
     hold_saves,
 )
 
-from connector.config import ConnectorConfig
-from connector.messages import StepPlan, WorkerReport
-from connector.scheduler import SchedulerSide
-from connector.testing.faults import FaultyWorkerSide
-from connector.testing.oracle import KVOracle
-from connector.transfer import TransferHandle
-from tracker.invariants import InvariantViolation
-from tracker.state import LookupResult, Phase
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.messages import StepPlan, WorkerReport
+from kvledger.connector.scheduler import SchedulerSide
+from kvledger.connector.testing.faults import FaultyWorkerSide
+from kvledger.connector.testing.oracle import KVOracle
+from kvledger.connector.transfer import TransferHandle
+from kvledger.tracker.invariants import InvariantViolation
+from kvledger.tracker.state import LookupResult, Phase
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 
@@ -1099,7 +1099,7 @@ def _saved_by_r(side: SchedulerSide) -> tuple[bytes, ...]:
 def _tp2(rank0: WorkerReport, rank1: WorkerReport) -> KVConnectorOutput:
     # vLLM's KVOutputAggregator folds the tensor-parallel workers' metadata of one step with
     # KVLedgerWorkerMetadata.aggregate, which keeps each rank's report apart.
-    from connector.vllm import KVLedgerWorkerMetadata
+    from kvledger.connector.vllm import KVLedgerWorkerMetadata
 
     meta = KVLedgerWorkerMetadata(attrs.evolve(rank0, rank=0)).aggregate(
         KVLedgerWorkerMetadata(attrs.evolve(rank1, rank=1))
@@ -1220,7 +1220,7 @@ def test_a_malformed_report_costs_only_itself(kind: str) -> None:
     """Audit: one malformed worker report discarded every report in the same batch (slots
     "writing" forever, requests held forever, no violation). Each report, and each entry of
     one, is judged on its own: the others are applied, the bad one is a recorded violation."""
-    from connector.vllm import KVLedgerWorkerMetadata
+    from kvledger.connector.vllm import KVLedgerWorkerMetadata
 
     side = make_side()
     keys = _three_saving(side)
@@ -1277,7 +1277,7 @@ def test_a_malformed_entry_costs_only_that_entry() -> None:
 
 
 def test_a_malformed_report_raises_in_strict_mode() -> None:
-    from connector.vllm import KVLedgerWorkerMetadata
+    from kvledger.connector.vllm import KVLedgerWorkerMetadata
 
     side = make_side(strict=True)
     keys = _three_saving(side)

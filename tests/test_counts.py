@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import replay
-from replay.counts import StepCounts, moved
-from replay.logreader import LogReader
-from replay.replayer import check
-from replay.tables import collect
-from replay.tail import news
-from tracker import events as ev
+from kvledger import replay
+from kvledger.replay.counts import StepCounts, moved
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import check
+from kvledger.replay.tables import collect
+from kvledger.replay.tail import news
+from kvledger.tracker import events as ev
 
 DATA = Path(__file__).resolve().parent / "data"
 LOGS = sorted(

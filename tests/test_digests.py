@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.digests import BlockDigester, WorkerDigests
-from tests.test_codec import roundtrip
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.digests import (
+from kvledger.connector.digests import BlockDigester, WorkerDigests
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import (
     DigestBlock,
     DigestBook,
     DigestPlan,
@@ -21,7 +20,8 @@ from tracker.digests import (
     DigestReport,
     block_keys,
 )
-from tracker.tracker import Tracker
+from kvledger.tracker.tracker import Tracker
+from tests.test_codec import roundtrip
 
 BS = 4
 tokens_st = st.lists(st.integers(0, 50_000), max_size=60)
@@ -331,7 +331,7 @@ def _block(cache: torch.Tensor, layout: str, b: int) -> torch.Tensor:
 @pytest.fixture(params=["flash_attn", "flashinfer", "cpu_attn"])
 def layout(request, monkeypatch) -> str:
     if request.param == "cpu_attn":
-        import connector.kv_layout as kv_layout
+        import kvledger.connector.kv_layout as kv_layout
 
         monkeypatch.setattr(kv_layout, "cpu_attn_isa", lambda dtype, bs, d: "vec")
     return request.param

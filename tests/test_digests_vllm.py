@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from _verdicts import events_of
 
-from connector.testing.harness import skip_reason
+from kvledger.connector.testing.harness import skip_reason
 
 pytestmark = [
     pytest.mark.vllm,
@@ -16,14 +16,14 @@ pytestmark = [
 
 
 def _run(tmp_path, digests: str, fault=None, layout: str = "flash_attn", **engine):
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     spec = RunSpec(extra_config={"chunk_size": 32, "digests": digests}, layout=layout, **engine)
     return run(spec, log_dir=str(tmp_path), load_fault=fault)
 
 
 def _check(path):
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     return check(path)
 
@@ -45,7 +45,7 @@ def test_a_clean_run_checks_clean_with_its_loads_verified(tmp_path, mode: str, l
 def test_async_scheduling_digests_the_blocks_decode_fills(tmp_path) -> None:
     """Under async scheduling the token sampled last is not known when a step is planned: a
     block a decode step fills is digested a step later, so every full block still is."""
-    from replay.source import open_log
+    from kvledger.replay.source import open_log
 
     sync = _run(tmp_path / "sync", "full")
     late = _run(tmp_path / "async", "full", async_scheduling=True)
@@ -114,7 +114,7 @@ def test_a_silent_bad_load_is_found_by_check_of_the_log(
         # The digests are SQL's 64-bit ints: the tables of a log that holds them (Arrow,
         # DuckDB) read every one, and find the block check named.
         pytest.importorskip("duckdb")
-        from replay.sql import query
+        from kvledger.replay.sql import query
 
         rows = query(
             [report.log_path],
@@ -133,13 +133,13 @@ def test_without_digests_the_same_bad_load_checks_clean(tmp_path) -> None:
 
 
 def _stats(path):
-    from replay.summary import stats
+    from kvledger.replay.summary import stats
 
     return stats(path)
 
 
 def _ev():
-    from tracker import events
+    from kvledger.tracker import events
 
     return events
 
@@ -148,11 +148,11 @@ def _ev():
 
 
 def _wrapped(tmp_path, inner: str, digests: str):
-    from connector.testing.recorded import WrappedSpec, run_wrapped
+    from kvledger.connector.testing.recorded import WrappedSpec, run_wrapped
 
     extra = (
         {"chunk_size": 32}
-        if inner.startswith("connector.")
+        if inner.startswith("kvledger.connector.")
         else {"shared_storage_path": str(tmp_path / "store")}
     )
     spec = WrappedSpec(inner=inner, digests=digests, extra_config=extra)
@@ -161,7 +161,7 @@ def _wrapped(tmp_path, inner: str, digests: str):
 
 @pytest.mark.parametrize(
     ("inner", "mode"),
-    [("ExampleConnector", "full"), ("connector.vllm:KVLedgerConnector", "sampled")],
+    [("ExampleConnector", "full"), ("kvledger.connector.vllm:KVLedgerConnector", "sampled")],
 )
 def test_a_wrapped_connector_checks_clean_with_its_loads_verified(
     tmp_path, inner: str, mode: str

@@ -13,13 +13,13 @@ import pytest
 from _rigs import assert_clean, check_clean
 from _verdicts import events_of
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.disk import DiskTier, chunk_file
-from connector.testing.harness import skip_reason
-from connector.tiers import Tier, TierUnavailable, open_tier
-from connector.values import Sealed, ValueSeal
-from tracker import events as ev
-from tracker.tiers import REMOTE, tier_of_slot
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.connector.disk import DiskTier, chunk_file
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.connector.tiers import Tier, TierUnavailable, open_tier
+from kvledger.connector.values import Sealed, ValueSeal
+from kvledger.tracker import events as ev
+from kvledger.tracker.tiers import REMOTE, tier_of_slot
 
 KEYS = [bytes([i]) * 16 for i in range(4)]
 SEAL = ValueSeal(rank=0, layout=b"L" * 16)
@@ -183,9 +183,11 @@ def test_a_directory_whose_parent_is_not_there_at_startup_is_an_outage_until_it_
 def test_a_directory_that_cannot_be_written_at_startup_is_a_config_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
-    monkeypatch.setattr("connector.disk.os.access", lambda *_: False)  # as root, chmod is not
+    monkeypatch.setattr(
+        "kvledger.connector.disk.os.access", lambda *_: False
+    )  # as root, chmod is not
     config = ConnectorConfig.from_extra_config(
         {"chunk_size": 32, "remote_url": (tmp_path / "d").as_uri()}, environ={}
     )
@@ -209,7 +211,7 @@ class _EmptyStep:
 def test_the_scheduler_records_a_missing_directory_as_an_outage_and_probes_it_back(
     tmp_path: Path,
 ) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     mount = tmp_path / "mnt"
     config = ConnectorConfig.from_extra_config(
@@ -232,7 +234,7 @@ WORKLOAD: dict[str, Any] = dict(
 
 
 def _run(directory: Path, log_dir: Path, **kw: Any) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     extra = {"chunk_size": 32, "remote_url": directory.as_uri()}
     return run(RunSpec(**{**WORKLOAD, "extra_config": extra}), log_dir=str(log_dir), **kw)

@@ -139,7 +139,7 @@ def _make_runs(where: Path) -> None:
     """replay-commands.md's run-a (chunk_size 32), run-b (16) and run-async (run-a under async
     scheduling), as the page says, and why-missed.md's run-miss (tests/_miss_run.py)."""
     code = (
-        "from connector.testing.run import RunSpec, run\n"
+        "from kvledger.connector.testing.run import RunSpec, run\n"
         f"spec = {_RUN_SPEC!r}\n"
         "run(RunSpec(**spec), log_dir='run-a')\n"
         "run(RunSpec(**spec, extra_config={'chunk_size': 16}), log_dir='run-b')\n"
@@ -161,7 +161,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
     def get() -> Path:
         nonlocal made
         if not made:
-            from connector.testing.harness import skip_reason
+            from kvledger.connector.testing.harness import skip_reason
 
             reason = skip_reason()
             if reason is not None:

@@ -75,7 +75,7 @@ def _code_rules() -> set[str]:
     rules = set(re.findall(r"^\| `(\w+)` \|", gen_events.rules_table(), flags=re.M))
     for path in (ROOT / "connector").glob("*.py"):
         rules |= set(re.findall(r'mark_violation\([^,]+,\s*"(\w+)"', path.read_text()))
-    from replay.replicas import RULE  # check --replicas: a rule over several logs
+    from kvledger.replay.replicas import RULE  # check --replicas: a rule over several logs
 
     return rules | {RULE}
 
@@ -98,11 +98,11 @@ _WALL_NS = 1_700_000_000_000_000_000  # the page's frozen clock: 1.7e18 ns
 
 def _worked_example_log(path: Path, monkeypatch: pytest.MonkeyPatch) -> bytes:
     """The log of log-format.md's worked example, written by LogWriter as the page shows."""
-    import connector.logwriter
-    from connector.logwriter import LogWriter
-    from tracker.events import Finished, Scheduled
+    import kvledger.connector.logwriter
+    from kvledger.connector.logwriter import LogWriter
+    from kvledger.tracker.events import Finished, Scheduled
 
-    monkeypatch.setattr(connector.logwriter.time, "time_ns", lambda: _WALL_NS)
+    monkeypatch.setattr(kvledger.connector.logwriter.time, "time_ns", lambda: _WALL_NS)
     with LogWriter(path, {"block_size": 16, "chunk_size": 256}) as w:
         w.append(Scheduled(7, "r1", 2048, 1, 2048, (42,)))
         w.append(Scheduled(7, "r2", 100, 1, 100, (7,)))
@@ -202,7 +202,7 @@ def test_the_worked_example_is_the_bytes_of_a_real_log(
 
 def test_every_upcaster_is_in_the_log_format_page() -> None:
     # A reader in another language needs each conversion (StepDecoded's was missing once).
-    from tracker import codec
+    from kvledger.tracker import codec
 
     text = (DOCS / "log-format.md").read_text()
     table = text.split("## Versions and upcasting", 1)[1].split("\n\n|", 1)[1].split("\n\n")[0]
@@ -230,7 +230,7 @@ def _check_exits(tmp_path: Path) -> dict[str, int]:
     from _logfiles import step_frames_end, torn_copy
     from test_replay_check import write_log
 
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     closed = tmp_path / "closed.kvlog"
     write_log(closed)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from connector.testing.harness import skip_reason
+from kvledger.connector.testing.harness import skip_reason
 
 pytestmark = [
     pytest.mark.vllm,
@@ -62,8 +62,8 @@ def vllm_runner(twin: Any, out: Any, vllm_config: Any, layers: list[str], drafte
 def test_the_runner_calls_a_connector_in_vllms_order(async_scheduling: bool, drafter: int) -> None:
     from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
 
-    from connector.testing.driver import ModelRunner, built_by_vllm
-    from connector.testing.harness import HarnessConfig, shared_prefix_prompts
+    from kvledger.connector.testing.driver import ModelRunner, built_by_vllm
+    from kvledger.connector.testing.harness import HarnessConfig, shared_prefix_prompts
 
     takes = inspect.signature(KVConnectorModelRunnerMixin.maybe_get_kv_connector_output)
     if drafter and "defer_finalize" not in takes.parameters:
@@ -122,8 +122,8 @@ def test_a_runner_that_computes_nothing_makes_the_same_calls() -> None:
     there is nothing to verify."""
     import torch
 
-    from connector.testing.driver import ModelRunner
-    from connector.testing.harness import HarnessConfig, shared_prefix_prompts
+    from kvledger.connector.testing.driver import ModelRunner
+    from kvledger.connector.testing.harness import HarnessConfig, shared_prefix_prompts
 
     config = HarnessConfig(
         num_gpu_blocks=16,

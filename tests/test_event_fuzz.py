@@ -30,12 +30,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from replay.source import open_log
-from tracker import codec
-from tracker import events as ev
-from tracker.wellformed import RULES, malformed
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.replay.source import open_log
+from kvledger.tracker import codec
+from kvledger.tracker import events as ev
+from kvledger.tracker.wellformed import RULES, malformed
 
 SEED = Path(__file__).resolve().parent / "data" / "replay-clean.kvlog"
 # Its first 80 steps (admissions, loads, saves, preemptions: a third of the run), under its

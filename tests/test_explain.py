@@ -18,13 +18,13 @@ import pytest
 from _rigs import example_spec
 from test_explain_props import check_admission
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from replay.explain import REASONS, AdmissionMisses, Explanation, explain
-from replay.summary import stats
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.replay.explain import REASONS, AdmissionMisses, Explanation, explain
+from kvledger.replay.summary import stats
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 B, C = 4, 8
 NEW, RESUMED = ev.Admission.NEW, ev.Admission.RESUMED
@@ -137,7 +137,7 @@ def explained(path: Path) -> Explanation:
 
 def agree(path: Path, x: Explanation | None = None) -> dict[str, Any]:
     """explain --json, stats and the SQL misses table count the same tokens."""
-    from replay.sql import query
+    from kvledger.replay.sql import query
 
     x = x or explain(path)
     doc = x.to_dict()
@@ -711,8 +711,8 @@ def test_explain_stats_and_sql_agree_on_the_data_logs(log: Path) -> None:
 
 
 def test_the_timeline_and_the_trace_label_the_same_misses(tmp_path: Path) -> None:
-    from replay.charts import timeline
-    from replay.perfetto import trace
+    from kvledger.replay.charts import timeline
+    from kvledger.replay.perfetto import trace
 
     log = _sample(tmp_path)
     doc = explain(log).to_dict()
@@ -753,7 +753,7 @@ def test_a_run_of_vllms_scheduler_shows_its_reasons(tmp_path: Path) -> None:
     """The run of docs/why-missed.md (tests/_miss_run.py): vLLM's real scheduler with the
     connector, proven by the KV-content oracle, a pool of five chunks, prompts that share 40
     tokens, three asked again, one failed load: six reasons, each with its facts."""
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
@@ -800,12 +800,12 @@ def test_a_recorders_log_of_vllms_example_connector(tmp_path: Path) -> None:
     oracle checking every token): vLLM's prefix cache serves the shared prefixes; the tails
     of the repeated prompts, computed before in this run and not offered by the inner, are
     ``not_offered``; it all adds up and agrees with stats and SQL."""
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:
         pytest.skip(f"vLLM's scheduler is not usable: {reason}")
-    from connector.testing.recorded import run_wrapped
+    from kvledger.connector.testing.recorded import run_wrapped
 
     spec = example_spec(
         tmp_path / "store",

@@ -21,11 +21,11 @@ from test_replay_fuzz import _EVENTS as _HOSTILE
 from test_replay_fuzz import _fields as _fuzz_fields
 from test_stateful import _CONFIG, _SETTINGS, VLLMModel, _Quiet
 
-from replay.explain import REASONS, AdmissionMisses, Explainer
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.history import walk
-from tracker.tracker import Tracker
+from kvledger.replay.explain import REASONS, AdmissionMisses, Explainer
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.history import walk
+from kvledger.tracker.tracker import Tracker
 
 
 class _Frame:

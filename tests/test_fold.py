@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tracker import events as ev
-from tracker import state as state_module
-from tracker.config import TrackerConfig
-from tracker.seq import Seq
-from tracker.state import (
+from kvledger.tracker import events as ev
+from kvledger.tracker import state as state_module
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.seq import Seq
+from kvledger.tracker.state import (
     LoadProgress,
     LookupResult,
     Phase,
@@ -23,7 +23,7 @@ from tracker.state import (
     fold,
     new_state,
 )
-from tracker.tracker import Tracker
+from kvledger.tracker.tracker import Tracker
 
 CFG = TrackerConfig(block_size=4, chunk_size=8)
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from connector.testing.harness import (
+from kvledger.connector.testing.harness import (
     HarnessConfig,
     SchedulerHarness,
     StepResult,
@@ -414,7 +414,7 @@ def test_import_needs_neither_vllm_nor_torch() -> None:
         import sys
         sys.modules["vllm"] = None  # any import of them now fails
         sys.modules["torch"] = None
-        import connector.testing.harness as h
+        import kvledger.connector.testing.harness as h
         assert h.shared_prefix_prompts(2, 4, 2, seed=1)[0][:4] == h.shared_prefix_prompts(2, 4, 2, seed=1)[1][:4]
         assert not h.vllm_available() and "not importable" in h.skip_reason()
         assert "vllm" not in sys.modules or sys.modules["vllm"] is None

@@ -26,10 +26,10 @@ from test_check_malformed import CONNECTOR, RECORDER
 from test_check_malformed import _write as _write_steps
 from test_replay_fuzz import _BOMBS, BYTES, FRAMES, frame
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from tracker import events as ev
-from tracker.config import TrackerConfig
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
 
 EXITS = {0, 1, 2, 3}
 

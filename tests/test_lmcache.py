@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from connector.testing.harness import skip_reason
+from kvledger.connector.testing.harness import skip_reason
 from tests._lmcache import require_lmcache
 
 pytestmark = [
@@ -27,7 +27,7 @@ def lmcache_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Every rig workload against a version, bare and wrapped in KVLedgerRecorder (digests
     sampled), run once per module in one child process per version (importing vLLM and
     LMCache is most of its time). Reports by workload name, ``NAME+recorded`` wrapped."""
-    from connector.testing.lmcache import WORKLOADS, run_version
+    from kvledger.connector.testing.lmcache import WORKLOADS, run_version
 
     cache: dict[str, dict] = {}
 
@@ -144,7 +144,7 @@ def test_model_runner_v2_resumes_as_new_request_even_on_0_3_9_post2(lmcache_runs
 
 
 def _check(path, **kw):
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     return check(path, **kw)
 

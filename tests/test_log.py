@@ -24,12 +24,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec import any_event
 
-from connector import logwriter
-from connector.logwriter import LogWriteError, LogWriter
-from replay.logreader import LogReader, segment_paths
-from tracker import codec, framing
-from tracker import events as ev
-from tracker.framing import Frame, LogCorruptError, LogFormatError, StopInfo
+from kvledger.connector import logwriter
+from kvledger.connector.logwriter import LogWriteError, LogWriter
+from kvledger.replay.logreader import LogReader, segment_paths
+from kvledger.tracker import codec, framing
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import Frame, LogCorruptError, LogFormatError, StopInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).resolve().parent / "data"
@@ -708,8 +708,8 @@ def test_write_error_fails_the_writer(tmp_path: Path, background: bool) -> None:
 _CHILD = textwrap.dedent(
     """
     import sys
-    from tracker.events import ChunkStored, Scheduled
-    from connector.logwriter import LogWriter
+    from kvledger.tracker.events import ChunkStored, Scheduled
+    from kvledger.connector.logwriter import LogWriter
 
     path, rotate, big = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     w = LogWriter(path, {"block_size": 16}, rotate_bytes=rotate or None, fsync="never")

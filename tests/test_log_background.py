@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from test_log import many_steps, write_log
 
-from connector import logwriter
-from connector.logwriter import LogWriteError, LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.framing import Frame
+from kvledger.connector import logwriter
+from kvledger.connector.logwriter import LogWriteError, LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import Frame
 
 
 def _frames(path: Path) -> tuple[list[Frame], LogReader]:

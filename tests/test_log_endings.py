@@ -11,10 +11,10 @@ import msgpack
 import pytest
 from test_log import frame_spans, frame_with, header_bytes, many_steps, write_log
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker import framing
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker import framing
 
 
 def _read(source: object) -> tuple[list[framing.Frame], LogReader]:

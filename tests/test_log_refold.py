@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 from _pool import stored_items
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 BLOCK = 16
 CONFIGS = {

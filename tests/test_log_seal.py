@@ -9,9 +9,9 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
 
 
 def snapshot(path: Path, tmp: Path) -> tuple[list[list[ev.Event]], LogReader]:
@@ -148,8 +148,8 @@ def test_after_a_seal_every_write_leaves_a_complete_log_of_everything_written(
 def test_check_says_how_a_sealed_log_ended(tmp_path: Path, capsys: object) -> None:
     """``kvledger check`` of a sealed log exits 0 and names the stop; of a log whose engine
     was killed before its first step, it says so in words."""
-    from replay.cli import main
-    from replay.replayer import check
+    from kvledger.replay.cli import main
+    from kvledger.replay.replayer import check
 
     w = LogWriter(tmp_path / "run.kvlog", {"block_size": 16, "chunk_size": 32}, fsync="never")
     w.append(ev.RequestAdded(0, "a", (1, 2, 3)))

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from _replay_logs import write_log
 
-from replay import cli
-from replay.logreader import LogReader
-from replay.source import log_files, open_log
+from kvledger.replay import cli
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.source import log_files, open_log
 
 SEGMENTS = 11  # write_log's 11 steps at rotate_bytes=600: one step a segment
 

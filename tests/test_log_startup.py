@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")
-from connector import logwriter
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.logwriter import LogWriteError, LogWriter
-from connector.scheduler import SchedulerSide
-from replay.logreader import LogReader
-from tracker import events as ev
+from kvledger.connector import logwriter
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.connector.logwriter import LogWriteError, LogWriter
+from kvledger.connector.scheduler import SchedulerSide
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
 
 
 def _side(log_dir: str, **extra: object) -> SchedulerSide:

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_log import FUNCTION_TMP, as_steps, read_all
 
-from connector import logwriter
-from connector.logwriter import LogWriter
-from tracker import events as ev
+from kvledger.connector import logwriter
+from kvledger.connector.logwriter import LogWriter
+from kvledger.tracker import events as ev
 
 _IDS = st.integers(0, 2**31)
 

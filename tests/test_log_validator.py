@@ -14,10 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogFollower, LogReader
-from tracker import events as ev
-from tracker.framing import (
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogFollower, LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.framing import (
     PREAMBLE_SIZE,
     FrameValidator,
     LogFormatError,

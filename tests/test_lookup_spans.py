@@ -10,11 +10,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker.chunks import ChunkIndex
-from tracker.config import TrackerConfig
-from tracker.plans import answer_lookup, lookup_spans, span_tier
-from tracker.state import new_state
-from tracker.tiers import POOL, REMOTE
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.plans import answer_lookup, lookup_spans, span_tier
+from kvledger.tracker.state import new_state
+from kvledger.tracker.tiers import POOL, REMOTE
 
 
 @settings(max_examples=300, deadline=None)

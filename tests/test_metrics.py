@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 from _metrics_truth import counted_from_log
 
-from connector import metrics
-from replay.source import open_log
+from kvledger.connector import metrics
+from kvledger.replay.source import open_log
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -63,7 +63,7 @@ def _prom_samples(text: str, prefix: str) -> dict[str, float]:
 def test_metrics_reach_vllms_prometheus_registry(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_scheduling: bool
 ) -> None:
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     if (reason := skip_reason()) is not None:
         pytest.skip(f"vLLM's scheduler is not usable: {reason}")
@@ -73,8 +73,8 @@ def test_metrics_reach_vllms_prometheus_registry(
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from connector.testing.run import RunSpec, run
-    from connector.vllm import KVLedgerPromMetrics
+    from kvledger.connector.testing.run import RunSpec, run
+    from kvledger.connector.vllm import KVLedgerPromMetrics
 
     loggers: dict[str, Any] = {}
     payloads: list[dict[str, Any]] = []

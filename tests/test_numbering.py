@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tracker import events as ev
-from tracker.numbering import RequestNumbers
+from kvledger.tracker import events as ev
+from kvledger.tracker.numbering import RequestNumbers
 
 
 def test_lowest_free_number_taken_at_added_given_back_at_finished() -> None:

@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 from test_explain import Run, _remote, _saved_then, prompt
 
-from replay.cli import main
-from replay.explain import explain
-from replay.extras import MissingExtra
-from replay.otlp import to_protobuf, write_otlp
-from tracker import events as ev
+from kvledger.replay.cli import main
+from kvledger.replay.explain import explain
+from kvledger.replay.extras import MissingExtra
+from kvledger.replay.otlp import to_protobuf, write_otlp
+from kvledger.tracker import events as ev
 
 pb = pytest.importorskip("opentelemetry.proto.collector.trace.v1.trace_service_pb2")
 json_format = pytest.importorskip("google.protobuf.json_format")

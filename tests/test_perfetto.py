@@ -22,11 +22,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import replay
-from replay.cli import main
-from replay.perfetto import _segments, trace
-from replay.replayer import check
-from replay.tables import collect
+from kvledger import replay
+from kvledger.replay.cli import main
+from kvledger.replay.perfetto import _segments, trace
+from kvledger.replay.replayer import check
+from kvledger.replay.tables import collect
 
 DATA = Path(__file__).resolve().parent / "data"
 CLEAN = DATA / "replay-clean.kvlog"

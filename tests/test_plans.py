@@ -9,11 +9,11 @@ from collections.abc import Sequence
 import pytest
 from _pool import stored_items
 
-from tracker import events as ev
-from tracker import invariants as inv
-from tracker.chunks import ChunkIndex, chunk_keys, partial_key
-from tracker.config import TrackerConfig
-from tracker.plans import (
+from kvledger.tracker import events as ev
+from kvledger.tracker import invariants as inv
+from kvledger.tracker.chunks import ChunkIndex, chunk_keys, partial_key
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.plans import (
     ChunkTransfer,
     answer_lookup,
     blocks_covering,
@@ -21,8 +21,8 @@ from tracker.plans import (
     plan_save,
     transfer_plan,
 )
-from tracker.seq import Seq
-from tracker.state import (
+from kvledger.tracker.seq import Seq
+from kvledger.tracker.state import (
     LoadProgress,
     LookupResult,
     Phase,

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 CFG = TrackerConfig(block_size=4, chunk_size=8, num_slots=16)
 
@@ -39,7 +39,7 @@ def _logged(path: Path) -> list[ev.Event]:
 
 
 def test_an_unencodable_token_costs_its_record_and_the_loss_is_recorded(tmp_path: Path) -> None:
-    import replay
+    from kvledger import replay
 
     path = tmp_path / "run.kvlog"
     t = _run(
@@ -77,7 +77,7 @@ def test_an_unencodable_token_costs_its_record_and_the_loss_is_recorded(tmp_path
 def test_numpy_and_torch_integers_are_ints(tmp_path: Path) -> None:
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
-    import replay
+    from kvledger import replay
 
     path = tmp_path / "run.kvlog"
     plain = list(range(100, 110))

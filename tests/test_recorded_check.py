@@ -10,8 +10,8 @@ from typing import Any
 
 from _verdicts import write_recorded
 
-from replay.cli import main
-from tracker import events as ev
+from kvledger.replay.cli import main
+from kvledger.tracker import events as ev
 
 PROMPT = tuple(range(100, 148))  # 48 tokens
 REPEAT = tuple(range(100, 148))
@@ -100,7 +100,7 @@ def test_differential_needs_a_recorder_log(tmp_path, capsys):
 def test_timeline_of_a_recorded_log_draws_no_short_loads(tmp_path):
     """A recorder's log holds no load plan (the wrapped connector's loads are not observable):
     an accepted load is not drawn as a short one; only check's problems say otherwise."""
-    from replay.charts import timeline
+    from kvledger.replay.charts import timeline
 
     path = _write(
         tmp_path / "e.kvlog", _life("a", 0, 0, 0) + _life("b", 2, 47, 47, blocks=(4, 5, 6))

@@ -8,8 +8,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker import events as ev
-from tracker.recorded_rules import RECORDED_RULES, check_recorded
+from kvledger.tracker import events as ev
+from kvledger.tracker.recorded_rules import RECORDED_RULES, check_recorded
 
 BS = 16
 PROMPT = tuple(range(100, 148))  # 48 tokens, 3 blocks

@@ -10,7 +10,7 @@ from _rigs import PREEMPTING_RECORDED as PREEMPTING
 from _rigs import example_spec
 from _verdicts import events_of
 
-from connector.testing.harness import skip_reason
+from kvledger.connector.testing.harness import skip_reason
 
 pytestmark = [
     pytest.mark.vllm,
@@ -31,7 +31,7 @@ SMALL = dict(
 
 
 def _run(tmp_path, **kw):
-    from connector.testing.recorded import WrappedSpec, run_wrapped
+    from kvledger.connector.testing.recorded import WrappedSpec, run_wrapped
 
     kw = {**SMALL, **kw}
     if "inner" in kw:
@@ -44,7 +44,7 @@ def _run(tmp_path, **kw):
 def test_example_connector_wrapped_loads_repeated_prompts_exactly(tmp_path):
     """ExampleConnector saves whole prompts and loads them back for a repeated prompt; wrapped,
     every computed token still holds its oracle value, and the log holds its answers."""
-    from tracker import events as ev
+    from kvledger.tracker import events as ev
 
     report = _run(tmp_path)
     assert [m.describe() for m in report.mismatches] == []
@@ -79,9 +79,9 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
     and the log records it (InnerRaised) before it left."""
     import _recorder_inners as inners
 
-    from connector.testing.harness import HarnessConfig, SchedulerHarness
-    from connector.testing.recorded import kv_transfer_config
-    from tracker import events as ev
+    from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
+    from kvledger.connector.testing.recorded import kv_transfer_config
+    from kvledger.tracker import events as ev
 
     kv = kv_transfer_config(
         "_recorder_inners:RaisingExample",
@@ -105,8 +105,8 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
 def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
     """The recorder cannot read what it records (a broken request object): vLLM's run goes on
     exactly as unwrapped, and the log says which records were lost and why."""
-    from connector import recording
-    from tracker import events as ev
+    from kvledger.connector import recording
+    from kvledger.tracker import events as ev
 
     real = recording.SchedulerRecorder.lookup
 
@@ -130,8 +130,8 @@ def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
 def test_unencodable_value_costs_one_record(tmp_path, monkeypatch):
     """A value the log cannot hold (a token id past 2**64, say) costs that record: a
     RecordLost takes its place and every later record is written."""
-    from connector import recording
-    from tracker import events as ev
+    from kvledger.connector import recording
+    from kvledger.tracker import events as ev
 
     real = recording.SchedulerRecorder.see
 
@@ -155,7 +155,7 @@ def test_the_recording_reads_vllms_token_lists_through_the_edge(tmp_path):
     """The steady batch (connector/recording.py) indexes the list behind each request's
     ``all_token_ids`` view; the recording imports no vLLM, so the class vLLM loads hands it the
     edge's reader of that list. Without it every request would be recorded one by one."""
-    from connector.edge import token_list
+    from kvledger.connector.edge import token_list
 
     report = _run(tmp_path)
     assert report.scheduler_connector.recording._token_list is token_list
@@ -166,7 +166,7 @@ def test_forwards_every_base_method():
     recorder's own: written out, or generated to forward to the inner."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 
-    from connector.recorder import KVLedgerRecorder
+    from kvledger.connector.recorder import KVLedgerRecorder
 
     assert not KVLedgerRecorder.__abstractmethods__
     missing = [
@@ -180,11 +180,11 @@ def test_forwards_every_base_method():
     assert missing == []
 
 
-KVLEDGER = "connector.vllm:KVLedgerConnector"
+KVLEDGER = "kvledger.connector.vllm:KVLedgerConnector"
 
 
 def _check(path, **kw):
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     return check(path, **kw)
 

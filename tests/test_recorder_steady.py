@@ -21,14 +21,14 @@ from _verdicts import events_of, expanded, steady_entries, verdicts, write_recor
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.testing.harness import skip_reason
-from tracker import events as ev
-from tracker.recorded_rules import check_recorded
-from tracker.recorded_steps import RecordedSteps
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.tracker import events as ev
+from kvledger.tracker.recorded_rules import check_recorded
+from kvledger.tracker.recorded_steps import RecordedSteps
 
 vllm = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
-KVLEDGER = dict(inner="connector.vllm:KVLedgerConnector", layout="flash_attn")
+KVLEDGER = dict(inner="kvledger.connector.vllm:KVLedgerConnector", layout="flash_attn")
 
 RUNS: dict[str, dict[str, Any]] = {
     # Our own connector wrapped: preemptions, resumptions, reloads; the differential agrees.
@@ -54,7 +54,7 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 def _record(tmp_path: Path, name: str, steady: bool) -> Any:
-    from connector.testing.recorded import WrappedSpec, run_wrapped
+    from kvledger.connector.testing.recorded import WrappedSpec, run_wrapped
 
     kw = dict(RUNS[name], steady_decode=steady)
     if "inner" in kw:
@@ -231,7 +231,7 @@ def test_check_of_a_batched_log_is_check_of_the_full_one(events: list[ev.Event])
 def _plans(events: list[ev.Event]) -> list[Any]:
     """The digest plans a recorder's planner makes of these events, step by step
     (connector/digests.py's RecorderDigests: a StepDecoded observed as what it stands for)."""
-    from tracker.digests import DigestPlanner
+    from kvledger.tracker.digests import DigestPlanner
 
     planner, steps = DigestPlanner(BS), RecordedSteps()
     plans: list[Any] = []
@@ -320,7 +320,7 @@ def test_lmcache_recorded_both_ways_gets_the_same_verdicts(tmp_path, version: st
     verdicts, including the ones that name #1969."""
     from _lmcache import require_lmcache
 
-    from connector.testing.lmcache import run_version
+    from kvledger.connector.testing.lmcache import run_version
 
     require_lmcache([version])
     names = LMCACHE_RUNS[version]
@@ -374,11 +374,11 @@ def _drive(steady: bool, *, legacy: bool, view: bool, lose_at: int = -1) -> list
         SchedulerOutput,
     )
 
-    from connector.recording import SchedulerRecorder
+    from kvledger.connector.recording import SchedulerRecorder
 
     sink = _Sink()
     if view:  # the edge's reader of vLLM's list behind the view, as KVLedgerRecorder hands it in
-        from connector.edge import token_list
+        from kvledger.connector.edge import token_list
 
         rec = SchedulerRecorder(sink, steady=steady, token_list=token_list)
     else:
@@ -468,7 +468,7 @@ def test_after_the_log_drops_a_step_every_step_is_written_in_full() -> None:
 def test_the_tables_hold_the_steady_steps_tokens(tmp_path: Path) -> None:
     """``export`` and ``sql`` read a recorder's batched log with the token each steady step
     made known (``ev_step_decoded.token``), the ids its full twin holds in ``ev_scheduled``."""
-    from replay.tables import collect
+    from kvledger.replay.tables import collect
 
     batched = write_recorded(tmp_path / "b.kvlog", _drive(True, legacy=False, view=True))
     full = write_recorded(tmp_path / "f.kvlog", _drive(False, legacy=False, view=True))

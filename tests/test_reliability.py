@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from _replay_logs import copy_log
 
-from replay.logreader import LogReader
-from tracker import framing as log
-from tracker.framing import LogFormatError
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import framing as log
+from kvledger.tracker.framing import LogFormatError
 
 SEED = Path(__file__).resolve().parent / "data" / "replay-clean.kvlog"
 FLIPS = 400

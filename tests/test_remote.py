@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from _redis import RedisServer, redis_server, require_redis_server
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.remote import MISSING, RemoteStore, remote_key
-from connector.values import PIECE_BYTES, Sealed, ValueSeal
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tiers import REMOTE_SLOT
-from tracker.tracker import Tracker
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.connector.remote import MISSING, RemoteStore, remote_key
+from kvledger.connector.values import PIECE_BYTES, Sealed, ValueSeal
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tiers import REMOTE_SLOT
+from kvledger.tracker.tracker import Tracker
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 
@@ -57,8 +57,8 @@ def test_a_bad_remote_bound_is_a_startup_error_naming_the_key(key: str) -> None:
 def test_a_chunk_larger_than_the_server_takes_refuses_to_start() -> None:
     """The worker asks its tier whether it holds a chunk of the caches' size; Redis's answer
     is ``remote_max_chunk_bytes`` (the server's proto-max-bulk-len)."""
-    from connector.testing.oracle import KVOracle
-    from connector.worker import WorkerSide
+    from kvledger.connector.testing.oracle import KVOracle
+    from kvledger.connector.worker import WorkerSide
 
     oracle = KVOracle(["layer.0"], num_blocks=8, block_size=16, num_kv_heads=2, head_size=4)
     extra = {"chunk_size": 32, "remote_url": "redis://127.0.0.1:1/0"}  # down: served around
@@ -80,7 +80,7 @@ def test_a_chunk_larger_than_the_server_takes_refuses_to_start() -> None:
 
 
 def test_no_remote_url_means_no_remote_tier() -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     side = SchedulerSide(ConnectorConfig(chunk_size=32), block_size=16, num_slots=4)
     assert side.remote is None
@@ -144,7 +144,7 @@ def test_wrong_length_and_wrong_bytes_in_the_server_are_refused(redis_server: Re
 
 @pytest.mark.redis
 def test_a_password_is_honoured_and_a_wrong_one_is_a_clear_startup_error(tmp_path: Path) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     server = RedisServer(require_redis_server(), tmp_path, password="s3cret-pw")
     server.start()
@@ -164,7 +164,7 @@ def test_a_password_is_honoured_and_a_wrong_one_is_a_clear_startup_error(tmp_pat
 
 @pytest.mark.redis
 def test_a_server_down_backs_off_and_is_not_fatal(tmp_path: Path) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     server = RedisServer(require_redis_server(), tmp_path)  # never started: refused
     config = ConnectorConfig.from_extra_config({"remote_url": server.url, "chunk_size": 32})

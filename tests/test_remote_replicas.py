@@ -26,9 +26,9 @@ from _redis import RedisServer, redis_server
 from _rigs import assert_clean, check_clean
 from _verdicts import events_of
 
-from connector.testing.harness import skip_reason
-from tracker import events as ev
-from tracker.tiers import REMOTE_SLOT
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.tracker import events as ev
+from kvledger.tracker.tiers import REMOTE_SLOT
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 
@@ -56,7 +56,7 @@ def _run(
     extra: dict[str, Any] | None = None,
     **kw: Any,
 ) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     spec = RunSpec(**{**WORKLOAD, **kw, "extra_config": _extra(url, **(extra or {}))})
     return run(spec, log_dir=str(log_dir), progress=progress)
@@ -73,7 +73,7 @@ def _remote_tokens(events: list[ev.Event]) -> dict[str, int]:
 
 _REPLICA = """
 import json, sys
-from connector.testing.run import RunSpec, run
+from kvledger.connector.testing.run import RunSpec, run
 spec = RunSpec(**json.loads(sys.argv[1]))
 r = run(spec, log_dir=sys.argv[2])
 print(json.dumps({"mismatches": [m.describe() for m in r.mismatches], "violations": r.violations,
@@ -141,8 +141,8 @@ def test_two_replicas_in_two_processes_share_prefixes(
 def test_a_key_evicted_between_lookup_and_load_is_recomputed(
     redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connector.remote import remote_key
-    from connector.worker import WorkerSide
+    from kvledger.connector.remote import remote_key
+    from kvledger.connector.worker import WorkerSide
 
     assert_clean(_run(redis_server.url, tmp_path / "a"))
     raw = redis_server.client()
@@ -301,7 +301,7 @@ def test_an_unforeseen_exception_in_the_tier_is_an_outage_never_a_raise(
     """Whatever the store itself raises (a bug, say), the connector's boundary catches: the
     lookup is a miss, the load is recomputed, the save fails; an outage is recorded naming
     it; nothing reaches vLLM, not even as an adapter error."""
-    from connector.remote import RemoteStore
+    from kvledger.connector.remote import RemoteStore
 
     assert_clean(_run(redis_server.url, tmp_path / "a"))
     real = getattr(RemoteStore, method)

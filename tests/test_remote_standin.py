@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from _redis import CODES, DRIP_S, ERRORS, FAULTS, StandIn, standin
 
-from connector.remote import TIER_COMMANDS, RemoteStore, RemoteUnavailable
-from connector.values import ValueSeal
-from tracker import events as ev
+from kvledger.connector.remote import TIER_COMMANDS, RemoteStore, RemoteUnavailable
+from kvledger.connector.values import ValueSeal
+from kvledger.tracker import events as ev
 
 __all__ = ["standin"]  # the fixture, imported for pytest
 
@@ -277,8 +277,8 @@ def written() -> Iterator[dict[bytes, bytes]]:
     """What a first replica wrote to a stand-in that answered right: every chunk of the
     workload, for the second replica to find."""
     pytest.importorskip("vllm")
-    from connector.testing.harness import skip_reason
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.harness import skip_reason
+    from kvledger.connector.testing.run import RunSpec, run
 
     if skip_reason() is not None:
         pytest.skip(str(skip_reason()))
@@ -309,9 +309,9 @@ def _faults_in(events: list[ev.Event]) -> list[str]:
 def test_under_vllms_scheduler_a_fault_on_any_command_is_recorded_and_served_around(
     written: dict[bytes, bytes], tmp_path: Path, command: str, fault: str
 ) -> None:
-    from connector.testing.run import RunSpec, run
-    from replay.replayer import check
-    from replay.source import open_log
+    from kvledger.connector.testing.run import RunSpec, run
+    from kvledger.replay.replayer import check
+    from kvledger.replay.source import open_log
 
     server = StandIn()
     try:

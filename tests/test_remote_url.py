@@ -17,9 +17,9 @@ from _redis import RedisServer, redis_server, require_redis_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector.config import REMOTE_URL_OPTIONS, ConnectorConfig, ConnectorConfigError
-from connector.remote import RemoteStore, describe, remote_key
-from connector.values import ValueSeal
+from kvledger.connector.config import REMOTE_URL_OPTIONS, ConnectorConfig, ConnectorConfigError
+from kvledger.connector.remote import RemoteStore, describe, remote_key
+from kvledger.connector.values import ValueSeal
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 
@@ -202,8 +202,8 @@ def test_the_accepted_options_are_the_documented_ones() -> None:
 
 @pytest.mark.redis
 def test_a_database_the_server_does_not_have_is_a_startup_error(redis_server: RedisServer) -> None:
-    from connector.scheduler import SchedulerSide
-    from connector.worker import WorkerSide
+    from kvledger.connector.scheduler import SchedulerSide
+    from kvledger.connector.worker import WorkerSide
 
     url = f"redis://127.0.0.1:{redis_server.port}/99999"
     config = _config(url)  # a number: how many databases a server has is its own setting
@@ -231,7 +231,7 @@ def test_a_unix_socket_url_is_served(redis_server: RedisServer) -> None:
 
 @pytest.mark.redis
 def test_a_wrong_password_in_any_form_is_refused_without_echoing_it(tmp_path: Path) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     server = RedisServer(require_redis_server(), tmp_path, password="right-pw")
     server.start()
@@ -311,7 +311,7 @@ def _embed(password: str, where: str, rest: str, encoded: bool) -> str:
 def test_a_password_anywhere_in_the_url_appears_nowhere(
     tmp_path: Path, password: str, where: str, rest: str, encoded: bool
 ) -> None:
-    from connector.scheduler import SchedulerSide
+    from kvledger.connector.scheduler import SchedulerSide
 
     url = _embed(password, where, rest.format(port=_closed_port()), encoded)
     forms = _forms(password)

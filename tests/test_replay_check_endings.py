@@ -13,11 +13,11 @@ from _logfiles import step_frames_end
 from test_log_background import _HungDisk
 from test_replay_check import CONFIG, drive, write_log
 
-from connector.logwriter import LogWriter
-from replay.cli import main
-from replay.logreader import LogReader
-from replay.replayer import check
-from tracker.tracker import Tracker
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.cli import main
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import check
+from kvledger.tracker.tracker import Tracker
 
 
 def test_a_closed_log_is_clean_and_complete(tmp_path: Path) -> None:

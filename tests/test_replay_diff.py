@@ -13,11 +13,11 @@ import pytest
 from _logfiles import torn_copy
 from _replay_logs import copy_log, suffixed, write_log
 
-import replay
-from replay import cli
-from replay.divergence import diff
-from replay.source import open_log
-from tracker import events as ev
+from kvledger import replay
+from kvledger.replay import cli
+from kvledger.replay.divergence import diff
+from kvledger.replay.source import open_log
+from kvledger.tracker import events as ev
 
 
 def other(tmp_path: Path, name: str = "other.kvlog", **kw) -> Path:
@@ -209,7 +209,7 @@ def test_alignment_reads_raw_records_as_it_reads_events(
     """The alignment pass reads raw records when the log's RequestAdded schema is this
     version's; it must name the same lives as the decoded events: a reused id, a request
     never added, the pool's own events."""
-    diff_module = sys.modules["replay.divergence"]
+    diff_module = sys.modules["kvledger.replay.divergence"]
 
     def rewrite(e: ev.Event) -> ev.Event | None:
         if e.req_id == "req-c":

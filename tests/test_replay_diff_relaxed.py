@@ -16,15 +16,15 @@ import attrs
 import pytest
 from _replay_logs import SMALL, copy_log
 
-from replay import cli
-from replay.divergence import diff, ignorable_fields
-from tracker import events as ev
+from kvledger.replay import cli
+from kvledger.replay.divergence import diff, ignorable_fields
+from kvledger.tracker import events as ev
 
 
 @functools.cache
 def _runs(root: str) -> dict[str, Path]:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     out = {}
     for name, async_scheduling in (("sync", False), ("async", True)):
@@ -39,7 +39,7 @@ def _runs(root: str) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    from connector.testing.harness import skip_reason
+    from kvledger.connector.testing.harness import skip_reason
 
     reason = skip_reason()
     if reason is not None:

@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_event_fuzz import EVENTS as EVERY_TAG
 
-from connector.logwriter import LogWriter
-from replay.logreader import LogReader
-from replay.replayer import CheckResult, check
-from tracker import events as ev
-from tracker.codec import EncodeError
-from tracker.config import TrackerConfig
-from tracker.framing import DEFAULT_MAX_FRAME_BYTES, masked_crc
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import CheckResult, check
+from kvledger.tracker import events as ev
+from kvledger.tracker.codec import EncodeError
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.framing import DEFAULT_MAX_FRAME_BYTES, masked_crc
 
 SEED = Path(__file__).resolve().parent / "data" / "replay-clean.kvlog"
 BYTES = SEED.read_bytes()

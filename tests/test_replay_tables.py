@@ -19,15 +19,15 @@ import attrs
 import pytest
 from _replay_logs import write_log
 
-import replay
-from replay import writers
-from replay.cli import main
-from replay.logreader import LogReader
-from replay.replayer import check
-from replay.tables import TABLES, collect
-from tracker.config import TrackerConfig
-from tracker.state import Phase
-from tracker.tracker import Tracker
+from kvledger import replay
+from kvledger.replay import writers
+from kvledger.replay.cli import main
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.replayer import check
+from kvledger.replay.tables import TABLES, collect
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.state import Phase
+from kvledger.tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"
 CLEAN = DATA / "replay-clean.kvlog"
@@ -207,8 +207,8 @@ def test_the_short_load_shows_in_the_admissions_table() -> None:
 
 def test_a_reused_id_is_two_requests(tmp_path: Path) -> None:
     """vLLM may reuse an id once the request finished: two lives, two rows, two keys."""
-    from connector.logwriter import LogWriter
-    from tracker import events as ev
+    from kvledger.connector.logwriter import LogWriter
+    from kvledger.tracker import events as ev
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
     path = tmp_path / "reuse.kvlog"
@@ -485,8 +485,8 @@ def _many_requests(path: Path, n: int) -> None:
     """``n`` requests one after another (two live at a time), each saved and finished; their
     prompts repeat every 40 requests (the distinct prefixes computed are what explains a miss,
     kept by ``replay.explain``'s history, within its own bound)."""
-    from connector.logwriter import LogWriter
-    from tracker import events as ev
+    from kvledger.connector.logwriter import LogWriter
+    from kvledger.tracker import events as ev
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=16)
     with LogWriter(path, config.to_dict(), fsync="never") as w:
@@ -519,7 +519,7 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
     grows with distinct prompts only, up to its bound: test_explain.py)."""
     import tracemalloc
 
-    from replay.tables import table_rows
+    from kvledger.replay.tables import table_rows
 
     peaks = []
     for n in (300, 1200):
@@ -543,7 +543,7 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
 
 def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
     """A log split into segments (a directory) gives the tables of the whole run."""
-    from replay.logreader import segment_paths
+    from kvledger.replay.logreader import segment_paths
 
     whole, rotated = tmp_path / "whole.kvlog", tmp_path / "rotated" / "run.kvlog"
     rotated.parent.mkdir()
@@ -562,8 +562,8 @@ def test_a_rotated_log_reads_as_one(tmp_path: Path) -> None:
 def test_the_remote_stores_facts_have_their_tables_and_count_in_the_steps(tmp_path: Path) -> None:
     """Remote tier facts (issue 12): typed tables of their own, and the steps' remote_chunks
     follow the Tracker's remote index (an outage forgets everything)."""
-    from connector.logwriter import LogWriter
-    from tracker import events as ev
+    from kvledger.connector.logwriter import LogWriter
+    from kvledger.tracker import events as ev
 
     config = TrackerConfig(block_size=16, chunk_size=32, num_slots=8)
     path = tmp_path / "remote.kvlog"

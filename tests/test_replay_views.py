@@ -15,15 +15,15 @@ import pytest
 from _logfiles import torn_copy
 from _replay_logs import copy_log, write_log
 
-import replay
-from replay import cli
-from replay.extras import MissingExtra, Output
-from replay.lives import RequestNotFound, Row
-from replay.logreader import LogReader, segment_paths
-from replay.source import LogUnreadable
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger import replay
+from kvledger.replay import cli
+from kvledger.replay.extras import MissingExtra, Output
+from kvledger.replay.lives import RequestNotFound, Row
+from kvledger.replay.logreader import LogReader, segment_paths
+from kvledger.replay.source import LogUnreadable
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 
 def all_events(path: Path) -> list[tuple[int, ev.Event]]:

@@ -14,13 +14,13 @@ from typing import TypeVar
 import pytest
 from _pool import stored_items
 
-from tracker import events as ev
-from tracker.chunks import chunk_keys, root_key
-from tracker.config import TrackerConfig
-from tracker.invariants import InvariantViolation
-from tracker.plans import ChunkTransfer, transfer_plan
-from tracker.state import LookupResult, Phase, RequestState
-from tracker.tracker import Tracker
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import chunk_keys, root_key
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.invariants import InvariantViolation
+from kvledger.tracker.plans import ChunkTransfer, transfer_plan
+from kvledger.tracker.state import LookupResult, Phase, RequestState
+from kvledger.tracker.tracker import Tracker
 
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracker.seq import Seq
+from kvledger.tracker.seq import Seq
 
 
 def test_behaves_like_a_read_only_sequence() -> None:

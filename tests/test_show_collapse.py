@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import replay
-from replay import cli
-from replay.lives import Fold, Row, collapse, parse_types, select
-from replay.source import open_log
-from replay.steps import parse_steps
+from kvledger import replay
+from kvledger.replay import cli
+from kvledger.replay.lives import Fold, Row, collapse, parse_types, select
+from kvledger.replay.source import open_log
+from kvledger.replay.steps import parse_steps
 
 
 def _flatten(entries: list[Row | Fold]) -> list[Row]:

@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from replay import lives
-from replay.cli import main
-from replay.explain import explain
-from replay.naming import RequestNotFound, resolve
-from replay.replayer import check
-from replay.tables import collect
+from kvledger.replay import lives
+from kvledger.replay.cli import main
+from kvledger.replay.explain import explain
+from kvledger.replay.naming import RequestNotFound, resolve
+from kvledger.replay.replayer import check
+from kvledger.replay.tables import collect
 
 DATA = Path(__file__).resolve().parent / "data"
 CLEAN = DATA / "replay-clean.kvlog"

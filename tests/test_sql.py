@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 
-import replay
-from replay import sql, writers
-from replay.cli import main
-from replay.extras import MissingExtra
-from replay.replayer import check
-from replay.tables import markdown_reference
+from kvledger import replay
+from kvledger.replay import sql, writers
+from kvledger.replay.cli import main
+from kvledger.replay.extras import MissingExtra
+from kvledger.replay.replayer import check
+from kvledger.replay.tables import markdown_reference
 
 pytest.importorskip("duckdb")
 

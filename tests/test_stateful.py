@@ -21,11 +21,11 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.plans import TransferPlan, transfer_plan
-from tracker.state import Phase
-from tracker.tracker import Tracker
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.plans import TransferPlan, transfer_plan
+from kvledger.tracker.state import Phase
+from kvledger.tracker.tracker import Tracker
 
 POISON = -1  # KV computed over a failed load: attends to garbage
 BASE = [i * 7 % 5 for i in range(48)]  # a shared corpus: prompts share its prefixes

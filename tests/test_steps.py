@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-import replay
-from replay.cli import main
-from replay.steps import parse_steps, range_text
+from kvledger import replay
+from kvledger.replay.cli import main
+from kvledger.replay.steps import parse_steps, range_text
 
 SHORT = Path(__file__).resolve().parent / "data" / "replay-short-load.kvlog"
 LAST = 301  # the log's last step (its first is 0)

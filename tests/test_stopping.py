@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from connector.stopping import StopHook
+from kvledger.connector.stopping import StopHook
 
 
 class Calls:
@@ -102,7 +102,7 @@ def _child(tmp_path: Path, body: str) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(
         f"""
         import os, signal, sys
-        from connector.stopping import StopHook
+        from kvledger.connector.stopping import StopHook
         marks = open({str(tmp_path / "marks")!r}, "a")
         def seal(stop):
             marks.write("seal " + stop + "\\n"); marks.flush(); return True

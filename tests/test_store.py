@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.kv_layout import describe_kv_caches, slot_mapping_for
-from connector.store import HostChunkPool, SlotBusyError
-from connector.transfer import TransferBackend, TransferHandle
+from kvledger.connector.kv_layout import describe_kv_caches, slot_mapping_for
+from kvledger.connector.store import HostChunkPool, SlotBusyError
+from kvledger.connector.transfer import TransferBackend, TransferHandle
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from _replay_logs import copy_log
 
-from connector.logwriter import LogWriter
-from replay import cli
-from replay.logreader import LogReader
-from replay.tail import news
-from tracker import events as ev
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay import cli
+from kvledger.replay.logreader import LogReader
+from kvledger.replay.tail import news
+from kvledger.tracker import events as ev
 
 ROOT = Path(__file__).resolve().parent.parent
 

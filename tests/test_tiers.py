@@ -22,12 +22,12 @@ from _memory_tier import DOWN, STORES, MemoryTier
 from _rigs import assert_clean, check_clean
 from _verdicts import events_of
 
-from connector.config import TIER_SCHEMES, ConnectorConfig, ConnectorConfigError
-from connector.scheduler import SchedulerSide
-from connector.testing.harness import skip_reason
-from connector.tiers import REDIS_TIER, Tier, open_tier, register_tier, registered_tiers
-from tracker import events as ev
-from tracker.tiers import POOL, REMOTE, REMOTE_SLOT, slot_of, tier_of_slot
+from kvledger.connector.config import TIER_SCHEMES, ConnectorConfig, ConnectorConfigError
+from kvledger.connector.scheduler import SchedulerSide
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.connector.tiers import REDIS_TIER, Tier, open_tier, register_tier, registered_tiers
+from kvledger.tracker import events as ev
+from kvledger.tracker.tiers import POOL, REMOTE, REMOTE_SLOT, slot_of, tier_of_slot
 
 WORKLOAD: dict[str, Any] = dict(
     num_gpu_blocks=24, num_requests=8, prompt_len=(48, 160), max_tokens=(8, 48), seed=0
@@ -66,7 +66,7 @@ def test_a_registered_scheme_opens_its_tier_and_redis_urls_open_redis() -> None:
     assert isinstance(tier, MemoryTier) and isinstance(tier, Tier) and tier.rank == 3
     assert registered_tiers()["memory"] == ("_memory_tier", "MemoryTier")
     assert open_tier(ConnectorConfig(), scheduler=True) is None
-    from connector.remote import RemoteStore
+    from kvledger.connector.remote import RemoteStore
 
     assert (RemoteStore.__module__, RemoteStore.__name__) == REDIS_TIER
     redis = open_tier(_config("redis://127.0.0.1:1/0"), scheduler=True)  # opens; never asked
@@ -93,8 +93,8 @@ def test_register_tier_refuses_a_taken_or_bad_scheme() -> None:
 
 _FRESH_PROCESS = """
 import sys
-from connector.config import TIER_SCHEMES, ConnectorConfig
-from connector.tiers import open_tier, registered_tiers
+from kvledger.connector.config import TIER_SCHEMES, ConnectorConfig
+from kvledger.connector.tiers import open_tier, registered_tiers
 assert "memory" not in TIER_SCHEMES  # nobody called register_tier in this process
 config = ConnectorConfig.from_extra_config({"remote_url": "memory://fresh"}, environ={})
 tier = open_tier(config, rank=1, scheduler=False)
@@ -167,7 +167,7 @@ def test_a_tier_written_for_the_old_interface_refuses_to_start() -> None:
 def test_a_plug_in_tier_stores_sealed_values_it_never_checks() -> None:
     """The worker seals every value it puts and checks every value it gets, around the tier:
     the memory tier holds the whole value, header included, bound to its key."""
-    from connector.values import ValueSeal
+    from kvledger.connector.values import ValueSeal
 
     url = _url()
     tier = open_tier(_config(url), scheduler=False)
@@ -190,7 +190,7 @@ needs_vllm = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 
 
 def _run(url: str, log_dir: Path, **kw: Any) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     extra = {"chunk_size": 32, "remote_url": url, "remote_retry_ms": 20}
     return run(RunSpec(**{**WORKLOAD, **kw, "extra_config": extra}), log_dir=str(log_dir))

@@ -12,14 +12,14 @@ from typing import Any
 
 import pytest
 
-import replay
-from connector.logwriter import LogWriter
-from replay.charts import COLORS
-from replay.cli import main
-from replay.steps import parse_steps
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.tracker import Tracker
+from kvledger import replay
+from kvledger.connector.logwriter import LogWriter
+from kvledger.replay.charts import COLORS
+from kvledger.replay.cli import main
+from kvledger.replay.steps import parse_steps
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker
 
 DATA = Path(__file__).resolve().parent / "data"
 SHORT = DATA / "replay-short-load.kvlog"

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from _browser import dump_dom, screenshot
 
-import replay
-from replay.charts import COLORS
+from kvledger import replay
+from kvledger.replay.charts import COLORS
 
 pytestmark = pytest.mark.browser
 

@@ -8,13 +8,13 @@ import re
 import pytest
 import torch
 
-from connector.kv_layout import (
+from kvledger.connector.kv_layout import (
     KVCacheLayoutError,
     PagedKVSpec,
     describe_kv_caches,
     slot_mapping_for,
 )
-from connector.transfer import TransferBackend, TransferHandle
+from kvledger.connector.transfer import TransferBackend, TransferHandle
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
@@ -540,7 +540,7 @@ def make_cpu_caches(isa: str, num_blocks: int = 6, seed: int = 0) -> dict[str, t
 def cpu_backend_for(isa: str, caches: dict[str, torch.Tensor], monkeypatch) -> TransferBackend:
     """A backend on ``caches`` that takes them as written by kernel ``isa`` (on this machine
     vLLM's pick depends on the CPU: AMX tiles or not)."""
-    import connector.kv_layout as kv_layout
+    import kvledger.connector.kv_layout as kv_layout
 
     monkeypatch.setattr(kv_layout, "cpu_attn_isa", lambda dtype, bs, d: isa)
     backend = TransferBackend(caches, CC)
@@ -669,7 +669,7 @@ def test_cpu_attn_partial_reload_writes_only_its_tokens(isa: str, monkeypatch):
 @pytest.mark.parametrize("isa", ["vec", "amx"])
 def test_slot_tokens_reads_a_native_slot_token_by_token(isa: str, monkeypatch):
     """``slot_tokens`` shows a cpu_attn slot as [L, 2, T, H*D], K and V of each token."""
-    from connector.kv_layout import slot_tokens
+    from kvledger.connector.kv_layout import slot_tokens
 
     caches = make_cpu_caches(isa, seed=9)
     backend = cpu_backend_for(isa, caches, monkeypatch)
@@ -725,8 +725,8 @@ def test_transfer_keeps_the_names_users_import_from_it():
     """The layout facts moved to connector/kv_layout.py; connector.transfer still exports every
     name it exported before, each the very object of its home (one definition, so a patch of
     ``kv_layout.cpu_attn_isa`` is what the engine sees)."""
-    import connector.kv_layout as kv_layout
-    import connector.transfer as transfer
+    import kvledger.connector.kv_layout as kv_layout
+    import kvledger.connector.transfer as transfer
 
     before = {
         "CPU_ISAS",

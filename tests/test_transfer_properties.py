@@ -20,9 +20,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector import kv_layout, transfer
-from connector.kv_layout import slot_mapping_for
-from connector.transfer import TransferBackend
+from kvledger.connector import kv_layout, transfer
+from kvledger.connector.kv_layout import slot_mapping_for
+from kvledger.connector.transfer import TransferBackend
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]

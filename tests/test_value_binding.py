@@ -23,10 +23,10 @@ from _redis import RedisServer, redis_server
 from _rigs import assert_clean, check_clean
 from _verdicts import events_of
 
-from connector.testing.harness import skip_reason
-from tracker import events as ev
-from tracker.remote import foreign
-from tracker.tiers import REMOTE_SLOT
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.tracker import events as ev
+from kvledger.tracker.remote import foreign
+from kvledger.tracker.tiers import REMOTE_SLOT
 
 __all__ = ["redis_server"]  # the fixture, imported for pytest
 
@@ -42,7 +42,7 @@ SECRET = "0123456789abcdef0123456789abcdef"
 
 
 def _run(url: str, log_dir: Path, **extra: Any) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     config = {"chunk_size": 32, "remote_url": url, "remote_retry_ms": 20, **extra}
     return run(RunSpec(**{**WORKLOAD, "extra_config": config}), log_dir=str(log_dir))
@@ -70,8 +70,8 @@ def _remote_loads_done(events: list[ev.Event]) -> int:
 def _served_without_wrong_kv(report: Any, reason: str) -> list[ev.Event]:
     """The run had no oracle mismatch, refused values with ``reason``, recorded each as a
     ``foreign_value`` violation and nothing else; its log checks exit 1 naming it."""
-    from replay.explain import explain
-    from replay.replayer import check
+    from kvledger.replay.explain import explain
+    from kvledger.replay.replayer import check
 
     assert [m.describe() for m in report.mismatches] == []
     assert report.leaks == () and report.adapter_errors == 0
@@ -160,8 +160,8 @@ def test_a_value_written_under_another_kv_layout_is_refused(
 ) -> None:
     """An engine whose KV bytes mean something else computes the same chunk keys (the salt
     misses what differs): its values are bound to its own layout, and refused here."""
-    import connector.worker as worker
-    from connector.values import layout_fingerprint
+    import kvledger.connector.worker as worker
+    from kvledger.connector.values import layout_fingerprint
 
     chunks = tmp_path / "chunks"
     monkeypatch.setattr(

@@ -21,11 +21,11 @@ import pytest
 from _rigs import assert_clean
 from _verdicts import check_replicas, events_of
 
-from connector.testing.harness import skip_reason
-from connector.values import _FIXED, ValueSeal
-from replay.replayer import check
-from replay.replicas import RULE, cross_check
-from tracker import events as ev
+from kvledger.connector.testing.harness import skip_reason
+from kvledger.connector.values import _FIXED, ValueSeal
+from kvledger.replay.replayer import check
+from kvledger.replay.replicas import RULE, cross_check
+from kvledger.tracker import events as ev
 
 pytestmark = [
     pytest.mark.vllm,
@@ -38,7 +38,7 @@ WORKLOAD: dict[str, Any] = dict(
 
 
 def _run(directory: Path, log_dir: Path) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     extra = {"chunk_size": 32, "remote_url": directory.as_uri(), "digests": "sampled"}
     return run(RunSpec(**{**WORKLOAD, "extra_config": extra}), log_dir=str(log_dir))

@@ -12,9 +12,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from connector.config import ConnectorConfig, ConnectorConfigError
-from connector.values import PIECE_BYTES, Opened, ValueSeal, layout_fingerprint, read_secret
-from tracker.remote import FOREIGN_REASONS, foreign
+from kvledger.connector.config import ConnectorConfig, ConnectorConfigError
+from kvledger.connector.values import (
+    PIECE_BYTES,
+    Opened,
+    ValueSeal,
+    layout_fingerprint,
+    read_secret,
+)
+from kvledger.tracker.remote import FOREIGN_REASONS, foreign
 
 LAYOUT = layout_fingerprint("model|2L|2x16:torch.float16|tp1r0", "tokens")
 OTHER_LAYOUT = layout_fingerprint("model|2L|2x16:torch.bfloat16|tp1r0", "tokens")

@@ -9,7 +9,7 @@ import itertools
 import pytest
 from _rigs import PREEMPTING, assert_clean
 
-from connector.testing.harness import (
+from kvledger.connector.testing.harness import (
     load_failures_reportable,
     model_runner_v2_available,
     skip_reason,
@@ -22,7 +22,7 @@ pytestmark = [
 
 
 def _run(**kw):
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     load_fault = kw.pop("load_fault", None)
     log_dir = kw.pop("log_dir", None)
@@ -126,7 +126,7 @@ def test_oracle_catches_a_wrong_load_range(monkeypatch):
     """The oracle must be able to fail: a load shifted by one block is seen as wrong KV."""
     import attrs
 
-    import tracker.tracker as tracker_module
+    import kvledger.tracker.tracker as tracker_module
 
     real = tracker_module.plan_load
 
@@ -145,9 +145,9 @@ def test_oracle_catches_a_block_table_that_is_extended_on_resume(monkeypatch):
     """LMCache #1969's bug (stale blocks kept on resume) re-introduced on purpose is caught,
     by the tracker's invariants or the oracle. The fold replaces the table in three places
     (preemption, allocation, admission): all three must be broken to get the bug back."""
-    import tracker.state as state_module
-    from tracker import events as ev
-    from tracker.seq import Seq
+    import kvledger.tracker.state as state_module
+    from kvledger.tracker import events as ev
+    from kvledger.tracker.seq import Seq
 
     real = state_module._on_scheduled
     real_preempt = state_module._preempt
@@ -185,8 +185,8 @@ def test_a_disk_filling_mid_run_never_stops_the_engine(
     request with every token right, and the log reads up to the last step it holds."""
     import errno
 
-    from connector import logwriter as kvlog
-    from replay.logreader import LogReader
+    from kvledger.connector import logwriter as kvlog
+    from kvledger.replay.logreader import LogReader
 
     budget = {"bytes": 6000}
 

@@ -17,15 +17,15 @@ import pytest
 from hypothesis import given
 from test_event_fuzz import EVENTS
 
-from tracker import events as ev
-from tracker import wellformed as wf
-from tracker.chunks import ChunkIndex
-from tracker.config import TrackerConfig
-from tracker.digests import DigestBook
-from tracker.index_fold import apply_decision, apply_input
-from tracker.recorded_rules import RecordedRules
-from tracker.remote import apply_remote
-from tracker.tracker import Tracker
+from kvledger.tracker import events as ev
+from kvledger.tracker import wellformed as wf
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import DigestBook
+from kvledger.tracker.index_fold import apply_decision, apply_input
+from kvledger.tracker.recorded_rules import RecordedRules
+from kvledger.tracker.remote import apply_remote
+from kvledger.tracker.tracker import Tracker
 
 KEY = bytes(range(16))
 

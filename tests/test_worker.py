@@ -13,12 +13,12 @@ import pytest
 import torch
 from fakes import hold_saves
 
-from connector.config import ConnectorConfig
-from connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
-from connector.testing.faults import FaultyWorkerSide
-from connector.testing.oracle import KVOracle
-from connector.transfer import KVCacheLayoutError
-from connector.worker import WorkerSide
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
+from kvledger.connector.testing.faults import FaultyWorkerSide
+from kvledger.connector.testing.oracle import KVOracle
+from kvledger.connector.transfer import KVCacheLayoutError
+from kvledger.connector.worker import WorkerSide
 
 LAYOUTS = ["flash_attn", "flashinfer"]
 B, C = 4, 8
@@ -322,9 +322,9 @@ def test_binding_a_step_orders_its_forward_pass_after_saves_in_flight() -> None:
     """A preempted request's blocks may be reused by this step's forward pass, and vLLM before
     0.14 never calls handle_preemptions: binding the step makes the compute stream wait on
     every save still in flight (without blocking the host)."""
-    from connector.config import ConnectorConfig
-    from connector.messages import StepPlan
-    from connector.worker import WorkerSide
+    from kvledger.connector.config import ConnectorConfig
+    from kvledger.connector.messages import StepPlan
+    from kvledger.connector.worker import WorkerSide
 
     class Handle:
         def __init__(self) -> None:
@@ -511,7 +511,7 @@ def test_transfers_are_ordered_against_the_stream_the_forward_runs_on(monkeypatc
     waits there for the saves still reading blocks, and for every load; the step's saves
     start after the work issued on it (and, if wait_for_save is called with another stream
     current, after that stream's work too)."""
-    from connector.transfer import TransferHandle
+    from kvledger.connector.transfer import TransferHandle
 
     worker, oracle = make("flash_attn")
     stored(worker, oracle, "A", tokens(16), [1, 2, 3, 4])  # slots 0, 1 hold A's chunks
@@ -564,7 +564,7 @@ def test_transfers_are_ordered_against_the_stream_the_forward_runs_on(monkeypatc
 def test_a_cuda_handle_makes_the_named_stream_wait() -> None:
     """``TransferHandle.wait(stream)`` orders exactly the stream it is given (no CUDA needed:
     the stream is named, so the current one is never asked for)."""
-    from connector.transfer import TransferHandle
+    from kvledger.connector.transfer import TransferHandle
 
     event, stream = StreamEvent(), FakeStream("forward")
     TransferHandle(event, torch.device("cuda")).wait(stream)

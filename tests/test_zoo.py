@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from connector.testing.harness import skip_reason
+from kvledger.connector.testing.harness import skip_reason
 
 pytestmark = [
     pytest.mark.vllm,
@@ -44,7 +44,7 @@ ALL = {**BYTES, **API}
 
 
 def _check(path: str, **kw: Any) -> Any:
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     return check(path, **kw)
 
@@ -52,7 +52,7 @@ def _check(path: str, **kw: Any) -> Any:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
     """Each shape run once per module, faulty or fixed (or with its digests off), on demand."""
-    from connector.testing.zoo import SHAPES, run_shape
+    from kvledger.connector.testing.zoo import SHAPES, run_shape
 
     cache: dict[tuple[str, bool, str | None], Any] = {}
 
@@ -72,7 +72,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
 
 
 def test_every_shape_of_the_zoo_is_tested() -> None:
-    from connector.testing.zoo import SHAPES
+    from kvledger.connector.testing.zoo import SHAPES
 
     assert set(SHAPES) == set(ALL)
 
@@ -159,8 +159,8 @@ def test_vllm_36752_trigger_checks_clean(zoo: Any) -> None:
     clean twin ("b": 0 external tokens, then 64 after its preemption); vLLM 0.33, which
     carries the fix, reports a computed-token count that covers the external tokens, and
     ``readmission_cached_below_external`` holds."""
-    from replay.source import open_log
-    from tracker import events as ev
+    from kvledger.replay.source import open_log
+    from kvledger.tracker import events as ev
 
     report = zoo("vllm_52360", fixed=True)
     accepted = [
@@ -204,8 +204,8 @@ LMCACHE = {
 def lmcache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every version's child process, two at a time (importing vLLM and LMCache is most of
     their time); reports by version, then workload."""
-    from connector.testing.lmcache import run_version
-    from connector.testing.zoo import lmcache_shapes
+    from kvledger.connector.testing.lmcache import run_version
+    from kvledger.connector.testing.zoo import lmcache_shapes
     from tests._lmcache import require_lmcache
 
     require_lmcache(list(LMCACHE))

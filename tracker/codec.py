@@ -37,7 +37,7 @@ from typing import Any, Final, NamedTuple
 
 import attrs
 
-from tracker.events import (
+from kvledger.tracker.events import (
     EVENT_TYPES,
     BlockDigested,
     Event,

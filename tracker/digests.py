@@ -36,11 +36,11 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tracker import events as ev
-from tracker.chunks import chunk_keys, root_key
-from tracker.recorded_steps import RecordedSteps
-from tracker.state import Violation
-from tracker.wellformed import malformed
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import chunk_keys, root_key
+from kvledger.tracker.recorded_steps import RecordedSteps
+from kvledger.tracker.state import Violation
+from kvledger.tracker.wellformed import malformed
 
 __all__ = [
     "DIGEST_MODES",

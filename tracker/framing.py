@@ -33,8 +33,8 @@ from typing import Any, Final, Literal, NoReturn
 import attrs
 import msgpack
 
-from tracker import codec
-from tracker.events import Event
+from kvledger.tracker import codec
+from kvledger.tracker.events import Event
 
 __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",

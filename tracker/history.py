@@ -27,11 +27,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.numbering import RequestNumbers
-from tracker.state import Phase, RequestState, advance_decoded, fold, learn_decoded
-from tracker.wellformed import sound
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.numbering import RequestNumbers
+from kvledger.tracker.state import Phase, RequestState, advance_decoded, fold, learn_decoded
+from kvledger.tracker.wellformed import sound
 
 __all__ = [
     "GLOBAL_TYPES",

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tracker import events as ev
-from tracker.chunks import ChunkIndex
-from tracker.config import TrackerConfig
-from tracker.plans import failed_load_keys, save_aliases
-from tracker.remote import REMOTE_TYPES, apply_remote
-from tracker.state import RequestState
-from tracker.wellformed import malformed
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.plans import failed_load_keys, save_aliases
+from kvledger.tracker.remote import REMOTE_TYPES, apply_remote
+from kvledger.tracker.state import RequestState
+from kvledger.tracker.wellformed import malformed
 
 __all__ = ["DECISION_EFFECTS", "INPUT_EFFECTS", "apply_decision", "apply_input", "apply_recorded"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from tracker import events as ev
-from tracker.config import TrackerConfig
-from tracker.state import Phase, RequestState, Violation
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.state import Phase, RequestState, Violation
 
 __all__ = [
     "ALL_CHECKS",

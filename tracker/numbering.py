@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 
-from tracker import events as ev
+from kvledger.tracker import events as ev
 
 __all__ = ["RequestNumbers"]
 

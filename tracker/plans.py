@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 import attrs
 
-from tracker import events as ev
-from tracker.chunks import ChunkIndex, block_prefix_keys, partial_key
-from tracker.config import TrackerConfig
-from tracker.state import Phase, RequestState, Violation
-from tracker.tiers import POOL, REMOTE, slot_of
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex, block_prefix_keys, partial_key
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.state import Phase, RequestState, Violation
+from kvledger.tracker.tiers import POOL, REMOTE, slot_of
 
 __all__ = [
     "ChunkTransfer",

@@ -65,10 +65,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tracker import events as ev
-from tracker.recorded_steps import RecordedSteps
-from tracker.state import Violation
-from tracker.wellformed import Wellformed
+from kvledger.tracker import events as ev
+from kvledger.tracker.recorded_steps import RecordedSteps
+from kvledger.tracker.state import Violation
+from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["RECORDED_RULES", "RecordedRules", "check_recorded"]
 

@@ -27,9 +27,9 @@ from __future__ import annotations
 import operator
 from typing import Any
 
-from tracker import events as ev
-from tracker.numbering import RequestNumbers
-from tracker.state import Violation
+from kvledger.tracker import events as ev
+from kvledger.tracker.numbering import RequestNumbers
+from kvledger.tracker.state import Violation
 
 __all__ = ["DECODED_RULES", "Life", "RecordedSteps", "advance"]
 

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tracker import events as ev
-from tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
-from tracker.state import RequestState, Violation
-from tracker.wellformed import malformed
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
+from kvledger.tracker.state import RequestState, Violation
+from kvledger.tracker.wellformed import malformed
 
 __all__ = [
     "FOREIGN_REASONS",

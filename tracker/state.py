@@ -31,10 +31,10 @@ from typing import Any, NamedTuple
 
 import attrs
 
-from tracker import events as ev
-from tracker.chunks import chunk_keys, root_key
-from tracker.config import TrackerConfig
-from tracker.seq import Seq
+from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import chunk_keys, root_key
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.seq import Seq
 
 __all__ = [
     "Lifetime",

@@ -20,18 +20,18 @@ from typing import Any, ClassVar, Protocol
 import attrs
 import structlog
 
-from tracker import events as ev
-from tracker import invariants
-from tracker.chunks import ChunkIndex
-from tracker.codec import EncodeError
-from tracker.config import TrackerConfig
-from tracker.digests import DIGEST_TYPES, DigestBook
-from tracker.history import RETIRED_MEMORY, retires
-from tracker.index_fold import apply_decision, apply_input
-from tracker.numbering import RequestNumbers
-from tracker.plans import answer_lookup, plan_load, plan_save
-from tracker.remote import REMOTE_TYPES, apply_remote, foreign_violations
-from tracker.state import (
+from kvledger.tracker import events as ev
+from kvledger.tracker import invariants
+from kvledger.tracker.chunks import ChunkIndex
+from kvledger.tracker.codec import EncodeError
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import DIGEST_TYPES, DigestBook
+from kvledger.tracker.history import RETIRED_MEMORY, retires
+from kvledger.tracker.index_fold import apply_decision, apply_input
+from kvledger.tracker.numbering import RequestNumbers
+from kvledger.tracker.plans import answer_lookup, plan_load, plan_save
+from kvledger.tracker.remote import REMOTE_TYPES, apply_remote, foreign_violations
+from kvledger.tracker.state import (
     Phase,
     RequestState,
     Violation,
@@ -40,7 +40,7 @@ from tracker.state import (
     steady_decode,
     steady_limit,
 )
-from tracker.wellformed import Wellformed
+from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["LogSink", "Tracker", "close_log", "seal_log"]
 

@@ -45,8 +45,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from tracker import events as ev
-from tracker.state import Violation
+from kvledger.tracker import events as ev
+from kvledger.tracker.state import Violation
 
 __all__ = ["RULES", "SPECS", "Spec", "Wellformed", "broken", "malformed", "sound"]
 

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from connector.testing.harness import (
+from kvledger.connector.testing.harness import (
     HarnessConfig,
     SchedulerHarness,
     StepResult,
@@ -58,7 +58,7 @@ from connector.testing.harness import (
 )
 
 if TYPE_CHECKING:
-    from connector.testing.oracle import KVOracle, Mismatch
+    from kvledger.connector.testing.oracle import KVOracle, Mismatch
 
 __all__ = ["ModelRunner", "Request", "built_by_vllm", "engine_config"]
 
@@ -93,7 +93,7 @@ def built_by_vllm(harness: SchedulerHarness) -> Any:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from connector.edge import build_connector
+    from kvledger.connector.edge import build_connector
 
     config = harness.vllm_config
     cls = KVConnectorFactory.get_connector_class(config.kv_transfer_config)
@@ -124,7 +124,7 @@ class ModelRunner:
         kv_cache_list: bool = False,
         compute: bool = True,
     ) -> None:
-        from connector.testing.oracle import KVOracle  # torch: imported when a rig runs
+        from kvledger.connector.testing.oracle import KVOracle  # torch: imported when a rig runs
 
         if config.kv_connector is None:
             raise ValueError("ModelRunner drives a connector: HarnessConfig.kv_connector is None")

@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from connector.testing.faults import LoadFault
+from kvledger.connector.testing.faults import LoadFault
 
 __all__ = [
     "Engine",
@@ -109,12 +109,11 @@ class Engine:
             self.log_dir = log_dir or tempfile.mkdtemp(prefix="kvledger-engine-")
             if spec.recorder is not None:
                 kv = KVTransferConfig(
-                    kv_connector="KVLedgerRecorder",
-                    kv_connector_module_path="connector.vllm",
+                    kv_connector="KVLedgerRecorder",  # by name: kvledger's vLLM plugin
                     kv_role="kv_both",
                     kv_load_failure_policy="recompute",
                     kv_connector_extra_config={
-                        "inner": "connector.vllm:KVLedgerConnector",
+                        "inner": "kvledger.connector.vllm:KVLedgerConnector",
                         **spec.recorder,
                         "inner_extra_config": extra,
                         "log_dir": self.log_dir,
@@ -122,10 +121,12 @@ class Engine:
                 )
             else:
                 extra["log_dir"] = self.log_dir
+                # KVLedgerConnector by name, as users write it (kvledger's vLLM plugin
+                # registers it); the faulty one is the rigs' own, by its module.
                 kv = KVTransferConfig(
                     kv_connector="FaultyEngineConnector" if spec.faulty else "KVLedgerConnector",
                     kv_connector_module_path=(
-                        "connector.testing.engine" if spec.faulty else "connector.vllm"
+                        "kvledger.connector.testing.engine" if spec.faulty else None
                     ),
                     kv_role="kv_both",
                     kv_load_failure_policy="recompute",
@@ -270,11 +271,11 @@ def _current_fault(req_id: str, chunk: Any) -> bool:
 
 
 def _faulty_connector_class() -> type:
-    from connector.config import ConnectorConfig
-    from connector.messages import ChunkTransfer, TransferPlan
-    from connector.testing.faults import FaultyWorkerSide
-    from connector.testing.vllm import FaultyKVLedgerConnector
-    from tracker.tiers import POOL, tier_of_slot
+    from kvledger.connector.config import ConnectorConfig
+    from kvledger.connector.messages import ChunkTransfer, TransferPlan
+    from kvledger.connector.testing.faults import FaultyWorkerSide
+    from kvledger.connector.testing.vllm import FaultyKVLedgerConnector
+    from kvledger.tracker.tiers import POOL, tier_of_slot
 
     class ScalingWorkerSide(FaultyWorkerSide):
         def load_chunk(self, load: TransferPlan, chunk: ChunkTransfer) -> None:

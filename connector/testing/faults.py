@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from connector.config import ConnectorConfig
-from connector.messages import ChunkTransfer, TransferPlan, WorkerReport
-from connector.worker import WorkerSide
-from tracker.plans import blocks_covering
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.messages import ChunkTransfer, TransferPlan, WorkerReport
+from kvledger.connector.worker import WorkerSide
+from kvledger.tracker.plans import blocks_covering
 
 __all__ = ["FaultyWorkerSide", "LoadFault"]
 

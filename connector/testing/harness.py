@@ -14,7 +14,7 @@ samples deterministic tokens (a function of request id and position, see ``fake_
 calls ``update_from_output``. Under async scheduling the output of step N is applied after step
 N+1 has been scheduled, as ``EngineCore.step_with_batch_queue`` does.
 
-vLLM (and torch) are imported lazily, inside functions: ``import connector.testing.harness``
+vLLM (and torch) are imported lazily, inside functions: ``import kvledger.connector.testing.harness``
 works in an environment without them. vLLM reads some settings from environment variables;
 ``SchedulerHarness`` sets them before building anything (see ``_prepare_environment``).
 """
@@ -74,7 +74,7 @@ ScheduledHook = Callable[[Any], Any]
 @functools.cache
 def _import_error() -> str | None:
     """Import the scheduler once; remember why it failed. The import takes seconds, so this
-    runs only when something needs vLLM (never at ``import connector.testing.harness``)."""
+    runs only when something needs vLLM (never at ``import kvledger.connector.testing.harness``)."""
     try:
         import vllm.config
         import vllm.v1.core.sched.scheduler  # noqa: F401

@@ -46,8 +46,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from connector.testing.driver import ModelRunner
-from connector.testing.harness import HarnessConfig
+from kvledger.connector.testing.driver import ModelRunner
+from kvledger.connector.testing.harness import HarnessConfig
 
 __all__ = [
     "VERSIONS",
@@ -207,7 +207,7 @@ def recorded_kv_connector(
     inner = lmcache_kv_connector(spec)
     return {
         "kv_connector": "KVLedgerRecorder",
-        "kv_connector_module_path": "connector.vllm",
+        "kv_connector_module_path": "kvledger.connector.vllm",
         "kv_role": inner["kv_role"],
         "kv_connector_extra_config": {
             "inner": inner["kv_connector"],
@@ -702,7 +702,7 @@ def run_version(
     env["PYTHONPATH"] = os.pathsep.join([str(version_path(version)), str(DEPS), str(_ROOT)])
     env["LMCACHE_LOG_LEVEL"] = "WARNING"
     proc = subprocess.run(
-        [sys.executable, "-m", "connector.testing.lmcache"],
+        [sys.executable, "-m", "kvledger.connector.testing.lmcache"],
         input=json.dumps({"version": version, "jobs": jobs}),
         capture_output=True,
         text=True,

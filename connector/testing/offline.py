@@ -2,7 +2,7 @@
 call, then the script ends, with nothing closed by hand. Run as a program (vLLM may spawn
 processes, so the work sits under ``if __name__ == "__main__"``)::
 
-    python -m connector.testing.offline MODEL LOG_DIR [--multiprocessing 0|1] [--end normal|raise]
+    python -m kvledger.connector.testing.offline MODEL LOG_DIR [--multiprocessing 0|1] [--end normal|raise]
 
 ``--multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING`` (1, vLLM's default: the engine
 core in a process of its own; 0: in this one). ``--end raise``: the script ends by an uncaught
@@ -43,7 +43,7 @@ def main() -> None:
         enable_prefix_caching=False,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVLedgerConnector",
-            kv_connector_module_path="connector.vllm",
+            kv_connector_module_path="kvledger.connector.vllm",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={

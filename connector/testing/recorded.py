@@ -23,9 +23,9 @@ from typing import Any
 
 import attrs
 
-from connector.testing.driver import ModelRunner, engine_config
-from connector.testing.oracle import Mismatch
-from connector.testing.run import RunSpec, run_workload
+from kvledger.connector.testing.driver import ModelRunner, engine_config
+from kvledger.connector.testing.oracle import Mismatch
+from kvledger.connector.testing.run import RunSpec, run_workload
 
 __all__ = [
     "WrappedReport",
@@ -139,7 +139,7 @@ def kv_transfer_config(
         return {
             **base,
             "kv_connector": "KVLedgerRecorder",
-            "kv_connector_module_path": "connector.vllm",
+            "kv_connector_module_path": "kvledger.connector.vllm",
             "kv_connector_extra_config": extra,
         }
     module, _, cls = inner.partition(":")

@@ -20,10 +20,10 @@ from typing import Any
 
 import attrs
 
-from connector.testing.driver import ModelRunner, engine_config
-from connector.testing.faults import FaultyWorkerSide, LoadFault
-from connector.testing.harness import HarnessConfig, SchedulerHarness
-from connector.testing.oracle import Mismatch
+from kvledger.connector.testing.driver import ModelRunner, engine_config
+from kvledger.connector.testing.faults import FaultyWorkerSide, LoadFault
+from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
+from kvledger.connector.testing.oracle import Mismatch
 
 __all__ = ["RunReport", "RunSpec", "run", "run_workload", "summarize"]
 
@@ -130,7 +130,7 @@ class _Runner(ModelRunner):
         extra.setdefault("strict", False)
         kv_connector = {
             "kv_connector": "KVLedgerConnector",
-            "kv_connector_module_path": "connector.vllm",
+            "kv_connector_module_path": "kvledger.connector.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": extra,
@@ -139,7 +139,7 @@ class _Runner(ModelRunner):
         def make_worker(harness: SchedulerHarness) -> Any:
             from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-            from connector.testing.vllm import FaultyKVLedgerConnector  # imports vLLM
+            from kvledger.connector.testing.vllm import FaultyKVLedgerConnector  # imports vLLM
 
             return FaultyKVLedgerConnector(
                 harness.vllm_config,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.config import ConnectorConfig
-from connector.testing.faults import FaultyWorkerSide, LoadFault
-from connector.vllm import KVLedgerConnector
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.testing.faults import FaultyWorkerSide, LoadFault
+from kvledger.connector.vllm import KVLedgerConnector
 
 __all__ = ["FaultyKVLedgerConnector"]
 

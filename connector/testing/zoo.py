@@ -36,14 +36,14 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from connector.config import ConnectorConfig
-from connector.kv_layout import slot_mapping_for
-from connector.messages import ChunkTransfer, StepPlan, TransferPlan
-from connector.scheduler import first_group
-from connector.testing.faults import FaultyWorkerSide
-from connector.testing.oracle import Mismatch
-from connector.vllm import KVLedgerConnector
-from connector.worker import WorkerSide
+from kvledger.connector.config import ConnectorConfig
+from kvledger.connector.kv_layout import slot_mapping_for
+from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan
+from kvledger.connector.scheduler import first_group
+from kvledger.connector.testing.faults import FaultyWorkerSide
+from kvledger.connector.testing.oracle import Mismatch
+from kvledger.connector.vllm import KVLedgerConnector
+from kvledger.connector.worker import WorkerSide
 
 __all__ = [
     "SHAPES",
@@ -212,7 +212,7 @@ class AbaCompletionWorker(AsyncStoreWorker):
 
 
 # --------------------------------------------------------------------------------------------
-# The connectors vLLM loads (as the recorder's inner, ``connector.testing.zoo:Class``)
+# The connectors vLLM loads (as the recorder's inner, ``kvledger.connector.testing.zoo:Class``)
 # --------------------------------------------------------------------------------------------
 
 
@@ -450,7 +450,7 @@ def _inner(cls: type) -> str:
     return f"{_THIS}:{cls.__name__}"
 
 
-_KVLEDGER = "connector.vllm:KVLedgerConnector"
+_KVLEDGER = "kvledger.connector.vllm:KVLedgerConnector"
 _NO_PREFIX_CACHE = {"enable_prefix_caching": False}
 
 # A prompt computed and stored, then sent again with a suffix (no prefix cache): the second
@@ -593,7 +593,7 @@ def run_shape(
 ) -> ZooReport:
     """Run ``shape`` with its faulty connector (or, ``fixed``, its twin) wrapped in
     ``KVLedgerRecorder``, its log in ``log_dir``; see the module docstring."""
-    from connector.testing.recorded import WrappedSpec, runner
+    from kvledger.connector.testing.recorded import WrappedSpec, runner
 
     started = time.perf_counter()
     Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -679,7 +679,7 @@ def run_shape(
 def lmcache_shapes() -> dict[str, Any]:
     """The zoo's LMCache shapes: ``LMCacheRun`` workloads, each run on the release with the bug
     and the release with its fix (tests/test_zoo.py names them)."""
-    from connector.testing.lmcache import WORKLOADS, LMCacheRun
+    from kvledger.connector.testing.lmcache import WORKLOADS, LMCacheRun
 
     return {
         # LMCache #1969: the rig's own workload (0.3.9.post2 faulty, 0.3.10 fixed).

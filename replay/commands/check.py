@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Any, TextIO
 
-from replay.commands.common import LINE, non_negative, warn_damage
-from replay.extras import progress_bar
-from replay.format import elide, format_event
-from replay.results import CheckResult, Problem
-from tracker.config import ConfigError
+from kvledger.replay.commands.common import LINE, non_negative, warn_damage
+from kvledger.replay.extras import progress_bar
+from kvledger.replay.format import elide, format_event
+from kvledger.replay.results import CheckResult, Problem
+from kvledger.tracker.config import ConfigError
 
 __all__ = ["add_check", "render", "render_problem", "run_check"]
 
@@ -87,7 +87,7 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from replay.replayer import check, parse_overrides
+    from kvledger.replay.replayer import check, parse_overrides
 
     try:
         overrides = parse_overrides(args.overrides)
@@ -141,8 +141,8 @@ def run_check(args: argparse.Namespace) -> int:
 def _run_replicas(args: argparse.Namespace) -> int:
     """``check --replicas``: each log checked alone, then the logs judged together
     (replay/replicas.py). The exit code is the worst of them."""
-    from replay.replayer import check
-    from replay.replicas import cross_check
+    from kvledger.replay.replayer import check
+    from kvledger.replay.replicas import cross_check
 
     results = []
     for path in args.logs:

@@ -10,11 +10,11 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from replay.extras import MissingExtra
-from replay.format import WIDE
-from replay.naming import RequestNotFound
-from replay.source import LogUnreadable, take_opened, watch_opened
-from tracker.framing import StopInfo
+from kvledger.replay.extras import MissingExtra
+from kvledger.replay.format import WIDE
+from kvledger.replay.naming import RequestNotFound
+from kvledger.replay.source import LogUnreadable, take_opened, watch_opened
+from kvledger.tracker.framing import StopInfo
 
 __all__ = [
     "EXIT_DIFFER",

@@ -10,8 +10,8 @@ import sys
 from collections import Counter
 from typing import Any
 
-from replay import charts
-from replay.commands.common import (
+from kvledger.replay import charts
+from kvledger.replay.commands.common import (
     EXIT_OK,
     EXIT_UNREADABLE,
     LINE,
@@ -21,10 +21,10 @@ from replay.commands.common import (
     print_json,
     warn_damage,
 )
-from replay.extras import Output
-from replay.format import elide
-from replay.partial import PARTIAL, PARTIAL_KEY
-from replay.steps import parse_steps
+from kvledger.replay.extras import Output
+from kvledger.replay.format import elide
+from kvledger.replay.partial import PARTIAL, PARTIAL_KEY
+from kvledger.replay.steps import parse_steps
 
 __all__ = ["add_export", "add_sql", "add_timeline"]
 
@@ -222,7 +222,7 @@ _PARTIAL_SAID = {
 
 @guard
 def _export(args: argparse.Namespace) -> int:
-    from replay import writers
+    from kvledger.replay import writers
 
     if args.partition is not None:
         result = writers.export_runs(args.logs, args.out, args.format, problems=args.problems)
@@ -278,7 +278,7 @@ def _export(args: argparse.Namespace) -> int:
 
 @guard
 def _sql(args: argparse.Namespace) -> int:
-    from replay import sql
+    from kvledger.replay import sql
 
     if args.tables:
         return _print_tables(args)
@@ -307,7 +307,7 @@ def _cell(value: Any) -> Any:
 
 
 def _print_tables(args: argparse.Namespace) -> int:
-    from replay.tables import TABLES
+    from kvledger.replay.tables import TABLES
 
     if args.json:
         print_json({t: [c._asdict() for c in cols] for t, cols in TABLES.items()})

@@ -9,11 +9,11 @@ import os
 import sys
 from typing import Any
 
-from replay import demo, tail
-from replay.commands.common import EXIT_OK, EXIT_UNREADABLE, LINE, guard
-from replay.format import elide
-from replay.logreader import newest_log
-from replay.source import MissingSegments
+from kvledger.replay import demo, tail
+from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, LINE, guard
+from kvledger.replay.format import elide
+from kvledger.replay.logreader import newest_log
+from kvledger.replay.source import MissingSegments
 
 __all__ = ["add_demo", "add_tail"]
 
@@ -28,7 +28,7 @@ def add_demo(sub: Any) -> None:
 
 def _demo(args: argparse.Namespace) -> int:
     if args.engine:
-        from replay import demo_engine  # vLLM's engine on CPU: loaded only for --engine
+        from kvledger.replay import demo_engine  # vLLM's engine on CPU: loaded only for --engine
 
         return demo_engine.main(args)
     return demo.main(args)

@@ -9,8 +9,8 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from replay import lives, summary
-from replay.commands.common import (
+from kvledger.replay import lives, summary
+from kvledger.replay.commands.common import (
     EXIT_DIFFER,
     EXIT_UNREADABLE,
     LINE,
@@ -21,10 +21,10 @@ from replay.commands.common import (
     warn_damage,
     worse,
 )
-from replay.divergence import ORDERS, DiffResult, EventAt, diff
-from replay.extras import Output
-from replay.format import elide, event_fields
-from replay.steps import parse_steps
+from kvledger.replay.divergence import ORDERS, DiffResult, EventAt, diff
+from kvledger.replay.extras import Output
+from kvledger.replay.format import elide, event_fields
+from kvledger.replay.steps import parse_steps
 
 __all__ = ["add_diff", "add_explain", "add_show", "add_stats"]
 
@@ -497,7 +497,7 @@ def _tops(reasons: dict[str, int], n: int = 3) -> str:
 
 @guard
 def _explain(args: argparse.Namespace) -> int:
-    from replay import explain as ex
+    from kvledger.replay import explain as ex
 
     result = ex.explain(args.log, request=args.request, earlier=args.earlier)
     status = args.exit_code = warn_damage(args.log, result.damage)

@@ -51,7 +51,7 @@ SPEC: dict[str, Any] = dict(
 
 
 def _run(name: str, log_dir: str) -> Any:
-    from connector.testing.run import RunSpec, run
+    from kvledger.connector.testing.run import RunSpec, run
 
     report = run(RunSpec(**SPEC), log_dir=log_dir)
     produced = [p for p in os.listdir(log_dir) if p.endswith(".kvlog")]
@@ -87,7 +87,7 @@ def make_clean() -> dict[str, Any]:
 def make_short_load() -> dict[str, Any]:
     import attrs
 
-    import tracker.tracker as tracker_module
+    import kvledger.tracker.tracker as tracker_module
 
     real = tracker_module.plan_load
     # (step, req_id) -> what was changed. The tracker may plan a load more than once for one

@@ -22,7 +22,7 @@ NAMES = ("vllm_51637", "vllm_50297", "vllm_55113")
 
 
 def main() -> None:
-    from connector.testing.zoo import SHAPES, run_shape
+    from kvledger.connector.testing.zoo import SHAPES, run_shape
 
     out = HERE / "zoo"
     out.mkdir(exist_ok=True)

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from connector.testing.engine import EngineRun, EngineSpec, engine_missing
+from kvledger.connector.testing.engine import EngineRun, EngineSpec, engine_missing
 
 REQUIRED = os.environ.get("KVLEDGER_ENGINE_TESTS") == "1"
 
@@ -52,7 +52,7 @@ def _engine_present() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model() -> str:
-    from connector.testing.tiny_model import build_tiny_llama
+    from kvledger.connector.testing.tiny_model import build_tiny_llama
 
     return str(build_tiny_llama())
 
@@ -110,7 +110,7 @@ class EngineRuns:
 def run_workloads(spec: EngineSpec, workloads: Sequence[Workload]) -> EngineRuns:
     """Start one engine, run each workload's rounds through it in turn, stop it; with the
     connector, check its log as a user would (``kvledger check LOG``)."""
-    from connector.testing.engine import Engine
+    from kvledger.connector.testing.engine import Engine
 
     runs: dict[str, list[EngineRun]] = {}
     with Engine(spec) as engine:
@@ -132,7 +132,7 @@ def run_workloads(spec: EngineSpec, workloads: Sequence[Workload]) -> EngineRuns
     if spec.connector:
         assert log_path is not None, "the connector wrote no log"
         result.check = kvledger_check(log_path)
-        from replay.summary import stats
+        from kvledger.replay.summary import stats
 
         result.stats = stats(log_path)
     return result

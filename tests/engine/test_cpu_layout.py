@@ -19,7 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connector.testing.engine import EngineSpec
+from kvledger.connector.testing.engine import EngineSpec
 
 BS, HEADS, HEAD = 32, 2, 64
 
@@ -59,8 +59,8 @@ ISAS = [
 
 @pytest.mark.parametrize("isa, dtype", ISAS)
 def test_backend_reads_and_writes_what_vllms_kernel_writes(isa: str, dtype: torch.dtype) -> None:
-    from connector.kv_layout import cpu_attn_isa, slot_mapping_for, slot_tokens
-    from connector.transfer import TransferBackend
+    from kvledger.connector.kv_layout import cpu_attn_isa, slot_mapping_for, slot_tokens
+    from kvledger.connector.transfer import TransferBackend
 
     assert cpu_attn_isa(dtype, BS, HEAD) == isa
     # 45 tokens: block 3 whole, then the first 13 tokens of block 1 (a partial block).
@@ -100,9 +100,9 @@ def test_saved_chunks_hold_transformers_k_and_v(tiny_model: str) -> None:
     chunk (32-49) in the host pool are transformers' K and V for those tokens."""
     from transformers import AutoModelForCausalLM
 
-    from connector.kv_layout import slot_tokens
-    from connector.testing.engine import Engine
-    from connector.vllm import _attention_isa
+    from kvledger.connector.kv_layout import slot_tokens
+    from kvledger.connector.testing.engine import Engine
+    from kvledger.connector.vllm import _attention_isa
 
     from .conftest import prompts
 

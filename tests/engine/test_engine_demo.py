@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from replay.cli import main
+from kvledger.replay.cli import main
 
 
 def test_demo_engine_prints_identical_continuations_and_a_clean_check(

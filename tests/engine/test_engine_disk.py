@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from _verdicts import events_of
 
-from connector.testing.engine import EngineSpec
-from tracker import events as ev
+from kvledger.connector.testing.engine import EngineSpec
+from kvledger.tracker import events as ev
 
 from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
 

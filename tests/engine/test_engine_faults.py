@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from connector.testing.engine import EngineSpec, set_load_fault, set_load_scale
+from kvledger.connector.testing.engine import EngineSpec, set_load_fault, set_load_scale
 
 from .conftest import EngineRuns, Workload, assert_same_outputs, prompts, run_workloads
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 from _metrics_truth import counted_from_log
 
-from connector import metrics
-from connector.testing.engine import Engine, EngineSpec
-from replay.source import open_log
+from kvledger.connector import metrics
+from kvledger.connector.testing.engine import Engine, EngineSpec
+from kvledger.replay.source import open_log
 
 from .conftest import prompts
 

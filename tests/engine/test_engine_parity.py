@@ -71,7 +71,7 @@ def test_second_round_reloads_the_first_rounds_prompts(base: EngineRuns, kv: Eng
 
 def test_log_checks_clean_and_counts_the_loads(kv: EngineRuns) -> None:
     # vLLM built KVLedgerConnector itself, from kv_connector_module_path, in both roles.
-    assert kv.connector_classes == ("connector.vllm.KVLedgerConnector",) * 2
+    assert kv.connector_classes == ("kvledger.connector.vllm.KVLedgerConnector",) * 2
     kv.assert_check_clean()
     st = kv.stats
     assert st.violations_total == 0

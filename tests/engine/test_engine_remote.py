@@ -14,8 +14,8 @@ import pytest
 from _redis import RedisServer
 from _verdicts import events_of
 
-from connector.testing.engine import EngineSpec
-from tracker import events as ev
+from kvledger.connector.testing.engine import EngineSpec
+from kvledger.tracker import events as ev
 
 from .conftest import (
     REDIS_CONNECTOR,

@@ -2,7 +2,7 @@
 pass over the KV a faulty load wrote, recorded by KVLedgerRecorder with sampled digests and
 judged by ``kvledger check`` of the log alone.
 
-One engine runs every fault in turn (``connector.testing.zoo:EngineLoadFault``: vLLM builds a
+One engine runs every fault in turn (``kvledger.connector.testing.zoo:EngineLoadFault``: vLLM builds a
 connector from its class alone, so the fault is chosen between workloads with
 ``set_engine_fault``), each workload with prompts of its own, computed in a first round and
 reloaded from the connector's pool in a second (vLLM's prefix cache off, a pool large enough
@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 import pytest
 
-from connector.testing.engine import EngineSpec
+from kvledger.connector.testing.engine import EngineSpec
 
 from .conftest import EngineRuns, Workload, prompts, run_workloads
 
 BLOCK = 32
 ENGINE = dict(num_blocks=16, block_size=BLOCK, max_model_len=128, max_num_seqs=4)
-RECORDER = {"inner": "connector.testing.zoo:EngineLoadFault", "digests": "sampled"}
+RECORDER = {"inner": "kvledger.connector.testing.zoo:EngineLoadFault", "digests": "sampled"}
 CONNECTOR = {"chunk_size": BLOCK}
 
 # workload -> (the fault, the rules check may name for its second round)
@@ -36,7 +36,7 @@ FAULTS: dict[str, tuple[str | None, set[str]]] = {
 
 def _fault(kind: str | None) -> Callable[[bool], None]:
     def setup(on: bool) -> None:
-        from connector.testing.zoo import set_engine_fault
+        from kvledger.connector.testing.zoo import set_engine_fault
 
         set_engine_fault(kind if on else None)
 
@@ -61,7 +61,7 @@ def _named(zoo: EngineRuns) -> dict[str, set[str]]:
     """vLLM's external request id -> the rules check named for it (the engine core's ids are
     the external ids with a suffix)."""
     assert zoo.check is not None
-    from replay.replayer import check
+    from kvledger.replay.replayer import check
 
     assert zoo.log_path is not None
     out: dict[str, set[str]] = {}

@@ -48,7 +48,7 @@ def serve(
     extra_args: Sequence[str] = (),
 ) -> Any:
     """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``."""
-    from connector.testing.served import Server, ServerSpec
+    from kvledger.connector.testing.served import Server, ServerSpec
 
     spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **ENGINE)
     with Server(spec) as server:
@@ -77,8 +77,8 @@ def base(tiny_model: str) -> Any:
 
 def connector_config(log_dir: Path) -> dict[str, Any]:
     return {
+        # By name alone: kvledger's vLLM plugin registers it in every process the server starts.
         "kv_connector": "KVLedgerConnector",
-        "kv_connector_module_path": "connector.vllm",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "chunk_size": BLOCK,
@@ -151,7 +151,7 @@ def test_an_offline_script_ends_with_a_complete_log(
     import json
 
     done = subprocess.run(
-        [sys.executable, "-m", "connector.testing.offline", tiny_model, str(tmp_path),
+        [sys.executable, "-m", "kvledger.connector.testing.offline", tiny_model, str(tmp_path),
          "--multiprocessing", mp, "--end", end],
         capture_output=True, text=True, timeout=900,
     )  # fmt: skip
@@ -169,7 +169,7 @@ def test_a_killed_server_leaves_its_engine_core_writing_until_it_is_stopped(
     """The server SIGKILLed: vLLM 0.32's engine core does not watch its parent, so it lives
     on, and its log is honestly open (check exits 3: the engine is still writing it). The
     orphan stopped by SIGTERM (a service manager cleaning up) seals it: complete, exit 0."""
-    from connector.testing.served import Server, ServerSpec
+    from kvledger.connector.testing.served import Server, ServerSpec
 
     spec = ServerSpec(tiny_model, kv_transfer_config=connector_config(tmp_path), **ENGINE)
     with Server(spec) as server:
@@ -199,8 +199,7 @@ def recorder_config(log_dir: Path) -> dict[str, Any]:
     """KVLedgerRecorder wrapping vLLM's SimpleCPUOffloadConnector (its OffloadingConnector
     refuses to start on a CPU build), KV-content digests sampled."""
     return {
-        "kv_connector": "KVLedgerRecorder",
-        "kv_connector_module_path": "connector.vllm",
+        "kv_connector": "KVLedgerRecorder",  # by name alone, as KVLedgerConnector above
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "inner": "SimpleCPUOffloadConnector",
