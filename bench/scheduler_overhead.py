@@ -11,6 +11,10 @@ only if the run itself went wrong: a preemption, an adapter error, a violation).
   conn   KVLedgerConnector, kv_connector_extra_config {"chunk_size": 256}, no event log
   log    the same, writing the event log to a temp dir, on the log's own thread (only with --log)
   logsync  the same, writing the log on the scheduler thread (log_background off; with --log)
+  baseev   no connector, vLLM's KV cache events on (its null publisher; with --kv-events)
+  events   conn with vLLM's KV cache events on: the pool's KV events too (connector/pool_events.py;
+           with --kv-events). events / baseev is the pool events' own cost; conn runs with
+           them off, as every variant above.
 
 Each gets ``--requests`` prompts of ``--prompt-len`` distinct random tokens, enough GPU blocks and
 batch budget for all of them to run at once without preemption, and prefix caching on.
@@ -576,6 +580,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--log", action="store_true", help="also time the variant writing the log")
     p.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="also time the connector and the base with vLLM's KV cache events on",
+    )
+    p.add_argument(
         "--no-null",
         dest="null",
         action="store_false",
@@ -613,6 +622,10 @@ def main(argv: list[str] | None = None) -> int:
             variants.append(Variant("null", base_cfg.with_(kv_connector=NULL_CONNECTOR)))
         conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
+        if args.kv_events:
+            variants.append(Variant("baseev", base_cfg.with_(kv_events=True)))
+            spec = connector_spec(args, tb, None)
+            variants.append(Variant("events", base_cfg.with_(kv_events=True, kv_connector=spec)))
         if tmp is not None:
             cfg = base_cfg.with_(kv_connector=connector_spec(args, tb, tmp.name))
             variants.append(Variant("log", cfg))

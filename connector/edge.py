@@ -23,6 +23,7 @@ them: a comment elsewhere that depends on a release points here.
 | 0.11 to 0.17 | no worker metadata: the worker's results ride in the connector stats | :data:`WORKER_META_CHANNEL`; ``connector/scheduler.py``, ``connector/metrics.py`` |
 | before 0.22 | no ``on_new_request``: a request is first seen at its lookup | ``connector/scheduler.py``, ``connector/recording.py`` |
 | before 0.30 | no ``requires_kv_delivery``, no ``failed_recving`` | read with a default: the first by ``connector/recorder.py``, the second by ``connector/recording.py`` |
+| any | ``BlockStored`` / ``BlockRemoved`` gain fields release by release (``medium``, ``lora_name``, ``group_idx``, ``locality``...) | :func:`kv_cache_events` passes each only where this vLLM's class has it |
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ __all__ = [
     "connector_registry",
     "cpu_attention_isa",
     "is_scheduler",
+    "kv_cache_events",
+    "kv_events_enabled",
     "on_cpu_platform",
     "token_list",
 ]
@@ -150,3 +153,53 @@ def cpu_attention_isa(dtype: Any, block_size: int, head_size: int, cache_dtype: 
         return str(_get_attn_isa(dtype, block_size, head_size, cache_dtype))
     except Exception:
         return None
+
+
+def kv_events_enabled(vllm_config: Any) -> bool:
+    """Whether vLLM publishes KV cache events (``--kv-events-config``'s
+    ``enable_kv_cache_events``): only then is the pool described (connector/pool_events.py)."""
+    config = getattr(vllm_config, "kv_events_config", None)
+    return bool(getattr(config, "enable_kv_cache_events", False))
+
+
+def kv_cache_events(records: Any) -> list[Any]:
+    """vLLM's ``BlockStored`` / ``BlockRemoved`` of the pool's plain records
+    (``connector.pool_events.PoolEvent``), block hashes as this vLLM publishes its own
+    (``maybe_convert_block_hash``: bytes, or 64-bit ints under
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``). Fields this vLLM's classes lack are left out."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    convert: Callable[[Any], Any] | None
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as convert
+    except ImportError:  # pragma: no cover - a vLLM whose hashes are published as they are
+        convert = None
+    stored_fields = set(getattr(BlockStored, "__struct_fields__", ()))
+    removed_fields = set(getattr(BlockRemoved, "__struct_fields__", ()))
+
+    def published(h: Any) -> Any:
+        return h if convert is None or h is None else convert(h)
+
+    out: list[Any] = []
+    for r in records:
+        hashes = [published(h) for h in r.block_hashes]
+        extra = {"medium": r.medium, "group_idx": 0}
+        if r.medium != "CPU":
+            extra["locality"] = "REMOTE"  # a shared tier, not this engine's memory
+        if r.stored:
+            fields = {
+                "block_hashes": hashes,
+                "parent_block_hash": published(r.parent),
+                "token_ids": list(r.token_ids),
+                "block_size": r.block_size,
+                "lora_id": None,
+                "lora_name": None,
+                # The one KV-cache group the connector serves, as vLLM's own events name it.
+                "kv_cache_spec_kind": "full_attention",
+                **extra,
+            }
+            out.append(BlockStored(**{k: v for k, v in fields.items() if k in stored_fields}))
+        else:
+            fields = {"block_hashes": hashes, **extra}
+            out.append(BlockRemoved(**{k: v for k, v in fields.items() if k in removed_fields}))
+    return out

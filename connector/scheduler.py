@@ -24,6 +24,7 @@ from kvledger.connector.config import ConnectorConfig
 from kvledger.connector.logfile import open_log
 from kvledger.connector.messages import StepPlan, TransferPlan, WorkerReport
 from kvledger.connector.metrics import Counters
+from kvledger.connector.pool_events import PoolEvent, PoolEvents
 from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
@@ -160,6 +161,7 @@ class SchedulerSide:
         max_async_lag: int = 1,
         log_header: dict[str, Any] | None = None,
         logger: Any = None,
+        kv_events: bool = False,
     ) -> None:
         config.check_block_size(block_size)
         self.config = config
@@ -209,6 +211,12 @@ class SchedulerSide:
         self.digests: DigestPlanner | None = None
         if config.digests != "off":
             self.digests = DigestPlanner(block_size)
+        # KV events for the pool (connector/pool_events.py), only when vLLM publishes KV cache
+        # events: otherwise nothing is described and the index has no watcher.
+        self.pool_events: PoolEvents | None = None
+        if kv_events:
+            self.pool_events = PoolEvents(block_size, num_slots)
+            self.tracker.index.watch = self.pool_events.pool_changed
         self._remote_down = False
         self._remote_acks: dict[bytes, _Ack] = {}
         self.remote: Tier | None = open_tier(config, scheduler=True)
@@ -473,12 +481,34 @@ class SchedulerSide:
                 if plan is not None:
                     (loads if plan.kind == "load" else saves).append(plan)
                     self._count_plan(plan)
+                    if self.pool_events is not None and plan.kind == "save":
+                        self._describe(plan)
         refused.extend(self._refuse_unprocessed_admissions())
         refused.extend(self._unlooked_refused)
         self._unlooked_refused = []
         self._unlooked.clear()
         delayed, self._delayed_free = tuple(self._delayed_free), []
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
+
+    def _describe(self, plan: TransferPlan) -> None:
+        """The saved chunks, described for their KV events while vLLM's request exists."""
+        assert self.pool_events is not None
+        request = self._requests.get(plan.req_id)
+        if request is None:
+            return
+        for c in plan.chunks:
+            # A chunk written in parts starts slot_offset tokens before this part.
+            start = c.token_start - c.slot_offset
+            self.pool_events.planned(request, c.key, start, c.token_end)
+
+    @_guarded(list)
+    def take_events(self, publish: Callable[[list[PoolEvent]], list[Any]]) -> list[Any]:
+        """The pool's KV events since the last call, as ``publish`` makes them vLLM's (an
+        empty list with KV events off, and if they cannot be made: never a raise)."""
+        if self.pool_events is None:
+            return []
+        records = self.pool_events.take()
+        return publish(records) if records else []
 
     def _count_plan(self, plan: TransferPlan) -> None:
         c = self.counters
@@ -667,6 +697,8 @@ class SchedulerSide:
         step = self.tracker.step
         if what == "load_failed":
             self.tracker.apply(ev.RemoteLoadFailed(step, req_id, keys, str(why)))
+            if self.pool_events is not None and not str(why).startswith(UNAVAILABLE):
+                self.pool_events.remote_gone(keys)  # gone, short, corrupt or foreign
         elif what == "save_failed":
             for key in keys:
                 self._remote_acks.setdefault(key, _Ack()).failed.add(rank)
@@ -682,6 +714,8 @@ class SchedulerSide:
                 ack.settle(self._remote_acks, key, self.world_size)
             if confirmed:
                 self.tracker.apply(ev.RemoteSaveDone(step, req_id, tuple(confirmed)))
+                if self.pool_events is not None:
+                    self.pool_events.remote_stored(confirmed)
         else:
             raise TypeError(f"unknown remote result {what!r}")
         if str(why).startswith(UNAVAILABLE):  # "unavailable", or "unavailable: <error>"
@@ -714,6 +748,8 @@ class SchedulerSide:
         if first:
             self.counters.save_failures += len(first)
             self.tracker.save_failed(req_id, first)
+            if self.pool_events is not None:
+                self.pool_events.settled(first)
 
     def _save_done(self, req_id: str, keys: tuple[bytes, ...], rank: int) -> None:
         confirmed: list[bytes] = []
@@ -726,6 +762,8 @@ class SchedulerSide:
         if confirmed:
             self.counters.chunks_saved += len(confirmed)
             self.tracker.save_done(req_id, confirmed)
+            if self.pool_events is not None:
+                self.pool_events.settled(confirmed)
 
     def _give_up_transfers(self, req_id: str, rank: int) -> None:
         """A result of ``req_id`` from ``rank`` could not be read: count its transfers still

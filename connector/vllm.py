@@ -257,6 +257,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
                     "vllm_version": VLLM_VERSION,
                     "slot_bytes": slot_bytes,
                 },
+                kv_events=edge.kv_events_enabled(vllm_config),
             )
             if self._scheduler.log_path is not None:
                 # vLLM's engine core is often killed before it calls shutdown(): the log is
@@ -324,8 +325,12 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         with self._stop:
             return self.scheduler_side.request_finished(request, block_ids)
 
-    def take_events(self) -> tuple[()]:
-        return ()
+    def take_events(self) -> list[Any]:
+        """The host pool's and the remote tier's KV events since the last call
+        (connector/pool_events.py): nothing unless vLLM publishes KV cache events."""
+        if self._scheduler is None:
+            return []
+        return self._scheduler.take_events(edge.kv_cache_events)
 
     def get_kv_connector_stats(self) -> KVLedgerStats | None:
         """On the scheduler, what its counters and the pool did since the previous call (vLLM

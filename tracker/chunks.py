@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 __all__ = [
     "ChunkIndex",
@@ -109,6 +109,7 @@ class ChunkIndex:
         "_writing",
         "num_slots",
         "remote",
+        "watch",
     )
 
     # Every operation here is O(chunks involved), never O(num_slots): a 4 GiB pool of small
@@ -130,6 +131,10 @@ class ChunkIndex:
         self._aliases: dict[bytes, list[bytes]] = {}
         self._alias_of: dict[bytes, tuple[bytes, ...]] = {}
         self._pending_aliases: dict[bytes, tuple[bytes, ...]] = {}
+        # Told ``(key, True)`` when a chunk becomes stored and ``(key, False)`` when it leaves,
+        # nothing else: the connector's KV events for the pool (connector/pool_events.py). None,
+        # the default, costs one test per stored or dropped chunk.
+        self.watch: Callable[[bytes, bool], None] | None = None
 
     # --- queries ---------------------------------------------------------------------------
 
@@ -230,6 +235,8 @@ class ChunkIndex:
             self._free.append(slot)
             return True
         self._stored[key] = slot
+        if self.watch is not None:
+            self.watch(key, True)
         if names:
             self._alias_of[key] = names
             for name in names:
@@ -277,11 +284,15 @@ class ChunkIndex:
             return  # already there, being written by us, or its slot is in use
         self._free.discard(slot)
         self._stored[key] = slot
+        if self.watch is not None:
+            self.watch(key, True)
 
     def apply_evicted(self, key: bytes) -> None:
         slot = self._stored.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+            if self.watch is not None:
+                self.watch(key, False)
             for name in self._alias_of.pop(key, ()):
                 chunks = self._aliases[name]
                 chunks.remove(key)

@@ -75,6 +75,9 @@ class EngineSpec:
     log_stats: bool = False
     # vLLM's KV cache on CPU; num_blocks sets the pool, this only has to cover it.
     kv_cache_memory_bytes: int = 64 << 20
+    # vLLM's KVEventsConfig fields (``enable_kv_cache_events``, ``publisher``, ``endpoint``,
+    # ``topic``...): its KV-event stream, the pool's events included (connector/pool_events.py).
+    kv_events: Mapping[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +101,7 @@ class Engine:
             os.environ.setdefault(key, value)
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
 
         self.spec = spec
         self.log_dir = log_dir
@@ -144,6 +147,7 @@ class Engine:
             max_num_batched_tokens=spec.max_num_batched_tokens,
             enable_prefix_caching=spec.prefix_caching,
             kv_transfer_config=kv,
+            kv_events_config=KVEventsConfig(**spec.kv_events) if spec.kv_events else None,
             seed=spec.seed,
             disable_log_stats=not spec.log_stats,
         )

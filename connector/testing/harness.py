@@ -158,6 +158,9 @@ class HarnessConfig:
     seed: int = 0
     vocab_size: int = 1024
     log_stats: bool = True
+    # vLLM's KV cache events on, through its null publisher (a test reads the batches the
+    # scheduler hands it): the prefix cache's and the connector's.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.num_gpu_blocks < 2:
@@ -399,6 +402,11 @@ def _build_vllm_config(cfg: HarnessConfig) -> Any:
     kv_transfer_config = (
         KVTransferConfig(**dict(cfg.kv_connector)) if cfg.kv_connector is not None else None
     )
+    events: dict[str, Any] = {}
+    if cfg.kv_events:
+        from vllm.config import KVEventsConfig
+
+        events["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     # The hybrid KV-cache manager is left for VllmConfig to resolve: 0.33 disables it for a
     # connector without SupportsHMA, exactly as `vllm serve --kv-transfer-config` would.
     return VllmConfig(
@@ -407,6 +415,7 @@ def _build_vllm_config(cfg: HarnessConfig) -> Any:
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        **events,
     )
 
 

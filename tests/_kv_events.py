@@ -1,0 +1,111 @@
+"""What the KV-event tests share (tests/test_pool_events.py under vLLM's real scheduler,
+tests/engine/test_engine_kv_events.py on its real engine): the pool's history read from a
+log's recorded facts alone, and the checks of a KV-event stream against it and against vLLM's
+own (medium ``GPU``) events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvledger.replay.source import open_log
+from kvledger.tracker import events as ev
+
+
+def _pool_from_log(path: str) -> tuple[list[bytes], list[bytes], dict[bytes, tuple[int, ...]]]:
+    """The pool's history as the log's facts tell it: the keys stored (in order), the keys
+    evicted (in order), and each key's tokens (a request's tokens are its prompt and what its
+    lookups and steps carried). The run has no failed load and no pool
+    event from outside the plans (asserted), so a SaveDone stores each key not already stored,
+    and a SavePlanned's ``evicted`` are the only evictions."""
+    tokens_of: dict[str, list[int]] = {}
+    chunk_of: dict[bytes, tuple[str, int, int]] = {}  # key -> (its saver, its tokens' range)
+    tokens: dict[bytes, tuple[int, ...]] = {}
+    stored: set[bytes] = set()
+    order: list[bytes] = []
+    evicted: list[bytes] = []
+    source = open_log(path)
+    chunk = int(source.tracker_config["chunk_size"])
+    block = int(source.tracker_config["block_size"])
+    for event in (e for frame in source.frames() for e in frame.events):
+        assert not isinstance(event, (ev.LoadFailed, ev.ChunkEvicted, ev.ChunkStored))
+        if isinstance(event, ev.RequestAdded):
+            tokens_of[event.req_id] = list(event.prompt_token_ids)
+        elif isinstance(event, (ev.LookupAsked, ev.Scheduled)) and event.token_ids:
+            known = tokens_of[event.req_id]
+            at = event.token_start
+            known[at : at + len(event.token_ids)] = event.token_ids
+        elif isinstance(event, ev.SavePlanned):
+            for key in event.evicted:
+                stored.discard(key)
+                evicted.append(key)
+            first = event.start // chunk
+            for i, key in enumerate(event.keys):
+                # A chunk the prompt ends inside is saved as its whole blocks, a key of its own.
+                at = (first + i) * chunk
+                chunk_of[key] = (event.req_id, at, min(at + chunk, event.end))
+        elif isinstance(event, ev.SaveDone):
+            for key in event.keys:
+                if key not in stored:
+                    stored.add(key)
+                    order.append(key)
+    # Read at the end: a steady decode step's tokens are carried by a later event.
+    for key in order:
+        req_id, at, end = chunk_of[key]
+        tokens[key] = tuple(tokens_of[req_id][at:end])
+        assert len(tokens[key]) == end - at and (end - at) % block == 0, "whole blocks"
+    return order, evicted, tokens
+
+
+def remote_from_log(path: str) -> list[bytes]:
+    """The keys this engine's remote writes confirmed, first confirmation of each, in order."""
+    seen: set[bytes] = set()
+    order: list[bytes] = []
+    for frame in open_log(path).frames():
+        for event in frame.events:
+            if isinstance(event, ev.RemoteSaveDone):
+                for key in event.keys:
+                    if key not in seen:
+                        seen.add(key)
+                        order.append(key)
+    return order
+
+
+def assert_matches_log(events: list[Any], log: str, medium: str) -> tuple[list[Any], list[Any]]:
+    """The stream's events of ``medium`` against the log: for ``CPU`` one ``BlockStored`` per
+    chunk the pool stored, with its tokens, in the log's order, and one ``BlockRemoved`` per
+    eviction, naming the hashes its chunk's ``BlockStored`` announced; for ``REMOTE`` one
+    ``BlockStored`` per key whose remote write was confirmed. Returns (stored, removed)."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    order, evicted, tokens = _pool_from_log(log)
+    mine = [e for e in events if getattr(e, "medium", None) == medium]
+    stored = [e for e in mine if isinstance(e, BlockStored)]
+    removed = [e for e in mine if isinstance(e, BlockRemoved)]
+    if medium == "REMOTE":
+        order, evicted = remote_from_log(log), []
+    assert order, f"the log stored nothing on {medium}"
+    assert [tuple(e.token_ids) for e in stored] == [tokens[k] for k in order]
+    hashes_of = {k: tuple(e.block_hashes) for k, e in zip(order, stored, strict=True)}
+    assert [tuple(e.block_hashes) for e in removed] == [hashes_of[k] for k in evicted]
+    return stored, removed
+
+
+def assert_vllms_own_hashes(events: list[Any], block_size: int) -> None:
+    """Every block hash the pool announces (any medium but ``GPU``) is the one vLLM's prefix
+    cache announced for the same tokens, and its parent hash is the one vLLM gave that block."""
+    from vllm.distributed.kv_events import BlockStored
+
+    gpu: dict[Any, tuple[int, ...]] = {}
+    parent_of: dict[Any, Any] = {}  # each hash vLLM announced -> the hash of the block before
+    for e in events:
+        if isinstance(e, BlockStored) and e.medium == "GPU":
+            for j, h in enumerate(e.block_hashes):
+                gpu[h] = tuple(e.token_ids[j * e.block_size : (j + 1) * e.block_size])
+                parent_of[h] = e.block_hashes[j - 1] if j else e.parent_block_hash
+    ours = [e for e in events if isinstance(e, BlockStored) and e.medium != "GPU"]
+    assert ours and gpu
+    for e in ours:
+        assert e.block_size == block_size
+        for j, h in enumerate(e.block_hashes):
+            assert gpu.get(h) == tuple(e.token_ids[j * block_size : (j + 1) * block_size]), h
+        assert e.parent_block_hash == parent_of[e.block_hashes[0]]

@@ -1,0 +1,125 @@
+"""The pool's KV events on vLLM's real engine, read as a KV-aware router reads them: a ZMQ
+subscriber decoding vLLM's published ``KVEventBatch`` stream (``--kv-events-config`` with the
+zmq publisher), while the engine runs with prefix caching on and KVLedgerConnector's pool too
+small for the workload, so chunks are stored, evicted and stored again.
+
+Against the run's own log (read here from its recorded facts alone, not by the connector's
+code): every chunk the pool stored has one ``BlockStored`` (medium ``CPU``) with the chunk's
+tokens, in the order the log stored them; every eviction one ``BlockRemoved`` of the same
+hashes. Against vLLM's own events (medium ``GPU``, its prefix cache): every block hash the
+pool announces is the hash vLLM announced for the same tokens, and every parent hash is the
+hash of the block before.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _kv_events import assert_matches_log, assert_vllms_own_hashes
+
+from kvledger.connector.testing.engine import EngineSpec
+
+from .conftest import prompts
+
+BLOCK = 32
+# The tiny model keeps 2 layers x 2 KV heads x 64 x fp32 x (K, V): 2048 bytes a token, so a
+# chunk of one block takes 64 KiB and the pool holds 4.
+SLOTS = 4
+CONNECTOR = {"chunk_size": BLOCK, "host_pool_bytes": SLOTS * BLOCK * 2048}
+TOPIC = "kvledger-test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Subscriber:
+    """A router's side of vLLM's stream: SUB on the publisher's endpoint, each message
+    ``(topic, seq, payload)`` decoded as vLLM's ``KVEventBatch``."""
+
+    def __init__(self, port: int) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self.events: list[Any] = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            topic, seq, payload = self._socket.recv_multipart()
+            assert topic.decode() == TOPIC
+            self.seqs.append(int.from_bytes(seq, "big", signed=True))
+            self.events.extend(self._decoder.decode(payload).events)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._socket.close(linger=0)
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model: str) -> Iterator[dict[str, Any]]:
+    from kvledger.connector.testing.engine import Engine
+
+    port = _free_port()
+    subscriber = Subscriber(port)  # before the engine: a SUB may connect before PUB binds
+    spec = EngineSpec(
+        model=tiny_model,
+        num_blocks=8,
+        block_size=BLOCK,
+        max_model_len=160,
+        prefix_caching=True,
+        extra_config=CONNECTOR,
+        kv_events={
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{port}",
+            "topic": TOPIC,
+        },
+    )
+    first = prompts(tiny_model, 31, [70, 96, 100, 72, 90, 128])
+    try:
+        with Engine(spec) as engine:
+            engine.generate(first, 8)
+            engine.generate(first[:3], 8)  # back from the pool, or computed again
+            log_path = engine.log_path
+        # The publisher drains its queue at shutdown; give the last batch time to arrive.
+        deadline = threading.Event()
+        for _ in range(50):
+            if subscriber.events and subscriber.seqs == sorted(subscriber.seqs):
+                deadline.wait(0.2)
+                break
+            deadline.wait(0.1)
+    finally:
+        subscriber.close()
+    assert log_path is not None
+    yield {"events": subscriber.events, "seqs": subscriber.seqs, "log": log_path}
+
+
+def test_every_stored_chunk_and_every_eviction_is_on_the_stream(run: dict[str, Any]) -> None:
+    stored, _ = assert_matches_log(run["events"], run["log"], "CPU")
+    assert len(stored) > SLOTS, "the workload must fill the pool and evict"
+
+
+def test_the_pool_announces_vllms_own_hashes(run: dict[str, Any]) -> None:
+    assert_vllms_own_hashes(run["events"], BLOCK)
