@@ -16,6 +16,7 @@ connector metadata, a ``WorkerReport`` in the worker metadata.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvledger.connector import edge, metrics
@@ -325,12 +326,13 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         with self._stop:
             return self.scheduler_side.request_finished(request, block_ids)
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> Sequence[Any]:
         """The host pool's and the remote tier's KV events since the last call
         (connector/pool_events.py): nothing unless vLLM publishes KV cache events."""
-        if self._scheduler is None:
-            return []
-        return self._scheduler.take_events(edge.kv_cache_events)
+        side = self._scheduler
+        if side is None or side.pool_events is None:
+            return ()  # vLLM asks every step: with its KV events off, nothing more than this
+        return side.take_events(edge.kv_cache_events)
 
     def get_kv_connector_stats(self) -> KVLedgerStats | None:
         """On the scheduler, what its counters and the pool did since the previous call (vLLM
