@@ -1,10 +1,13 @@
 """What the KV-event tests share (tests/test_pool_events.py under vLLM's real scheduler,
 tests/engine/test_engine_kv_events.py on its real engine): the pool's history read from a
 log's recorded facts alone, and the checks of a KV-event stream against it and against vLLM's
-own (medium ``GPU``) events."""
+own (medium ``GPU``) events; and a router's side of vLLM's ZMQ stream."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
 from typing import Any
 
 from kvledger.replay.source import open_log
@@ -109,3 +112,56 @@ def assert_vllms_own_hashes(events: list[Any], block_size: int) -> None:
         for j, h in enumerate(e.block_hashes):
             assert gpu.get(h) == tuple(e.token_ids[j * block_size : (j + 1) * block_size]), h
         assert e.parent_block_hash == parent_of[e.block_hashes[0]]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Subscriber:
+    """A router's side of vLLM's stream: SUB on the publisher's endpoint, each message
+    ``(topic, seq, payload)`` decoded as vLLM's ``KVEventBatch``."""
+
+    def __init__(self, port: int, topic: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._topic = topic
+        self._socket.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self.events: list[Any] = []
+        self.seqs: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            topic, seq, payload = self._socket.recv_multipart()
+            assert topic.decode() == self._topic
+            self.seqs.append(int.from_bytes(seq, "big", signed=True))
+            self.events.extend(self._decoder.decode(payload).events)
+
+    def wait_quiet(self, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
+        """Until nothing arrived for ``quiet_s`` (the stream's last batches are in)."""
+        deadline = time.monotonic() + limit_s
+        seen = -1
+        while time.monotonic() < deadline and seen != len(self.events):
+            seen = len(self.events)
+            time.sleep(quiet_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._socket.close(linger=0)

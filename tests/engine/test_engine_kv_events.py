@@ -13,13 +13,11 @@ hash of the block before.
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _kv_events import assert_matches_log, assert_vllms_own_hashes
+from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes, free_port
 
 from kvledger.connector.testing.engine import EngineSpec
 
@@ -33,56 +31,12 @@ CONNECTOR = {"chunk_size": BLOCK, "host_pool_bytes": SLOTS * BLOCK * 2048}
 TOPIC = "kvledger-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Subscriber:
-    """A router's side of vLLM's stream: SUB on the publisher's endpoint, each message
-    ``(topic, seq, payload)`` decoded as vLLM's ``KVEventBatch``."""
-
-    def __init__(self, port: int) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt_string(zmq.SUBSCRIBE, TOPIC)
-        self._socket.connect(f"tcp://127.0.0.1:{port}")
-        self.events: list[Any] = []
-        self.seqs: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            topic, seq, payload = self._socket.recv_multipart()
-            assert topic.decode() == TOPIC
-            self.seqs.append(int.from_bytes(seq, "big", signed=True))
-            self.events.extend(self._decoder.decode(payload).events)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self._socket.close(linger=0)
-
-
 @pytest.fixture(scope="module")
 def run(tiny_model: str) -> Iterator[dict[str, Any]]:
     from kvledger.connector.testing.engine import Engine
 
-    port = _free_port()
-    subscriber = Subscriber(port)  # before the engine: a SUB may connect before PUB binds
+    port = free_port()
+    subscriber = Subscriber(port, TOPIC)  # before the engine: a SUB may connect before PUB binds
     spec = EngineSpec(
         model=tiny_model,
         num_blocks=8,
@@ -103,13 +57,7 @@ def run(tiny_model: str) -> Iterator[dict[str, Any]]:
             engine.generate(first, 8)
             engine.generate(first[:3], 8)  # back from the pool, or computed again
             log_path = engine.log_path
-        # The publisher drains its queue at shutdown; give the last batch time to arrive.
-        deadline = threading.Event()
-        for _ in range(50):
-            if subscriber.events and subscriber.seqs == sorted(subscriber.seqs):
-                deadline.wait(0.2)
-                break
-            deadline.wait(0.1)
+        subscriber.wait_quiet()  # the publisher drains its queue at shutdown
     finally:
         subscriber.close()
     assert log_path is not None

@@ -17,7 +17,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,14 +46,19 @@ def serve(
     sig: signal.Signals,
     group: bool,
     extra_args: Sequence[str] = (),
+    before_stop: Callable[[], None] | None = None,
+    **engine: Any,
 ) -> Any:
-    """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``."""
+    """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``
+    (``before_stop`` first, when given)."""
     from kvledger.connector.testing.served import Server, ServerSpec
 
-    spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **ENGINE)
+    spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **{**ENGINE, **engine})
     with Server(spec) as server:
         outputs = [server.complete(p, n) for p, n in rounds(model)]
         preemptions = server.metric("vllm:num_preemptions_total")
+        if before_stop is not None:
+            before_stop()
         status = server.stop(sig, group=group)
         return outputs, preemptions, status, server.output()
 
@@ -132,6 +137,42 @@ def test_served_outputs_and_a_complete_log(
     doc = json.loads(stats.stdout)
     assert doc["preemptions"] > 0
     assert doc["tokens_loaded"] > 0
+
+
+def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: Path) -> None:
+    """The server with vLLM's KV events on (its zmq publisher) and prefix caching on, and a
+    router's ZMQ subscriber on the stream: every chunk the log stored has its BlockStored
+    (medium CPU) with its tokens, every eviction its BlockRemoved, and every hash is the one
+    vLLM's own GPU events gave the same block. The pool holds 4 chunks, so it evicts."""
+    import json
+
+    from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes, free_port
+
+    port = free_port()
+    subscriber = Subscriber(port, "kv")
+    kv = connector_config(tmp_path)
+    kv["kv_connector_extra_config"]["host_pool_bytes"] = 4 * BLOCK * 2048  # 2 KiB a token
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
+    events["endpoint"] = f"tcp://*:{port}"
+    args = ("--shutdown-timeout", "10", "--kv-events-config", json.dumps(events))
+    try:
+        serve(
+            tiny_model,
+            kv,
+            signal.SIGTERM,
+            False,
+            args,
+            before_stop=subscriber.wait_quiet,
+            prefix_caching=True,
+        )
+    finally:
+        subscriber.close()
+    log = the_log(tmp_path)
+    check = kvledger("check", log)
+    assert check.returncode == 0, check.stdout + check.stderr
+    stored, removed = assert_matches_log(subscriber.events, log, "CPU")
+    assert len(stored) > 4 and removed
+    assert_vllms_own_hashes(subscriber.events, BLOCK)
 
 
 # --- the other ordinary ways an engine stops --------------------------------------------------
