@@ -36,6 +36,8 @@ from kvledger.tracker.tracker import Tracker
 __all__ = ["SchedulerSide", "first_group", "status_name"]
 
 _log = structlog.get_logger("kvledger.connector")
+# The Tracker's violations and log failures, under the name they always had.
+_violations = structlog.get_logger("kvledger")
 T = TypeVar("T")
 
 
@@ -184,7 +186,10 @@ class SchedulerSide:
             kind="connector",
             logger=logger,
         )
-        self.tracker = Tracker(self.tracker_config, log=writer, logger=logger)
+        # The core writes nowhere; the connector wants its violations said (tracker/tracker.py).
+        self.tracker = Tracker(
+            self.tracker_config, log=writer, logger=logger if logger is not None else _violations
+        )
         if log_error is not None:
             self.tracker.log_error = log_error
         self.adapter_errors = 0

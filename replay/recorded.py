@@ -194,13 +194,11 @@ class _Differential:
     """kvledger's decisions on the recorded inputs (see the module docstring)."""
 
     def __init__(self, config: TrackerConfig) -> None:
-        import structlog  # with the Tracker: loaded only for --differential
+        from kvledger.tracker.tracker import Tracker  # loaded only for --differential
 
-        from kvledger.tracker.tracker import Tracker
-
-        # kvledger's decisions here are a comparison, not a run: its log calls write nothing.
-        quiet = structlog.ReturnLogger()
-        self.tracker = Tracker(config.with_changes(strict=False), logger=quiet)
+        # kvledger's decisions here are a comparison, not a run: given no logger, it says
+        # nothing of its violations.
+        self.tracker = Tracker(config.with_changes(strict=False))
         self._asked: dict[str, ev.LookupAsked] = {}
         self._answer: dict[str, ev.LookupAnswered] = {}
         self._diverged: set[str] = set()

@@ -30,21 +30,13 @@ B, C = 4, 8
 NEW, RESUMED = ev.Admission.NEW, ev.Admission.RESUMED
 
 
-class _Quiet:
-    def warning(self, *args: object, **kwargs: object) -> None:
-        pass
-
-    def error(self, *args: object, **kwargs: object) -> None:
-        pass
-
-
 class Run:
     """A Tracker with a log, driven by hand: each method is one of vLLM's callbacks."""
 
     def __init__(self, path: Path, **config: Any) -> None:
         self.config = TrackerConfig(block_size=B, chunk_size=C, **{"num_slots": 16, **config})
         self.writer = LogWriter(path, self.config.to_dict(), fsync="never")
-        self.t = Tracker(self.config, log=self.writer, logger=_Quiet())
+        self.t = Tracker(self.config, log=self.writer)
         self.path = path
         self.tokens: dict[str, list[int]] = {}
         self.blocks: dict[str, list[int]] = {}

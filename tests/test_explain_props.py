@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 from test_replay_fuzz import _EVENTS as _HOSTILE
 from test_replay_fuzz import _fields as _fuzz_fields
-from test_stateful import _CONFIG, _SETTINGS, VLLMModel, _Quiet
+from test_stateful import _CONFIG, _SETTINGS, VLLMModel
 
 from kvledger.replay.explain import REASONS, AdmissionMisses, Explainer
 from kvledger.tracker import events as ev
@@ -80,7 +80,7 @@ class ExplainedHistories(VLLMModel):
     def init(self, **config: Any) -> None:
         self.setup(**config)
         self.sink = _Frames()
-        self.t = Tracker(self.cfg, log=self.sink, logger=_Quiet())
+        self.t = Tracker(self.cfg, log=self.sink)
 
     def teardown(self) -> None:
         if not hasattr(self, "t"):
@@ -130,7 +130,7 @@ class ExplainedFailures(ExplainedHistories):
     def init(self, **config: Any) -> None:
         self.setup(**config)
         self.sink = _Frames()
-        self.t = Tracker(self.cfg, log=self.sink, logger=_Quiet())
+        self.t = Tracker(self.cfg, log=self.sink)
 
 
 ExplainedHistories.TestCase.settings = settings(max_examples=150, **_SETTINGS)

@@ -524,7 +524,7 @@ def test_fold_is_total(cfg: TrackerConfig, events: list[ev.Event]) -> None:
 def test_tracker_is_total(cfg: TrackerConfig, events: list[ev.Event]) -> None:
     """Non-strict, the Tracker takes anything: it returns decisions, records violations,
     and its index stays within bounds."""
-    t = Tracker(cfg, logger=_Quiet())
+    t = Tracker(cfg)
     for e in events:
         out = t.apply(e)
         assert isinstance(out, list) and all(isinstance(d, ev.DecisionEvent) for d in out)
@@ -559,7 +559,7 @@ def test_tracker_helpers_are_total(
 ) -> None:
     """The named helpers, called in any order with plausible but unchecked values (token ids
     included: vLLM never sends a negative one, but bookkeeping must not crash the engine)."""
-    t = Tracker(cfg, logger=_Quiet())
+    t = Tracker(cfg)
     t.add_request("r", prompt)
     all_ids = list(prompt)
     for name, a, b, more in calls:
@@ -595,11 +595,6 @@ def test_seq_state_fields_are_seqs() -> None:
     assert all(isinstance(x, Seq) for x in (s.token_ids, s.block_ids, s.keys))
 
 
-class _Quiet:
-    def warning(self, *args: object, **kwargs: object) -> None:
-        pass
-
-
 def test_a_load_failure_after_the_load_was_confirmed_is_a_violation() -> None:
     s = admitted()
     s, _ = run([ev.LoadPlanned(0, "r", 0, 16, (b"a", b"b"), (0, 1)), ev.LoadDone(1, "r")], s)
@@ -607,3 +602,36 @@ def test_a_load_failure_after_the_load_was_confirmed_is_a_violation() -> None:
         after, vs = run([ev.LoadFailed(2, "r", blocks)], s)
         assert rules(vs) == ["load_result_twice"] and vs[0].detail == {"foreign_blocks": foreign}
         assert after is not None and after.num_tokens == s.num_tokens  # nothing rolled back
+
+
+def test_the_core_tells_only_the_logger_its_caller_gives() -> None:
+    """The core writes nowhere (an import contract forbids it a logging library): a Tracker
+    given no logger records and counts a violation and says nothing; one given a logger tells
+    it; the connector's scheduler side gives structlog's, named ``kvledger``."""
+    from structlog.testing import capture_logs
+
+    from kvledger.connector.config import ConnectorConfig
+    from kvledger.connector.scheduler import SchedulerSide
+
+    told: list[tuple[str, dict[str, object]]] = []
+
+    class Told:
+        def warning(self, event: str, **kw: object) -> None:
+            told.append((event, kw))
+
+        error = warning
+
+    with capture_logs() as said:
+        silent = Tracker(TrackerConfig())
+        silent.mark_violation("r", "adapter_error", "Scheduled", error="boom")
+        assert [v.rule for v in silent.violations] == ["adapter_error"]
+        assert said == []
+        given = Tracker(TrackerConfig(), logger=Told())
+        given.mark_violation("r", "adapter_error", "Scheduled", error="boom")
+        assert said == []
+        assert [(e, kw["rule"], kw["error"]) for e, kw in told] == [
+            ("kvledger.violation", "adapter_error", "boom")
+        ]
+        side = SchedulerSide(ConnectorConfig(chunk_size=16), block_size=16, num_slots=4)
+        side.tracker.mark_violation("r", "adapter_error", "Scheduled", error="boom")
+    assert [(e["event"], e["rule"]) for e in said] == [("kvledger.violation", "adapter_error")]

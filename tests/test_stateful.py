@@ -137,7 +137,7 @@ class VLLMModel(RuleBasedStateMachine):
             discard_partial_chunks=discard_partial,
             save_decode_cache=save_decode,
         )
-        self.t = Tracker(self.cfg, logger=_Quiet())
+        self.t = Tracker(self.cfg)
         self.prefix_caching = prefix_caching
         self.async_sched = async_sched
         self.preempt_signal = preempt_signal
@@ -592,13 +592,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _rid(req: VReq) -> int:
     return int(req.rid[1:])
-
-
-class _Quiet:
-    """Violations are asserted on, not logged."""
-
-    def warning(self, *args: object, **kwargs: object) -> None:
-        pass
 
 
 class VLLMAndTracker(VLLMModel):

@@ -7,8 +7,9 @@ step and call ``apply``. A replay builds a Tracker without a log and feeds it th
 input events: the decisions it returns are what this code decides now.
 
 A violation never raises (unless ``strict``): it is recorded as a ``ViolationRecorded`` event,
-logged through structlog with the request id bound, counted, and the request falls back to
-recompute (no load, no save) for the rest of its life.
+counted, told to the ``logger`` the caller passed (the connector passes its structlog logger; a
+replay passes none), and the request falls back to recompute (no load, no save) for the rest
+of its life. The core itself writes nowhere: with no logger it is silent (:data:`SILENT`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import attrs
-import structlog
 
 from kvledger.tracker import events as ev
 from kvledger.tracker import invariants
@@ -42,7 +42,7 @@ from kvledger.tracker.state import (
 )
 from kvledger.tracker.wellformed import Wellformed
 
-__all__ = ["LogSink", "Tracker", "close_log", "seal_log"]
+__all__ = ["SILENT", "LogSink", "Tracker", "close_log", "seal_log"]
 
 # Keys of the violation log record that a violation's detail must not shadow.
 _RESERVED_LOG_KEYS = frozenset({"event", "event_type", "req_id", "step", "rule", "state"})
@@ -97,6 +97,19 @@ class _Hot:
         self.capacity = capacity  # tokens its block table holds (pending blocks not included)
 
 
+class _Silent:
+    """A logger that tells nobody: the default of a Tracker whose caller passed none (a replay,
+    a test, a library user). Violations are still recorded and counted."""
+
+    def warning(self, *_: Any, **__: Any) -> None:
+        pass
+
+    error = warning
+
+
+SILENT = _Silent()
+
+
 class Tracker:
     """Holds the per-request states and the chunk index; the only way in is an event."""
 
@@ -133,7 +146,8 @@ class Tracker:
         self._log = log
         # Why the log stopped being written, if it did (the engine goes on without it).
         self.log_error: str | None = None
-        self._logger = logger if logger is not None else structlog.get_logger("kvledger")
+        # What the shell wants told (a structlog-shaped logger); the core itself writes nowhere.
+        self._logger = logger if logger is not None else SILENT
         self._retired: OrderedDict[str, None] = OrderedDict()
         # Chunks a request's load will read, pinned from its Allocated (vLLM committed to the
         # external tokens) until its admission's LoadPlanned pins them itself: in between,
