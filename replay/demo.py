@@ -145,20 +145,14 @@ def main(args: argparse.Namespace) -> int:
     for line in notes:
         say(f"  ! {line}")
     why = _failures(report, log_problems)
-    if args.json:
-        doc = {
-            "ok": not why,
-            "failures": why,
-            "summary": {k.strip(): v for k, v in rows},
-            "notes": notes,
-            "log": report.log_path,
-            "exit_code": 1 if why else 0,
-        }
-        print(json.dumps(doc, indent=2, default=str))
-    elif why:
-        print("FAILED: " + "; ".join(why))
-    else:
-        print("OK: every token matched its oracle value at every step")
+    verdict(
+        args,
+        why,
+        rows,
+        {"notes": notes},
+        report.log_path,
+        "OK: every token matched its oracle value at every step",
+    )
     if report.preemptions == 0:
         say(
             f"note: no request was preempted: {args.blocks} blocks held every running request "
@@ -172,6 +166,35 @@ def main(args: argparse.Namespace) -> int:
 # The demo's longest request: a prompt of 90 tokens and 90 generated (RunSpec above).
 _MAX_TOKENS = 180
 _MIN_BLOCKS = -(-_MAX_TOKENS // 16) + 1
+
+
+def verdict(
+    args: argparse.Namespace,
+    why: list[str],
+    rows: Any,
+    details: dict[str, Any],
+    log_path: str | None,
+    ok_line: str,
+) -> int:
+    """What either demo ends with: its one JSON document under ``--json`` (``ok``,
+    ``failures``, ``summary`` of ``rows``, the demo's own ``details``, ``log``, ``exit_code``),
+    else ``FAILED: ...`` naming every failure or ``ok_line``. Returns the exit status."""
+    code = 1 if why else 0
+    if args.json:
+        doc = {
+            "ok": not why,
+            "failures": why,
+            "summary": {k.strip(): v for k, v in rows},
+            **details,
+            "log": log_path,
+            "exit_code": code,
+        }
+        print(json.dumps(doc, indent=2, default=str))
+    elif why:
+        print("FAILED: " + "; ".join(why))
+    else:
+        print(ok_line)
+    return code
 
 
 def _quiet(*args: Any, **kwargs: Any) -> None:

