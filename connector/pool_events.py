@@ -10,17 +10,21 @@ is what ours answers:
   medium ``CPU``: vLLM's own block hashes for its whole blocks (the hashes the prefix cache
   publishes for the same tokens), the hash of the block before it, its token ids and vLLM's
   block size;
-- a chunk that leaves the pool (evicted for room, dropped after a failed read, cleared) is one
-  ``BlockRemoved`` (medium ``CPU``) of the same hashes;
+- a chunk that leaves the pool (evicted for room, dropped after a failed read) is one
+  ``BlockRemoved`` (medium ``CPU``) of its hashes that no other chunk the pool still holds
+  contains: a partial chunk and a whole one can hold the same blocks, and a router that does
+  not count references would otherwise forget a block still cached;
 - the remote tier, shared by every engine, has a medium of its own, ``REMOTE``
   (:data:`MEDIUM_REMOTE`): a write of this engine that every rank confirmed is a ``BlockStored``,
   and a key that a load found gone or not its chunk's is a ``BlockRemoved``. What other engines
-  write or evict there is in their streams, not this one.
+  write or evict there is in their streams, not this one. The tier has no bound, so what this
+  engine remembers of it has one (``REMOTE_MEMORY`` chunks, as the remote index): a chunk
+  forgotten is announced removed, the cautious side for a router.
 
 The facts a ``BlockStored`` needs (vLLM's hashes, the tokens) exist only while vLLM's
 ``Request`` does, so they are taken when the save is planned (:meth:`PoolEvents.planned`), from
 the request, and published when the tier confirms the chunk, as vLLM's OffloadingConnector does
-(its ``OffloadingEventsTracker``). A chunk stays described while a tier holds it; for a
+(its ``OffloadingEventsTracker``). A chunk stays described while the pool holds it; for a
 ``BlockRemoved`` only its hashes are kept.
 
 Nothing here runs with events off: the scheduler side makes no ``PoolEvents`` and the chunk
@@ -30,11 +34,13 @@ turns them into vLLM's classes through ``connector/edge.py``.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
 import attrs
+
+from kvledger.tracker.chunks import REMOTE_MEMORY
 
 __all__ = ["MEDIUM_CPU", "MEDIUM_REMOTE", "PoolEvent", "PoolEvents"]
 
@@ -76,8 +82,13 @@ class PoolEvents:
         # comes (a process gone): a pool of num_slots cannot have more writes in flight.
         self._planned: OrderedDict[bytes, _Chunk] = OrderedDict()
         self._limit = max(64, 4 * num_slots)
-        # Chunks a tier holds, by medium: the hashes their BlockRemoved will name.
-        self._held: dict[str, dict[bytes, tuple[Any, ...]]] = {MEDIUM_CPU: {}, MEDIUM_REMOTE: {}}
+        # Chunks a tier holds, by medium, oldest first: their hashes. And how many of those
+        # chunks hold each hash: a BlockRemoved names only the hashes no held chunk still has.
+        self._held: dict[str, OrderedDict[bytes, tuple[Any, ...]]] = {
+            MEDIUM_CPU: OrderedDict(),
+            MEDIUM_REMOTE: OrderedDict(),
+        }
+        self._holders: dict[str, Counter[Any]] = {MEDIUM_CPU: Counter(), MEDIUM_REMOTE: Counter()}
         # The pool's chunks, described in full: the remote write of a chunk is confirmed after
         # the pool's, and its BlockStored says the same. Bounded by the pool; the remote tier
         # keeps only hashes (it has no bound).
@@ -92,8 +103,10 @@ class PoolEvents:
     def planned(self, request: Any, key: bytes, start: int, end: int) -> None:
         """A save of tokens ``[start, end)`` of ``request`` as the chunk ``key`` is planned:
         describe it from vLLM's request while it exists. Only whole blocks: vLLM hashes no
-        partial block, and its events never name one. A chunk written in parts (its slot
-        filled block by block) is planned once per part; each part describes it further."""
+        partial block, and its events never name one. A key has one writer at a time, and a
+        save plan starts at a chunk's first token, so the first description is the chunk's."""
+        if key in self._planned or key in self._described:
+            return
         hashes = getattr(request, "block_hashes", None)
         bs = self.block_size
         if not hashes or start % bs:
@@ -101,9 +114,6 @@ class PoolEvents:
         first, last = start // bs, min(end // bs, len(hashes))
         if last <= first:
             return
-        known = self._planned.get(key)
-        if known is not None and len(known.block_hashes) >= last - first:
-            return  # described already, as far (a chunk written in parts grows)
         tokens = request.all_token_ids
         chunk = _Chunk(
             tuple(hashes[first:last]),
@@ -154,6 +164,7 @@ class PoolEvents:
             self.undescribed += 1
             return
         held[key] = chunk.block_hashes
+        self._holders[medium].update(chunk.block_hashes)
         if medium == MEDIUM_CPU:
             self._described[key] = chunk
         self._out.append(
@@ -161,6 +172,8 @@ class PoolEvents:
                 True, medium, chunk.block_hashes, chunk.parent, chunk.token_ids, self.block_size
             )
         )
+        if medium == MEDIUM_REMOTE and len(held) > REMOTE_MEMORY:
+            self._drop(medium, next(iter(held)))  # forgotten: announced removed
 
     def _drop(self, medium: str, key: bytes) -> None:
         hashes = self._held[medium].pop(key, None)
@@ -168,4 +181,12 @@ class PoolEvents:
             return
         if medium == MEDIUM_CPU:
             self._described.pop(key, None)
-        self._out.append(PoolEvent(False, medium, hashes))
+        holders = self._holders[medium]
+        gone = []
+        for h in hashes:
+            holders[h] -= 1
+            if holders[h] <= 0:
+                del holders[h]
+                gone.append(h)
+        if gone:
+            self._out.append(PoolEvent(False, medium, tuple(gone)))

@@ -506,14 +506,24 @@ class SchedulerSide:
             start = c.token_start - c.slot_offset
             self.pool_events.planned(request, c.key, start, c.token_end)
 
-    @_guarded(list)
     def take_events(self, publish: Callable[[list[PoolEvent]], list[Any]]) -> list[Any]:
-        """The pool's KV events since the last call, as ``publish`` makes them vLLM's (an
-        empty list with KV events off, and if they cannot be made: never a raise)."""
-        if self.pool_events is None:
+        """The pool's KV events since the last call, as ``publish`` makes them vLLM's; an empty
+        list with KV events off. If they cannot be made (a vLLM whose event classes want what
+        we do not give), the pool's events stop for good, said once as an adapter error: a
+        stream with holes in it would mislead a router more than none (strict mode raises)."""
+        events = self.pool_events
+        if events is None:
             return []
-        records = self.pool_events.take()
-        return publish(records) if records else []
+        records = events.take()
+        if not records:
+            return []
+        try:
+            return publish(records)
+        except Exception as exc:
+            self.pool_events = None
+            self.tracker.index.watch = None
+            self._adapter_error("take_events", exc)
+            return []
 
     def _count_plan(self, plan: TransferPlan) -> None:
         c = self.counters

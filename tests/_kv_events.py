@@ -8,15 +8,16 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from typing import Any
 
 from kvledger.replay.source import open_log
 from kvledger.tracker import events as ev
 
 
-def _pool_from_log(path: str) -> tuple[list[bytes], list[bytes], dict[bytes, tuple[int, ...]]]:
-    """The pool's history as the log's facts tell it: the keys stored (in order), the keys
-    evicted (in order), and each key's tokens (a request's tokens are its prompt and what its
+def _pool_from_log(path: str) -> tuple[list[tuple[bool, bytes]], dict[bytes, tuple[int, ...]]]:
+    """The pool's history as the log's facts tell it: (stored, key) for each key stored (True)
+    or evicted (False), in the log's order, and each key's tokens (a request's tokens are its prompt and what its
     lookups and steps carried). The run has no failed load and no pool
     event from outside the plans (asserted), so a SaveDone stores each key not already stored,
     and a SavePlanned's ``evicted`` are the only evictions."""
@@ -24,8 +25,7 @@ def _pool_from_log(path: str) -> tuple[list[bytes], list[bytes], dict[bytes, tup
     chunk_of: dict[bytes, tuple[str, int, int]] = {}  # key -> (its saver, its tokens' range)
     tokens: dict[bytes, tuple[int, ...]] = {}
     stored: set[bytes] = set()
-    order: list[bytes] = []
-    evicted: list[bytes] = []
+    history: list[tuple[bool, bytes]] = []
     source = open_log(path)
     chunk = int(source.tracker_config["chunk_size"])
     block = int(source.tracker_config["block_size"])
@@ -40,7 +40,7 @@ def _pool_from_log(path: str) -> tuple[list[bytes], list[bytes], dict[bytes, tup
         elif isinstance(event, ev.SavePlanned):
             for key in event.evicted:
                 stored.discard(key)
-                evicted.append(key)
+                history.append((False, key))
             first = event.start // chunk
             for i, key in enumerate(event.keys):
                 # A chunk the prompt ends inside is saved as its whole blocks, a key of its own.
@@ -50,13 +50,13 @@ def _pool_from_log(path: str) -> tuple[list[bytes], list[bytes], dict[bytes, tup
             for key in event.keys:
                 if key not in stored:
                     stored.add(key)
-                    order.append(key)
+                    history.append((True, key))
     # Read at the end: a steady decode step's tokens are carried by a later event.
-    for key in order:
+    for key in {key for _, key in history}:
         req_id, at, end = chunk_of[key]
         tokens[key] = tuple(tokens_of[req_id][at:end])
         assert len(tokens[key]) == end - at and (end - at) % block == 0, "whole blocks"
-    return order, evicted, tokens
+    return history, tokens
 
 
 def remote_from_log(path: str) -> list[bytes]:
@@ -75,21 +75,33 @@ def remote_from_log(path: str) -> list[bytes]:
 
 def assert_matches_log(events: list[Any], log: str, medium: str) -> tuple[list[Any], list[Any]]:
     """The stream's events of ``medium`` against the log: for ``CPU`` one ``BlockStored`` per
-    chunk the pool stored, with its tokens, in the log's order, and one ``BlockRemoved`` per
-    eviction, naming the hashes its chunk's ``BlockStored`` announced; for ``REMOTE`` one
+    chunk the pool stored, with its tokens, in the log's order, and for each eviction one
+    ``BlockRemoved`` of the hashes its chunk's ``BlockStored`` announced that no chunk the pool
+    still held contains (none at all when every one is still held); for ``REMOTE`` one
     ``BlockStored`` per key whose remote write was confirmed. Returns (stored, removed)."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-    order, evicted, tokens = _pool_from_log(log)
+    history, tokens = _pool_from_log(log)
+    if medium == "REMOTE":
+        history = [(True, key) for key in remote_from_log(log)]
     mine = [e for e in events if getattr(e, "medium", None) == medium]
     stored = [e for e in mine if isinstance(e, BlockStored)]
     removed = [e for e in mine if isinstance(e, BlockRemoved)]
-    if medium == "REMOTE":
-        order, evicted = remote_from_log(log), []
+    order = [key for was_stored, key in history if was_stored]
     assert order, f"the log stored nothing on {medium}"
     assert [tuple(e.token_ids) for e in stored] == [tokens[k] for k in order]
     hashes_of = {k: tuple(e.block_hashes) for k, e in zip(order, stored, strict=True)}
-    assert [tuple(e.block_hashes) for e in removed] == [hashes_of[k] for k in evicted]
+    holders: Counter[Any] = Counter()
+    expected: list[tuple[Any, ...]] = []
+    for was_stored, key in history:
+        if was_stored:
+            holders.update(hashes_of[key])
+            continue
+        holders.subtract(hashes_of[key])
+        gone = tuple(h for h in hashes_of[key] if holders[h] == 0)
+        if gone:
+            expected.append(gone)
+    assert [tuple(e.block_hashes) for e in removed] == expected
     return stored, removed
 
 
