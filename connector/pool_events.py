@@ -82,17 +82,16 @@ class PoolEvents:
         # comes (a process gone): a pool of num_slots cannot have more writes in flight.
         self._planned: OrderedDict[bytes, _Chunk] = OrderedDict()
         self._limit = max(64, 4 * num_slots)
-        # Chunks a tier holds, by medium, oldest first: their hashes. And how many of those
-        # chunks hold each hash: a BlockRemoved names only the hashes no held chunk still has.
-        self._held: dict[str, OrderedDict[bytes, tuple[Any, ...]]] = {
+        # Chunks a tier holds, by medium, oldest first. The pool's are described in full (the
+        # remote write of a chunk is confirmed after the pool's, and its BlockStored says the
+        # same), bounded by the pool; the remote tier's keep only hashes (it has no bound). And
+        # how many held chunks hold each hash: a BlockRemoved names only the hashes no held
+        # chunk still has.
+        self._held: dict[str, OrderedDict[bytes, _Chunk]] = {
             MEDIUM_CPU: OrderedDict(),
             MEDIUM_REMOTE: OrderedDict(),
         }
         self._holders: dict[str, Counter[Any]] = {MEDIUM_CPU: Counter(), MEDIUM_REMOTE: Counter()}
-        # The pool's chunks, described in full: the remote write of a chunk is confirmed after
-        # the pool's, and its BlockStored says the same. Bounded by the pool; the remote tier
-        # keeps only hashes (it has no bound).
-        self._described: dict[bytes, _Chunk] = {}
         self._out: list[PoolEvent] = []
         # Chunks confirmed with nothing to describe them (a warm pool's ChunkStored, a save of
         # blocks vLLM had not hashed): counted, never published half-described.
@@ -105,7 +104,7 @@ class PoolEvents:
         describe it from vLLM's request while it exists. Only whole blocks: vLLM hashes no
         partial block, and its events never name one. A key has one writer at a time, and a
         save plan starts at a chunk's first token, so the first description is the chunk's."""
-        if key in self._planned or key in self._described:
+        if key in self._planned or key in self._held[MEDIUM_CPU]:
             return
         hashes = getattr(request, "block_hashes", None)
         bs = self.block_size
@@ -128,8 +127,7 @@ class PoolEvents:
         """The chunk index's watcher (``ChunkIndex.watch``): ``key`` became stored in the host
         pool, or left it."""
         if stored:
-            chunk = self._planned.pop(key, None) or self._described.get(key)
-            self._hold(MEDIUM_CPU, key, chunk)
+            self._hold(MEDIUM_CPU, key, self._planned.pop(key, None))
         else:
             self._drop(MEDIUM_CPU, key)
 
@@ -142,7 +140,8 @@ class PoolEvents:
     def remote_stored(self, keys: Iterable[bytes]) -> None:
         """This engine's writes of ``keys`` to the remote tier, confirmed by every rank."""
         for key in keys:
-            self._hold(MEDIUM_REMOTE, key, self._described.get(key) or self._planned.get(key))
+            described = self._held[MEDIUM_CPU].get(key) or self._planned.get(key)
+            self._hold(MEDIUM_REMOTE, key, described)
 
     def remote_gone(self, keys: Iterable[bytes]) -> None:
         """A load found ``keys`` gone from the remote tier, or not its chunks' values."""
@@ -163,10 +162,8 @@ class PoolEvents:
         if chunk is None:
             self.undescribed += 1
             return
-        held[key] = chunk.block_hashes
+        held[key] = chunk if medium == MEDIUM_CPU else _Chunk(chunk.block_hashes, None, ())
         self._holders[medium].update(chunk.block_hashes)
-        if medium == MEDIUM_CPU:
-            self._described[key] = chunk
         self._out.append(
             PoolEvent(
                 True, medium, chunk.block_hashes, chunk.parent, chunk.token_ids, self.block_size
@@ -176,14 +173,12 @@ class PoolEvents:
             self._drop(medium, next(iter(held)))  # forgotten: announced removed
 
     def _drop(self, medium: str, key: bytes) -> None:
-        hashes = self._held[medium].pop(key, None)
-        if hashes is None:
+        chunk = self._held[medium].pop(key, None)
+        if chunk is None:
             return
-        if medium == MEDIUM_CPU:
-            self._described.pop(key, None)
         holders = self._holders[medium]
         gone = []
-        for h in hashes:
+        for h in chunk.block_hashes:
             holders[h] -= 1
             if holders[h] <= 0:
                 del holders[h]
