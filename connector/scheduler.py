@@ -502,9 +502,7 @@ class SchedulerSide:
         if request is None:
             return
         for c in plan.chunks:
-            # A chunk written in parts starts slot_offset tokens before this part.
-            start = c.token_start - c.slot_offset
-            self.pool_events.planned(request, c.key, start, c.token_end)
+            self.pool_events.planned(request, c.key, c.chunk_start, c.token_end)
 
     def take_events(self, publish: Callable[[list[PoolEvent]], list[Any]]) -> list[Any]:
         """The pool's KV events since the last call, as ``publish`` makes them vLLM's; an empty

@@ -400,7 +400,7 @@ class WorkerSide:
             # The saver's digests of the blocks this load filled whole: the log judges the
             # load by them (tracker/digests.py), without the saver's log.
             bs = backend.spec.block_size
-            first = (chunk.token_start - chunk.slot_offset) // bs
+            first = chunk.chunk_start // bs
             lo, hi = -(-chunk.token_start // bs), chunk.token_end // bs
             rows = carried[max(0, lo - first) : max(0, hi - first)]
             self.digests.carried(load.req_id, max(lo, first), rows)
@@ -488,7 +488,7 @@ class WorkerSide:
                     handle = pool.save(backend, chunk.slot, mapping, chunk.slot_offset, after=after)
                     self._saves_in_flight.append((save.req_id, chunk.key, handle))
                     if self.remote is not None and chunk.key not in self._read_remote:
-                        first = (chunk.token_start - chunk.slot_offset) // block_size
+                        first = chunk.chunk_start // block_size
                         self._upload_slot[(save.req_id, chunk.key)] = (chunk.slot, first)
                     self._read_remote.pop(chunk.key, None)
                     self.stats["tokens_saved"] += chunk.token_end - chunk.token_start

@@ -381,6 +381,11 @@ class ChunkTransfer:
     token_end: int
     slot_offset: int
 
+    @property
+    def chunk_start(self) -> int:
+        """The first token of the chunk this part belongs to (its slot's first token)."""
+        return self.token_start - self.slot_offset
+
 
 @attrs.frozen(slots=True)
 class TransferPlan:
