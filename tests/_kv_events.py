@@ -5,11 +5,12 @@ own (medium ``GPU``) events; and a router's side of vLLM's ZMQ stream."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections import Counter
 from typing import Any
+
+from _verdicts import events_of
 
 from kvledger.replay.source import open_log
 from kvledger.tracker import events as ev
@@ -17,8 +18,8 @@ from kvledger.tracker import events as ev
 
 def _pool_from_log(path: str) -> tuple[list[tuple[bool, bytes]], dict[bytes, tuple[int, ...]]]:
     """The pool's history as the log's facts tell it: (stored, key) for each key stored (True)
-    or evicted (False), in the log's order, and each key's tokens (a request's tokens are its prompt and what its
-    lookups and steps carried). The run has no failed load and no pool
+    or evicted (False), in the log's order, and each key's tokens (a request's tokens are its
+    prompt and what its lookups and steps carried). The run has no failed load and no pool
     event from outside the plans (asserted), so a SaveDone stores each key not already stored,
     and a SavePlanned's ``evicted`` are the only evictions."""
     tokens_of: dict[str, list[int]] = {}
@@ -61,16 +62,8 @@ def _pool_from_log(path: str) -> tuple[list[tuple[bool, bytes]], dict[bytes, tup
 
 def remote_from_log(path: str) -> list[bytes]:
     """The keys this engine's remote writes confirmed, first confirmation of each, in order."""
-    seen: set[bytes] = set()
-    order: list[bytes] = []
-    for frame in open_log(path).frames():
-        for event in frame.events:
-            if isinstance(event, ev.RemoteSaveDone):
-                for key in event.keys:
-                    if key not in seen:
-                        seen.add(key)
-                        order.append(key)
-    return order
+    done = (key for e in events_of(path) if isinstance(e, ev.RemoteSaveDone) for key in e.keys)
+    return list(dict.fromkeys(done))
 
 
 def assert_matches_log(events: list[Any], log: str, medium: str) -> tuple[list[Any], list[Any]]:
@@ -124,12 +117,6 @@ def assert_vllms_own_hashes(events: list[Any], block_size: int) -> None:
         for j, h in enumerate(e.block_hashes):
             assert gpu.get(h) == tuple(e.token_ids[j * block_size : (j + 1) * block_size]), h
         assert e.parent_block_hash == parent_of[e.block_hashes[0]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Subscriber:

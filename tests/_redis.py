@@ -28,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from kvledger.connector.testing.served import free_port
+
 __all__ = [
     "CODES",
     "DRIP_S",
@@ -52,12 +54,6 @@ def require_redis_server() -> str:
     return binary
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisServer:
     """One ``redis-server`` process; ``url`` carries the password when there is one."""
 
@@ -65,7 +61,7 @@ class RedisServer:
         self.binary = binary
         self.directory = directory
         self.password = password
-        self.port = _free_port()
+        self.port = free_port()
         # It also listens on a Unix socket (unix:// URLs); short: sun_path holds 107 bytes.
         self.socket_path = tempfile.mktemp(prefix="kvl-redis-", suffix=".sock", dir="/tmp")
         self.proc: subprocess.Popen[bytes] | None = None

@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes, free_port
+from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes
 
 from kvledger.connector.testing.engine import EngineSpec
+from kvledger.connector.testing.served import free_port
 
 from .conftest import prompts
 

@@ -146,7 +146,9 @@ def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: P
     vLLM's own GPU events gave the same block. The pool holds 4 chunks, so it evicts."""
     import json
 
-    from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes, free_port
+    from _kv_events import Subscriber, assert_matches_log, assert_vllms_own_hashes
+
+    from kvledger.connector.testing.served import free_port
 
     port = free_port()
     subscriber = Subscriber(port, "kv")
