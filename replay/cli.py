@@ -1,7 +1,8 @@
 """The ``kvledger`` command: the one command-line entry point.
 
 ``demo`` runs vLLM's real scheduler with the connector (the test rigs); ``check``, ``diff``,
-``show``, ``stats``, ``timeline``, ``export`` and ``sql`` read captured logs. Every subcommand parses its
+``show``, ``stats``, ``explain``, ``whatif``, ``timeline``, ``export`` and ``sql`` read
+captured logs. Every subcommand parses its
 arguments, calls one function of the library (``replay.check``, ``replay.diff``,
 ``replay.lives.show``, ...), and turns its result into text: tables with rich on a terminal
 (the ``cli`` extra, through ``replay.extras``), plain text when piped, one JSON document with
@@ -23,7 +24,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, NoReturn
 
-from kvledger.replay.commands import check, exports, live, views
+from kvledger.replay.commands import check, exports, live, views, whatif
 from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, Handler, print_json
 
 __all__ = ["build_parser", "main"]
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         views.add_show,
         views.add_stats,
         views.add_explain,
+        whatif.add_whatif,
         exports.add_timeline,
         exports.add_export,
         exports.add_sql,

@@ -42,7 +42,7 @@ it the oldest are forgotten and counted in ``forgotten``), plus a few numbers pe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -145,6 +145,58 @@ class Explanation:
         }
 
 
+class _ByRequest:
+    """The admissions an :class:`Explainer` hands out, gathered by request life."""
+
+    def __init__(self) -> None:
+        self.lives: dict[str, RequestMisses] = {}
+
+    def keep(self, a: AdmissionMisses) -> None:
+        r = self.lives.get(a.request)
+        if r is None:
+            r = self.lives[a.request] = RequestMisses(a.request, a.req_id)
+        r.admissions.append(a)
+
+    def requests(self, labels: Iterable[str]) -> list[RequestMisses]:
+        """The lives named, in that order, each one's admissions in order."""
+        out = [self.lives[label] for label in labels if label in self.lives]
+        for r in out:
+            r.admissions.sort(key=lambda a: a.admission)
+        return out
+
+
+def _explain_run(
+    explainer: Explainer, frames: Iterable[Any], config: TrackerConfig
+) -> dict[str, str]:
+    """Feed one run's frames through ``explainer`` to their end: every life label, in arrival
+    order, with its request id."""
+    labels: dict[str, str] = {}
+    for item in walk(frames, config):
+        if item.new and item.life:
+            labels.setdefault(item.life, item.req_id)
+        explainer.feed(item)
+    explainer.finish()
+    return labels
+
+
+def explain_frames(
+    frames: Iterable[Any], config: TrackerConfig, *, name: str, recorded: bool = False
+) -> Explanation:
+    """:func:`explain` over frames that are no log on disk (``kvledger whatif``'s forecast: a
+    run the tracker's rules replayed under other settings, ``replay/whatif.py``)."""
+    by_request = _ByRequest()
+    explainer = Explainer(config, by_request.keep, recorded=recorded)
+    requests = by_request.requests(_explain_run(explainer, frames, config))
+    return Explanation(
+        log=name,
+        recorded=recorded,
+        config=config,
+        requests=requests,
+        without_lookup=explainer.without_lookup,
+        forgotten=explainer.history.forgotten,
+    )
+
+
 def explain(
     path: LogPath | LogSource,
     *,
@@ -162,34 +214,16 @@ def explain(
     src = open_log(path)
     config, _ = src.lenient_config()
     recorded = src.recorded
-    by_request: dict[str, RequestMisses] = {}
-    labels: dict[str, str] = {}  # every life label -> req_id, in arrival order
-
-    def keep(a: AdmissionMisses) -> None:
-        r = by_request.get(a.request)
-        if r is None:
-            r = by_request[a.request] = RequestMisses(a.request, a.req_id)
-        r.admissions.append(a)
-
-    explainer = Explainer(config, keep, recorded=recorded, history_tokens=history_tokens)
+    by_request = _ByRequest()
+    explainer = Explainer(config, by_request.keep, recorded=recorded, history_tokens=history_tokens)
     for old in earlier_sources:
         old_config, _ = old.lenient_config()
         explainer.new_run(old.name, old_config)
-        for item in walk(old.frames(), old_config):
-            explainer.feed(item)
-        explainer.finish()
+        _explain_run(explainer, old.frames(), old_config)
     explainer.new_run("", config)
-    for item in walk(src.frames(), config):
-        if item.new and item.life:
-            labels.setdefault(item.life, item.req_id)
-        explainer.feed(item)
-    explainer.finish()
-    chosen = list(labels)
-    if request is not None:
-        chosen = resolve(request, labels)
-    requests = [by_request[label] for label in chosen if label in by_request]
-    for r in requests:
-        r.admissions.sort(key=lambda a: a.admission)
+    labels = _explain_run(explainer, src.frames(), config)
+    chosen = list(labels) if request is None else resolve(request, labels)
+    requests = by_request.requests(chosen)
     return Explanation(
         log=src.name,
         recorded=recorded,

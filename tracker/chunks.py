@@ -161,6 +161,11 @@ class ChunkIndex:
         chunks = self._aliases.get(key)
         return chunks[0] if chunks else None
 
+    def aliases(self, key: bytes) -> tuple[bytes, ...]:
+        """The whole-block prefix keys a stored chunk is also found under (none: not stored,
+        or no block hits)."""
+        return self._alias_of.get(key, ())
+
     def is_writing(self, key: bytes) -> bool:
         return key in self._writing
 

@@ -26,18 +26,19 @@ The rules:
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import attrs
 
 from kvledger.tracker import events as ev
-from kvledger.tracker.chunks import ChunkIndex, block_prefix_keys, partial_key
+from kvledger.tracker.chunks import ChunkIndex, RemoteKeys, block_prefix_keys, partial_key
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.state import Phase, RequestState, Violation
 from kvledger.tracker.tiers import POOL, REMOTE, slot_of
 
 __all__ = [
     "ChunkTransfer",
+    "PoolView",
     "Span",
     "TransferPlan",
     "answer_lookup",
@@ -52,6 +53,17 @@ __all__ = [
     "span_tier",
     "transfer_plan",
 ]
+
+
+class PoolView(Protocol):
+    """What a lookup asks of the pool (``ChunkIndex`` answers it; ``kvledger whatif``'s hit
+    curve answers it for every pool size at once from a recency stack)."""
+
+    remote: RemoteKeys
+
+    def slot_of(self, key: bytes) -> int | None: ...
+
+    def __contains__(self, key: object) -> bool: ...
 
 
 def _prefix_key(state: RequestState, chunk: int) -> bytes:
@@ -110,7 +122,7 @@ def saved_tail(state: RequestState, config: TrackerConfig, span: Span) -> Span |
     return Span(key, span.start, end, True, span.parent)
 
 
-def span_tier(index: ChunkIndex, span: Span) -> str | None:
+def span_tier(index: PoolView, span: Span) -> str | None:
     """The tier a lookup finds ``span`` in (``tracker/tiers.py``, nearest first): ``POOL``
     (the host pool's index holds it), ``REMOTE`` (the remote tier was seen holding it: a
     recorded fact, tracker/remote.py), or None. A partial tail counts from the host pool
@@ -122,7 +134,7 @@ def span_tier(index: ChunkIndex, span: Span) -> str | None:
     return None
 
 
-def block_hit(state: RequestState, index: ChunkIndex, config: TrackerConfig, chunk: int,
+def block_hit(state: RequestState, index: PoolView, config: TrackerConfig, chunk: int,
                num_tokens: int) -> int:  # fmt: skip
     """Whole blocks of chunk ``chunk`` (the first one not held whole) that a stored chunk
     holds, found by their aliases (``block_hits``): the longest such prefix, in tokens. Aliases are taken in
@@ -143,7 +155,7 @@ def block_hit(state: RequestState, index: ChunkIndex, config: TrackerConfig, chu
 
 
 def answer_lookup(
-    state: RequestState, index: ChunkIndex, config: TrackerConfig, local_hit: int, num_tokens: int
+    state: RequestState, index: PoolView, config: TrackerConfig, local_hit: int, num_tokens: int
 ) -> tuple[int, int]:
     """(hit, external): tokens the pool holds for this prefix, tokens to offer vLLM."""
     hit = 0

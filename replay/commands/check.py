@@ -206,9 +206,9 @@ def _fmt_decisions(ds: Sequence[Any]) -> list[str]:
     return [format_event(d) for d in ds] or ["(nothing)"]
 
 
-def render_problem(n: int, p: Problem, out: TextIO) -> None:
+def render_problem(n: int, p: Problem, out: TextIO, label: str = "problem") -> None:
     w = out.write
-    w(f"problem {n}: step {p.step}, request {elide(p.req_id) or '-'}: {elide(p.headline())}\n")
+    w(f"{label} {n}: step {p.step}, request {elide(p.req_id) or '-'}: {elide(p.headline())}\n")
     if p.event is not None:
         w(f"  event     {format_event(p.event)}\n")
     if p.offset >= 0:
@@ -255,11 +255,14 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
             w(f"  at        {result.stop.path}: byte offset {result.stop.offset}\n")
         w("result: unreadable (exit 2)\n")
         return
+    # Under --with, a rule broken is where the run's recorded schedule meets this config's
+    # plans: vLLM would have scheduled otherwise. Not a problem of the run.
+    label = "problem" if result.what_if is None else "what-if rule break"
     for i, p in enumerate(result.problems[:limit], 1):
-        render_problem(i, p, out)
+        render_problem(i, p, out, label)
         w("\n")
     if len(result.problems) > limit:
-        w(f"... {len(result.problems) - limit} more problems (--limit N, or --json)\n\n")
+        w(f"... {len(result.problems) - limit} more {label}s (--limit N, or --json)\n\n")
     if result.what_if is not None:
         _render_what_if(result, out, limit)
     c = result.counts
@@ -335,7 +338,8 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     if result.problems_total:
         names = Counter(f"{p.name}" for p in result.problems)
         w(
-            f"  problems  {result.problems_total}: "
+            ("  problems  " if result.what_if is None else "  breaks    ")
+            + f"{result.problems_total}: "
             + ", ".join(f"{elide(k)} x{n}" for k, n in names.most_common())
             + "\n"
         )
@@ -371,6 +375,13 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         verdict = "clean: no rule broken by the wrapped connector"
     elif code == 0:
         verdict = "clean: every decision re-derived identically, no rule broken"
+    elif code == 1 and result.what_if is not None:
+        n = result.problems_total
+        verdict = (
+            f"{n} rule break{'s' if n != 1 else ''} where the run's recorded schedule meets this "
+            "config's plans (not problems of the run: vLLM would have scheduled otherwise; "
+            "kvledger whatif forecasts what would have hit)"
+        )
     elif code == 1:
         verdict = f"{result.problems_total} problem{'s' if result.problems_total != 1 else ''}"
     elif code == 3:
@@ -396,6 +407,11 @@ def _render_what_if(result: CheckResult, out: TextIO, limit: int) -> None:
     )
     w(f"what-if: {changes or 'no change'}\n")
     w("  an estimate of the plans under this config; vLLM's schedule stays as recorded\n")
+    asked = " ".join(f"--with {k}={v}" for k, v in wi.overrides.items())
+    w(
+        f"  what would have hit, with the schedule fitted to this config's offers: "
+        f"kvledger whatif LOG {asked}\n"
+    )
     rows = sorted(wi.per_request.items())
     if result.request is not None:
         rows = [(r, v) for r, v in rows if r == result.request]
