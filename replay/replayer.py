@@ -299,7 +299,7 @@ class _Replay:
         live_states = tracker.states  # the live dict itself (read for its size only)
         apply = tracker.apply
         prepare, rewrite = self.prepare, self.rewrite
-        report = None if self.progress is None else _Report(self.progress, source.paths)
+        report = None if self.progress is None else ReadProgress(self.progress, source.paths)
         by_type: Counter[type] = Counter()
         count_types = by_type.update
         recorded: list[ev.DecisionEvent] = []
@@ -412,7 +412,7 @@ class _Replay:
         }
 
 
-class _Report:
+class ReadProgress:
     """``progress(bytes done, bytes total)``, a few times a second: the bytes of the segments
     before the frame's, plus the frame's offset."""
 

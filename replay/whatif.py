@@ -16,8 +16,9 @@ What is kept from the run (the forecast's model of vLLM):
   in the same step (a chunked prefill then ends no later than it did); one offered less
   computes what it no longer loads in that step too. vLLM would also accept every token
   offered (as it does when it has the blocks);
-- the worker: every load and save planned in a step is done at the start of the next one,
-  as the run's synchronous worker reported them.
+- the worker: every load and save planned in a step is done as many steps later as the
+  run's were (one with a synchronous worker, two under async scheduling), first in that step,
+  as the run's worker reported them.
 
 What changes is the pool's content, hence every lookup's answer: a forecast, not a verdict.
 Where the real scheduler would have differed (a prefill that loads more leaves budget to
@@ -37,12 +38,12 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvledger.replay.explain import Explanation, explain, explain_frames
-from kvledger.replay.replayer import parse_overrides
+from kvledger.replay.replayer import Progress, ReadProgress, parse_overrides
 from kvledger.replay.source import LogPath, LogSource, open_log
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import ChunkIndex, RemoteKeys
 from kvledger.tracker.config import MAX_ASYNC_LAG, ConfigError, TrackerConfig
-from kvledger.tracker.framing import Frame
+from kvledger.tracker.framing import Frame, StopInfo
 from kvledger.tracker.plans import answer_lookup
 from kvledger.tracker.remote import REMOTE_TYPES
 from kvledger.tracker.state import RequestState
@@ -76,7 +77,8 @@ APPROXIMATIONS = (
     "each request computes at least what it computed in the run, step by step; a prefill "
     "offered more loads it and finishes in the same step, one offered less computes the "
     "difference in that step",
-    "vLLM accepts every token offered, and every load and save is done at the next step",
+    "vLLM accepts every token offered, and every load and save is done as many steps after "
+    "its plan as the run's were",
 )
 
 
@@ -171,8 +173,15 @@ class _Forecaster:
         self.done: dict[str, int] = {}  # ... and the forecast
         self.tables: dict[str, list[int]] = {}  # the forecast's block table
         self.offered: dict[str, int] = {}  # the forecast's answer to the latest lookup
-        self.saves: list[tuple[str, tuple[bytes, ...]]] = []
-        self.loads: list[str] = []
+        # The forecast's plans waiting for their results: (step planned, req id, keys).
+        self.saves: list[tuple[int, str, tuple[bytes, ...]]] = []
+        self.loads: list[tuple[int, str]] = []
+        # The run's worker: how many steps after its plan a result came (1 with a
+        # synchronous worker; 2 under async scheduling, or a deferred save), learned from the
+        # run's own plans and results as they come.
+        self.lag = {"save": 1, "load": 1}
+        self.run_saves: dict[bytes, int] = {}  # chunk key -> the step the run planned it
+        self.run_loads: dict[str, int] = {}  # req id -> the step its load was planned
         self.next_block = 0
         self.decode_without_ids = 0  # steady decode steps whose token ids the log lacks
         self.lost_records = 0
@@ -199,32 +208,82 @@ class _Forecaster:
 
     def finish(self) -> list[Frame]:
         self.t.end_step()
-        self._results()
+        self._results(every=True)
         self.t.end_step()
         out, self.sink.ready = self.sink.ready, []
         return out
 
-    def _results(self) -> None:
-        """The worker's results of the plans of earlier steps, as the run's came: first in
-        the step after."""
+    def _results(self, *, every: bool = False) -> None:
+        """The results of the forecast's plans that the run did not make too, as many steps
+        after them as the run's results came (``every``: all, at the end of the log). A
+        plan the run made too is done where the run's was, in its order (``_run_result``)."""
         t = self.t
-        saves, self.saves = self.saves, []
-        loads, self.loads = self.loads, []
-        for req_id, keys in saves:
+        due_save = t.step - self.lag["save"]
+        due_load = t.step - self.lag["load"]
+        run_saves, run_loads = self.run_saves, self.run_loads
+        saves = [
+            s
+            for s in self.saves
+            if every or (s[0] <= due_save and not any(k in run_saves for k in s[2]))
+        ]
+        loads = [s for s in self.loads if every or (s[0] <= due_load and s[1] not in run_loads)]
+        if saves:
+            self.saves = [s for s in self.saves if s not in saves]
+            self._saved(saves)
+        if loads:
+            self.loads = [s for s in self.loads if s not in loads]
+            self._loaded(loads)
+
+    def _saved(self, saves: Sequence[tuple[int, str, tuple[bytes, ...]]]) -> None:
+        t = self.t
+        for _, req_id, keys in saves:
             self._take(t.apply(ev.SaveDone(t.step, req_id, keys)))
             if self.curve is not None:
                 self.curve.referenced(t.index, keys)
             if self.remote_seen:
                 t.apply(ev.RemoteSaveDone(t.step, req_id, keys))
-        for req_id in loads:
-            self._take(t.apply(ev.LoadDone(t.step, req_id)))
+
+    def _loaded(self, loads: Sequence[tuple[int, str]]) -> None:
+        for _, req_id in loads:
+            self._take(self.t.apply(ev.LoadDone(self.t.step, req_id)))
+
+    def _run_plan(self, e: ev.Event) -> None:
+        """The run's own plan: what the forecast's same plan waits for."""
+        if isinstance(e, ev.SavePlanned):
+            for key in e.keys:
+                self.run_saves[key] = e.step
+        elif isinstance(e, ev.LoadPlanned) and e.keys:
+            self.run_loads[e.req_id] = e.step
+
+    def _run_result(self, e: ev.Event) -> None:
+        """The run's worker reported a plan done (or failed: the forecast's succeeds): the
+        forecast's same plan is done now, and the lag is learned for the others."""
+        step = None
+        if isinstance(e, (ev.SaveDone, ev.SaveFailed)):
+            keys = set(e.keys)
+            for key in e.keys:
+                step = self.run_saves.pop(key, step)
+            if step is not None:
+                self.lag["save"] = max(1, e.step - step)
+            mine = [s for s in self.saves if keys.intersection(s[2])]
+            if mine:
+                self.saves = [s for s in self.saves if s not in mine]
+                self._saved(mine)
+        elif isinstance(e, (ev.LoadDone, ev.LoadFailed)):
+            step = self.run_loads.pop(e.req_id, None)
+            if step is not None:
+                self.lag["load"] = max(1, e.step - step)
+            mine_loads = [s for s in self.loads if s[1] == e.req_id]
+            if mine_loads:
+                self.loads = [s for s in self.loads if s[1] != e.req_id]
+                self._loaded(mine_loads)
 
     def _take(self, decisions: Sequence[ev.DecisionEvent]) -> None:
         for d in decisions:
             if isinstance(d, ev.SavePlanned) and d.keys:
-                self.saves.append((d.req_id, d.keys))
+                self.saves.append((d.step, d.req_id, d.keys))
             elif isinstance(d, ev.LoadPlanned) and d.keys:
-                self.loads.append(d.req_id)
+                self.loads.append((d.step, d.req_id))
                 if self.curve is not None:
                     self.curve.referenced(self.t.index, d.keys)
 
@@ -415,6 +474,12 @@ _HANDLERS: dict[type, Callable[[_Forecaster, Any], None]] = {
     ev.ChunkStored: _Forecaster._chunk_fact,
     ev.ChunkEvicted: _Forecaster._chunk_fact,
     ev.RecordLost: _Forecaster._lost,
+    ev.SavePlanned: _Forecaster._run_plan,
+    ev.LoadPlanned: _Forecaster._run_plan,
+    ev.SaveDone: _Forecaster._run_result,
+    ev.SaveFailed: _Forecaster._run_result,
+    ev.LoadDone: _Forecaster._run_result,
+    ev.LoadFailed: _Forecaster._run_result,
 }
 
 
@@ -560,15 +625,27 @@ def _remote_text(remote: bool | None) -> str:
     return "as recorded" if remote is None else ("on" if remote else "off")
 
 
-def whatif(path: LogPath, changes: dict[str, Any]) -> Forecast:
+def _read(setup: _Setup, progress: Progress | None) -> Iterator[Any]:
+    """The run's frames, with ``progress(bytes done, bytes total)`` a few times a second."""
+    if progress is None:
+        yield from setup.source.frames()
+        return
+    report = ReadProgress(progress, setup.source.paths)
+    for frame in setup.source.frames():
+        report.at(frame)
+        yield frame
+    report.end()
+
+
+def whatif(path: LogPath, changes: dict[str, Any], *, progress: Progress | None = None) -> Forecast:
     """Forecast what the run of the log at ``path`` would have hit under ``changes`` (keys
     of :data:`SETTINGS`). Raises :class:`Unanswerable` for a setting that is not one, or a
     question this log cannot answer; ``LogFormatError`` / ``OSError`` for a log that cannot
-    be read."""
+    be read. ``progress(bytes done, bytes total)``: the forecast's reading of the log."""
     setup = _setup(path, changes)
     forecaster: list[_Forecaster] = []
     frames = forecast_frames(
-        setup.source.frames(), setup.run_config, forecaster=forecaster, **setup.options
+        _read(setup, progress), setup.run_config, forecaster=forecaster, **setup.options
     )
     forecast = explain_frames(frames, setup.run_config, name=setup.options["name"])
     actual = explain(path)
@@ -600,6 +677,7 @@ class Curve:
     tokens_asked: int
     actual: int
     violations: list[str] = attrs.field(factory=list)
+    damage: StopInfo | None = None  # where reading the log stopped early
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -617,7 +695,13 @@ class Curve:
         }
 
 
-def sweep(path: LogPath, sizes: Sequence[int], changes: dict[str, Any] | None = None) -> Curve:
+def sweep(
+    path: LogPath,
+    sizes: Sequence[int],
+    changes: dict[str, Any] | None = None,
+    *,
+    progress: Progress | None = None,
+) -> Curve:
     """The hit curve over pool ``sizes`` (slots) under ``changes`` (any setting but
     ``num_slots``), from one forecast pass at the largest size: Mattson's stack distances
     (:class:`_Recency`) answer every size at once."""
@@ -630,14 +714,15 @@ def sweep(path: LogPath, sizes: Sequence[int], changes: dict[str, Any] | None = 
     curve = _Curve(sizes)
     forecaster: list[_Forecaster] = []
     for _ in forecast_frames(
-        setup.source.frames(),
+        _read(setup, progress),
         setup.run_config,
         forecaster=forecaster,
         curve=curve,
         **setup.options,
     ):
         pass
-    actual = explain(path).totals()
+    explained = explain(path)
+    actual = explained.totals()
     return Curve(
         log=setup.source.name,
         changes=changes,
@@ -648,6 +733,7 @@ def sweep(path: LogPath, sizes: Sequence[int], changes: dict[str, Any] | None = 
         tokens_asked=actual["tokens_asked"],
         actual=actual["hit"]["pool"],
         violations=[v.rule for v in forecaster[0].t.violations],
+        damage=explained.damage,
     )
 
 

@@ -57,14 +57,17 @@ def _vllm() -> None:
         pytest.skip(f"vLLM's scheduler is not usable: {reason}")
 
 
-def real_run(tmp: Path, workload: dict[str, Any], chunk: int, slots: int) -> tuple[int, str]:
+def real_run(
+    tmp: Path, workload: dict[str, Any], chunk: int, slots: int, **extra: Any
+) -> tuple[int, str]:
     """Run ``workload`` under vLLM's real scheduler with a pool of ``slots`` chunks of
-    ``chunk`` tokens: (tokens the worker loaded from the pool, the log's path)."""
+    ``chunk`` tokens (``extra``: more of the connector's settings): (tokens the worker loaded
+    from the pool, the log's path)."""
     from kvledger.connector.testing.run import RunSpec, run
 
-    d = tmp / f"c{chunk}s{slots}"
+    d = tmp / f"c{chunk}s{slots}{''.join(sorted(extra))}"
     d.mkdir()
-    extra = {"chunk_size": chunk, "host_pool_bytes": slots * chunk * BYTES_PER_TOKEN}
+    extra = {"chunk_size": chunk, "host_pool_bytes": slots * chunk * BYTES_PER_TOKEN, **extra}
     report = run(RunSpec(**workload, extra_config=extra), log_dir=str(d))
     assert report.ok, report
     assert report.log_path is not None
@@ -128,6 +131,46 @@ def test_forecasts_from_one_log_match_real_runs(large: Any, tmp_path: Path) -> N
 
 
 @pytest.mark.vllm
+def test_the_remote_tier_partial_chunks_and_block_hits_against_real_runs(
+    large: Any, tmp_path: Path
+) -> None:
+    """The other settings, each against a real run: a small pool with a remote tier (a
+    ``file://`` directory) forecast from the large run without one, and back (the remote
+    tier turned off, the pool large again); partial chunks kept; block hits off. The hits
+    by source (pool and remote) within 20% or 16 tokens."""
+    from kvledger.replay.explain import explain
+
+    _, workload, log, loaded = large
+    cases = [
+        ({"num_slots": 2, "remote": True}, 2, {"remote_url": f"file://{tmp_path}/tier2"}),
+        ({"num_slots": 4, "remote": True}, 4, {"remote_url": f"file://{tmp_path}/tier4"}),
+        ({"discard_partial_chunks": False}, LARGE, {"discard_partial_chunks": False}),
+        ({"num_slots": 4, "discard_partial_chunks": False}, 4, {"discard_partial_chunks": False}),
+        ({"block_hits": False}, LARGE, {"block_hits": False}),
+    ]
+    errors = []
+    for changes, slots, extra in cases:
+        if "remote_url" in extra:
+            (tmp_path / extra["remote_url"].rsplit("/", 1)[1]).mkdir()
+        _, real_log = real_run(tmp_path, workload, 32, slots, **extra)
+        real = explain(real_log).totals()["hit"]
+        f = whatif(log, changes)
+        assert f.violations == []
+        forecast = f.forecast.totals()["hit"]
+        for source in ("pool", "remote"):
+            if abs(forecast[source] - real[source]) > max(0.2 * real[source], 16):
+                errors.append(
+                    f"{changes} {source}: forecast {forecast[source]}, real {real[source]}"
+                )
+        if changes.get("remote"):
+            assert real["remote"] > 0  # the tier served what the small pool lost
+            back = whatif(real_log, {"num_slots": LARGE, "remote": False}).forecast.totals()
+            assert back["hit"]["remote"] == 0
+            assert abs(back["hit"]["pool"] - loaded) <= max(0.2 * loaded, 16)
+    assert errors == []
+
+
+@pytest.mark.vllm
 def test_the_curve_from_one_pass_matches_the_forecasts_per_size(large: Any) -> None:
     """The sweep (one pass, stack distances) against one forecast per size: the same at
     sizes where the pool is not full of chunks being read (docs/whatif.md: below that a
@@ -142,6 +185,37 @@ def test_the_curve_from_one_pass_matches_the_forecasts_per_size(large: Any) -> N
         assert abs(offered - per_size) <= max(0.2 * per_size, 16), (n, offered, per_size)
     assert curve.offered[-1] == loaded  # the run's own size: the run
     assert curve.offered == sorted(curve.offered)  # an LRU pool never loses by growing
+
+
+# vLLM's scheduler run other ways: async scheduling (results a step later), vLLM's own prefix
+# cache (local hits), a drafter's deferred save, a capped prefill, the first model runner.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "async": dict(PREEMPTING, async_scheduling=True),
+    "prefix-cache": dict(PREEMPTING, enable_prefix_caching=True),
+    "drafter": dict(PLAIN, drafter_layers=1),
+    "long-prefill": dict(PREEMPTING, long_prefill_token_threshold=24, max_num_batched_tokens=64),
+    "model-runner-v1": dict(PREEMPTING, model_runner_v2=False),
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_scheduler_variants(variant: str, tmp_path: Path) -> None:
+    """Each variant run for real with 64 slots and with 4: each log at its own settings is
+    its run; each forecasts the other within 20% or 16 tokens."""
+    _vllm()
+    workload = VARIANTS[variant]
+    large_loaded, large_log = real_run(tmp_path, workload, 32, LARGE)
+    small_loaded, small_log = real_run(tmp_path, workload, 32, 4)
+    for log in (large_log, small_log):
+        same = whatif(log, {})
+        assert same.violations == []
+        assert same.actual.totals() == same.forecast.totals()
+        assert _untimed(same.actual.requests) == _untimed(same.forecast.requests)
+    for log, slots, real in ((large_log, 4, small_loaded), (small_log, LARGE, large_loaded)):
+        f = whatif(log, {"num_slots": slots})
+        assert f.violations == []
+        assert abs(_pool(f) - real) <= max(0.2 * real, 16), (slots, _pool(f), real)
 
 
 @settings(max_examples=200, deadline=None)
@@ -219,3 +293,41 @@ def test_the_command(large: Any, tmp_path: Path, capsys: Any) -> None:
     assert "both set it" in capsys.readouterr().err
     assert main(["whatif", log, "--plot", str(png)]) == 2
     assert "give --sweep too" in capsys.readouterr().err
+
+
+CLEAN = Path(__file__).parent / "data" / "replay-clean.kvlog"
+
+
+def test_the_kept_demo_log_at_its_own_settings_and_a_larger_pool() -> None:
+    """The demo run kept in tests/data (format 1.0): its own settings give the run; a pool of
+    64 chunks wins back exactly the tokens the run lost to evictions, and no other miss
+    moves (docs/whatif.md's example)."""
+    same = whatif(CLEAN, {})
+    assert same.violations == [] and same.actual.totals() == same.forecast.totals()
+    run = same.actual.totals()
+    bigger = whatif(CLEAN, {"num_slots": 64}).forecast.totals()
+    evicted = run["reasons"]["evicted"]
+    assert evicted > 0 and "evicted" not in bigger["reasons"]
+    assert bigger["tokens_hit"] == run["tokens_hit"] + evicted
+    assert {r: n for r, n in bigger["reasons"].items()} == {
+        r: n for r, n in run["reasons"].items() if r != "evicted"
+    }
+
+
+def test_a_torn_log_is_forecast_as_far_as_it_reads(tmp_path: Path, capsys: Any) -> None:
+    """A log cut inside a frame: the forecast of what was read, and exit 2 saying where the
+    read stopped; a file that is no log: exit 2 naming it."""
+    data = CLEAN.read_bytes()
+    torn = tmp_path / "torn.kvlog"
+    torn.write_bytes(data[: len(data) - 200])
+    assert main(["whatif", str(torn), "--with", "num_slots=64", "--json"]) == 2
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert 0 < doc["actual"]["tokens_asked"] <= whatif(CLEAN, {}).actual.totals()["tokens_asked"]
+    assert "read stopped early" in captured.err and "torn_tail" in captured.err
+    assert main(["whatif", str(torn), "--sweep", "num_slots=8,64"]) == 2
+    assert "read stopped early" in capsys.readouterr().err
+    other = tmp_path / "notes.txt"
+    other.write_text("not a log\n")
+    assert main(["whatif", str(other), "--with", "num_slots=4"]) == 2
+    assert "not a kvledger log" in capsys.readouterr().err

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from kvledger.replay.commands.common import (
     print_json,
     warn_damage,
 )
-from kvledger.replay.extras import Output, pyplot
+from kvledger.replay.extras import Output, progress_bar, pyplot
 
 __all__ = ["add_whatif"]
 
@@ -85,6 +87,19 @@ def _sweep_values(text: str) -> tuple[str, list[int]]:
 
 @guard
 def _whatif(args: argparse.Namespace) -> int:
+    bar = None if args.json else progress_bar(sys.stderr, "whatif", unit="bytes")
+    with bar if bar is not None else nullcontext():
+        progress = None
+        if bar is not None:
+            task = bar.add_task("whatif", total=None)
+
+            def progress(done: int, total: int) -> None:
+                bar.update(task, completed=done, total=total)
+
+        return _answer(args, progress)
+
+
+def _answer(args: argparse.Namespace, progress: Any) -> int:
     from kvledger.replay import whatif as wi
 
     changes = wi.parse_settings(args.changes)
@@ -97,18 +112,20 @@ def _whatif(args: argparse.Namespace) -> int:
         if key in changes:
             raise wi.Unanswerable(f"--sweep {key} and --with {key} both set it: keep one")
         if key == "num_slots":
-            curve = wi.sweep(args.log, values, changes)
+            curve = wi.sweep(args.log, values, changes, progress=progress)
             points = list(zip(curve.sizes, curve.offered, strict=True))
             doc = curve.to_dict()
             actual = (curve.config.num_slots, curve.actual)
             asked = curve.tokens_asked
+            damage = curve.damage
         else:
-            runs = [wi.whatif(args.log, {**changes, key: v}) for v in values]
+            runs = [wi.whatif(args.log, {**changes, key: v}, progress=progress) for v in values]
             points = [
                 (v, f.forecast.totals()["hit"]["pool"]) for v, f in zip(values, runs, strict=True)
             ]
             actual = (getattr(runs[0].recorded_config, key), runs[0].actual.totals()["hit"]["pool"])
             asked = runs[0].actual.totals()["tokens_asked"]
+            damage = runs[0].actual.damage
             doc = {
                 "log": runs[0].log,
                 "with": changes,
@@ -121,14 +138,14 @@ def _whatif(args: argparse.Namespace) -> int:
             }
         if args.plot:
             _plot(args.plot, key, points, actual, asked, str(args.log))
-        status = warn_damage(args.log)
+        status = args.exit_code = warn_damage(args.log, damage)
         if args.json:
             print_json(doc)
             return status
         _print_curve(key, points, actual, asked, args)
         return status
-    forecast = wi.whatif(args.log, changes)
-    status = warn_damage(args.log, forecast.actual.damage)
+    forecast = wi.whatif(args.log, changes, progress=progress)
+    status = args.exit_code = warn_damage(args.log, forecast.actual.damage)
     if args.json:
         print_json(forecast.to_dict())
         return status
