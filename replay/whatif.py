@@ -12,10 +12,11 @@ What is kept from the run (the forecast's model of vLLM):
   outputs, the same preemptions and finishes;
 - vLLM's own prefix cache: each lookup's ``local_hit`` is the run's;
 - vLLM's schedule: each request computes, step by step, at least what it computed in the
-  run. A request offered more than in the run loads it and computes the rest of its prefill
-  in the same step (a chunked prefill then ends no later than it did); one offered less
+  run. A request offered more than in the run loads it and computes as many tokens past it
+  as the run scheduled for it in that step (a chunked prefill ends sooner); one offered less
   computes what it no longer loads in that step too. vLLM would also accept every token
-  offered (as it does when it has the blocks);
+  offered (as it does when it has the blocks), and every load and save succeeds (a failure
+  in the run is not repeated);
 - the worker: every load and save planned in a step is done as many steps later as the
   run's were (one with a synchronous worker, two under async scheduling), first in that step,
   as the run's worker reported them.
@@ -25,6 +26,11 @@ Where the real scheduler would have differed (a prefill that loads more leaves b
 other requests, which may then run earlier) the forecast keeps the run's order; the docs
 (docs/whatif.md) give its error against real runs.
 
+On a recorder's log (``KVLedgerRecorder`` around another connector: LMCache, vLLM's own) the
+run's figures are the wrapped connector's (``inner``), and the forecast is what kvledger's own
+pool would have hit on the same run: the inputs are the same vLLM callbacks, and the offers
+vLLM acted on are replaced by the forecast's.
+
 A question the log cannot answer is refused, naming why (:class:`Unanswerable`): decode
 chunks (``save_decode_cache=true``) need the token ids of steady decode steps, which
 kvledger's own log does not carry (a recorder's log does).
@@ -32,6 +38,7 @@ kvledger's own log does not carry (a recorder's log does).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -74,11 +81,11 @@ SETTINGS = (*TRACKER_SETTINGS, "remote")
 APPROXIMATIONS = (
     "the run's requests, arrivals, prompts, outputs, preemptions and finishes, in its order",
     "vLLM's prefix cache hit (local) of each lookup is the run's",
-    "each request computes at least what it computed in the run, step by step; a prefill "
-    "offered more loads it and finishes in the same step, one offered less computes the "
-    "difference in that step",
-    "vLLM accepts every token offered, and every load and save is done as many steps after "
-    "its plan as the run's were",
+    "each request computes at least what it computed in the run, step by step; offered more, "
+    "it computes as many tokens past its load as the run scheduled for it, offered less, the "
+    "difference too, in that step",
+    "vLLM accepts every token offered; every load and save succeeds, as many steps after its "
+    "plan as the run's did",
 )
 
 
@@ -166,6 +173,8 @@ class _Forecaster:
         self.remote_seen = remote is True
         # The run's facts about the store name chunks by their keys: only the run's keys.
         self.remote_facts = remote is not False and same_keys
+        self.same_keys = same_keys
+        self.run_rules: Counter[str] = Counter()  # the rule breaks the run recorded
         # Decode chunks to save that the run never saved: their token ids are needed.
         self.decode_ids_needed = decode_ids_needed
         self.tokens: dict[str, list[int]] = {}  # the token ids the run knew, per request
@@ -192,9 +201,9 @@ class _Forecaster:
 
     def frame(self, frame: Any) -> list[Frame]:
         t = self.t
-        self.sink.wall_ns = frame.wall_ns
         while t.step < frame.step:
-            t.end_step()
+            t.end_step()  # the frames of earlier steps keep the time they were read at
+        self.sink.wall_ns = frame.wall_ns
         self._results()
         handlers = _HANDLERS
         for e in frame.events:
@@ -246,6 +255,10 @@ class _Forecaster:
     def _loaded(self, loads: Sequence[tuple[int, str]]) -> None:
         for _, req_id in loads:
             self._take(self.t.apply(ev.LoadDone(self.t.step, req_id)))
+
+    def own_violations(self) -> list[str]:
+        """The rules the forecast broke that the run did not record breaking itself."""
+        return sorted((Counter(v.rule for v in self.t.violations) - self.run_rules).elements())
 
     def _run_plan(self, e: ev.Event) -> None:
         """The run's own plan: what the forecast's same plan waits for."""
@@ -357,7 +370,10 @@ class _Forecaster:
                 return
             lookup = state.lookup
             computed = (lookup.local_hit if lookup else e.num_computed) + state.accepted
-            mine = max(end, min(computed + 1, max(len(toks), computed + 1)))
+            # Offered more than in the run: it computes as many tokens as the run scheduled
+            # for it in this step, past what it loads (a chunked prefill ends sooner; vLLM's
+            # budget for it is the run's). Offered less: the difference, in this step too.
+            mine = max(end, min(max(len(toks), end), computed + e.num_scheduled))
             if req_id not in self.tables or not state.allocated:
                 self.tables[req_id] = []
             table, _ = self._table(req_id, mine)
@@ -445,8 +461,15 @@ class _Forecaster:
             d.pop(e.req_id, None)
 
     def _chunk_fact(self, e: ev.Event) -> None:
-        # A warm pool's chunk stored or evicted outside any plan: a fact about the pool.
-        self._take(self.t.apply(e))
+        # A warm pool's chunk stored or evicted outside any plan: a fact about the pool,
+        # by the run's chunk keys (under another chunk size no lookup could find it).
+        if self.same_keys:
+            self._take(self.t.apply(e))
+            if self.curve is not None and isinstance(e, ev.ChunkStored):
+                self.curve.referenced(self.t.index, (e.key,))
+
+    def _run_violation(self, e: ev.ViolationRecorded) -> None:
+        self.run_rules[e.rule] += 1
 
     def _lost(self, e: ev.Event) -> None:
         self.lost_records += 1
@@ -474,6 +497,7 @@ _HANDLERS: dict[type, Callable[[_Forecaster, Any], None]] = {
     ev.ChunkStored: _Forecaster._chunk_fact,
     ev.ChunkEvicted: _Forecaster._chunk_fact,
     ev.RecordLost: _Forecaster._lost,
+    ev.ViolationRecorded: _Forecaster._run_violation,
     ev.SavePlanned: _Forecaster._run_plan,
     ev.LoadPlanned: _Forecaster._run_plan,
     ev.SaveDone: _Forecaster._run_result,
@@ -498,9 +522,13 @@ class Forecast:
     remote: str  # "as recorded", "on" or "off"
     actual: Explanation
     forecast: Explanation
-    # Rules the forecast run broke: the forecast's own bug, never the run's (0 expected).
+    # Rules the forecast broke beyond those the run recorded breaking (``run_violations``):
+    # 0 expected. A log that breaks a rule kvledger check derives (not recorded) repeats it.
     violations: list[str] = attrs.field(factory=list)
+    run_violations: list[str] = attrs.field(factory=list)
     lost_records: int = 0
+    # A recorder's log: the wrapped connector's name (the run's figures are its own).
+    inner: str | None = None
 
     def notes(self) -> list[str]:
         notes = [f"kept from the run: {a}" for a in APPROXIMATIONS]
@@ -511,8 +539,9 @@ class Forecast:
             )
         if self.violations:
             notes.append(
-                f"the forecast broke {len(self.violations)} of the tracker's rules (a bug of "
-                f"the forecast, not of the run): {', '.join(sorted(set(self.violations)))}"
+                f"the forecast met {len(self.violations)} rule breaks the run did not record "
+                f"({', '.join(sorted(set(self.violations)))}): if kvledger check finds them "
+                "in the run too, the forecast repeats the run's; else they are the forecast's"
             )
         return notes
 
@@ -531,6 +560,7 @@ class Forecast:
             )
         return {
             "log": self.log,
+            "inner": self.inner,
             "with": dict(self.changes),
             "remote": self.remote,
             "recorded_config": _settings(self.recorded_config),
@@ -539,6 +569,7 @@ class Forecast:
             "forecast": _figures(self.forecast.totals()),
             "requests": requests,
             "violations": list(self.violations),
+            "run_violations": list(self.run_violations),
             "notes": self.notes(),
         }
 
@@ -565,7 +596,7 @@ def forecast_frames(
     curve: _Curve | None = None,
 ) -> Iterator[Frame]:
     """The forecast run's frames, made as the run's ``frames`` are read (memory follows the
-    live requests). ``forecaster``: a list the forecasting object is appended to, for its
+    live requests; a ``curve``'s stack grows with the distinct chunks of the log). ``forecaster``: a list the forecasting object is appended to, for its
     counters once the frames are read."""
     f = _Forecaster(
         config,
@@ -595,12 +626,6 @@ def _setup(path: LogPath, changes: dict[str, Any]) -> _Setup:
     if unknown:
         raise Unanswerable(f"not what-if settings: {unknown}; accepted: {', '.join(SETTINGS)}")
     src = open_log(path)
-    if src.recorded:
-        raise Unanswerable(
-            "this log was written by KVLedgerRecorder: the wrapped connector decided, and its "
-            "pool is not in the log; kvledger whatif forecasts kvledger's own pool from a log "
-            "written by KVLedgerConnector"
-        )
     recorded, _ = src.lenient_config()
     tracker_changes = {k: v for k, v in changes.items() if k in TRACKER_SETTINGS}
     try:
@@ -658,9 +683,20 @@ def whatif(path: LogPath, changes: dict[str, Any], *, progress: Progress | None 
         remote=_remote_text(changes.get("remote")),
         actual=actual,
         forecast=forecast,
-        violations=[v.rule for v in f.t.violations],
+        violations=f.own_violations(),
+        run_violations=sorted(f.run_rules.elements()),
         lost_records=f.lost_records,
+        inner=_inner(setup.source),
     )
+
+
+def _inner(source: LogSource) -> str | None:
+    """The connector a recorder's log wrapped (None: kvledger's own log)."""
+    if not source.recorded:
+        return None
+    recorder = source.run_info.get("recorder")
+    name = recorder.get("inner") if isinstance(recorder, dict) else None
+    return str(name) if name else "the wrapped connector"
 
 
 @attrs.define
@@ -732,7 +768,7 @@ def sweep(
         admissions=curve.admissions,
         tokens_asked=actual["tokens_asked"],
         actual=actual["hit"]["pool"],
-        violations=[v.rule for v in forecaster[0].t.violations],
+        violations=forecaster[0].own_violations(),
         damage=explained.damage,
     )
 

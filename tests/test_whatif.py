@@ -82,14 +82,8 @@ def large(request: Any, tmp_path_factory: Any) -> tuple[str, dict[str, Any], str
     return request.param, WORKLOADS[request.param], log, loaded
 
 
-def _untimed(requests: Any) -> list[dict[str, Any]]:
-    """The requests' explanations without wall-clock figures (the forecast's loads take the
-    time of the frame they are read in)."""
-    out = [r.to_dict() for r in requests]
-    for r in out:
-        for a in r["admissions"]:
-            a.pop("load_seconds", None)
-    return out
+def _explained(requests: Any) -> list[dict[str, Any]]:
+    return [r.to_dict() for r in requests]
 
 
 def _pool(f: Any) -> int:
@@ -104,7 +98,7 @@ def test_a_forecast_at_the_runs_own_settings_is_the_run(large: Any) -> None:
     f = whatif(log, {})
     assert f.violations == []
     assert f.actual.totals() == f.forecast.totals()
-    assert _untimed(f.actual.requests) == _untimed(f.forecast.requests)
+    assert _explained(f.actual.requests) == _explained(f.forecast.requests)
     assert f.actual.totals()["hit"]["pool"] == loaded  # explain's pool figure is the worker's
     if name == "preempting":
         assert any(a.admission > 1 for r in f.actual.requests for a in r.admissions)
@@ -211,7 +205,7 @@ def test_scheduler_variants(variant: str, tmp_path: Path) -> None:
         same = whatif(log, {})
         assert same.violations == []
         assert same.actual.totals() == same.forecast.totals()
-        assert _untimed(same.actual.requests) == _untimed(same.forecast.requests)
+        assert _explained(same.actual.requests) == _explained(same.forecast.requests)
     for log, slots, real in ((large_log, 4, small_loaded), (small_log, LARGE, large_loaded)):
         f = whatif(log, {"num_slots": slots})
         assert f.violations == []
@@ -331,3 +325,34 @@ def test_a_torn_log_is_forecast_as_far_as_it_reads(tmp_path: Path, capsys: Any) 
     other.write_text("not a log\n")
     assert main(["whatif", str(other), "--with", "num_slots=4"]) == 2
     assert "not a kvledger log" in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_a_recorders_log_forecasts_kvledgers_own_pool(tmp_path: Path, capsys: Any) -> None:
+    """vLLM's ExampleConnector run under KVLedgerRecorder (a preempting workload): the
+    forecast from its log of what kvledger's own pool would have hit, against KVLedgerConnector
+    run for real on the same workload, at several chunk and pool sizes."""
+    from _rigs import PREEMPTING_RECORDED, example_spec
+
+    from kvledger.connector.testing.recorded import run_wrapped
+
+    _vllm()
+    workload = dict(PREEMPTING_RECORDED, repeat_prompts=3)
+    (tmp_path / "store").mkdir()
+    (tmp_path / "log").mkdir()
+    report = run_wrapped(
+        example_spec(tmp_path / "store", **workload), log_dir=str(tmp_path / "log")
+    )
+    assert report.mismatches == () and report.preemptions
+    assert report.log_path is not None
+    errors = []
+    for chunk, slots in [(256, 1024), (16, 4), (32, 2), (32, 8)]:
+        real, _ = real_run(tmp_path, workload, chunk, slots)
+        f = whatif(report.log_path, {"chunk_size": chunk, "num_slots": slots})
+        assert f.violations == [] and f.inner == "ExampleConnector"
+        assert f.actual.totals()["hit"]["inner"] > 0 and f.actual.totals()["hit"]["pool"] == 0
+        if abs(_pool(f) - real) > max(0.2 * real, 16):
+            errors.append(f"chunk {chunk} slots {slots}: forecast {_pool(f)}, real {real}")
+    assert errors == []
+    assert main(["whatif", report.log_path, "--with", "num_slots=8"]) == 0
+    assert "against the run's ExampleConnector" in capsys.readouterr().out

@@ -190,11 +190,18 @@ def _print_forecast(f: Any) -> None:
     was = ", ".join(
         f"{k} {getattr(f.recorded_config, k)}" for k in f.changes if hasattr(f.recorded_config, k)
     )
-    out.line(f"whatif {f.log}: {changed}{f' (the run: {was})' if was else ''}")
+    if f.inner is not None:
+        # A recorder's log: the run's pool was the wrapped connector's, not kvledger's.
+        out.line(
+            f"whatif {f.log}: kvledger's own pool ({changed}) against the run's {f.inner} "
+            "(recorded by KVLedgerRecorder)"
+        )
+    else:
+        out.line(f"whatif {f.log}: {changed}{f' (the run: {was})' if was else ''}")
     d = f.to_dict()
     a, w = d["actual"], d["forecast"]
     rows: list[list[Any]] = [["tokens asked", a["tokens_asked"], w["tokens_asked"], ""]]
-    for source in ("local", "pool", "remote", "last_token"):
+    for source in ("local", "inner", "pool", "remote", "last_token"):
         x, y = a["hit"].get(source, 0), w["hit"].get(source, 0)
         if x or y:
             rows.append([f"hit: {source.replace('_', ' ')}", x, y, f"{y - x:+d}"])
@@ -209,7 +216,10 @@ def _print_forecast(f: Any) -> None:
             f"{w['missed_tokens'] - a['missed_tokens']:+d}",
         ]
     )
-    reasons = sorted(set(a["reasons"]) | set(w["reasons"]), key=lambda r: -w["reasons"].get(r, 0))
+    reasons = sorted(
+        set(a["reasons"]) | set(w["reasons"]),
+        key=lambda r: (-w["reasons"].get(r, 0), -a["reasons"].get(r, 0), r),
+    )
     for r in reasons:
         x, y = a["reasons"].get(r, 0), w["reasons"].get(r, 0)
         rows.append([f"  missed: {r}", x, y, f"{y - x:+d}"])
