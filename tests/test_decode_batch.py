@@ -1,0 +1,219 @@
+"""A replay checks steady decode steps as a batch (``tracker.tracker._Decoding``): the same
+decisions, violations and states as checking each request on its own (``steady_decode``), on
+a decode-heavy log (requests joining and leaving the batch, blocks appended, preemptions,
+re-admissions) and on the same log with its ``StepDecoded`` records damaged at random."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.replay.logreader import LogReader
+from kvledger.tracker import events as ev
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.tracker import Tracker, _Decoding
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+import replay_bench
+from replay_bench import write_log  # the bench's decode-heavy workload
+
+
+@contextmanager
+def request_by_request() -> Iterator[None]:
+    """Every StepDecoded checked request by request (the batch never applies)."""
+    step = _Decoding.step
+    _Decoding.step = lambda self, t, event: False  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _Decoding.step = step  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module", params=["prompts-saved", "decode-saved"])
+def history(request: Any, tmp_path_factory: Any) -> tuple[TrackerConfig, list[list[ev.Event]]]:
+    """24 live requests, 8 slots: joins, leaves, evictions, a preemption every 97 steps.
+    ``decode-saved``: chunks of 32 tokens, decode chunks saved too, so that a steady step's
+    other bound (``steady_limit``: a save may be due) binds every 32 steps of each request."""
+    path = tmp_path_factory.mktemp("decode-batch") / "run.kvlog"
+    if request.param == "decode-saved":
+        make = replay_bench.TrackerConfig
+        replay_bench.TrackerConfig = lambda **kw: make(  # type: ignore[assignment,misc]
+            **{**kw, "chunk_size": 32, "save_decode_cache": True}
+        )
+        try:
+            write_log(path, 20_000, 24, 8)
+        finally:
+            replay_bench.TrackerConfig = make  # type: ignore[misc]
+    else:
+        write_log(path, 20_000, 24, 8)
+    reader = LogReader(path)
+    frames = [[e for e in f.events if isinstance(e, ev.InputEvent)] for f in reader]
+    config = TrackerConfig(**{k: v for k, v in reader.header["config"].items() if k in _FIELDS})
+    return config, frames
+
+
+_FIELDS = {f.name for f in attrs.fields(TrackerConfig)}
+
+
+def replay(config: TrackerConfig, frames: Sequence[Sequence[ev.Event]]) -> list[Any]:
+    """Every event's decisions, and after each frame the live states and the violations."""
+    t = Tracker(config)
+    out: list[Any] = []
+    for frame in frames:
+        for e in frame:
+            out.append(t.apply(e))
+        out.append(sorted(t.states.items()))
+        out.append(list(t.violations))
+    return out
+
+
+def test_the_batch_decides_as_each_request_would(history: Any) -> None:
+    config, frames = history
+    decoded = sum(len(e.nums) for f in frames for e in f if isinstance(e, ev.StepDecoded))
+    assert decoded > 10_000  # the log is mostly steady decode steps
+    batched = replay(config, frames)
+    with request_by_request():
+        one_by_one = replay(config, frames)
+    assert batched == one_by_one
+
+
+def test_the_batch_applies_to_most_steps(history: Any) -> None:
+    """Not vacuous: the batch is what checks most steady steps of a valid log."""
+    config, frames = history
+    calls = {"batch": 0, "applied": 0}
+    step = _Decoding.step
+
+    def counted(self: _Decoding, t: Tracker, event: ev.StepDecoded) -> bool:
+        calls["batch"] += 1
+        applied = step(self, t, event)
+        calls["applied"] += applied
+        return applied
+
+    _Decoding.step = counted  # type: ignore[method-assign]
+    try:
+        t = Tracker(config)
+        for frame in frames:
+            for e in frame:
+                t.apply(e)
+    finally:
+        _Decoding.step = step  # type: ignore[method-assign]
+    assert t.violations == []
+    assert calls["applied"] >= 0.95 * calls["batch"] > 0
+
+
+# One way to damage a StepDecoded record: what the fold must judge the same either way.
+_DAMAGE = st.sampled_from(
+    ["drop_num", "unknown_num", "twice", "skip", "block", "bad_blocks", "early", "late"]
+)
+
+
+def _damaged(e: ev.StepDecoded, how: str, other: int) -> list[ev.Event]:
+    nums = e.nums
+    if how == "drop_num" and nums:
+        return [attrs.evolve(e, nums=nums[1:], blocks=_kept(e.blocks, nums[1:]))]
+    if how == "unknown_num":
+        return [attrs.evolve(e, nums=(*nums, 10_000 + other))]
+    if how == "twice":
+        return [e, e]  # the same step twice: a request one token ahead of vLLM's count
+    if how == "skip":
+        return []
+    if how == "block" and nums:
+        return [attrs.evolve(e, blocks=(*e.blocks, nums[-1], 900_000 + other))]
+    if how == "bad_blocks":
+        return [attrs.evolve(e, blocks=(*e.blocks, 5))]  # an odd number of ints
+    if how == "early" and nums:
+        return [attrs.evolve(e, nums=(nums[0],)), e]
+    if how == "late" and nums:
+        return [e, attrs.evolve(e, nums=nums[-1:], blocks=())]
+    return [e]
+
+
+def _kept(blocks: tuple[int, ...], nums: tuple[int, ...]) -> tuple[int, ...]:
+    keep = set(nums)
+    pairs = [(blocks[i], blocks[i + 1]) for i in range(0, len(blocks) - 1, 2)]
+    return tuple(x for n, b in pairs if n in keep for x in (n, b))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 10**6), _DAMAGE, st.integers(0, 99)), max_size=6))
+def test_damaged_steps_are_judged_the_same(history: Any, damage: list[Any]) -> None:
+    config, frames = history
+    frames = [list(f) for f in frames[:400]]  # keep each example quick
+    steady = [i for i, f in enumerate(frames) if any(isinstance(e, ev.StepDecoded) for e in f)]
+    for pick, how, other in damage:
+        frame = frames[steady[pick % len(steady)]]
+        j = next((j for j, e in enumerate(frame) if isinstance(e, ev.StepDecoded)), None)
+        e = frame[j] if j is not None else None
+        if isinstance(e, ev.StepDecoded):  # (a step skipped by an earlier damage: none)
+            frame[j : j + 1] = _damaged(e, how, other)
+    batched = replay(config, frames)
+    with request_by_request():
+        one_by_one = replay(config, frames)
+    assert batched == one_by_one
+
+
+def test_a_number_given_back_and_taken_in_one_step() -> None:
+    """b finishes and c takes its number in the same step, admitted at once: the next step
+    names the same numbers as the last one, and c is a new request in the batch. (Prompts
+    shorter than a block: no save is ever due, every decode step is steady.)"""
+    config = TrackerConfig(block_size=4, chunk_size=8, num_slots=4)
+
+    def run() -> list[Any]:
+        t = Tracker(config)
+        out: list[Any] = []
+        blocks = iter(range(1, 1000))
+        for rid in ("a", "b"):
+            t.add_request(rid, [1, 2, 3])
+            t.lookup(rid, 0, [1, 2, 3])
+            table = [next(blocks), next(blocks)]
+            t.allocated(rid, table, 0)
+            out.append(
+                t.scheduled(
+                    rid,
+                    num_computed=0,
+                    num_scheduled=3,
+                    all_token_ids=[1, 2, 3],
+                    block_ids=table,
+                    admission=ev.Admission.NEW,
+                )
+            )
+        t.end_step()
+        for _ in range(2):
+            out.append(t.apply(ev.StepDecoded(t.step, "", (0, 1))))
+            t.end_step()
+        out.append(t.apply(ev.Finished(t.step, "b")))
+        t.add_request("c", [7, 8, 9])
+        assert t.request_of(1) == "c"
+        t.lookup("c", 0, [7, 8, 9])
+        table = [next(blocks), next(blocks)]
+        t.allocated("c", table, 0)
+        out.append(
+            t.scheduled(
+                "c",
+                num_computed=0,
+                num_scheduled=3,
+                all_token_ids=[7, 8, 9],
+                block_ids=table,
+                admission=ev.Admission.NEW,
+            )
+        )
+        t.end_step()
+        out.append(t.apply(ev.StepDecoded(t.step, "", (0, 1))))  # a, and now c
+        out.append(t.apply(ev.StepDecoded(t.step + 1, "", (0, 1), (0, next(blocks)))))
+        out.append(sorted(t.states.items()))
+        out.append(list(t.violations))
+        return out
+
+    batched = run()
+    with request_by_request():
+        one_by_one = run()
+    assert batched == one_by_one
+    assert batched[-1] == []
