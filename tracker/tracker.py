@@ -429,7 +429,8 @@ class Tracker:
         event = ev.StepDecoded(self.step, "", tuple(nums), flat)
         req_of = self._req_of
         # Every request counted in one C call (Counter.update): a third of a Python loop's
-        # cost on the scheduler thread (27 against 91 us for 256 requests).
+        # cost alone (27 against 91 us for 256 requests, timeit); bench/scheduler_overhead.py
+        # could not tell it from its noise (docs/performance.md).
         self._pending.update(map(req_of.__getitem__, nums))
         for num, block in grown:
             self._pending_blocks.setdefault(req_of[num], []).append(block)
