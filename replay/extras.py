@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import ModuleType
 from typing import IO, Any, Literal
 
@@ -90,6 +91,25 @@ def progress_bar(stream: IO[str], label: str, *, unit: Literal["bytes", "request
         console=console.Console(file=stream),
         transient=True,
     )
+
+
+@contextmanager
+def reading_progress(
+    label: str, *, quiet: bool = False
+) -> Iterator[Callable[[int, int], None] | None]:
+    """``progress(bytes done, bytes total)`` drawing a bar on stderr while a command reads
+    its log (``check``, ``whatif``); None when ``quiet`` (``--json``), piped, or without rich."""
+    bar = None if quiet else progress_bar(sys.stderr, label, unit="bytes")
+    if bar is None:
+        yield None
+        return
+    with bar:
+        task = bar.add_task(label, total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield progress
 
 
 class Output:

@@ -376,27 +376,16 @@ class _Forecaster:
             mine = max(end, min(max(len(toks), end), computed + e.num_scheduled))
             if req_id not in self.tables or not state.allocated:
                 self.tables[req_id] = []
-            table, _ = self._table(req_id, mine)
-            self.done[req_id] = mine
-            self._take(
-                t.scheduled(
-                    req_id,
-                    num_computed=computed,
-                    num_scheduled=mine - computed,
-                    all_token_ids=toks,
-                    block_ids=table,
-                    admission=e.admission,
-                )
-            )
-            return
-        done = self.done.get(req_id, 0)
-        if done == ran:  # in step with the run: its very step, rollbacks included
-            computed, mine = e.num_computed, end
-        else:  # ahead of it (it loaded more): computes what the run has not caught up on
-            computed, mine = done, max(end, done)
-        if mine <= computed:
-            return
-        _, new = self._table(req_id, mine)
+            blocks, _ = self._table(req_id, mine)  # an admission gives the whole table
+        else:
+            done = self.done.get(req_id, 0)
+            if done == ran:  # in step with the run: its very step, rollbacks included
+                computed, mine = e.num_computed, end
+            else:  # ahead of it (it loaded more): computes what the run has not caught up on
+                computed, mine = done, max(end, done)
+            if mine <= computed:
+                return
+            _, blocks = self._table(req_id, mine)  # a running request: the blocks added
         self.done[req_id] = mine
         self._take(
             t.scheduled(
@@ -404,7 +393,8 @@ class _Forecaster:
                 num_computed=computed,
                 num_scheduled=mine - computed,
                 all_token_ids=toks,
-                block_ids=new,
+                block_ids=blocks,
+                admission=e.admission,
             )
         )
 

@@ -170,41 +170,25 @@ def test_a_number_given_back_and_taken_in_one_step() -> None:
         t = Tracker(config)
         out: list[Any] = []
         blocks = iter(range(1, 1000))
-        for rid in ("a", "b"):
-            t.add_request(rid, [1, 2, 3])
-            t.lookup(rid, 0, [1, 2, 3])
+
+        def admit(rid: str, prompt: list[int]) -> None:
+            t.add_request(rid, prompt)
+            t.lookup(rid, 0, prompt)
             table = [next(blocks), next(blocks)]
             t.allocated(rid, table, 0)
-            out.append(
-                t.scheduled(
-                    rid,
-                    num_computed=0,
-                    num_scheduled=3,
-                    all_token_ids=[1, 2, 3],
-                    block_ids=table,
-                    admission=ev.Admission.NEW,
-                )
-            )
+            new = ev.Admission.NEW
+            out.append(t.scheduled(rid, num_computed=0, num_scheduled=len(prompt),
+                                   all_token_ids=prompt, block_ids=table, admission=new))  # fmt: skip
+
+        admit("a", [1, 2, 3])
+        admit("b", [1, 2, 3])
         t.end_step()
         for _ in range(2):
             out.append(t.apply(ev.StepDecoded(t.step, "", (0, 1))))
             t.end_step()
         out.append(t.apply(ev.Finished(t.step, "b")))
-        t.add_request("c", [7, 8, 9])
+        admit("c", [7, 8, 9])
         assert t.request_of(1) == "c"
-        t.lookup("c", 0, [7, 8, 9])
-        table = [next(blocks), next(blocks)]
-        t.allocated("c", table, 0)
-        out.append(
-            t.scheduled(
-                "c",
-                num_computed=0,
-                num_scheduled=3,
-                all_token_ids=[7, 8, 9],
-                block_ids=table,
-                admission=ev.Admission.NEW,
-            )
-        )
         t.end_step()
         out.append(t.apply(ev.StepDecoded(t.step, "", (0, 1))))  # a, and now c
         out.append(t.apply(ev.StepDecoded(t.step + 1, "", (0, 1), (0, next(blocks)))))

@@ -8,11 +8,10 @@ import json
 import sys
 from collections import Counter
 from collections.abc import Sequence
-from contextlib import nullcontext
 from typing import Any, TextIO
 
 from kvledger.replay.commands.common import LINE, non_negative, warn_damage
-from kvledger.replay.extras import progress_bar
+from kvledger.replay.extras import reading_progress
 from kvledger.replay.format import elide, format_event
 from kvledger.replay.results import CheckResult, Problem
 from kvledger.tracker.config import ConfigError
@@ -103,15 +102,7 @@ def run_check(args: argparse.Namespace) -> int:
             return 2
         return _run_replicas(args)
     paths = args.logs[0] if len(args.logs) == 1 else list(args.logs)
-    bar = None if args.json else progress_bar(sys.stderr, "check", unit="bytes")
-    with bar if bar is not None else nullcontext():
-        progress = None
-        if bar is not None:
-            task = bar.add_task("check", total=None)
-
-            def progress(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
+    with reading_progress("check", quiet=args.json) as progress:
         result = check(
             paths,
             request=args.request,

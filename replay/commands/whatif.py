@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,7 @@ from kvledger.replay.commands.common import (
     print_json,
     warn_damage,
 )
-from kvledger.replay.extras import Output, progress_bar, pyplot
+from kvledger.replay.extras import Output, pyplot, reading_progress
 
 __all__ = ["add_whatif"]
 
@@ -87,15 +85,7 @@ def _sweep_values(text: str) -> tuple[str, list[int]]:
 
 @guard
 def _whatif(args: argparse.Namespace) -> int:
-    bar = None if args.json else progress_bar(sys.stderr, "whatif", unit="bytes")
-    with bar if bar is not None else nullcontext():
-        progress = None
-        if bar is not None:
-            task = bar.add_task("whatif", total=None)
-
-            def progress(done: int, total: int) -> None:
-                bar.update(task, completed=done, total=total)
-
+    with reading_progress("whatif", quiet=args.json) as progress:
         return _answer(args, progress)
 
 
