@@ -32,8 +32,6 @@ from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DigestBook
 from kvledger.tracker.recorded_rules import RecordedRules
-from kvledger.tracker.recorded_steps import RecordedSteps
-from kvledger.tracker.state import Violation
 
 __all__ = ["check_recorded_into"]
 
@@ -61,8 +59,8 @@ def check_recorded_into(
     rules = RecordedRules(config.block_size)
     book = DigestBook()
     diff = _Differential(config) if differential else None
-    # A StepDecoded is judged as the Scheduled events it stands for (tracker/recorded_steps.py).
-    expander = RecordedSteps()
+    # One reading of each record (RecordedRules.judge): well-formed first, then the rules, a
+    # StepDecoded judged as the Scheduled events it stands for (tracker/recorded_steps.py).
     steady = 0
     index = frames = steps = 0
     last_step: int | None = None
@@ -89,18 +87,11 @@ def check_recorded_into(
                 peak_live = max(peak_live, len(live))
             elif e.__class__ is ev.Finished:
                 live.discard(e.req_id)
-            judged: list[tuple[ev.Event, list[Violation]]]
+            judged = rules.judge(e)
             if e.__class__ is ev.StepDecoded:
-                assert isinstance(e, ev.StepDecoded)
-                scheduled, bad = expander.expand(e)
-                steady += len(scheduled)
-                judged = [(e, bad)] + [(x, rules.apply(x)) for x in scheduled]
-            else:
-                expander.follow(e)
-                found: list[Violation] = rules.apply(e)
-                if e.__class__ in (ev.BlockDigested, ev.LoadDigested):
-                    found = found + book.apply(e)
-                judged = [(e, found)]
+                steady += len(judged) - 1
+            elif e.__class__ in (ev.BlockDigested, ev.LoadDigested):
+                judged[0][1].extend(book.apply(e))
             for x, violations in judged:
                 for v in violations:
                     detail = ",".join(f"{k}={val}" for k, val in v.detail.items())

@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvledger.connector.logwriter import LogWriter
 from kvledger.replay.cli import main
@@ -174,3 +176,81 @@ def test_a_clean_log_names_nothing(tmp_path: Path, capsys: pytest.CaptureFixture
         assert _named(json.loads(out)["problems"]) == {}, log
         _, out = _run(capsys, "stats", "--json", str(log))
         assert json.loads(out)["malformed"] == {}
+
+
+# --- one damaged StepDecoded, two readings: the same rule at the same step ---------------------
+
+DECODED_PROMPT = tuple(range(100, 120))
+
+
+def _decoded_log(path: Path, damaged: ev.StepDecoded, *, recorder: bool) -> Path:
+    """Request ``a`` (20 tokens, six blocks of 4) admitted in step 0, then ``damaged``: in
+    kvledger's own log, or in a recorder's (whose entries carry their token)."""
+    a = "a"
+    answered: ev.Event = (
+        ev.InnerLookupAnswered(0, a, 0) if recorder else ev.LookupAnswered(0, a, 0, 0)
+    )
+    table = (1, 2, 3, 4, 5, 6)
+    steps: list[list[ev.Event]] = [
+        [
+            ev.RequestAdded(0, a, DECODED_PROMPT),
+            ev.LookupAsked(0, a, 0, 20, 20, ()),
+            answered,
+            ev.Allocated(0, a, table, 0),
+            ev.Scheduled(0, a, 0, 20, 20, (), table, ev.Admission.NEW),
+        ],
+        [damaged],
+    ]
+    header = TrackerConfig(block_size=4, chunk_size=8).to_dict()
+    if recorder:
+        header["recorder"] = {"format": 2, "inner": "Test", "inner_class": "t.Test"}
+    with LogWriter(path, header, fsync="never") as w:
+        for step, events in enumerate(steps):
+            for e in events:
+                w.append(attrs.evolve(e, step=step))
+            w.end_step(step)
+    return path
+
+
+def _rules_at(path: Path, index: int) -> set[tuple[str, int]]:
+    from kvledger.replay.replayer import check
+
+    return {(p.name, p.step) for p in check(path).problems if p.index == index}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    nums=st.lists(st.integers(-2, 3), max_size=4),
+    blocks=st.lists(st.integers(-1, 3), max_size=5),
+    tokens=st.sampled_from(["none", "one each", "one more"]),
+    req_id=st.sampled_from(["", "a"]),
+)
+def test_a_damaged_step_is_named_alike_in_both_kinds_of_log(
+    tmp_path_factory: pytest.TempPathFactory,
+    nums: list[int],
+    blocks: list[int],
+    tokens: str,
+    req_id: str,
+) -> None:
+    """A StepDecoded that names a number twice, a negative or unknown one, carries a request
+    id, blocks that do not pair, or tokens that do not align: ``check`` of kvledger's own log
+    (the Tracker) and of a recorder's (``RecordedRules.judge``) name the same rules at the same
+    step, and a malformed one the rules ``tracker.wellformed`` gives it."""
+    from kvledger.tracker.wellformed import malformed
+
+    count = {"none": 0, "one each": len(nums), "one more": len(nums) + 1}[tokens]
+    own_tokens = tuple(range(7, 7 + count)) if tokens != "none" or not nums else ()
+    damaged = ev.StepDecoded(1, req_id, tuple(nums), tuple(blocks), own_tokens)
+    # A recorder's steady entry always carries its token: "none" is one each there.
+    carried = (
+        damaged
+        if tokens != "none"
+        else attrs.evolve(damaged, tokens=tuple(range(7, 7 + len(nums))))
+    )
+    d = tmp_path_factory.mktemp("decoded")
+    own = _rules_at(_decoded_log(d / "own.kvlog", damaged, recorder=False), 5)
+    recorded = _rules_at(_decoded_log(d / "rec.kvlog", carried, recorder=True), 5)
+    assert own == recorded
+    bad = {(v.rule, 1) for v in malformed(damaged)}
+    if bad:
+        assert own == bad

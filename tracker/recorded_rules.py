@@ -163,20 +163,29 @@ class RecordedRules:
     # --- the walk -----------------------------------------------------------------------
 
     def apply(self, e: ev.Event) -> list[Violation]:
+        """The violations of ``e`` (:meth:`judge`'s, all together)."""
+        return [v for _, found in self.judge(e) for v in found]
+
+    def judge(self, e: ev.Event) -> list[tuple[ev.Event, list[Violation]]]:
+        """``e`` judged, as the one reading of a recorder's log: first what it says that is
+        impossible (``tracker.wellformed``, the Tracker's rule names), then the rules. A
+        ``StepDecoded`` is judged as the ``Scheduled`` events it stands for, each with its
+        own violations after the record's (an entry that stands for none is named on the
+        record). A malformed ``StepDecoded`` advances no request, as in the Tracker; any other
+        malformed event is still followed (it is a fact about its request's number)."""
         found = self._wellformed.check(e)
-        if found:
-            return found
         if e.__class__ is ev.StepDecoded:
             assert isinstance(e, ev.StepDecoded)
-            scheduled, out = self._steps.expand(e)
-            for s in scheduled:
-                out += _HANDLERS[ev.Scheduled](self, s)
-            return out
+            if found:
+                return [(e, found)]
+            scheduled, bad = self._steps.expand(e)
+            on_scheduled = _HANDLERS[ev.Scheduled]
+            return [(e, bad)] + [(s, on_scheduled(self, s)) for s in scheduled]
         self._steps.follow(e)
+        if found:
+            return [(e, found)]
         handler = _HANDLERS.get(e.__class__)
-        if handler is None:
-            return []
-        return handler(self, e)
+        return [(e, handler(self, e) if handler is not None else [])]
 
     def _req(self, req_id: str) -> _Req:
         r = self._reqs.get(req_id)

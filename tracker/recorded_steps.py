@@ -212,17 +212,15 @@ class RecordedSteps:
         bad: list[Violation] = []
         grown = e.new_blocks()
         nums, tokens = e.nums, e.tokens
-        if grown is None or len(tokens) != len(nums) or len(set(nums)) != len(nums):
-            bad.append(
-                Violation(
-                    "decoded_blocks",
-                    e.step,
-                    "",
-                    "StepDecoded",
-                    {"numbers": len(nums), "tokens": len(tokens), "blocks": len(e.blocks)},
-                )
-            )
-            return [], bad
+        said = {"numbers": len(nums), "tokens": len(tokens), "blocks": len(e.blocks)}
+        if len(tokens) != len(nums) or len(set(nums)) != len(nums):
+            # No entry can be told from another (tracker.wellformed names this first).
+            return [], [Violation("decoded_blocks", e.step, "", "StepDecoded", said)]
+        if grown is None:
+            # Blocks that do not pair: named, and each entry judged without one, as the
+            # Tracker judges a kvledger log's (Tracker._apply_step_decoded).
+            bad.append(Violation("decoded_blocks", e.step, "", "StepDecoded", said))
+            grown = {}
         out: list[tuple[str, int, int, int, int | None]] = []
         req_of, lives = self._req_of, self.lives
         for num, token in zip(nums, tokens, strict=True):

@@ -116,6 +116,14 @@ def _slots_or_remote(e: ev.LoadPlanned) -> list[tuple[str, str, dict[str, Any]]]
     return [] if bad is None else [("field_range", "slots", {"value": bad, "expected": ">= -1"})]
 
 
+def _decoded_tokens(e: ev.StepDecoded) -> list[tuple[str, str, dict[str, Any]]]:
+    """`tokens` neither empty (kvledger's own log) nor one per number in `nums` (a
+    recorder's log: the token each entry made known)"""
+    if e.tokens and len(e.tokens) != len(e.nums):
+        return [("field_lengths", "tokens", {"tokens": len(e.tokens), "nums": len(e.nums)})]
+    return []
+
+
 def _stats_side(e: ev.InnerStats) -> list[tuple[str, str, dict[str, Any]]]:
     """`side` neither `worker` nor `scheduler`"""
     if e.side not in ("worker", "scheduler"):
@@ -147,7 +155,13 @@ SPECS: dict[type[ev.Event], Spec] = {
     ev.LoadFailed: Spec(nonneg=("block_ids",)),
     ev.ChunkStored: Spec(about=NONE, nonneg=("slot", "num_tokens"), nonempty=("key",)),
     ev.ChunkEvicted: Spec(about=NONE, nonempty=("key",)),
-    ev.StepDecoded: Spec(about=NONE, nonneg=("nums", "blocks"), distinct=("nums",)),
+    ev.StepDecoded: Spec(
+        about=NONE,
+        nonneg=("nums", "blocks"),
+        distinct=("nums",),
+        extra=_decoded_tokens,
+        extra_rule="field_lengths",
+    ),
     # Facts about chunks: the request they were for is said, not relied on.
     ev.RemoteFound: Spec(
         about=ANY, pairs=(("keys", "found"),), nonempty=("keys",), extra=_found_bits
