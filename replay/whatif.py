@@ -130,6 +130,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# More tokens than any request holds (vLLM's longest contexts are a few million): a record
+# claiming more is damaged or forged (kvledger check names it), and its request is not forecast
+# from it (a block table that long could not be allocated).
+_MAX_TOKENS = 1 << 28
+
+
+class _Unforecastable(Exception):
+    """A record the forecast cannot follow (:data:`_MAX_TOKENS`)."""
+
+
 class _Frames:
     """The forecast Tracker's log sink: each step's events become one frame, handed to the
     explainer as they come (nothing is written anywhere)."""
@@ -194,6 +204,7 @@ class _Forecaster:
         self.next_block = 0
         self.decode_without_ids = 0  # steady decode steps whose token ids the log lacks
         self.lost_records = 0
+        self.unforecastable = 0  # records claiming more tokens than any request holds
         # The hit curve's stack, when one is asked for (sweep).
         self.curve: _Curve | None = None
 
@@ -208,10 +219,13 @@ class _Forecaster:
         handlers = _HANDLERS
         for e in frame.events:
             handler = handlers.get(e.__class__)
-            if handler is not None:
-                handler(self, e)
-            elif e.__class__ in REMOTE_TYPES:
-                self._remote_fact(e)
+            try:
+                if handler is not None:
+                    handler(self, e)
+                elif e.__class__ in REMOTE_TYPES:
+                    self._remote_fact(e)
+            except _Unforecastable:
+                self.unforecastable += 1
         out, self.sink.ready = self.sink.ready, []
         return out
 
@@ -311,6 +325,8 @@ class _Forecaster:
     def _table(self, req_id: str, tokens: int) -> tuple[list[int], list[int]]:
         """The forecast's block table grown to hold ``tokens``: (table, blocks added). Its
         block ids are its own (nothing is moved; they only have to be distinct)."""
+        if tokens > _MAX_TOKENS:
+            raise _Unforecastable(tokens)
         table = self.tables.setdefault(req_id, [])
         need = _cdiv(tokens, self.config.block_size) - len(table)
         new = list(range(self.next_block, self.next_block + max(need, 0)))
@@ -517,6 +533,7 @@ class Forecast:
     violations: list[str] = attrs.field(factory=list)
     run_violations: list[str] = attrs.field(factory=list)
     lost_records: int = 0
+    unforecastable: int = 0
     # A recorder's log: the wrapped connector's name (the run's figures are its own).
     inner: str | None = None
 
@@ -526,6 +543,11 @@ class Forecast:
             notes.append(
                 f"{self.lost_records} records of the run were lost (RecordLost): the forecast "
                 "runs without them"
+            )
+        if self.unforecastable:
+            notes.append(
+                f"{self.unforecastable} records claim more tokens than any request holds "
+                "(kvledger check names them): the forecast skipped them"
             )
         if self.violations:
             notes.append(
@@ -676,6 +698,7 @@ def whatif(path: LogPath, changes: dict[str, Any], *, progress: Progress | None 
         violations=f.own_violations(),
         run_violations=sorted(f.run_rules.elements()),
         lost_records=f.lost_records,
+        unforecastable=f.unforecastable,
         inner=_inner(setup.source),
     )
 

@@ -207,6 +207,12 @@ COMMANDS: dict[str, tuple[Argv, set[int], bool]] = {
         False,
     ),
     "tail --once": (lambda log, tmp: ["tail", str(log), "--once"], {0, 2}, False),
+    "whatif": (lambda log, tmp: ["whatif", str(log), "--with", "num_slots=2"], {0, 2}, False),
+    "whatif --sweep --json": (
+        lambda log, tmp: ["whatif", str(log), "--sweep", "num_slots=1,4", "--json"],
+        {0, 2},
+        True,
+    ),
 }
 
 # What a command may print per event of the log, beyond a fixed allowance: each event is at

@@ -116,6 +116,8 @@ COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "export perfetto": lambda log, tmp: ["export", str(log), "-o", str(tmp / "trace.json")],
     "sql": lambda log, tmp: ["sql", str(log), "SELECT count(*) FROM steps"],
     "tail --once": lambda log, tmp: ["tail", str(log), "--once"],
+    "whatif": lambda log, tmp: ["whatif", str(log), "--with", "num_slots=2"],
+    "whatif --sweep": lambda log, tmp: ["whatif", str(log), "--sweep", "num_slots=1,4", "--json"],
 }
 
 
