@@ -29,10 +29,17 @@ KEY, KEY2 = bytes(range(16)), bytes(range(16, 32))
 PROMPT = tuple(range(100, 148))
 
 
-def _write(path: Path, steps: list[list[ev.Event]], *, recorder: bool = False) -> Path:
-    header = TrackerConfig(block_size=16, chunk_size=16).to_dict()
+def _write(
+    path: Path,
+    steps: list[list[ev.Event]],
+    *,
+    recorder: bool = False,
+    config: TrackerConfig | None = None,
+    recorder_format: int = 1,
+) -> Path:
+    header = (config or TrackerConfig(block_size=16, chunk_size=16)).to_dict()
     if recorder:
-        header["recorder"] = {"format": 1, "inner": "Test", "inner_class": "t.Test"}
+        header["recorder"] = {"format": recorder_format, "inner": "Test", "inner_class": "t.Test"}
     with LogWriter(path, header, fsync="never") as w:
         for step, events in enumerate(steps):
             for e in events:
@@ -201,15 +208,8 @@ def _decoded_log(path: Path, damaged: ev.StepDecoded, *, recorder: bool) -> Path
         ],
         [damaged],
     ]
-    header = TrackerConfig(block_size=4, chunk_size=8).to_dict()
-    if recorder:
-        header["recorder"] = {"format": 2, "inner": "Test", "inner_class": "t.Test"}
-    with LogWriter(path, header, fsync="never") as w:
-        for step, events in enumerate(steps):
-            for e in events:
-                w.append(attrs.evolve(e, step=step))
-            w.end_step(step)
-    return path
+    config = TrackerConfig(block_size=4, chunk_size=8)
+    return _write(path, steps, recorder=recorder, config=config, recorder_format=2)
 
 
 def _rules_at(path: Path, index: int) -> set[tuple[str, int]]:
