@@ -39,8 +39,8 @@ kvledger's own log does not carry (a recorder's log does).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import attrs
 
@@ -61,7 +61,6 @@ __all__ = [
     "Curve",
     "Forecast",
     "Unanswerable",
-    "forecast_frames",
     "parse_settings",
     "sweep",
     "whatif",
@@ -130,6 +129,18 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_T = TypeVar("_T")
+
+
+def _partition(items: list[_T], due: Callable[[_T], bool]) -> tuple[list[_T], list[_T]]:
+    """(the items ``due`` takes, the others), each in order."""
+    taken: list[_T] = []
+    kept: list[_T] = []
+    for item in items:
+        (taken if due(item) else kept).append(item)
+    return taken, kept
+
+
 # More tokens than any request holds (vLLM's longest contexts are a few million): a record
 # claiming more is damaged or forged (kvledger check names it), and its request is not forecast
 # from it (a block table that long could not be allocated).
@@ -173,6 +184,7 @@ class _Forecaster:
         name: str,
         same_keys: bool = True,
         decode_ids_needed: bool = False,
+        curve: _Curve | None = None,
     ) -> None:
         self.config = config
         self.sink = _Frames(name)
@@ -181,8 +193,8 @@ class _Forecaster:
         # the run's, and this engine's saves are written to it once the log shows one).
         self.remote = remote
         self.remote_seen = remote is True
-        # The run's facts about the store name chunks by their keys: only the run's keys.
-        self.remote_facts = remote is not False and same_keys
+        # The run's chunk keys are the forecast's (the same chunk size): its facts about the
+        # pool and the store apply.
         self.same_keys = same_keys
         self.run_rules: Counter[str] = Counter()  # the rule breaks the run recorded
         # Decode chunks to save that the run never saved: their token ids are needed.
@@ -202,11 +214,10 @@ class _Forecaster:
         self.run_saves: dict[bytes, int] = {}  # chunk key -> the step the run planned it
         self.run_loads: dict[str, int] = {}  # req id -> the step its load was planned
         self.next_block = 0
-        self.decode_without_ids = 0  # steady decode steps whose token ids the log lacks
         self.lost_records = 0
         self.unforecastable = 0  # records claiming more tokens than any request holds
         # The hit curve's stack, when one is asked for (sweep).
-        self.curve: _Curve | None = None
+        self.curve = curve
 
     # --- frames -------------------------------------------------------------------------
 
@@ -229,6 +240,13 @@ class _Forecaster:
         out, self.sink.ready = self.sink.ready, []
         return out
 
+    def run(self, frames: Iterable[Any]) -> Iterator[Frame]:
+        """The forecast run's frames, made as the run's ``frames`` are read (memory follows
+        the live requests; a curve's stack grows with the distinct chunks of the log)."""
+        for frame in frames:
+            yield from self.frame(frame)
+        yield from self.finish()
+
     def finish(self) -> list[Frame]:
         self.t.end_step()
         self._results(every=True)
@@ -244,18 +262,15 @@ class _Forecaster:
         due_save = t.step - self.lag["save"]
         due_load = t.step - self.lag["load"]
         run_saves, run_loads = self.run_saves, self.run_loads
-        saves = [
-            s
-            for s in self.saves
-            if every or (s[0] <= due_save and not any(k in run_saves for k in s[2]))
-        ]
-        loads = [s for s in self.loads if every or (s[0] <= due_load and s[1] not in run_loads)]
-        if saves:
-            self.saves = [s for s in self.saves if s not in saves]
-            self._saved(saves)
-        if loads:
-            self.loads = [s for s in self.loads if s not in loads]
-            self._loaded(loads)
+        saves, self.saves = _partition(
+            self.saves,
+            lambda s: every or (s[0] <= due_save and not any(k in run_saves for k in s[2])),
+        )
+        loads, self.loads = _partition(
+            self.loads, lambda s: every or (s[0] <= due_load and s[1] not in run_loads)
+        )
+        self._saved(saves)
+        self._loaded(loads)
 
     def _saved(self, saves: Sequence[tuple[int, str, tuple[bytes, ...]]]) -> None:
         t = self.t
@@ -292,18 +307,14 @@ class _Forecaster:
                 step = self.run_saves.pop(key, step)
             if step is not None:
                 self.lag["save"] = max(1, e.step - step)
-            mine = [s for s in self.saves if keys.intersection(s[2])]
-            if mine:
-                self.saves = [s for s in self.saves if s not in mine]
-                self._saved(mine)
+            mine, self.saves = _partition(self.saves, lambda s: bool(keys.intersection(s[2])))
+            self._saved(mine)
         elif isinstance(e, (ev.LoadDone, ev.LoadFailed)):
             step = self.run_loads.pop(e.req_id, None)
             if step is not None:
                 self.lag["load"] = max(1, e.step - step)
-            mine_loads = [s for s in self.loads if s[1] == e.req_id]
-            if mine_loads:
-                self.loads = [s for s in self.loads if s[1] != e.req_id]
-                self._loaded(mine_loads)
+            done, self.loads = _partition(self.loads, lambda s: s[1] == e.req_id)
+            self._loaded(done)
 
     def _take(self, decisions: Sequence[ev.DecisionEvent]) -> None:
         for d in decisions:
@@ -419,10 +430,8 @@ class _Forecaster:
         steady: list[int] = []
         grown: list[tuple[int, int]] = []
         carried = e.tokens if len(e.tokens) == len(e.nums) else ()
-        if not carried and e.nums:
-            self.decode_without_ids += len(e.nums)
-            if self.decode_ids_needed:
-                raise Unanswerable(DECODE_IDS)
+        if not carried and e.nums and self.decode_ids_needed:
+            raise Unanswerable(DECODE_IDS)
         for i, num in enumerate(e.nums):
             req_id = t.request_of(num)
             if req_id is None:
@@ -486,9 +495,8 @@ class _Forecaster:
         writes and failed reads are not (the forecast writes and reads its own)."""
         if self.remote is not False:
             self.remote_seen = True
-        if self.remote_facts and isinstance(
-            e, (ev.RemoteFound, ev.RemoteOutage, ev.RemoteRestored)
-        ):
+        held = isinstance(e, (ev.RemoteFound, ev.RemoteOutage, ev.RemoteRestored))
+        if held and self.remote is not False and self.same_keys:
             self._take(self.t.apply(e))
 
 
@@ -596,41 +604,12 @@ def _figures(totals: dict[str, Any]) -> dict[str, Any]:
     return {k: totals[k] for k in keys}
 
 
-def forecast_frames(
-    frames: Iterator[Any],
-    config: TrackerConfig,
-    *,
-    remote: bool | None = None,
-    same_keys: bool = True,
-    decode_ids_needed: bool = False,
-    name: str = "forecast",
-    forecaster: list[Any] | None = None,
-    curve: _Curve | None = None,
-) -> Iterator[Frame]:
-    """The forecast run's frames, made as the run's ``frames`` are read (memory follows the
-    live requests; a ``curve``'s stack grows with the distinct chunks of the log). ``forecaster``: a list the forecasting object is appended to, for its
-    counters once the frames are read."""
-    f = _Forecaster(
-        config,
-        remote=remote,
-        name=name,
-        same_keys=same_keys,
-        decode_ids_needed=decode_ids_needed,
-    )
-    f.curve = curve
-    if forecaster is not None:
-        forecaster.append(f)
-    for frame in frames:
-        yield from f.frame(frame)
-    yield from f.finish()
-
-
 class _Setup(NamedTuple):
     source: LogSource
     recorded: TrackerConfig
     config: TrackerConfig  # the what-if's settings
     run_config: TrackerConfig  # ... as the forecast's Tracker runs them
-    options: dict[str, Any]  # forecast_frames' keyword arguments
+    options: dict[str, Any]  # the _Forecaster's keyword arguments
 
 
 def _setup(path: LogPath, changes: dict[str, Any]) -> _Setup:
@@ -674,26 +653,31 @@ def _read(setup: _Setup, progress: Progress | None) -> Iterator[Any]:
     report.end()
 
 
-def whatif(path: LogPath, changes: dict[str, Any], *, progress: Progress | None = None) -> Forecast:
+def whatif(
+    path: LogPath,
+    changes: dict[str, Any],
+    *,
+    progress: Progress | None = None,
+    actual: Explanation | None = None,
+) -> Forecast:
     """Forecast what the run of the log at ``path`` would have hit under ``changes`` (keys
     of :data:`SETTINGS`). Raises :class:`Unanswerable` for a setting that is not one, or a
     question this log cannot answer; ``LogFormatError`` / ``OSError`` for a log that cannot
-    be read. ``progress(bytes done, bytes total)``: the forecast's reading of the log."""
+    be read. ``progress(bytes done, bytes total)``: the forecast's reading of the log.
+    ``actual``: the run's own explanation, when the caller has it (a sweep of several
+    forecasts of one log explains the run once)."""
     setup = _setup(path, changes)
-    forecaster: list[_Forecaster] = []
-    frames = forecast_frames(
-        _read(setup, progress), setup.run_config, forecaster=forecaster, **setup.options
+    f = _Forecaster(setup.run_config, **setup.options)
+    forecast = explain_frames(
+        f.run(_read(setup, progress)), setup.run_config, name=setup.options["name"]
     )
-    forecast = explain_frames(frames, setup.run_config, name=setup.options["name"])
-    actual = explain(path)
-    f = forecaster[0]
     return Forecast(
         log=setup.source.name,
         changes=dict(changes),
         recorded_config=setup.recorded,
         config=setup.config,
         remote=_remote_text(changes.get("remote")),
-        actual=actual,
+        actual=explain(path) if actual is None else actual,
         forecast=forecast,
         violations=f.own_violations(),
         run_violations=sorted(f.run_rules.elements()),
@@ -761,14 +745,8 @@ def sweep(
         raise Unanswerable(f"pool sizes must be positive slot counts, got {list(sizes)}")
     setup = _setup(path, {**changes, "num_slots": max(sizes)})
     curve = _Curve(sizes)
-    forecaster: list[_Forecaster] = []
-    for _ in forecast_frames(
-        _read(setup, progress),
-        setup.run_config,
-        forecaster=forecaster,
-        curve=curve,
-        **setup.options,
-    ):
+    f = _Forecaster(setup.run_config, curve=curve, **setup.options)
+    for _ in f.run(_read(setup, progress)):
         pass
     explained = explain(path)
     actual = explained.totals()
@@ -781,7 +759,7 @@ def sweep(
         admissions=curve.admissions,
         tokens_asked=actual["tokens_asked"],
         actual=actual["hit"]["pool"],
-        violations=forecaster[0].own_violations(),
+        violations=f.own_violations(),
         damage=explained.damage,
     )
 
@@ -850,26 +828,24 @@ class _StackView:
     ``slots`` slots from the recency stack: the tracker's own lookup rule, run against every
     pool size of the curve."""
 
-    __slots__ = ("alias_time", "distance", "remote", "slots")
+    __slots__ = ("alias_distance", "distance", "remote", "slots")
 
     def __init__(self, slots: int, distance: Callable[[bytes], int | None],
-                 alias_time: Callable[[bytes], int | None], remote: Any) -> None:  # fmt: skip
+                 alias_distance: Callable[[bytes], int | None], remote: Any) -> None:  # fmt: skip
         self.slots = slots
-        self.distance = distance
-        self.alias_time = alias_time
+        self.distance = distance  # of a chunk's own key
+        self.alias_distance = alias_distance  # of the latest chunk found under an alias
         self.remote = remote
 
+    def _held(self, d: int | None) -> bool:
+        return d is not None and d <= self.slots
+
     def slot_of(self, key: bytes) -> int | None:
-        d = self.distance(key)
-        return 0 if d is not None and d <= self.slots else None
+        return 0 if self._held(self.distance(key)) else None
 
     def __contains__(self, key: object) -> bool:
         assert isinstance(key, bytes)
-        return self.slot_of(key) is not None or self._alias_held(key)
-
-    def _alias_held(self, key: bytes) -> bool:
-        d = self.alias_time(key)
-        return d is not None and d <= self.slots
+        return self._held(self.distance(key)) or self._held(self.alias_distance(key))
 
 
 class _Curve:

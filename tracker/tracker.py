@@ -355,10 +355,8 @@ class Tracker:
             if isinstance(event, ev.Allocated) and not state.recompute_only:
                 self._reserve(state, event.step)
             if event.__class__ is ev.Finished:
-                self._leave_decoding(req_id)
+                self._stop_decoding(req_id)  # a finished request never decodes again
             self._numbers.follow(event)
-            if event.__class__ is ev.Finished:
-                self._hot.pop(req_id, None)  # a finished request never decodes again
             self._store(req_id, state)
             if retires(state):
                 self._retire(req_id)
@@ -507,12 +505,13 @@ class Tracker:
         """At Finished: a finished request never decodes again. Freed on this recorded fact
         alone (not on retirement, which waits for transfer results), so a reader resolves
         StepDecoded numbers from RequestAdded and Finished events only."""
-        self._hot.pop(req_id, None)
-        self._leave_decoding(req_id)
+        self._stop_decoding(req_id)
         self._numbers.give_back(req_id)
 
-    def _leave_decoding(self, req_id: str) -> None:
-        """Its number is given back (another request may take it): out of the batch."""
+    def _stop_decoding(self, req_id: str) -> None:
+        """Before its number is given back (another request may take it): out of the hot
+        path's view and out of a replay's batch."""
+        self._hot.pop(req_id, None)
         num = self._num_of.get(req_id)
         if self._decoding is not None and num is not None:
             self._decoding.drop(num)

@@ -7,6 +7,7 @@ answer the question (the reason on stderr, and in the JSON document with ``--jso
 from __future__ import annotations
 
 import argparse
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from kvledger.replay.commands.common import (
     print_json,
     warn_damage,
 )
-from kvledger.replay.extras import Output, pyplot, reading_progress
+from kvledger.replay.extras import Output, pyplot, reading_progress, write_atomic
 
 __all__ = ["add_whatif"]
 
@@ -109,7 +110,11 @@ def _answer(args: argparse.Namespace, progress: Any) -> int:
             asked = curve.tokens_asked
             damage = curve.damage
         else:
-            runs = [wi.whatif(args.log, {**changes, key: v}, progress=progress) for v in values]
+            first = wi.whatif(args.log, {**changes, key: values[0]}, progress=progress)
+            runs = [first] + [
+                wi.whatif(args.log, {**changes, key: v}, progress=progress, actual=first.actual)
+                for v in values[1:]
+            ]
             points = [
                 (v, f.forecast.totals()["hit"]["pool"]) for v, f in zip(values, runs, strict=True)
             ]
@@ -257,7 +262,7 @@ def _plot(
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = out + ".tmp"
-    fig.savefig(tmp, dpi=110, format=Path(out).suffix.lstrip(".").lower())
+    picture = io.BytesIO()
+    fig.savefig(picture, dpi=110, format=Path(out).suffix.lstrip(".").lower())
     plt.close(fig)
-    os.replace(tmp, out)
+    write_atomic(out, picture.getvalue())
