@@ -44,6 +44,9 @@ def root_key(salt: str, cache_salt: str = "") -> bytes:
     return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_ROOT).digest()
 
 
+_TOKEN_BYTES = 4  # a token id is a little-endian uint32 in every key
+
+
 def _tokens_bytes(tokens: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(tokens)}I", *tokens)
 
@@ -55,12 +58,17 @@ def chunk_keys(
     ``prev`` (the key of chunk ``first_chunk - 1``, or the root)."""
     keys: list[bytes] = []
     start = first_chunk * chunk_size
-    while start + chunk_size <= len(tokens):
+    full = (len(tokens) - start) // chunk_size
+    if full <= 0:
+        return keys
+    # Packed once, hashed in slices: a pack per chunk cost as much as the hashing.
+    data = memoryview(_tokens_bytes(tokens[start : start + full * chunk_size]))
+    width = chunk_size * _TOKEN_BYTES
+    for i in range(full):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_FULL)
-        h.update(_tokens_bytes(tokens[start : start + chunk_size]))
+        h.update(data[i * width : (i + 1) * width])
         prev = h.digest()
         keys.append(prev)
-        start += chunk_size
     return keys
 
 
@@ -77,9 +85,13 @@ def block_prefix_keys(
     """``partial_key(prev, tokens[: j * block_size])`` for j = 1, 2, ..., ``blocks``: the keys
     of a chunk's first whole blocks, hashed in one pass (lazily: a caller that stops at the
     first key the pool lacks hashes no further)."""
+    if blocks <= 0:
+        return
     h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
+    data = memoryview(_tokens_bytes(tokens[: blocks * block_size]))
+    width = block_size * _TOKEN_BYTES
     for j in range(blocks):
-        h.update(_tokens_bytes(tokens[j * block_size : (j + 1) * block_size]))
+        h.update(data[j * width : (j + 1) * width])
         yield h.copy().digest()
 
 
