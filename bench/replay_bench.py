@@ -72,12 +72,17 @@ def write_log(
     hot: bool = True,
     seed: int = 1,
     rotate_bytes: int | None = None,
+    batch: bool = False,
+    jitter: float = 0.0,
 ) -> int:
     """Drive the workload until ``target`` events were applied, counting a steady decode step
     folded into ``StepDecoded`` as one event per request (a "request-step"); returns the
     number of steps. ``hot``: steady decode steps as the connector records them (one
     ``StepDecoded`` record per step for all of them), else one ``Scheduled`` per request.
-    ``rotate_bytes``: segments of that size (default: one file)."""
+    ``rotate_bytes``: segments of that size (default: one file). ``batch``: the connector's
+    batch (``Tracker.decode_batch``) instead of ``decode_step_ok`` request by request; the two
+    write the same log. ``jitter``: the share of steps reported one token ahead of the
+    tracker's count (a request the hot path must refuse)."""
     rng = random.Random(seed)
     config = TrackerConfig(block_size=BLOCK, chunk_size=CHUNK, num_slots=num_slots)
     writer = LogWriter(path, config.to_dict(), rotate_bytes=rotate_bytes, fsync="never")
@@ -143,37 +148,54 @@ def write_log(
             t.add_request(rid, prompt)
             admit(rid, ev.Admission.NEW)
         still: list[str] = []
-        steady: list[int] = []
-        grown: list[tuple[int, int]] = []
         for rid in running:
-            toks = tokens[rid]
-            nc = computed[rid]
-            if nc == len(toks) - 1 and len(toks) - PROMPT >= budget[rid]:
+            if computed[rid] == len(tokens[rid]) - 1 and len(tokens[rid]) - PROMPT >= budget[rid]:
                 t.finished(rid)
                 free.extend(blocks.pop(rid))
                 del tokens[rid], computed[rid], budget[rid]
-                continue
-            new: list[int] = []
-            if cdiv(nc + 1, BLOCK) > len(blocks[rid]):
-                new = [free.pop()]
-                blocks[rid].extend(new)
-            # The connector's hot path: a steady single-token step (at most one new block)
-            # is only numbered.
-            num = t.decode_step_ok(rid, nc, new[0] if new else None) if hot else None
-            if num is not None:
-                steady.append(num)
-                if new:
-                    grown.append((num, new[0]))
             else:
-                out = t.scheduled(
-                    rid, num_computed=nc, num_scheduled=1, all_token_ids=toks, block_ids=new
-                )
-                if out:
-                    collect(rid, out)
-            computed[rid] = nc + 1
-            toks.append(rng.randrange(32000))
-            still.append(rid)
-        t.decoded(steady, grown)
+                still.append(rid)
+        said: list[int] = []  # the num_computed vLLM reports for each
+        new_at: dict[int, int] = {}  # position -> the block its table grew by
+        for i, rid in enumerate(still):
+            nc = computed[rid]
+            said.append(nc + 1 if jitter and rng.random() < jitter else nc)
+            if cdiv(nc + 1, BLOCK) > len(blocks[rid]):
+                new_at[i] = free.pop()
+                blocks[rid].append(new_at[i])
+        # The connector's hot path: a steady single-token step (at most one new block) is
+        # only numbered; any other goes through scheduled.
+        steady: list[int] = []
+        grown: list[tuple[int, int]] = []
+        if hot and batch:
+            unsteady, steady, grown = t.decode_batch(still, said, new_at)
+        elif hot:
+            unsteady = []
+            for i, rid in enumerate(still):
+                num = t.decode_step_ok(rid, said[i], new_at.get(i))
+                if num is None:
+                    unsteady.append(i)
+                    continue
+                steady.append(num)
+                if i in new_at:
+                    grown.append((num, new_at[i]))
+        else:
+            unsteady = list(range(len(still)))
+        for i in unsteady:
+            rid = still[i]
+            new = [new_at[i]] if i in new_at else []
+            out = t.scheduled(
+                rid, num_computed=said[i], num_scheduled=1, all_token_ids=tokens[rid], block_ids=new
+            )
+            if out:
+                collect(rid, out)
+        for rid in still:
+            computed[rid] += 1
+            tokens[rid].append(rng.randrange(32000))
+        if hot and batch:
+            t.record_decoded(steady, grown)
+        else:
+            t.decoded(steady, grown)
         steady_steps += len(steady)
         decoded_records += 1 if steady else 0
         running = still

@@ -558,10 +558,10 @@ def profile(v: Variant, args: argparse.Namespace) -> None:
     v.timer.profiler = None
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("cumulative")
-    pattern = re.escape(str(ROOT)) + r"/(tracker|connector)/"
+    stats.sort_stats(os.environ.get("KVLEDGER_PROFILE_SORT", "cumulative"))
+    pattern = r"kvledger/(tracker|connector)/"
     stats.print_stats(pattern, 15)
-    text = buf.getvalue().replace(str(ROOT) + "/", "")
+    text = re.sub(r"\S*/kvledger/", "kvledger/", buf.getvalue())
     print()
     print(f"cProfile, {v.name}, {args.profile_steps} steps (schedule + update_from_output only):")
     # Drop pstats' preamble lines up to the column header.

@@ -14,6 +14,7 @@ the request concerned, logged, and the request falls back to recompute.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -356,15 +357,19 @@ class SchedulerSide:
         preempted: tuple[str, ...] = ()
         steady: list[int] = []
         grown: list[tuple[int, int]] = []
+        batched = [False]  # the steady steps were counted as a batch (Tracker.decode_batch)
         try:
             preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
             for req_id in preempted:
                 tracker.preempted(req_id)
-            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown):
+            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown, batched):
                 decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             self._adapter_error("build_connector_meta", exc)
-        tracker.decoded(steady, grown)
+        if batched[0]:
+            tracker.record_decoded(steady, grown)
+        else:
+            tracker.decoded(steady, grown)
         plan = self._plan(step, decisions, preempted)
         if self.digests is not None:
             plan = attrs.evolve(plan, digests=self._plan_digests(step, scheduler_output, preempted))
@@ -372,7 +377,7 @@ class SchedulerSide:
         return plan
 
     def _scheduled_requests(
-        self, out: Any, steady: list[int], grown: list[tuple[int, int]]
+        self, out: Any, steady: list[int], grown: list[tuple[int, int]], batched: list[bool]
     ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
         """(req id, a reader of its facts) per scheduled request. Reading happens inside the
         per-request guard, so one malformed entry costs one request, not the step.
@@ -380,7 +385,9 @@ class SchedulerSide:
         The hot path: a running request decoding one token with at most one new block, at the count
         the tracker expects, is only numbered into ``steady`` (one ``StepDecoded`` record for
         the whole step); its token ids are learned later, in bulk, when a decision needs
-        them. Anything unusual about it takes the full path."""
+        them. Anything unusual about it takes the full path. A step whose running requests
+        were each scheduled one token, none resumed, is checked as a batch
+        (:meth:`_steady_batch`, ``batched[0]`` set); any other request by request."""
         num_scheduled: dict[str, int] = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
 
@@ -401,6 +408,30 @@ class SchedulerSide:
             None if resumed_ids is not None else getattr(cached, "resumed_from_preemption", None)
         )
         cached_all = getattr(cached, "all_token_ids", None) or {}
+
+        def read_cached(i: int, req_id: str) -> dict[str, Any]:
+            if resumed_ids is not None:
+                resumed = req_id in resumed_ids
+            else:
+                resumed = bool(resumed_flags[i]) if resumed_flags is not None else False
+            return {
+                "admission": ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
+                "num_computed": int(cached.num_computed_tokens[i]),
+                "num_scheduled": int(num_scheduled.get(req_id, 0)),
+                "block_ids": first_group(cached.new_block_ids[i]),
+                "fallback_tokens": cached_all.get(req_id),
+            }
+
+        unsteady = self._steady_batch(cached, num_scheduled, resumed_ids, resumed_flags)
+        if unsteady is not None:
+            positions, nums, pairs = unsteady
+            steady += nums
+            grown += pairs
+            batched[0] = True
+            ids = cached.req_ids
+            for i in positions:
+                yield str(ids[i]), functools.partial(read_cached, i, ids[i])
+            return
         decode_step_ok = self.tracker.decode_step_ok
         num_computed = cached.num_computed_tokens
         new_block_ids = cached.new_block_ids
@@ -426,21 +457,37 @@ class SchedulerSide:
                             continue
             except Exception:  # malformed: the full path below reports it
                 pass
+            yield str(req_id), functools.partial(read_cached, i, req_id)
 
-            def read_cached(i: int = i, req_id: str = req_id) -> dict[str, Any]:
-                if resumed_ids is not None:
-                    resumed = req_id in resumed_ids
-                else:
-                    resumed = bool(resumed_flags[i]) if resumed_flags is not None else False
-                return {
-                    "admission": ev.Admission.RESUMED if resumed else ev.Admission.RUNNING,
-                    "num_computed": int(cached.num_computed_tokens[i]),
-                    "num_scheduled": int(num_scheduled.get(req_id, 0)),
-                    "block_ids": first_group(cached.new_block_ids[i]),
-                    "fallback_tokens": cached_all.get(req_id),
-                }
-
-            yield str(req_id), read_cached
+    def _steady_batch(
+        self, cached: Any, num_scheduled: Any, resumed_ids: Any, resumed_flags: Any
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
+        """The running requests of a step in which each was scheduled exactly one token and
+        none was resumed, counted as a batch (``Tracker.decode_batch``: no Python per steady
+        request): the positions that take the full path, and the numbers and (number, block)
+        pairs counted. None: not such a step, or something about it is not as vLLM gives it
+        (checked request by request instead)."""
+        ids = cached.req_ids
+        if not ids or resumed_ids or (resumed_flags is not None and any(resumed_flags)):
+            return None
+        try:
+            if set(map(num_scheduled.get, ids)) != {1}:
+                return None
+            new_block_ids = cached.new_block_ids
+            grown: dict[int, int] = {}
+            # Only the requests whose table grew (None for the others since vLLM 0.10).
+            for i in itertools.compress(range(len(ids)), new_block_ids):
+                group = first_group(new_block_ids[i])
+                if len(group) > 1:
+                    return None
+                if group:
+                    grown[i] = int(group[0])
+            num_computed = cached.num_computed_tokens
+            if len(num_computed) != len(ids) or len(new_block_ids) != len(ids):
+                return None
+        except Exception:  # malformed: request by request, where the full path reports it
+            return None
+        return self.tracker.decode_batch(ids, num_computed, grown)
 
     def _scheduled_one(
         self, req_id: str, read: Callable[[], dict[str, Any]]

@@ -201,3 +201,106 @@ def test_a_number_given_back_and_taken_in_one_step() -> None:
         one_by_one = run()
     assert batched == one_by_one
     assert batched[-1] == []
+
+
+# --- the connector's batch (Tracker.decode_batch): the log decode_step_ok would write ----------
+
+
+def _written(tmp: Any, *, batch: bool, config: str, **kw: Any) -> list[tuple[int, ev.Event]]:
+    """The events of the bench's workload as the connector's hot path writes them: request by
+    request (``decode_step_ok``) or as a batch."""
+    tmp.mkdir(parents=True, exist_ok=True)
+    path = tmp / f"{config}-{'batch' if batch else 'each'}.kvlog"
+    make = replay_bench.TrackerConfig
+    if config == "decode-saved":
+        replay_bench.TrackerConfig = lambda **k: make(  # type: ignore[assignment,misc]
+            **{**k, "chunk_size": 32, "save_decode_cache": True}
+        )
+    try:
+        write_log(path, batch=batch, **kw)
+    finally:
+        replay_bench.TrackerConfig = make  # type: ignore[misc]
+    return [(f.step, e) for f in LogReader(path) for e in f.events]
+
+
+@pytest.mark.parametrize("config", ["prompts-saved", "decode-saved"])
+@pytest.mark.parametrize("jitter", [0.0, 0.01])
+def test_the_connectors_batch_writes_what_each_request_would(
+    tmp_path: Any, config: str, jitter: float
+) -> None:
+    """24 and then 64 live requests on 8 and 16 slots: joins, leaves, blocks appended, saves
+    due (``decode-saved``: every 32 tokens of each request), a preemption every 97 steps;
+    ``jitter``: one step in a hundred reported one token ahead, which the hot path refuses
+    and the full path names. The same events, in the same order, either way."""
+    for live, slots in ((24, 8), (64, 16)):
+        kw = {"target": 20_000, "live": live, "num_slots": slots, "jitter": jitter}
+        each = _written(tmp_path / f"{live}", batch=False, config=config, **kw)
+        batch = _written(tmp_path / f"{live}", batch=True, config=config, **kw)
+        steady = sum(len(e.nums) for _, e in batch if isinstance(e, ev.StepDecoded))
+        assert steady > 10_000
+        if jitter:
+            assert any(isinstance(e, ev.ViolationRecorded) for _, e in batch)
+        assert batch == each
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10**6), jitter=st.sampled_from([0.0, 0.05, 0.5]))
+def test_the_connectors_batch_on_any_workload(
+    tmp_path_factory: pytest.TempPathFactory, seed: int, jitter: float
+) -> None:
+    d = tmp_path_factory.mktemp("batch")
+    kw = {"target": 3_000, "live": 12, "num_slots": 4, "seed": seed, "jitter": jitter}
+    assert _written(d, batch=True, config="decode-saved", **kw) == _written(
+        d, batch=False, config="decode-saved", **kw
+    )
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_under_vllms_scheduler_the_batch_writes_the_same_log(
+    tmp_path: Any, async_scheduling: bool
+) -> None:
+    """KVLedgerConnector under vLLM's real scheduler, the KV-content oracle checking every
+    computed token: 8 requests decoding up to 120 tokens on a pool that preempts, twice,
+    once with the connector's batch and once request by request. Both runs are right, their
+    logs hold the same events, and the batch carried most steady steps."""
+    from kvledger.connector.scheduler import SchedulerSide
+    from kvledger.connector.testing.harness import skip_reason
+
+    if skip_reason() is not None:
+        pytest.skip(str(skip_reason()))
+    from kvledger.connector.testing.run import RunSpec, run
+
+    spec = RunSpec(
+        num_gpu_blocks=40,
+        max_num_seqs=8,
+        num_requests=8,
+        prompt_len=(20, 90),
+        max_tokens=(60, 120),
+        shared_prefix=16,
+        async_scheduling=async_scheduling,
+    )
+    batch = SchedulerSide._steady_batch
+    taken = {"steps": 0, "steady": 0}
+
+    def counted(self: Any, *args: Any) -> Any:
+        out = batch(self, *args)
+        if out is not None:
+            taken["steps"] += 1
+            taken["steady"] += len(out[1])
+        return out
+
+    logs = []
+    for name, patched in (("batch", counted), ("each", lambda self, *a: None)):
+        SchedulerSide._steady_batch = patched  # type: ignore[method-assign]
+        try:
+            report = run(spec, log_dir=str(tmp_path / name))
+        finally:
+            SchedulerSide._steady_batch = batch  # type: ignore[method-assign]
+        assert [m.describe() for m in report.mismatches] == [] and report.violations == ()
+        assert report.finished == report.requests and report.preemptions > 0
+        assert report.log_path is not None
+        logs.append([(f.step, e) for f in LogReader(report.log_path) for e in f.events])
+    steady = sum(len(e.nums) for _, e in logs[1] if isinstance(e, ev.StepDecoded))
+    assert logs[0] == logs[1]
+    assert taken["steady"] >= 0.8 * steady > 0

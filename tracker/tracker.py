@@ -14,8 +14,10 @@ of its life. The core itself writes nowhere: with no logger it is silent (:data:
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import attrs
@@ -97,6 +99,10 @@ class _Hot:
         self.capacity = capacity  # tokens its block table holds (pending blocks not included)
 
 
+# The offset of a position no member of the batch holds: no count of vLLM's matches it.
+_NEVER = -(1 << 62)
+
+
 class _Decoding:
     """The requests of the steady decode steps a replay applies (``StepDecoded``), and for
     each the steps it may still take steadily, as two bounds in one shared count of steps:
@@ -108,9 +114,25 @@ class _Decoding:
     only when someone reads the request (:meth:`settle`). The two minimums are kept as lower
     bounds, computed again (one ``min`` in C) only when one falls below the count. A request
     whose state changed since (``dirty``, told by ``Tracker._store``) or that just joined has
-    its bounds derived again from its state; one whose number was given back leaves."""
+    its bounds derived again from its state; one whose number was given back leaves.
 
-    __slots__ = ("base", "cap", "dirty", "lim", "min_cap", "min_lim", "nums", "req", "steps")
+    The connector's steady step (:meth:`Tracker.decode_batch`) is checked the same way, with
+    one more bound: vLLM's ``num_computed`` must be the count the request's state gives it,
+    ``off[num]`` plus the shared count, compared for the whole step in one ``map`` in C."""
+
+    __slots__ = (
+        "aligned",
+        "base",
+        "cap",
+        "dirty",
+        "lim",
+        "min_cap",
+        "min_lim",
+        "nums",
+        "off",
+        "req",
+        "steps",
+    )
 
     def __init__(self) -> None:
         self.nums: tuple[int, ...] = ()
@@ -118,6 +140,10 @@ class _Decoding:
         self.lim: dict[int, int] = {}
         self.req: dict[int, str] = {}
         self.base: dict[int, int] = {}  # the count when the request's steps were last settled
+        # Tokens the request's state counts, less the shared count (both when derived).
+        self.off: dict[int, int] = {}
+        # ``off`` in the order of ``nums`` (None: derive it again), for the connector's step.
+        self.aligned: list[int] | None = None
         self.min_cap = self.min_lim = 0
         self.dirty: set[str] = set()
         self.steps = 0
@@ -137,8 +163,9 @@ class _Decoding:
     def drop(self, t: Tracker, num: int) -> None:
         if num in self.base:
             self.settle(t, num)
-            del self.cap[num], self.lim[num], self.req[num], self.base[num]
+            del self.cap[num], self.lim[num], self.req[num], self.base[num], self.off[num]
             self.nums = ()
+            self.aligned = None
 
     def _derive(self, t: Tracker, num: int, req_id: str | None) -> bool:
         state = t._states.get(req_id) if req_id is not None else None
@@ -156,7 +183,76 @@ class _Decoding:
         self.min_lim = min(self.min_lim, lim)
         self.req[num] = req_id
         self.base[num] = self.steps
+        self.off[num] = tokens - self.steps
+        self.aligned = None
         return True
+
+    def take(
+        self,
+        t: Tracker,
+        nums: tuple[int, ...],
+        num_computed: Sequence[int],
+        grown: Mapping[int, int],
+    ) -> list[int]:
+        """The connector's step (see :meth:`Tracker.decode_batch`): advance the requests of
+        ``nums`` that are steady (a request without a number is ``-1``, never a member);
+        return the positions of the others, in order. Those leave the batch, their steps so
+        far settled, and are derived again when they come back."""
+        cap, lim = self.cap, self.lim
+        if nums != self.nums:
+            now = set(nums)
+            for num in cap.keys() - now:
+                self.drop(t, num)
+            req_of = t._req_of
+            for num in now - cap.keys():
+                self._derive(t, num, req_of.get(num))
+            self.nums = nums
+        if self.dirty:
+            num_of = t._num_of
+            for req_id in self.dirty:
+                changed = num_of.get(req_id)
+                if changed is not None and changed in cap and not self._derive(t, changed, req_id):
+                    self.drop(t, changed)
+            self.dirty.clear()
+        aligned = self.aligned
+        if aligned is None:
+            off = self.off
+            # A position no member holds can never match: it is checked one by one.
+            aligned = self.aligned = [off.get(num, _NEVER) for num in nums]
+        steps = self.steps
+        bad: list[int] = []
+        if set(map(operator.sub, num_computed, aligned)) != {steps}:
+            bad = [
+                i
+                for i, (c, o) in enumerate(zip(num_computed, aligned, strict=True))
+                if c - o != steps
+            ]
+        b = t.config.block_size
+        for i in grown:
+            if nums[i] in cap:
+                cap[nums[i]] += b
+        s = steps + 1
+        if self.min_cap < s:
+            self.min_cap = min(cap.values(), default=s)
+        if self.min_lim < s:
+            self.min_lim = min(lim.values(), default=s)
+        if self.min_cap < s or self.min_lim < s:
+            short = {num for num in cap if cap[num] < s or lim[num] < s}
+            bad = sorted({*bad, *(i for i, num in enumerate(nums) if num in short)})
+        for i in bad:
+            num = nums[i]
+            if num in cap:
+                if i in grown:
+                    cap[num] -= b
+                self.drop(t, num)
+        self.steps = s
+        if grown:
+            req, blocks = self.req, t._pending_blocks
+            for i, block in grown.items():
+                num = nums[i]
+                if num in req:
+                    blocks.setdefault(req[num], []).append(block)
+        return bad
 
     def step(self, t: Tracker, event: ev.StepDecoded) -> bool:
         """Apply ``event`` if every request it names is steady (True); else change nothing
@@ -445,6 +541,37 @@ class Tracker:
             return None
         return hot.num
 
+    def decode_batch(
+        self, req_ids: Sequence[str], num_computed: Sequence[int], grown: Mapping[int, int]
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """The connector's steady step as a batch: ``req_ids`` were each scheduled exactly one
+        token at vLLM's ``num_computed`` (the same positions), none resumed; ``grown`` maps a
+        position to the one block its table grew by. Those that ``decode_step_ok`` would take
+        are counted as it would count them, in one shared count (``_Decoding``), so that a
+        step of the requests of the step before costs the same for 8 as for 800. Returns the
+        positions of the others (for the caller to schedule one by one), and the numbers and
+        (number, block) pairs of those counted, for :meth:`record_decoded`."""
+        if self._decoding is None:
+            self._decoding = _Decoding()
+        nums = tuple(map(self._num_of.get, req_ids, itertools.repeat(-1)))
+        bad = self._decoding.take(self, nums, num_computed, grown)
+        if not bad:
+            steady = list(nums)
+            pairs = [(nums[i], block) for i, block in grown.items()]
+        else:
+            out = set(bad)
+            steady = [n for i, n in enumerate(nums) if i not in out]
+            pairs = [(nums[i], block) for i, block in grown.items() if i not in out]
+        return bad, steady, pairs
+
+    def record_decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
+        """Write the ``StepDecoded`` of steps already counted (:meth:`decode_batch`)."""
+        if not nums:
+            return
+        flat = tuple(x for pair in grown for x in pair)
+        self.counts["events"] += 1
+        self._record(ev.StepDecoded(self.step, "", tuple(nums), flat), ())
+
     def decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
         """Record one step of steady decodes for these request numbers, each admitted by
         ``decode_step_ok`` in this step (so not checked again; a replay checks them);
@@ -453,8 +580,6 @@ class Tracker:
             return
         if self._decoding is not None:
             self._end_batch()
-        flat = tuple(x for pair in grown for x in pair)
-        event = ev.StepDecoded(self.step, "", tuple(nums), flat)
         req_of = self._req_of
         # Every request counted in one C call (Counter.update): a third of a Python loop's
         # cost alone (27 against 91 us for 256 requests, timeit); bench/scheduler_overhead.py
@@ -462,8 +587,7 @@ class Tracker:
         self._pending.update(map(req_of.__getitem__, nums))
         for num, block in grown:
             self._pending_blocks.setdefault(req_of[num], []).append(block)
-        self.counts["events"] += 1
-        self._record(event, ())
+        self.record_decoded(nums, grown)
 
     def _store(self, req_id: str, state: RequestState) -> None:
         self._states[req_id] = state

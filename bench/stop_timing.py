@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Stopping a real server in the middle of serving: is the log complete, and how long after the
+signal was it sealed?
+
+vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``, its own process group,
+vLLM's default multiprocessing) with KVLedgerConnector on the engine suite's tiny Llama, run
+``--stops`` times. Each time, four concurrent completions overflow a small KV cache (vLLM
+preempts), and a random 0.5 to 3 s into them the server is stopped: Ctrl-C (SIGINT to the whole
+group) and SIGTERM to the server alone, in turn. ``--burners`` busy processes load the CPUs the
+whole time, as another engine would. Per stop it prints whether the engine core said
+``kvledger.log_sealed``, how long after the signal the log file was last written (its mtime:
+the seal), and what ``kvledger check`` says of the log. Exit status 1 if any log is not
+complete (check's exit 3: the engine was killed before the seal).
+
+Run with the engine venv (``make setup-engine``)::
+
+    .venv-engine/bin/python bench/stop_timing.py --stops 10 --burners 2
+
+It prints numbers and never passes or fails on timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+BLOCK = 32
+ENGINE = dict(num_blocks=8, block_size=BLOCK, max_model_len=224, max_num_seqs=4)
+
+
+def _burn(stop: Any) -> None:
+    while not stop.is_set():
+        sum(i * i for i in range(10_000))
+
+
+def _connector(log_dir: Path) -> dict[str, object]:
+    return {
+        "kv_connector": "KVLedgerConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "chunk_size": BLOCK,
+            "host_pool_bytes": 64 << 20,
+            "log_dir": str(log_dir),
+        },
+    }
+
+
+def one_stop(
+    model: str, log_dir: Path, sig: signal.Signals, group: bool, rng: random.Random
+) -> tuple[bool, float, int]:
+    from kvledger.connector.testing.served import Server, ServerSpec
+
+    prompts = [[rng.randrange(10, 1000) for _ in range(n)] for n in (40, 48, 57, 64)]
+    spec = ServerSpec(model, kv_transfer_config=_connector(log_dir), **ENGINE)
+    with Server(spec) as server:
+        server.complete(prompts[:1], 4)  # the engine has served once: the stop is mid-run
+
+        def serve() -> None:
+            with contextlib.suppress(Exception):  # the server stops under it, as it should
+                server.complete(prompts, 150)
+
+        threading.Thread(target=serve, daemon=True).start()
+        time.sleep(rng.uniform(0.5, 3.0))
+        signalled = time.time()
+        server.stop(sig, group=group)
+        output = server.output()
+    logs = sorted(log_dir.glob("*.kvlog"))
+    last_write = logs[0].stat().st_mtime if logs else float("nan")
+    exe = Path(sys.executable).with_name("kvledger")
+    check = subprocess.run(
+        [str(exe), "check", str(logs[0])], capture_output=True, text=True, timeout=300
+    )
+    return "kvledger.log_sealed" in output, last_write - signalled, check.returncode
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--stops", type=int, default=10)
+    ap.add_argument("--burners", type=int, default=2, help="busy processes (default 2)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+
+    from kvledger.connector.testing.tiny_model import build_tiny_llama
+
+    model = str(build_tiny_llama())
+    rng = random.Random(args.seed)
+    stop = multiprocessing.Event()
+    burners = [multiprocessing.Process(target=_burn, args=(stop,)) for _ in range(args.burners)]
+    for b in burners:
+        b.start()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvledger-stops-") as tmp:
+            for i in range(args.stops):
+                sig, group = (signal.SIGINT, True) if i % 2 == 0 else (signal.SIGTERM, False)
+                how = "ctrl-c" if group else "sigterm"
+                sealed, delay, code = one_stop(model, Path(tmp) / str(i), sig, group, rng)
+                rows.append((how, sealed, delay, code))
+                print(
+                    f"stop {i + 1:>2} {how:<8} sealed={sealed!s:<5} "
+                    f"last write {delay * 1000:7.1f} ms after the signal   check exit {code}",
+                    flush=True,
+                )
+    finally:
+        stop.set()
+        for b in burners:
+            b.join()
+    delays = [d * 1000 for _, s, d, c in rows if s and c == 0]
+    incomplete = sum(1 for *_, c in rows if c == 3)
+    print()
+    print(f"{len(rows)} stops, {args.burners} burners: {incomplete} logs incomplete, "
+          f"{sum(1 for _, s, *_ in rows if s)} sealed by the stop signal")  # fmt: skip
+    if delays:
+        print(
+            f"signal to last write: median {statistics.median(delays):.1f} ms, "
+            f"max {max(delays):.1f} ms"
+        )
+    return 1 if incomplete else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
