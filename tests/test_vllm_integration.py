@@ -11,6 +11,7 @@ from _rigs import PREEMPTING, assert_clean
 
 from kvledger.connector.testing.harness import (
     load_failures_reportable,
+    load_recovery_misses_resumed,
     model_runner_v2_available,
     skip_reason,
 )
@@ -117,9 +118,19 @@ def test_injected_load_failures_recompute_exactly():
         return False
 
     report = _run(enable_prefix_caching=False, load_fault=fault, extra_config={"chunk_size": 16})
-    assert_clean(report)
     assert report.load_errors > 0
     assert any(f is not None for f in failures)
+    if not load_recovery_misses_resumed():
+        assert_clean(report)
+        return
+    # vLLM before PR #38096 (0.14.1, 0.18.1): the failed load of a resumed request is not
+    # rolled back, and vLLM computes over the failed blocks. vLLM's fault, not the oracle's:
+    # the tracker, told of the failure, expects vLLM to recompute from the first failed block,
+    # and names every request whose KV went wrong at its next step.
+    wrong = {m.req_id for m in report.mismatches}
+    named = {v.split()[2].rstrip(":") for v in report.violations}
+    assert wrong and wrong <= named
+    assert all(" tokens_match_schedule at Scheduled " in v for v in report.violations)
 
 
 def test_oracle_catches_a_wrong_load_range(monkeypatch):

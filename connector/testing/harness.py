@@ -104,6 +104,23 @@ def load_failures_reportable() -> bool:
 
 
 @functools.cache
+def load_recovery_misses_resumed() -> bool:
+    """Whether this vLLM's recovery from a failed synchronous load looks for the failed
+    blocks only below ``request.num_cached_tokens`` (``_update_requests_with_invalid_blocks``,
+    before vLLM PR #38096). vLLM sets that count at a request's first scheduling and does not
+    reset it at a preemption, so when a resumed request's load fails beyond it, vLLM does not
+    roll the request back and computes over the failed blocks (0.14.1 and 0.18.1 here)."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    recover = getattr(Scheduler, "_update_requests_with_invalid_blocks", None)
+    if recover is None:
+        return False
+    return "request.num_cached_tokens" in inspect.getsource(recover)
+
+
+@functools.cache
 def model_runner_v2_available() -> bool:
     """Whether this vLLM can run Model Runner V2 here: it has one (0.14 on), and it does not
     refuse it without Triton (0.22 to 0.30 raise "requires Triton" when it is asked for; 0.33
