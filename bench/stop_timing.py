@@ -7,8 +7,8 @@ vLLM's default multiprocessing) with KVLedgerConnector on the engine suite's tin
 ``--stops`` times. Each time, four concurrent completions overflow a small KV cache (vLLM
 preempts), are sent again (their chunks come back from the pool), and the server is stopped:
 Ctrl-C (SIGINT to the whole group) and SIGTERM to the server alone, in turn. (A stop with
-requests still in flight is not timed here: vLLM's server then waits for them, and its engine
-core, signalled too, never finishes them.) ``--burners`` busy processes load the CPUs the
+requests still in flight is not timed here: tried once by Ctrl-C, the server had not exited
+120 s later; not investigated.) ``--burners`` busy processes load the CPUs the
 whole time, as another engine would. Per stop it prints whether the engine core said
 ``kvledger.log_sealed``, how long after the signal the log file was first written (the seal
 writes what is pending and its end record in one call), and what ``kvledger check`` says of the log. Exit status 1 if any log is not
