@@ -49,18 +49,6 @@ def _burn(stop: Any) -> None:
         sum(i * i for i in range(10_000))
 
 
-def _connector(log_dir: Path) -> dict[str, object]:
-    return {
-        "kv_connector": "KVLedgerConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "chunk_size": BLOCK,
-            "host_pool_bytes": 64 << 20,
-            "log_dir": str(log_dir),
-        },
-    }
-
-
 class _FirstWrite(threading.Thread):
     """When the file at ``path`` first changes size from now on (``at``, perf_counter seconds;
     nan if not within ``timeout``): the seal writes what is pending and the end record in one
@@ -85,11 +73,11 @@ class _FirstWrite(threading.Thread):
 def one_stop(
     model: str, log_dir: Path, sig: signal.Signals, group: bool, rng: random.Random
 ) -> tuple[bool, float, int]:
-    from kvledger.connector.testing.served import Server, ServerSpec
+    from kvledger.connector.testing.served import Server, ServerSpec, kvledger_config
 
     top = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     prompts = [[rng.randrange(3, top) for _ in range(n)] for n in (40, 48, 57, 64)]
-    spec = ServerSpec(model, kv_transfer_config=_connector(log_dir), **ENGINE)
+    spec = ServerSpec(model, kv_transfer_config=kvledger_config(log_dir, BLOCK), **ENGINE)
     with Server(spec) as server:
         server.complete(prompts, 96)  # outgrows the cache: vLLM preempts
         server.complete(prompts, 16)  # the same prompts: their chunks come from the pool

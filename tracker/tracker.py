@@ -187,6 +187,32 @@ class _Decoding:
         self.aligned = None
         return True
 
+    def _follow(self, t: Tracker, nums: tuple[int, ...], *, strict: bool) -> bool:
+        """Make the batch the requests of ``nums``: those no longer named leave, those that
+        joined or changed since (``dirty``) have their bounds derived again. One that cannot
+        be (no live state): ``strict`` (a replay), False at once, and the caller checks the
+        step request by request; else (the connector) it stays out of the batch."""
+        cap = self.cap
+        if nums != self.nums:
+            now = set(nums)
+            for num in cap.keys() - now:
+                self.drop(t, num)
+            req_of = t._req_of
+            for num in now - cap.keys():
+                if not self._derive(t, num, req_of.get(num)) and strict:
+                    return False
+            self.nums = nums
+        if self.dirty:
+            num_of = t._num_of
+            for req_id in self.dirty:
+                changed = num_of.get(req_id)
+                if changed is not None and changed in cap and not self._derive(t, changed, req_id):
+                    if strict:
+                        return False
+                    self.drop(t, changed)
+            self.dirty.clear()
+        return True
+
     def take(
         self,
         t: Tracker,
@@ -199,21 +225,7 @@ class _Decoding:
         return the positions of the others, in order. Those leave the batch, their steps so
         far settled, and are derived again when they come back."""
         cap, lim = self.cap, self.lim
-        if nums != self.nums:
-            now = set(nums)
-            for num in cap.keys() - now:
-                self.drop(t, num)
-            req_of = t._req_of
-            for num in now - cap.keys():
-                self._derive(t, num, req_of.get(num))
-            self.nums = nums
-        if self.dirty:
-            num_of = t._num_of
-            for req_id in self.dirty:
-                changed = num_of.get(req_id)
-                if changed is not None and changed in cap and not self._derive(t, changed, req_id):
-                    self.drop(t, changed)
-            self.dirty.clear()
+        self._follow(t, nums, strict=False)
         aligned = self.aligned
         if aligned is None:
             off = self.off
@@ -260,24 +272,8 @@ class _Decoding:
         requests one by one)."""
         nums, cap = event.nums, self.cap
         grown = event.new_blocks()
-        if grown is None:
+        if grown is None or not self._follow(t, nums, strict=True):
             return False
-        if nums != self.nums:
-            now = set(nums)
-            for num in cap.keys() - now:
-                self.drop(t, num)
-            req_of = t._req_of
-            for num in now - cap.keys():
-                if not self._derive(t, num, req_of.get(num)):
-                    return False
-            self.nums = nums
-        if self.dirty:
-            num_of = t._num_of
-            for req_id in self.dirty:
-                changed = num_of.get(req_id)
-                if changed is not None and changed in cap and not self._derive(t, changed, req_id):
-                    return False
-            self.dirty.clear()
         b = t.config.block_size
         for num in grown:
             cap[num] += b

@@ -37,6 +37,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def kvledger_config(log_dir: Path | str, chunk_size: int = 32) -> dict[str, Any]:
+    """The ``kv_transfer_config`` of KVLedgerConnector with its log in ``log_dir``: by name
+    alone (kvledger's vLLM plugin registers it in every process the server starts), a 64 MiB
+    host pool."""
+    return {
+        "kv_connector": "KVLedgerConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "chunk_size": chunk_size,
+            "host_pool_bytes": 64 << 20,
+            "log_dir": str(log_dir),
+        },
+    }
+
+
 class ServerSpec:
     """The server's command line: a small KV cache (``num_blocks`` blocks of ``block_size``)
     so that concurrent requests preempt, vLLM's prefix caching off unless asked (so that every

@@ -81,16 +81,9 @@ def base(tiny_model: str) -> Any:
 
 
 def connector_config(log_dir: Path) -> dict[str, Any]:
-    return {
-        # By name alone: kvledger's vLLM plugin registers it in every process the server starts.
-        "kv_connector": "KVLedgerConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "chunk_size": BLOCK,
-            "host_pool_bytes": 64 << 20,
-            "log_dir": str(log_dir),
-        },
-    }
+    from kvledger.connector.testing.served import kvledger_config
+
+    return kvledger_config(log_dir, chunk_size=BLOCK)
 
 
 def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
