@@ -37,22 +37,29 @@ def request_by_request() -> Iterator[None]:
         _Decoding.step = step  # type: ignore[method-assign]
 
 
+@contextmanager
+def bench_config(name: str) -> Iterator[None]:
+    """The bench's workload as it is (``prompts-saved``), or with chunks of 32 tokens and
+    decode chunks saved too (``decode-saved``), so that a steady step's other bound
+    (``steady_limit``: a save may be due) binds every 32 steps of each request."""
+    make = replay_bench.TrackerConfig
+    if name == "decode-saved":
+        replay_bench.TrackerConfig = lambda **kw: make(  # type: ignore[assignment,misc]
+            **{**kw, "chunk_size": 32, "save_decode_cache": True}
+        )
+    try:
+        yield
+    finally:
+        replay_bench.TrackerConfig = make  # type: ignore[misc]
+
+
 @pytest.fixture(scope="module", params=["prompts-saved", "decode-saved"])
 def history(request: Any, tmp_path_factory: Any) -> tuple[TrackerConfig, list[list[ev.Event]]]:
     """24 live requests, 8 slots: joins, leaves, evictions, a preemption every 97 steps.
     ``decode-saved``: chunks of 32 tokens, decode chunks saved too, so that a steady step's
     other bound (``steady_limit``: a save may be due) binds every 32 steps of each request."""
     path = tmp_path_factory.mktemp("decode-batch") / "run.kvlog"
-    if request.param == "decode-saved":
-        make = replay_bench.TrackerConfig
-        replay_bench.TrackerConfig = lambda **kw: make(  # type: ignore[assignment,misc]
-            **{**kw, "chunk_size": 32, "save_decode_cache": True}
-        )
-        try:
-            write_log(path, 20_000, 24, 8)
-        finally:
-            replay_bench.TrackerConfig = make  # type: ignore[misc]
-    else:
+    with bench_config(request.param):
         write_log(path, 20_000, 24, 8)
     reader = LogReader(path)
     frames = [[e for e in f.events if isinstance(e, ev.InputEvent)] for f in reader]
@@ -211,15 +218,8 @@ def _written(tmp: Any, *, batch: bool, config: str, **kw: Any) -> list[tuple[int
     request (``decode_step_ok``) or as a batch."""
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / f"{config}-{'batch' if batch else 'each'}.kvlog"
-    make = replay_bench.TrackerConfig
-    if config == "decode-saved":
-        replay_bench.TrackerConfig = lambda **k: make(  # type: ignore[assignment,misc]
-            **{**k, "chunk_size": 32, "save_decode_cache": True}
-        )
-    try:
+    with bench_config(config):
         write_log(path, batch=batch, **kw)
-    finally:
-        replay_bench.TrackerConfig = make  # type: ignore[misc]
     return [(f.step, e) for f in LogReader(path) for e in f.events]
 
 
@@ -281,12 +281,11 @@ def test_under_vllms_scheduler_the_batch_writes_the_same_log(
         async_scheduling=async_scheduling,
     )
     batch = SchedulerSide._steady_batch
-    taken = {"steps": 0, "steady": 0}
+    taken = {"steady": 0}
 
     def counted(self: Any, *args: Any) -> Any:
         out = batch(self, *args)
         if out is not None:
-            taken["steps"] += 1
             taken["steady"] += len(out[1])
         return out
 

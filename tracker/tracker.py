@@ -150,10 +150,11 @@ class _Decoding:
 
     def settle(self, t: Tracker, num: int) -> None:
         """Add the request's steps taken in the batch since the last settle to
-        ``t._pending``: what a reader of its state must fold in first."""
-        k = self.steps - self.base[num]
-        if k:
-            t._pending[self.req[num]] += k
+        ``t._pending``: what a reader of its state must fold in first (nothing for a number
+        not in the batch)."""
+        base = self.base.get(num)
+        if base is not None and base != self.steps:
+            t._pending[self.req[num]] += self.steps - base
             self.base[num] = self.steps
 
     def settle_all(self, t: Tracker) -> None:
@@ -171,8 +172,7 @@ class _Decoding:
         state = t._states.get(req_id) if req_id is not None else None
         if state is None or req_id is None:
             return False
-        if num in self.base:
-            self.settle(t, num)
+        self.settle(t, num)
         config = t.config
         tokens = state.num_tokens + t._pending.setdefault(req_id, 0)
         grown = t._pending_blocks.get(req_id)
@@ -213,6 +213,16 @@ class _Decoding:
             self.dirty.clear()
         return True
 
+    def _bounds_hold(self, s: int) -> bool:
+        """Whether every member may take step count ``s`` steadily. The minimums are lower
+        bounds (a capacity only grows until derived again, a derivation lowers them), so
+        they are computed again, in C, only when one falls below ``s``."""
+        if self.min_cap < s:
+            self.min_cap = min(self.cap.values(), default=s)
+        if self.min_lim < s:
+            self.min_lim = min(self.lim.values(), default=s)
+        return self.min_cap >= s and self.min_lim >= s
+
     def take(
         self,
         t: Tracker,
@@ -244,11 +254,7 @@ class _Decoding:
             if nums[i] in cap:
                 cap[nums[i]] += b
         s = steps + 1
-        if self.min_cap < s:
-            self.min_cap = min(cap.values(), default=s)
-        if self.min_lim < s:
-            self.min_lim = min(lim.values(), default=s)
-        if self.min_cap < s or self.min_lim < s:
+        if not self._bounds_hold(s):
             short = {num for num in cap if cap[num] < s or lim[num] < s}
             bad = sorted({*bad, *(i for i, num in enumerate(nums) if num in short)})
         for i in bad:
@@ -278,11 +284,7 @@ class _Decoding:
         for num in grown:
             cap[num] += b
         s = self.steps + 1
-        if self.min_cap < s:
-            self.min_cap = min(cap.values())
-        if self.min_lim < s:
-            self.min_lim = min(self.lim.values())
-        if self.min_cap < s or self.min_lim < s:
+        if not self._bounds_hold(s):
             for num in grown:
                 cap[num] -= b
             return False
@@ -652,11 +654,9 @@ class Tracker:
             self._decoding = None
 
     def _materialize(self, req_id: str) -> None:
-        decoding = self._decoding
-        if decoding is not None:
-            num = self._num_of.get(req_id)
-            if num is not None and num in decoding.base:
-                decoding.settle(self, num)
+        num = self._num_of.get(req_id)
+        if self._decoding is not None and num is not None:
+            self._decoding.settle(self, num)
         k = self._pending.pop(req_id, 0)
         blocks = self._pending_blocks.pop(req_id, ())
         state = self._states.get(req_id)
