@@ -37,10 +37,16 @@ BYTES = {  # only the KV-content digests can see these: the connector API shows 
 }
 API = {  # visible at the connector API: named with digests off
     "vllm_51637": ("x", {"stale_completion"}),
+    "vllm_46240": ("x", {"stale_completion"}),
     "vllm_50297": ("b", {"finished_without_blocks"}),
     "vllm_55113": ("again", {"full_hit_no_last_token"}),
 }
 ALL = {**BYTES, **API}
+# No rule can name these (a legitimate run can look the same); ``check --differential``, which
+# replays kvledger's own rules on the same facts, names the request and the lookup.
+DIFFERENTIAL = {
+    "vllm_54193": ("again", "offered 64 external tokens, kvledger would offer 48"),
+}
 
 
 def _check(path: str, **kw: Any) -> Any:
@@ -74,7 +80,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
 def test_every_shape_of_the_zoo_is_tested() -> None:
     from kvledger.connector.testing.zoo import SHAPES
 
-    assert set(SHAPES) == set(ALL)
+    assert set(SHAPES) == set(ALL) | set(DIFFERENTIAL)
 
 
 @pytest.mark.parametrize("name", sorted(ALL))
@@ -115,6 +121,15 @@ def _assert_api_step(name: str, report: Any, problem: Any) -> None:
         assert problem.step == report.error_step + 1
         assert "completion=finished_sending" in problem.detail
         assert "request=running" in problem.detail and "earlier_life_finished=" in problem.detail
+    elif name == "vllm_46240":
+        # x's finished_sending came, vLLM freed x, and the same completion came again: vLLM's
+        # scheduler asserted the id was still one of its requests (finished_sending's loop).
+        assert report.error is not None and "AssertionError" in report.error
+        assert "scheduler.py" in report.error
+        assert problem.step == report.error_step + 1
+        (finished,) = [s for r, s in report.finished_at if r == "x"]
+        assert "completion=finished_sending" in problem.detail
+        assert f"request=finished at step {finished + 1}, nothing outstanding" in problem.detail
     elif name == "vllm_50297":
         assert report.error is None and report.preemptions == 1
         (step,) = [s for r, s in report.finished_at if r == "b"]
@@ -122,7 +137,33 @@ def _assert_api_step(name: str, report: Any, problem: Any) -> None:
         assert "preempted=True" in problem.detail and "remote_block_ids" in problem.detail
 
 
-@pytest.mark.parametrize("name", sorted(ALL))
+def test_vllm_54193_the_sampled_tokens_slot_is_named_by_the_differential(zoo: Any) -> None:
+    """ "first" (63 prompt tokens) samples one token, which closes its second chunk; the store
+    counts it and saves that chunk with its last slot never written. The next turn ("again",
+    first's prompt and output and 16 tokens more) is offered all 64 and loads the unwritten
+    slot: the oracle finds position 63 wrong. No rule can name it from the log (a longer run
+    elsewhere may have computed that token), and the digests cannot judge it: no forward ever
+    filled that block, so the book has no digest for its key (one load unverifiable). The
+    differential can: kvledger, on the same facts, would have offered 48."""
+    report = zoo("vllm_54193")
+    hit = report.first_mismatch("again")
+    assert hit is not None and report.error is None
+    step, mismatch = hit
+    assert mismatch.position == 63
+    plain = _check(report.log_path)
+    assert plain.exit_code == 0
+    assert plain.counts["digests"]["unverifiable"] == 1
+    req, detail = DIFFERENTIAL["vllm_54193"]
+    result = _check(report.log_path, differential=True)
+    assert result.exit_code == 1
+    first = result.problems[0]
+    assert (first.kind, first.req_id) == ("differential", req)
+    assert first.step == step  # the lookup is recorded in the step that loaded it
+    assert detail in first.detail
+    assert {p.req_id for p in result.problems} == {req}
+
+
+@pytest.mark.parametrize("name", sorted({**ALL, **DIFFERENTIAL}))
 def test_the_clean_twin_checks_clean(zoo: Any, name: str) -> None:
     """The same workload with the bug fixed: every computed token right, vLLM never asserts,
     every block returned, and the log clean; where digests are on, every load verified."""
@@ -131,6 +172,8 @@ def test_the_clean_twin_checks_clean(zoo: Any, name: str) -> None:
     assert [m.describe() for _, m in report.mismatches] == []
     result = _check(report.log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems]
+    if name in DIFFERENTIAL:
+        assert _check(report.log_path, differential=True).exit_code == 0
     digests = result.counts["digests"]
     if name in BYTES:
         assert digests["loaded"] > 0 and digests["verified"] == digests["loaded"]
@@ -178,13 +221,15 @@ def test_vllm_36752_trigger_checks_clean(zoo: Any) -> None:
 DATA = Path(__file__).parent / "data" / "zoo"
 
 
-@pytest.mark.parametrize("name", ["vllm_51637", "vllm_50297", "vllm_55113"])
+@pytest.mark.parametrize("name", ["vllm_51637", "vllm_50297", "vllm_55113", "vllm_54193"])
 def test_the_docs_example_logs_are_what_the_zoo_records(zoo: Any, name: str) -> None:
     """docs/bug-zoo.md runs ``kvledger check`` on logs kept in tests/data/zoo
-    (``python tests/data/make_zoo_logs.py`` writes them): a run now is judged the same."""
+    (``python tests/data/make_zoo_logs.py`` writes them): a run now is judged the same (with
+    ``--differential`` where only the differential names the shape)."""
 
     def verdict(path: str) -> list[tuple[str, str, int, str]]:
-        return [(p.name, p.req_id, p.step, p.detail) for p in _check(path).problems]
+        result = _check(path, differential=name in DIFFERENTIAL)
+        return [(p.name, p.req_id, p.step, p.detail) for p in result.problems]
 
     assert verdict(str(DATA / f"{name}.kvlog")) == verdict(zoo(name).log_path)
 

@@ -48,6 +48,7 @@ from kvledger.connector.worker import WorkerSide
 __all__ = [
     "SHAPES",
     "AsyncStoreWorker",
+    "CompletionRepeated",
     "EngineLoadFault",
     "FailedLoadMarkedDone",
     "FullPromptMatch",
@@ -56,6 +57,8 @@ __all__ = [
     "KVSwappedOnLoad",
     "LoadFaultWorker",
     "LoadIntoLastBlocks",
+    "RepeatedCompletionWorker",
+    "SampledTokenStored",
     "Shape",
     "ShortenedHit",
     "StaleCompletionAfterReuse",
@@ -211,6 +214,25 @@ class AbaCompletionWorker(AsyncStoreWorker):
         return (set(sending or ()) | stale) or None, recving
 
 
+class RepeatedCompletionWorker(AsyncStoreWorker):
+    """``AsyncStoreWorker`` that reports each ``finished_sending`` twice: once when the request's
+    jobs ran, and again at the next report, when vLLM has freed the request (the completions of
+    vLLM #46240, #43226 and #51786: a second notification for one transfer, from a connector
+    that aggregates its sub-connectors' completions, or one whose abort path and send path both
+    report). vLLM 0.33's scheduler asserts ``req_id in self.requests`` on the second one."""
+
+    def __init__(self, config: ConnectorConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        self._reported: set[str] = set()
+
+    def get_finished(
+        self, finished_req_ids: set[str] | None = None
+    ) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        again, self._reported = self._reported, set(sending or ())
+        return (set(sending or ()) | again) or None, recving
+
+
 # --------------------------------------------------------------------------------------------
 # The connectors vLLM loads (as the recorder's inner, ``kvledger.connector.testing.zoo:Class``)
 # --------------------------------------------------------------------------------------------
@@ -224,10 +246,13 @@ class _ZooKVLedger(KVLedgerConnector):
     async_store: ClassVar[bool] = False
     flush_on_preemption: ClassVar[bool] = True
     aba: ClassVar[bool] = False
+    repeat_completions: ClassVar[bool] = False
 
     def make_worker_side(self, config: ConnectorConfig, *, num_slots: int, rank: int) -> WorkerSide:
         if self.aba:
             return AbaCompletionWorker(config, num_slots=num_slots, rank=rank)
+        if self.repeat_completions:
+            return RepeatedCompletionWorker(config, num_slots=num_slots, rank=rank)
         if self.async_store:
             return AsyncStoreWorker(
                 config,
@@ -327,6 +352,53 @@ class StaleCompletionAfterReuse(_ZooKVLedger):
     aba = True
 
 
+class CompletionRepeated(_ZooKVLedger):
+    """vLLM #46240 (https://github.com/vllm-project/vllm/issues/46240), with #43226 and #51786:
+    a transfer's completion reported a second time, after the first one let vLLM free the
+    request (``RepeatedCompletionWorker``). vLLM's scheduler asserts the id is still a request
+    of its own, and the engine core dies."""
+
+    repeat_completions = True
+
+
+class SampledTokenStored(_ZooKVLedger):
+    """vLLM #54193 (https://github.com/vllm-project/vllm/issues/54193, fixed by PR #54288): a
+    finished request's store watermark is ``num_tokens``, which counts the last sampled token,
+    whose KV slot no forward pass ever wrote. When the generation ends on a chunk boundary,
+    that chunk is stored as complete under the hash of tokens that are all legitimate, and a
+    later request replaying them (the next turn of the chat) loads the unwritten slot. Here the
+    scheduler role, at ``request_finished``, counts that token as computed; the save it plans
+    then runs in the next step, the request's blocks kept until it completed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._final_saves: list[TransferPlan] = []
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        side = self.scheduler_side
+        tokens = list(request.all_token_ids)
+        computed = int(request.num_computed_tokens)
+        if len(tokens) == computed + 1 and len(tokens) % self.kv_config.chunk_size == 0:
+            decisions = side.tracker.scheduled(
+                str(request.request_id),
+                num_computed=computed,
+                num_scheduled=1,
+                all_token_ids=tokens,
+            )
+            plan = side._plan(side.tracker.step, decisions, ())
+            self._final_saves += plan.saves
+        return super().request_finished(request, block_ids)
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._final_saves:
+            saves, self._final_saves = tuple(self._final_saves), []
+            meta.plan = attrs.evolve(meta.plan, saves=saves + meta.plan.saves)
+        return meta
+
+
 class FullPromptMatch(_ZooKVLedger):
     """vLLM #55113 (https://github.com/vllm-project/vllm/issues/55113): a store lookup that
     matches the whole prompt offers every token of it, leaving none for vLLM to compute; with a
@@ -417,6 +489,9 @@ class ZooRequest:
     max_tokens: int
     at: int = 0
     after: str | None = None
+    # The next turn of a chat: the prompt starts with that request's prompt and output, and
+    # the shape's token stream ``prompt`` fills the rest up to ``prompt_len``.
+    continues: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,6 +602,18 @@ SHAPES: dict[str, Shape] = {
         (ZooRequest("x", "p1", 64, 1), ZooRequest("x", "p2", 64, 6, after="x")),
         engine=_NO_PREFIX_CACHE,
     ),
+    # "x" finishes with a store job queued (its free is delayed until finished_sending), while
+    # "y" still runs: the worker reports x's finished_sending, vLLM frees x, and the worker
+    # reports it again at its next report.
+    "vllm_46240": Shape(
+        "vllm_46240",
+        "vLLM #46240",
+        "https://github.com/vllm-project/vllm/issues/46240",
+        _inner(CompletionRepeated),
+        _inner(StoreFlushedAtPreemption),
+        (ZooRequest("x", "p1", 64, 1), ZooRequest("y", "p2", 48, 8)),
+        engine=_NO_PREFIX_CACHE,
+    ),
     # The P/D prefill side (kv_producer: vLLM frees a request's blocks even while a step of it
     # is in flight), async scheduling: "b" (one output token, a prefill) is scheduled with
     # "a"; in the next step, scheduled before b's output is known, "a" needs a block and the
@@ -541,6 +628,23 @@ SHAPES: dict[str, Shape] = {
         (ZooRequest("a", "pa", 32, 10), ZooRequest("b", "pb", 32, 1)),
         engine={"async_scheduling": True, "num_gpu_blocks": 5},
         kv_role="kv_producer",
+    ),
+    # A 63-token prompt and one output token: the sampled token closes the second chunk. The
+    # next turn sends both back with 16 tokens more; decode saving on (vLLM's
+    # offload_prompt_only=False), no prefix cache.
+    "vllm_54193": Shape(
+        "vllm_54193",
+        "vLLM #54193",
+        "https://github.com/vllm-project/vllm/issues/54193",
+        _inner(SampledTokenStored),
+        _KVLEDGER,
+        (
+            ZooRequest("first", "p", 63, 1),
+            ZooRequest("again", "p", 80, 4, after="first", continues="first"),
+        ),
+        engine=_NO_PREFIX_CACHE,
+        extra_config={"chunk_size": 32, "save_decode_cache": True},
+        digests="sampled",
     ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
@@ -624,7 +728,11 @@ def run_shape(
                 waiting.remove(r)
                 driver.forget(r.req_id)  # a request id that comes back is a new request
                 harness.finished.pop(r.req_id, None)
-                harness.add_request(r.req_id, prompts[r.prompt][: r.prompt_len], r.max_tokens)
+                tokens = prompts[r.prompt]
+                if r.continues is not None:
+                    turn = [*harness.prompts[r.continues], *harness.output_tokens[r.continues]]
+                    tokens = turn + tokens[len(turn) :]
+                harness.add_request(r.req_id, tokens[: r.prompt_len], r.max_tokens)
 
     try:
         while steps < max_steps:

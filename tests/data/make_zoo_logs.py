@@ -18,7 +18,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
 
-NAMES = ("vllm_51637", "vllm_50297", "vllm_55113")
+NAMES = ("vllm_51637", "vllm_50297", "vllm_55113", "vllm_54193")
 
 
 def main() -> None:
