@@ -31,6 +31,7 @@ from fakes import (
     NewRequestData,
     RequestStatus,
     SchedulerOutput,
+    StepRecord,
     WorkerMeta,
     hold_saves,
 )
@@ -123,15 +124,77 @@ def decode(eng: FakeEngine, req_id: str, steps: int, **kwargs: Any) -> list[Any]
     return [eng.step({req_id: 1}, **kwargs) for _ in range(steps)]
 
 
+def prefill(
+    eng: FakeEngine,
+    req_id: str,
+    p: list[int],
+    table: list[int],
+    n: int | None = None,
+    *,
+    external: int = 0,
+    local_hit: int = 0,
+    finish: bool = False,
+    cache_salt: str | None = None,
+) -> tuple[FakeRequest, StepRecord]:
+    """A new request added with prompt ``p`` and admitted on ``table`` (the lookup must answer
+    ``external`` beyond vLLM's ``local_hit``), then ``n`` tokens (the rest of the prompt unless
+    given) computed in one step, its last if ``finish``."""
+    req = eng.add(req_id, p, cache_salt=cache_salt)
+    assert eng.admit(req, table, local_hit=local_hit) == external
+    n = len(p) - local_hit - external if n is None else n
+    return req, eng.step({req_id: n}, finish=[req_id] if finish else [])
+
+
+def pool_with(
+    eng: FakeEngine,
+    p: list[int],
+    table: list[int] | None = None,
+    req_id: str = "A",
+    *,
+    cache_salt: str | None = None,
+) -> StepRecord:
+    """``req_id`` prefills ``p`` on ``table`` (blocks 1..4 unless given) and finishes; the
+    next step confirms its saves: the pool holds ``p``'s chunks. Returns the prefill step."""
+    table = [1, 2, 3, 4] if table is None else table
+    _, rec = prefill(eng, req_id, p, table, finish=True, cache_salt=cache_salt)
+    eng.step({})
+    return rec
+
+
+def _finish_prefill(eng: FakeEngine, req_id: str, total: int) -> None:
+    """Schedule what vLLM still has to compute (after a rollback, if any)."""
+    req = eng.requests[req_id]
+    if req.num_computed_tokens < total:
+        eng.step({req_id: total - req.num_computed_tokens})
+
+
+def side_admit(
+    side: SchedulerSide, req: FakeRequest, table: list[int], external: int = 0
+) -> NewRequestData:
+    """Straight to the SchedulerSide, no engine: ``req`` looked up (the answer must be
+    ``external``) and allocated ``table``; returns its entry for the step that schedules it."""
+    assert side.get_num_new_matched_tokens(req, 0) == (external, False)
+    side.update_state_after_alloc(req, FakeBlocks(table), external)
+    return NewRequestData(req.request_id, req.prompt_token_ids, (table,), external)
+
+
+def side_prefill(side: SchedulerSide, *reqs: tuple[FakeRequest, list[int]]) -> StepPlan:
+    """Straight to the SchedulerSide: new requests (no hit), each with its block table,
+    admitted and prefilled whole in one step; that step's plan."""
+    new = [side_admit(side, req, table) for req, table in reqs]
+    tokens = {req.request_id: len(req.prompt_token_ids) for req, _ in reqs}
+    return side.build_connector_meta(
+        SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=tokens)
+    )
+
+
 # --- S1: a resumed request must load, and its tracker must be rebuilt ------------------------
 
 
 def _s1_until_preempted(eng: FakeEngine) -> FakeRequest:
     """R1: P=34 on blocks [4,5,6], prefill saves [0,32) (partial chunk discarded), three
     decode steps (no meta), preempted with all_token_ids=38, nc=37."""
-    r1 = eng.add("R1", prompt(34))
-    assert eng.admit(r1, [4, 5, 6]) == 0
-    rec = eng.step({"R1": 34})
+    r1, rec = prefill(eng, "R1", prompt(34), [4, 5, 6])
     assert rec.saved_ranges("R1") == [(0, 16), (16, 32)]
     assert rec.saves_of("R1")[0].block_ids == (4, 5)
     for rec in decode(eng, "R1", 3):
@@ -141,9 +204,7 @@ def _s1_until_preempted(eng: FakeEngine) -> FakeRequest:
     assert eng.state("R1").num_tokens == 37
     eng.preempt(r1)
     # Blocks 5 and 6 are reused by another request (as in #1969).
-    r2 = eng.add("R2", prompt(30, seed=2))
-    eng.admit(r2, [5, 6])
-    eng.step({"R2": 30})
+    prefill(eng, "R2", prompt(30, seed=2), [5, 6])
     return r1
 
 
@@ -197,9 +258,7 @@ def test_s1_saves_after_resume_read_only_the_new_blocks() -> None:
         saved += [(p.block_ids, r) for p in rec.saves_of("R1") for r in rec.saved_ranges("R1")]
     assert saved == [((4, 9, 10), (32, 48))]
     ok_kv(eng, "R1")
-    q = eng.add("Q", [*eng.tokens("R1", 48), 7, 8])
-    assert eng.admit(q, [12, 13, 14, 15]) == 48
-    rec = eng.step({"Q": 2})
+    _, rec = prefill(eng, "Q", [*eng.tokens("R1", 48), 7, 8], [12, 13, 14, 15], external=48)
     assert rec.loaded_ranges("Q") == [(0, 16), (16, 32), (32, 48)]
     ok_kv(eng, "Q")
     no_violations(eng)
@@ -212,10 +271,8 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
     """#2158: P=10009, C=256; after preemption the local hit (336) exceeds the pool hit (256):
     every retry answers 0 and leaves the pool untouched, then USAA(0) is consistent."""
     eng = make_engine(block=16, chunk=256)
-    r = eng.add("R", prompt(10009))
     table = blocks(1, 626)
-    eng.admit(r, table)
-    rec = eng.step({"R": 336})  # chunked prefill
+    r, rec = prefill(eng, "R", prompt(10009), table, 336)  # chunked prefill
     assert rec.saved_ranges("R") == [(0, 256)]
     eng.preempt(r)
     eng.step({})
@@ -235,10 +292,7 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
 def test_get_num_new_matched_tokens_asked_ten_times_answers_the_same() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3, 4])
-    eng.step({"A": 50}, finish=["A"])
-    eng.step({})
+    pool_with(eng, p)
     b = eng.add("B", [*p, 9, 9])
     tracker = eng.scheduler.tracker
     pool, counts = tracker.index.stats(), dict(tracker.counts)
@@ -261,10 +315,7 @@ def test_s2_4508_two_lookups_then_allocation_store_from_512() -> None:
     double the stored watermark: the next save starts at 512."""
     eng = make_engine(block=16, chunk=256, num_blocks=110, slots=8, block_hits=False)
     p = prompt(1000)
-    a = eng.add("A", p[:600])
-    eng.admit(a, blocks(1, 38))
-    assert eng.step({"A": 600}, finish=["A"]).saved_ranges("A") == [(0, 256), (256, 512)]
-    eng.step({})
+    assert pool_with(eng, p[:600], blocks(1, 38)).saved_ranges("A") == [(0, 256), (256, 512)]
     r = eng.add("R", p)
     assert eng.lookup(r, 0) == 512
     eng.step({})  # allocation failed
@@ -284,10 +335,9 @@ def test_s3a_vllm_prefix_hit_larger_than_the_pool_hit() -> None:
     """P=600 (S=512), 10 outputs, preempted; resume with local 592 > pool hit 512: the
     lookup answers 0 (#2703: a negative need is normal), no load, no save, no violation."""
     eng = make_engine(block=16, chunk=256, block_hits=False)
-    r = eng.add("R", prompt(600))
     table = blocks(1, 39)
-    eng.admit(r, table)
-    assert eng.step({"R": 600}).saved_ranges("R") == [(0, 256), (256, 512)]
+    r, rec = prefill(eng, "R", prompt(600), table)
+    assert rec.saved_ranges("R") == [(0, 256), (256, 512)]
     decode(eng, "R", 9)
     assert r.num_tokens == 610
     eng.preempt(r)
@@ -307,13 +357,10 @@ def test_s3b_pool_hit_grew_while_preempted() -> None:
     1000 tokens and the load fills [0, 999), the partial chunk included."""
     eng = make_engine(block=16, chunk=256, num_blocks=1 + 63 * 3, discard_partial_chunks=False)
     p = prompt(1000)
-    r1 = eng.add("R1", p)
-    eng.admit(r1, blocks(1, 63))
-    assert eng.step({"R1": 768}).saved_ranges("R1") == [(0, 256), (256, 512), (512, 768)]
+    r1, rec = prefill(eng, "R1", p, blocks(1, 63), 768)
+    assert rec.saved_ranges("R1") == [(0, 256), (256, 512), (512, 768)]
     eng.preempt(r1)
-    r2 = eng.add("R2", p)
-    assert eng.admit(r2, blocks(64, 63)) == 768
-    rec = eng.step({"R2": 232}, finish=["R2"])
+    _, rec = prefill(eng, "R2", p, blocks(64, 63), external=768, finish=True)
     assert rec.loaded_ranges("R2") == [(0, 256), (256, 512), (512, 768)]
     assert rec.saved_ranges("R2") == [(768, 1000)]
     eng.step({})
@@ -345,9 +392,8 @@ def test_s4_decode_tokens_reach_the_tracker(async_scheduling: bool) -> None:
         discard_partial_chunks=False,
         async_scheduling=async_scheduling,
     )
-    r = eng.add("R", prompt(300))
-    eng.admit(r, blocks(1, 38))
-    saves = [(0, rng) for rng in eng.step({"R": 300}).saved_ranges("R")]
+    r, rec = prefill(eng, "R", prompt(300), blocks(1, 38))
+    saves = [(0, rng) for rng in rec.saved_ranges("R")]
     lag = 1 if async_scheduling else 0
     for _i in range(1, 230):
         nc, known_to_vllm = r.num_computed_tokens, r.num_tokens
@@ -365,9 +411,7 @@ def test_s4_decode_tokens_reach_the_tracker(async_scheduling: bool) -> None:
     assert saves == [(0, (0, 256)), (0, (256, 300)), (512 + lag, (256, 512))]
     ok_kv(eng, "R")
     # The stored decode chunk holds R's KV: a new request with R's first 520 tokens loads it.
-    q = eng.add("Q", eng.tokens("R", 520))
-    assert eng.admit(q, blocks(39, 33)) == 512
-    rec = eng.step({"Q": 8})
+    _, rec = prefill(eng, "Q", eng.tokens("R", 520), blocks(39, 33), external=512)
     assert rec.loaded_ranges("Q") == [(0, 256), (256, 512)]
     eng.drain()
     ok_kv(eng, "Q")
@@ -379,10 +423,8 @@ def test_s4_pr2929_vectors_preemption_and_chunked_prefill() -> None:
     computes [0, 100); (P=500 chunked at 256) learns 256..499 in the second chunk."""
     # C > P and whole chunks only: nothing stored, every lookup answers 0.
     eng = make_engine(block=10, chunk=200, block_hits=False)
-    r = eng.add("R", prompt(100))
     table = blocks(1, 16)
-    eng.admit(r, table)
-    eng.step({"R": 100})
+    r, _ = prefill(eng, "R", prompt(100), table)
     decode(eng, "R", 49)
     assert r.num_tokens == 150
     eng.preempt(r)
@@ -393,9 +435,7 @@ def test_s4_pr2929_vectors_preemption_and_chunked_prefill() -> None:
     assert list(state.token_ids) == r.all_token_ids[:150]
     assert (state.num_computed, state.num_tokens) == (50, 100)
 
-    c = eng.add("C", prompt(500, seed=3))
-    eng.admit(c, blocks(20, 52))
-    eng.step({"C": 256})
+    c, _ = prefill(eng, "C", prompt(500, seed=3), blocks(20, 52), 256)
     assert len(eng.state("C").token_ids) == 500 and eng.state("C").num_tokens == 256
     eng.step({"C": 244})
     state = eng.state("C")
@@ -416,16 +456,13 @@ def test_s5_full_hit_on_resume_loads_all_but_the_last_token() -> None:
     whose prompt is R's 200 tokens). Resume with local 100: external = 200-100-1 = 99, nc=199,
     one token scheduled; the load fills [100, 199) and the KV is right."""
     eng = make_engine(block=4, chunk=40, num_blocks=1 + 51 + 50 + 26, slots=16, block_hits=False)
-    r = eng.add("R", prompt(100))
     r_table = blocks(1, 51)
-    eng.admit(r, r_table)
-    eng.step({"R": 100})
+    r, _ = prefill(eng, "R", prompt(100), r_table)
     decode(eng, "R", 99)
     assert (r.num_tokens, r.num_computed_tokens) == (200, 199)
     eng.preempt(r)
-    r2 = eng.add("R2", list(r.all_token_ids))
-    assert eng.admit(r2, blocks(52, 50)) == 80  # R's prefill chunks
-    rec = eng.step({"R2": 120}, finish=["R2"])
+    # 80 external: R's prefill chunks
+    _, rec = prefill(eng, "R2", list(r.all_token_ids), blocks(52, 50), external=80, finish=True)
     assert rec.saved_ranges("R2") == [(80, 120), (120, 160), (160, 200)]
     eng.step({})
     # Blocks 1..25 (tokens 0..99) are still a prefix-cache hit in vLLM.
@@ -457,10 +494,7 @@ def test_s5_pr2929_admission_vectors(
     tokens; anything else is recorded and the request recomputes (no load)."""
     eng = make_engine(block=16, chunk=64, slots=128)
     p = prompt(num_tokens)
-    s = eng.add("S", p[:hit])
-    eng.admit(s, blocks(1, 252))
-    eng.step({"S": hit}, finish=["S"])
-    eng.step({})
+    pool_with(eng, p[:hit], blocks(1, 252), "S")
     r = eng.add("R", p)
     r.status = RequestStatus.PREEMPTED
     external = eng.admit(r, blocks(300, 253), local_hit=local)
@@ -494,12 +528,9 @@ def test_s6_full_prompt_hit_leaves_the_last_token(prompt_len: int, discard_parti
         block=16, chunk=256, num_blocks=1 + n_blocks * 2, discard_partial_chunks=discard_partial
     )
     p = prompt(prompt_len)
-    r0 = eng.add("R0", p)
-    eng.admit(r0, blocks(1, n_blocks))
-    rec = eng.step({"R0": prompt_len}, finish=["R0"])
+    rec = pool_with(eng, p, blocks(1, n_blocks), "R0")
     starts = list(range(0, prompt_len, 256))
     assert rec.saved_ranges("R0") == [(s, min(s + 256, prompt_len)) for s in starts]
-    eng.step({})
     r = eng.add("R", p)
     last = prompt_len - 1
     assert eng.admit(r, blocks(1 + n_blocks, n_blocks)) == last
@@ -524,13 +555,8 @@ def test_load_starting_inside_a_chunk_reads_at_the_slot_offset() -> None:
     """C=32, B=16, local hit 16: the load starts half-way into chunk 0."""
     eng = make_engine(block=16, chunk=32, num_blocks=12)
     p = prompt(70)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3, 4, 5])
-    eng.step({"A": 70}, finish=["A"])
-    eng.step({})
-    b = eng.add("B", p)
-    assert eng.admit(b, [1, 6, 7, 8, 9], local_hit=16) == 48
-    rec = eng.step({"B": 6})
+    pool_with(eng, p, [1, 2, 3, 4, 5])
+    _, rec = prefill(eng, "B", p, [1, 6, 7, 8, 9], external=48, local_hit=16)
     (load,) = rec.plan.loads
     assert [(c.token_start, c.token_end, c.slot_offset) for c in load.chunks] == [
         (16, 32, 16),
@@ -546,13 +572,8 @@ def test_partial_chunk_hit_after_a_local_prefix() -> None:
     from the tail's slot at offset 0."""
     eng = make_engine(block=16, chunk=32, num_blocks=12, discard_partial_chunks=False)
     p = prompt(40)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3])
-    assert eng.step({"A": 40}, finish=["A"]).saved_ranges("A") == [(0, 32), (32, 40)]
-    eng.step({})
-    b = eng.add("B", p)
-    assert eng.admit(b, [1, 2, 4], local_hit=32) == 7
-    rec = eng.step({"B": 1})
+    assert pool_with(eng, p, [1, 2, 3]).saved_ranges("A") == [(0, 32), (32, 40)]
+    _, rec = prefill(eng, "B", p, [1, 2, 4], external=7, local_hit=32)
     (load,) = rec.plan.loads
     assert [(c.token_start, c.token_end, c.slot_offset) for c in load.chunks] == [(32, 39, 0)]
     ok_kv(eng, "B")
@@ -565,15 +586,10 @@ def test_partial_chunk_hit_after_a_local_prefix() -> None:
 def test_cache_salt_separates_identical_prompts() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=12)
     p = prompt(40)
-    a = eng.add("A", p, cache_salt="tenant-a")
-    eng.admit(a, [1, 2, 3])
-    eng.step({"A": 40}, finish=["A"])
-    eng.step({})
+    pool_with(eng, p, [1, 2, 3], cache_salt="tenant-a")
     assert eng.lookup(eng.add("B", p, cache_salt="tenant-b"), 0) == 0
     assert eng.lookup(eng.add("C", p), 0) == 0
-    d = eng.add("D", p, cache_salt="tenant-a")
-    assert eng.admit(d, [4, 5, 6]) == 32
-    eng.step({"D": 8})
+    prefill(eng, "D", p, [4, 5, 6], external=32, cache_salt="tenant-a")
     ok_kv(eng, "D")
     no_violations(eng)
 
@@ -596,14 +612,9 @@ def test_s7_load_failure_rolls_back_and_resaves(prompt_len: int) -> None:
         block=16, chunk=256, num_blocks=1 + 69 * 2, slots=16, load_fault=fault, block_hits=False
     )
     p = prompt(prompt_len)
-    r0 = eng.add("R0", p[:800])
-    eng.admit(r0, blocks(1, 50))
-    eng.step({"R0": 800}, finish=["R0"])
-    eng.step({})
-    r = eng.add("R", p)
+    pool_with(eng, p[:800], blocks(1, 50), "R0")
     table = blocks(70, 69)
-    assert eng.admit(r, table) == 768
-    rec = eng.step({"R": prompt_len - 768})
+    r, rec = prefill(eng, "R", p, table, external=768)
     assert rec.loaded_ranges("R") == [(0, 256), (256, 512), (512, 768)]
     assert rec.load_errors == set(table[32:48])
     assert rec.report.loads_failed == (("R", tuple(table[32:48])),)
@@ -622,9 +633,7 @@ def test_s7_load_failure_rolls_back_and_resaves(prompt_len: int) -> None:
     ok_kv(eng, "R")
     assert eng.state("R").saved == expected[-1][1]
     # What the pool holds now is R's recomputed KV: a new request loads and checks it.
-    q = eng.add("Q", p)
-    assert eng.admit(q, blocks(1, 69)) == expected[-1][1]
-    eng.step({"Q": prompt_len - expected[-1][1]})
+    prefill(eng, "Q", p, blocks(1, 69), external=expected[-1][1])
     ok_kv(eng, "Q")
     no_violations(eng)
 
@@ -636,9 +645,7 @@ def test_2984_resumed_with_none_block_ids_keeps_no_stale_blocks() -> None:
     """A resumed entry whose new_block_ids is None: the old (freed) table must not survive,
     and nothing is loaded into or saved from it."""
     eng = make_engine(block=16, chunk=16)
-    r = eng.add("R", prompt(40))
-    eng.admit(r, [1, 2, 3])
-    eng.step({"R": 40})
+    r, _ = prefill(eng, "R", prompt(40), [1, 2, 3])
     decode(eng, "R", 2)
     eng.preempt(r)
     eng.step({})
@@ -655,9 +662,9 @@ def test_decode_phase_is_not_sticky_after_preemption() -> None:
     """Preempted during decode, resumed with pool hit 0: the re-prefill of prompt + outputs
     is a prefill, so its full chunks are saved even with save_decode_cache=False."""
     eng = make_engine(block=16, chunk=16, num_blocks=12)
-    r = eng.add("R", prompt(10))  # shorter than a chunk: nothing saved at prefill
-    eng.admit(r, [1, 2, 3, 4])
-    assert eng.step({"R": 10}).plan.saves == ()
+    # shorter than a chunk: nothing saved at prefill
+    r, rec = prefill(eng, "R", prompt(10), [1, 2, 3, 4])
+    assert rec.plan.saves == ()
     for rec in decode(eng, "R", 39):
         assert rec.plan.saves == ()  # decode chunks are not saved
     assert r.num_tokens == 50
@@ -667,9 +674,7 @@ def test_decode_phase_is_not_sticky_after_preemption() -> None:
     rec = eng.step({"R": 50})
     assert rec.saved_ranges("R") == [(0, 16), (16, 32), (32, 48)]
     ok_kv(eng, "R")
-    q = eng.add("Q", [*eng.tokens("R", 48), 5])
-    assert eng.admit(q, [9, 10, 11, 1]) == 48
-    eng.step({"Q": 1})
+    prefill(eng, "Q", [*eng.tokens("R", 48), 5], [9, 10, 11, 1], external=48)
     ok_kv(eng, "Q")
     no_violations(eng)
 
@@ -679,9 +684,8 @@ def test_save_before_reuse_finished_request_keeps_its_blocks(monkeypatch) -> Non
     worker reports it in finished_sending only once the save completed."""
     eng = make_engine(block=16, chunk=16, num_blocks=8)
     events = hold_saves(eng.worker, monkeypatch)
-    r = eng.add("R", prompt(40))
-    eng.admit(r, [1, 2, 3])
-    rec = eng.step({"R": 40}, finish=["R"])  # max_tokens=1: finishes after its prefill
+    # max_tokens=1: finishes after its prefill
+    _, rec = prefill(eng, "R", prompt(40), [1, 2, 3], finish=True)
     assert rec.saved_ranges("R") == [(0, 16), (16, 32)]
     assert rec.finished == {"R": (True, None)}
     assert eng.delayed_free == {"R"}
@@ -697,18 +701,14 @@ def test_save_before_reuse_finished_request_keeps_its_blocks(monkeypatch) -> Non
     assert eng.freed == ["R"] and eng.delayed_free == set()
     assert eng.state("R") is None  # retired once its saves were confirmed
     assert eng.scheduler.tracker.index.stats()["stored"] == 2
-    q = eng.add("Q", prompt(40))
-    assert eng.admit(q, [4, 5, 6]) == 32
-    eng.step({"Q": 8})
+    prefill(eng, "Q", prompt(40), [4, 5, 6], external=32)
     ok_kv(eng, "Q")
     no_violations(eng)
 
 
 def test_preempted_request_aborted_while_waiting() -> None:
     eng = make_engine(block=16, chunk=16)
-    r = eng.add("R", prompt(40))
-    eng.admit(r, [1, 2, 3])
-    eng.step({"R": 40})
+    r, _ = prefill(eng, "R", prompt(40), [1, 2, 3])
     eng.preempt(r)
     eng.step({})
     assert eng.lookup(r, 0) == 32  # considered, allocation failed
@@ -721,9 +721,7 @@ def test_preempted_request_aborted_while_waiting() -> None:
 
 def test_request_without_saves_in_flight_is_freed_at_once() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=8)
-    r = eng.add("R", prompt(10))  # nothing to save
-    eng.admit(r, [1])
-    rec = eng.step({"R": 10}, finish=["R"])
+    _, rec = prefill(eng, "R", prompt(10), [1], finish=True)  # nothing to save
     assert rec.finished == {"R": (False, None)}
     assert eng.freed == ["R"] and eng.state("R") is None
     no_violations(eng)
@@ -732,9 +730,7 @@ def test_request_without_saves_in_flight_is_freed_at_once() -> None:
 def test_handle_preemptions_drains_saves_before_the_blocks_are_reused(monkeypatch) -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=8)
     events = hold_saves(eng.worker, monkeypatch)
-    r = eng.add("R", prompt(40))
-    eng.admit(r, [1, 2, 3])
-    eng.step({"R": 40})
+    r, _ = prefill(eng, "R", prompt(40), [1, 2, 3])
     eng.step({"R": 1})  # no preemption: saves stay in flight, nothing waits on them
     r_saves = list(events)
     assert len(r_saves) == 2 and not any(e.synchronized for e in r_saves)
@@ -781,9 +777,7 @@ def test_failed_save_is_retried_and_each_chunk_written_once(monkeypatch) -> None
     eng.step({"A": 1, "B": 1})
     assert eng.scheduler.tracker.index.stats()["stored"] == 3
     assert (eng.state("A").saved, eng.state("B").saved) == (48, 48)
-    q = eng.add("Q", [*prompt(48), 2])
-    assert eng.admit(q, [9, 10, 11, 12]) == 48
-    eng.step({"Q": 1})
+    prefill(eng, "Q", [*prompt(48), 2], [9, 10, 11, 12], external=48)
     ok_kv(eng, "Q")
     no_violations(eng)
 
@@ -793,13 +787,9 @@ def test_request_finishing_in_the_step_its_load_failed_leaks_nothing() -> None:
         block=16, chunk=16, num_blocks=16, load_fault=lambda req_id, chunk: req_id == "R"
     )
     p = prompt(60)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3, 4])
-    eng.step({"A": 60}, finish=["A"])
-    eng.step({})
-    r = eng.add("R", p)
-    assert eng.admit(r, [5, 6, 7, 8]) == 48
-    rec = eng.step({"R": 12}, finish=["R"])  # e.g. aborted by the client
+    pool_with(eng, p)
+    # finishes in the step its load fails (e.g. aborted by the client)
+    _, rec = prefill(eng, "R", p, [5, 6, 7, 8], external=48, finish=True)
     assert rec.load_errors == {5, 6, 7}
     eng.step({})
     assert "R" in eng.freed and not eng.delayed_free
@@ -822,10 +812,7 @@ def test_saves_never_evict_chunks_accepted_in_the_same_step(shape: str) -> None:
         eng.preempt(b)
         eng.step({})
     else:
-        a = eng.add("A", prompt(48))
-        eng.admit(a, [1, 2, 3])
-        eng.step({"A": 48}, finish=["A"])
-        eng.step({})
+        pool_with(eng, prompt(48), [1, 2, 3])
     assert eng.scheduler.tracker.index.stats() == {
         "stored": 3,
         "writing": 0,
@@ -850,9 +837,7 @@ def test_preemption_signal_shapes(signal: str) -> None:
     """preempted_req_ids (>= 0.12), None, or no attribute (< 0.12: inferred when the request
     is looked up again): one preemption either way, and admission-scoped state is reset."""
     eng = make_engine(block=16, chunk=16, preempt_signal=signal)
-    r = eng.add("R", prompt(40))
-    eng.admit(r, [1, 2, 3])
-    eng.step({"R": 40})
+    r, _ = prefill(eng, "R", prompt(40), [1, 2, 3])
     eng.preempt(r)
     out = eng.step({}).output
     assert hasattr(out, "preempted_req_ids") is (signal != "absent")
@@ -871,9 +856,7 @@ def test_preemption_signal_shapes(signal: str) -> None:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_running_request_appends_blocks_in_every_shape(shape: str) -> None:
     eng = make_engine(block=4, chunk=8, shape=shape)
-    r = eng.add("R", prompt(8))
-    eng.admit(r, [1, 2])
-    eng.step({"R": 8})
+    prefill(eng, "R", prompt(8), [1, 2])
     eng.step({"R": 1}, new_blocks={"R": [3]})
     decode(eng, "R", 3)
     eng.step({"R": 1}, new_blocks={"R": [4]})
@@ -885,9 +868,7 @@ def test_mrv2_readmission_of_a_known_id_as_a_new_request() -> None:
     """Model Runner V2 re-admits a preempted request through scheduled_new_reqs, with all its
     tokens in prefill_token_ids; the tracker treats it as a re-admission, not a duplicate."""
     eng = make_engine(block=16, chunk=16, shape="mrv2", preempt_signal="none", num_blocks=8)
-    r = eng.add("R", prompt(20))
-    eng.admit(r, [1, 2, 6])
-    eng.step({"R": 20})
+    r, _ = prefill(eng, "R", prompt(20), [1, 2, 6])
     decode(eng, "R", 15)
     eng.preempt(r)
     eng.step({})
@@ -976,10 +957,7 @@ def test_garbage_for_one_request_sends_only_that_request_to_recompute() -> None:
     recomputes; the other request of the step goes on loading and saving."""
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(40)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3])
-    eng.step({"A": 40}, finish=["A"])
-    eng.step({})
+    pool_with(eng, p, [1, 2, 3])
     good, bad = eng.add("G", p), eng.add("X", prompt(40, seed=4))
     eng.admit(good, [4, 5, 6])
     eng.admit(bad, [7, 8, 9])
@@ -1011,24 +989,10 @@ def test_request_finished_of_an_unseen_request_is_no_violation() -> None:
 # --- bugs: vLLM counts tokens as loaded that nobody loads ---------------------------------------
 
 
-def _pool_with(eng: FakeEngine, p: list[int]) -> None:
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3, 4])
-    eng.step({"A": len(p)}, finish=["A"])
-    eng.step({})
-
-
-def _finish_prefill(eng: FakeEngine, req_id: str, total: int) -> None:
-    """Schedule what vLLM still has to compute (after a rollback, if any)."""
-    req = eng.requests[req_id]
-    if req.num_computed_tokens < total:
-        eng.step({req_id: total - req.num_computed_tokens})
-
-
 def test_failed_update_state_after_alloc_never_leaves_unloaded_kv() -> None:
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
-    _pool_with(eng, p)
+    pool_with(eng, p)
     b = eng.add("B", p)
     ext = eng.lookup(b, 0)
     assert ext == 48
@@ -1041,10 +1005,12 @@ def test_failed_update_state_after_alloc_never_leaves_unloaded_kv() -> None:
     ok_kv(eng, "B")
 
 
-def test_build_connector_meta_failure_midway_never_leaves_unloaded_kv() -> None:
+def _meta_fails_midway(finish: list[str]) -> FakeEngine:
+    """B (a 48-token hit) and C admitted and scheduled in one step whose second new request
+    (C) is corrupt: build_connector_meta fails after B's entry. ``finish``: who stops after it."""
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
-    _pool_with(eng, p)
+    pool_with(eng, p)
     b = eng.add("B", p)
     assert eng.admit(b, [5, 6, 7, 8]) == 48
     c = eng.add("C", prompt(20, seed=6))
@@ -1053,25 +1019,19 @@ def test_build_connector_meta_failure_midway_never_leaves_unloaded_kv() -> None:
     def corrupt(out: Any) -> None:
         out.scheduled_new_reqs[1].num_computed_tokens = "garbage"
 
-    eng.step({"B": 2, "C": 20}, tamper=corrupt)
+    eng.step({"B": 2, "C": 20}, tamper=corrupt, finish=finish)
+    return eng
+
+
+def test_build_connector_meta_failure_midway_never_leaves_unloaded_kv() -> None:
+    eng = _meta_fails_midway(finish=[])
     assert eng.scheduler.adapter_errors == 1
     _finish_prefill(eng, "B", 50)
     ok_kv(eng, "B")
 
 
 def test_build_connector_meta_failure_midway_leaks_no_pins() -> None:
-    eng = make_engine(block=16, chunk=16, num_blocks=16)
-    p = prompt(50)
-    _pool_with(eng, p)
-    b = eng.add("B", p)
-    eng.admit(b, [5, 6, 7, 8])
-    c = eng.add("C", prompt(20, seed=6))
-    eng.admit(c, [9, 10])
-
-    def corrupt(out: Any) -> None:
-        out.scheduled_new_reqs[1].num_computed_tokens = "garbage"
-
-    eng.step({"B": 2, "C": 20}, tamper=corrupt, finish=["B", "C"])
+    eng = _meta_fails_midway(finish=["B", "C"])
     eng.step({})
     eng.step({})
     stats = eng.scheduler.tracker.index.stats()
@@ -1084,15 +1044,7 @@ def test_build_connector_meta_failure_midway_leaks_no_pins() -> None:
 
 def _saved_by_r(side: SchedulerSide) -> tuple[bytes, ...]:
     """R (40 tokens) planned to save two chunks; their keys."""
-    r = FakeRequest("R", prompt(40))
-    side.get_num_new_matched_tokens(r, 0)
-    side.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 0)
-    plan = side.build_connector_meta(
-        SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData("R", r.prompt_token_ids, ([1, 2, 3],), 0)],
-            num_scheduled_tokens={"R": 40},
-        )
-    )
+    plan = side_prefill(side, (FakeRequest("R", prompt(40)), [1, 2, 3]))
     return tuple(c.key for p in plan.saves for c in p.chunks)
 
 
@@ -1136,14 +1088,9 @@ def test_tp2_a_chunk_that_failed_to_load_on_one_rank_is_not_offered_again() -> N
     keys = _saved_by_r(side)
     done = WorkerReport(saves_done=(("R", keys),))
     side.update_connector_output(_tp2(done, done))
-    b = FakeRequest("B", prompt(40))
-    assert side.get_num_new_matched_tokens(b, 0) == (32, False)
-    side.update_state_after_alloc(b, FakeBlocks([4, 5, 6]), 32)
+    new = side_admit(side, FakeRequest("B", prompt(40)), [4, 5, 6], 32)
     side.build_connector_meta(
-        SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData("B", b.prompt_token_ids, ([4, 5, 6],), 32)],
-            num_scheduled_tokens={"B": 8},
-        )
+        SchedulerOutput(scheduled_new_reqs=[new], num_scheduled_tokens={"B": 8})
     )
     side.update_connector_output(
         _tp2(WorkerReport(loads_done=("B",)), WorkerReport(loads_failed=(("B", (5, 6)),)))
@@ -1155,16 +1102,7 @@ def test_worker_meta_is_read_from_the_report_attribute() -> None:
     """update_connector_output accepts vLLM's KVConnectorOutput carrying our worker metadata
     (``.report``) or a bare WorkerReport."""
     side = make_side()
-    r = FakeRequest("R", prompt(40))
-    side.get_num_new_matched_tokens(r, 0)
-    side.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 0)
-    plan = side.build_connector_meta(
-        SchedulerOutput(
-            scheduled_new_reqs=[NewRequestData("R", r.prompt_token_ids, ([1, 2, 3],), 0)],
-            num_scheduled_tokens={"R": 40},
-        )
-    )
-    (save,) = plan.saves
+    (save,) = side_prefill(side, (FakeRequest("R", prompt(40)), [1, 2, 3])).saves
     keys = tuple(c.key for c in save.chunks)
     side.update_connector_output(
         KVConnectorOutput(
@@ -1185,15 +1123,13 @@ def test_worker_meta_is_read_from_the_report_attribute() -> None:
 def _three_saving(side: SchedulerSide) -> dict[str, tuple[bytes, ...]]:
     """A, B and C (40 tokens each, nothing shared) prefilled in one step, each saving two
     chunks; all three finish at once (their blocks held until the saves are confirmed)."""
-    new, keys = [], {}
-    for i, req_id in enumerate("ABC"):
-        r = FakeRequest(req_id, prompt(40, seed=10 + i))
-        side.get_num_new_matched_tokens(r, 0)
-        table = [1 + 3 * i, 2 + 3 * i, 3 + 3 * i]
-        side.update_state_after_alloc(r, FakeBlocks(table), 0)
-        new.append(NewRequestData(req_id, r.prompt_token_ids, (table,), 0))
-    plan = side.build_connector_meta(
-        SchedulerOutput(scheduled_new_reqs=new, num_scheduled_tokens=dict.fromkeys("ABC", 40))
+    keys: dict[str, tuple[bytes, ...]] = {}
+    plan = side_prefill(
+        side,
+        *(
+            (FakeRequest(req_id, prompt(40, seed=10 + i)), [1 + 3 * i, 2 + 3 * i, 3 + 3 * i])
+            for i, req_id in enumerate("ABC")
+        ),
     )
     for save in plan.saves:
         keys[save.req_id] = tuple(c.key for c in save.chunks)
@@ -1299,7 +1235,7 @@ def test_alloc_of_a_request_never_added_holds_nothing(external: int) -> None:
     is kept for it: no state, no pin, no admission to process."""
     eng = make_engine(block=16, chunk=16)
     p = prompt(50)
-    _pool_with(eng, p)  # the pool holds p's first 48 tokens: U's allocation could pin them
+    pool_with(eng, p)  # the pool holds p's first 48 tokens: U's allocation could pin them
     side = eng.scheduler
     u = FakeRequest("U", p)
     side.update_state_after_alloc(u, FakeBlocks([5, 6, 7, 8]), external)
@@ -1324,7 +1260,7 @@ def test_alloc_of_a_request_never_added_with_external_tokens_is_recomputed() -> 
     recomputes them (the KV is right, and nothing of the request stays held after it)."""
     eng = make_engine(block=16, chunk=16, num_blocks=16)
     p = prompt(50)
-    _pool_with(eng, p)
+    pool_with(eng, p)
     u = FakeRequest("U", p)
     eng.requests["U"] = u  # vLLM's request; the connector was never told of it
     eng.admit(u, [5, 6, 7, 8], external=32, lookup=False)
@@ -1407,9 +1343,7 @@ def test_deferred_finalize_reports_sent_only_after_the_saves_completed(
     )
     watch = SaveWatch(eng.worker, monkeypatch)
     p = prompt(40)
-    a = eng.add("A", p)
-    eng.admit(a, [1, 2, 3])
-    rec = eng.step({"A": 40}, finish=["A"])
+    _, rec = prefill(eng, "A", p, [1, 2, 3], finish=True)
     assert rec.saved_ranges("A") == [(0, 16), (16, 32)]
     for _ in range(3):
         eng.step({})
@@ -1419,9 +1353,7 @@ def test_deferred_finalize_reports_sent_only_after_the_saves_completed(
     eng.step({})
     eng.drain()
     assert watch.reported == ["A"] and eng.freed == ["A"]
-    b = eng.add("B", p)
-    assert eng.admit(b, [4, 5, 6]) == 32
-    rec = eng.step({"B": 8})
+    _, rec = prefill(eng, "B", p, [4, 5, 6], external=32)
     assert rec.loaded_ranges("B") == [(0, 16), (16, 32)]
     eng.drain()
     ok_kv(eng, "B")

@@ -9,7 +9,7 @@ vLLM's ``num_computed_tokens`` when ``build_connector_meta`` runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from _pool import stored_items
@@ -22,7 +22,7 @@ from kvledger.tracker.plans import ChunkTransfer, transfer_plan
 from kvledger.tracker.state import LookupResult, Phase, RequestState
 from kvledger.tracker.tracker import Tracker
 
-NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING
+NEW, RESUMED = ev.Admission.NEW, ev.Admission.RESUMED
 
 D = TypeVar("D", bound=ev.DecisionEvent)
 
@@ -66,6 +66,51 @@ def rules(t: Tracker) -> list[str]:
     return [v.rule for v in t.violations]
 
 
+def tracker(block: int = 16, chunk: int = 16, **cfg: Any) -> Tracker:
+    """A Tracker over ``TrackerConfig(block_size=block, chunk_size=chunk, **cfg)``, which is
+    its ``config``."""
+    return Tracker(TrackerConfig(block_size=block, chunk_size=chunk, **cfg))
+
+
+def admit(
+    t: Tracker,
+    req_id: str,
+    ids: list[int],
+    table: Sequence[int],
+    external: int = 0,
+    *,
+    local_hit: int = 0,
+    num_scheduled: int | None = None,
+    admission: ev.Admission = NEW,
+    lookup: bool = True,
+) -> list[ev.DecisionEvent]:
+    """vLLM admits a request: a new one is added with prompt ``ids``; it is looked up (unless
+    ``lookup=False``: the test asked itself) and the answer must be ``external``; ``table`` is
+    allocated accepting ``external`` tokens; the admission is scheduled from ``nc = local_hit
+    + external``: ``num_scheduled`` tokens (the rest of ``ids`` unless given), with the whole
+    table. Returns the step's decisions."""
+    if lookup:
+        if admission is NEW:
+            t.add_request(req_id, ids)
+        assert t.lookup(req_id, local_hit, ids) == external
+    t.allocated(req_id, table, external)
+    nc = local_hit + external
+    return t.scheduled(
+        req_id,
+        num_computed=nc,
+        num_scheduled=len(ids) - nc if num_scheduled is None else num_scheduled,
+        all_token_ids=ids,
+        block_ids=table,
+        admission=admission,
+    )
+
+
+def evict_all(t: Tracker) -> None:
+    """The pool loses every chunk it holds."""
+    for key, _ in stored_items(t.index):
+        t.apply(ev.ChunkEvicted(t.step, "", key=key))
+
+
 def confirm(t: Tracker, req_id: str, decisions: Sequence[ev.DecisionEvent]) -> None:
     """The worker executed every load and save of the step."""
     for d in decisions:
@@ -78,27 +123,23 @@ def confirm(t: Tracker, req_id: str, decisions: Sequence[ev.DecisionEvent]) -> N
 def run_prefill(
     t: Tracker, req_id: str, prompt: list[int], table: list[int], chunk: int | None = None
 ) -> None:
-    """A new request with no hit: looked up, allocated, prefilled (in chunks of ``chunk``),
-    every save confirmed."""
-    t.add_request(req_id, prompt)
-    assert t.lookup(req_id, 0, prompt) == 0
-    t.allocated(req_id, table, 0)
-    done, admission = 0, NEW
+    """A new request with no hit: admitted, prefilled (in chunks of ``chunk``), every save
+    confirmed."""
     step = chunk or len(prompt)
-    while done < len(prompt):
+    confirm(t, req_id, admit(t, req_id, prompt, table, num_scheduled=min(step, len(prompt))))
+    t.end_step()
+    for done in range(step, len(prompt), step):
         n = min(step, len(prompt) - done)
-        ds = t.scheduled(
-            req_id,
-            num_computed=done,
-            num_scheduled=n,
-            all_token_ids=prompt,
-            block_ids=table if admission is NEW else (),
-            admission=admission,
-        )
+        ds = t.scheduled(req_id, num_computed=done, num_scheduled=n, all_token_ids=prompt)
         confirm(t, req_id, ds)
-        done += n
-        admission = RUNNING
         t.end_step()
+
+
+def pool_with(t: Tracker, prompt: list[int], table: list[int]) -> None:
+    """A donor request prefills ``prompt`` on ``table`` and finishes: the pool holds its
+    chunks."""
+    run_prefill(t, "donor", prompt, table)
+    t.finished("donor")
 
 
 def decode_sync(
@@ -139,20 +180,9 @@ def decode_sync(
 def test_s1_resumed_request_loads_and_is_rebuilt(local_hit: int) -> None:
     """#1969 / #2007: a resumed request loads what the pool holds beyond vLLM's local hit; its
     block table is replaced, not appended, and its tokens are rebuilt from all_token_ids."""
-    cfg = TrackerConfig(block_size=16, chunk_size=16, discard_partial_chunks=True)
-    t = Tracker(cfg)
+    t = tracker(discard_partial_chunks=True)
     prompt = tokens(34)
-    t.add_request("R1", prompt)
-    assert t.lookup("R1", 0, prompt) == 0
-    t.allocated("R1", [4, 5, 6], 0)
-    ds = t.scheduled(
-        "R1",
-        num_computed=0,
-        num_scheduled=34,
-        all_token_ids=prompt,
-        block_ids=[4, 5, 6],
-        admission=NEW,
-    )
+    ds = admit(t, "R1", prompt, [4, 5, 6])
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end, len(save.keys)) == (0, 32, 2)
     assert not of(ds, ev.LoadPlanned)
@@ -179,14 +209,8 @@ def test_s1_resumed_request_loads_and_is_rebuilt(local_hit: int) -> None:
     assert t.lookup("R1", local_hit, all_ids) == external  # asked again: same answer
     assert st(t, "R1").lookup == LookupResult(local_hit, 32, external, 38)
     new_table = [4, 9, 10] if local_hit else [11, 9, 10]
-    t.allocated("R1", new_table, external)
-    ds = t.scheduled(
-        "R1",
-        num_computed=32,
-        num_scheduled=6,
-        all_token_ids=all_ids,
-        block_ids=new_table,
-        admission=RESUMED,
+    ds = admit(
+        t, "R1", all_ids, new_table, external, local_hit=local_hit, admission=RESUMED, lookup=False
     )
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end) == (local_hit, 32)
@@ -197,7 +221,7 @@ def test_s1_resumed_request_loads_and_is_rebuilt(local_hit: int) -> None:
     assert s.block_ids == new_table  # replaced: never [4, 5, 6, 4, 9, 10]
     assert s.token_ids == all_ids  # prompt and the 4 outputs
     assert (s.num_tokens, s.num_computed, s.saved) == (38, 32, 32)
-    plan = transfer_plan(load, s, cfg)
+    plan = transfer_plan(load, s, t.config)
     assert plan is not None and plan.kind == "load"
     assert [(c.token_start, c.token_end, c.slot_offset) for c in plan.chunks] == [
         (start, start + 16, 0) for start in range(local_hit, 32, 16)
@@ -212,20 +236,9 @@ def test_s1_resumed_request_loads_and_is_rebuilt(local_hit: int) -> None:
 def test_s2_lookup_repeated_across_allocation_failures() -> None:
     """#2158 / #2159 / #2090: asked again after an allocation failure, the lookup answers the
     same (0, not the raw hit 256) and changes nothing; the resumed save starts at 256."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256)
-    t = Tracker(cfg)
+    t = tracker(chunk=256)
     prompt = tokens(10009)
-    t.add_request("R", prompt)
-    assert t.lookup("R", 0, prompt) == 0
-    t.allocated("R", blocks(21), 0)
-    ds = t.scheduled(
-        "R",
-        num_computed=0,
-        num_scheduled=336,
-        all_token_ids=prompt,
-        block_ids=blocks(21),
-        admission=NEW,
-    )
+    ds = admit(t, "R", prompt, blocks(21), num_scheduled=336)
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end) == (0, 256)
     t.save_done("R", save.keys)
@@ -243,14 +256,8 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
         assert (stored_items(t.index), t.index.stats()) == pool  # ... nor on the pool
 
     table = blocks(cdiv(336 + 512, 16))
-    t.allocated("R", table, 0)
-    ds = t.scheduled(
-        "R",
-        num_computed=336,
-        num_scheduled=512,
-        all_token_ids=prompt,
-        block_ids=table,
-        admission=RESUMED,
+    ds = admit(
+        t, "R", prompt, table, local_hit=336, num_scheduled=512, admission=RESUMED, lookup=False
     )
     assert not of(ds, ev.LoadPlanned)
     save = one(ds, ev.SavePlanned)
@@ -262,27 +269,16 @@ def test_s2_lookup_repeated_across_allocation_failures() -> None:
 def test_s2_mp_two_lookups_then_allocation_commit_the_watermark_once() -> None:
     """MP #4508 / #4525: two lookups with hit 512 before the allocation succeeds; the stored
     watermark is 512 (not 1024) and the next store starts at 512."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
-    t = Tracker(cfg)
+    t = tracker(chunk=256, block_hits=False)
     shared = tokens(512)
-    run_prefill(t, "donor", [*shared, *tokens(100, base=9000)], blocks(39))
-    t.finished("donor")
+    pool_with(t, [*shared, *tokens(100, base=9000)], blocks(39))
     prompt = [*shared, *tokens(488, base=20_000)]
     t.add_request("R", prompt)
     assert t.lookup("R", 0, prompt) == 512
     t.end_step()  # allocation failed
     assert t.lookup("R", 0, prompt) == 512
     assert st(t, "R").lookup == LookupResult(0, 512, 512, 1000)
-    table = blocks(63)
-    t.allocated("R", table, 512)
-    ds = t.scheduled(
-        "R",
-        num_computed=512,
-        num_scheduled=488,
-        all_token_ids=prompt,
-        block_ids=table,
-        admission=NEW,
-    )
+    ds = admit(t, "R", prompt, blocks(63), 512, lookup=False)
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end) == (0, 512)
     save = one(ds, ev.SavePlanned)
@@ -300,8 +296,7 @@ def test_s2_mp_two_lookups_then_allocation_commit_the_watermark_once() -> None:
 def test_s3a_vllm_prefix_hit_larger_than_pool_hit_on_resume() -> None:
     """#2243 (a): resumed with local hit 592 > pool hit 512: no load, nothing is wrong, the
     tokens are all 610 of all_token_ids and the watermark is the pool's 512."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
-    t = Tracker(cfg)
+    t = tracker(chunk=256, block_hits=False)
     prompt = tokens(600)
     table = blocks(38)
     run_prefill(t, "R", prompt, table)
@@ -314,15 +309,7 @@ def test_s3a_vllm_prefix_hit_larger_than_pool_hit_on_resume() -> None:
     assert t.lookup("R", 592, all_ids) == 0
     assert st(t, "R").lookup == LookupResult(592, 512, 0, 610)
     table = blocks(39, first=300)
-    t.allocated("R", table, 0)
-    ds = t.scheduled(
-        "R",
-        num_computed=592,
-        num_scheduled=18,
-        all_token_ids=all_ids,
-        block_ids=table,
-        admission=RESUMED,
-    )
+    ds = admit(t, "R", all_ids, table, local_hit=592, admission=RESUMED, lookup=False)
     assert not of(ds, ev.LoadPlanned)
     assert saved_keys(ds) == []  # 610 < 768
     s = st(t, "R")
@@ -334,37 +321,16 @@ def test_s3b_pool_hit_grew_while_preempted() -> None:
     """#2243 (b): R1 preempted mid-prefill at 768; R2 with the same 1000-token prompt stores
     up to 1000 (save_unfull_chunk); R1 resumes with a full hit: external 999, tokens rebuilt
     to 1000, the load is [0, 999) and the watermark is 1000."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256, discard_partial_chunks=False)
-    t = Tracker(cfg)
+    t = tracker(chunk=256, discard_partial_chunks=False)
     prompt = tokens(1000)
-    t.add_request("R1", prompt)
-    assert t.lookup("R1", 0, prompt) == 0
-    t.allocated("R1", blocks(48), 0)
-    ds = t.scheduled(
-        "R1",
-        num_computed=0,
-        num_scheduled=768,
-        all_token_ids=prompt,
-        block_ids=blocks(48),
-        admission=NEW,
-    )
+    ds = admit(t, "R1", prompt, blocks(48), num_scheduled=768)
     confirm(t, "R1", ds)
     assert st(t, "R1").saved == 768
     t.end_step()
     t.preempted("R1")
 
     # R2: same prompt, loads 768, computes 232, stores the partial tail [768, 1000)
-    t.add_request("R2", prompt)
-    assert t.lookup("R2", 0, prompt) == 768
-    t.allocated("R2", blocks(63, first=500), 768)
-    ds = t.scheduled(
-        "R2",
-        num_computed=768,
-        num_scheduled=232,
-        all_token_ids=prompt,
-        block_ids=blocks(63, first=500),
-        admission=NEW,
-    )
+    ds = admit(t, "R2", prompt, blocks(63, first=500), 768)
     assert (one(ds, ev.LoadPlanned).start, one(ds, ev.LoadPlanned).end) == (0, 768)
     confirm(t, "R2", ds)
     assert st(t, "R2").saved == 1000  # the prefill's partial chunk is saved with it
@@ -373,21 +339,13 @@ def test_s3b_pool_hit_grew_while_preempted() -> None:
 
     assert t.lookup("R1", 0, prompt) == 999  # hit 1000 == num_tokens: the last is recomputed
     assert st(t, "R1").lookup == LookupResult(0, 1000, 999, 1000)
-    t.allocated("R1", blocks(63), 999)
-    ds = t.scheduled(
-        "R1",
-        num_computed=999,
-        num_scheduled=1,
-        all_token_ids=prompt,
-        block_ids=blocks(63),
-        admission=RESUMED,
-    )
+    ds = admit(t, "R1", prompt, blocks(63), 999, admission=RESUMED, lookup=False)
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end, len(load.keys)) == (0, 999, 4)
     s = st(t, "R1")
     assert s.token_ids == prompt and s.num_tokens == 1000
     assert s.saved == 1000  # the pool holds every chunk, the partial one included
-    plan = transfer_plan(load, s, cfg)
+    plan = transfer_plan(load, s, t.config)
     assert plan is not None
     assert plan.chunks[-1].token_start == 768 and plan.chunks[-1].token_end == 999
     assert t.violations == []
@@ -399,19 +357,10 @@ def test_s3b_pool_hit_grew_while_preempted() -> None:
 def test_s4_async_scheduling_decode_tokens_reach_the_tracker() -> None:
     """#2821 / #2929: under async scheduling nc runs one token ahead of all_token_ids; the
     token list keeps growing and the decode chunk [256, 512) is saved at step 213."""
-    cfg = TrackerConfig(
-        block_size=16, chunk_size=256, save_decode_cache=True, discard_partial_chunks=False
-    )
-    t = Tracker(cfg)
+    t = tracker(chunk=256, save_decode_cache=True, discard_partial_chunks=False)
     prompt = tokens(300)
     table = blocks(19)
-    t.add_request("R", prompt)
-    assert t.lookup("R", 0, prompt) == 0
-    t.allocated("R", table, 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=300, all_token_ids=prompt, block_ids=table,
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, table)
     # the whole prompt is saved in its step: the full chunk and the partial one
     assert [(d.start, d.end) for d in of(ds, ev.SavePlanned) if d.keys] == [(0, 300)]
     confirm(t, "R", ds)
@@ -442,7 +391,7 @@ def test_s4_async_scheduling_decode_tokens_reach_the_tracker() -> None:
     assert list(saves) == [213]
     (save,) = saves[213]
     assert (save.start, save.end, len(save.keys)) == (256, 512, 1)
-    plan = transfer_plan(save, st(t, "R"), cfg)
+    plan = transfer_plan(save, st(t, "R"), t.config)
     assert plan is not None
     assert plan.chunks == (ChunkTransfer(save.keys[0], save.slots[0], 256, 512, 0),)
     assert st(t, "R").saved == 512
@@ -452,10 +401,7 @@ def test_s4_async_scheduling_decode_tokens_reach_the_tracker() -> None:
 def test_s4_sync_control_case() -> None:
     """#2929 control: with synchronous scheduling nc == len(all_token_ids) - 1 at every step;
     the tracker holds every computed token and saves [256, 512) when 512 tokens are computed."""
-    cfg = TrackerConfig(
-        block_size=16, chunk_size=256, save_decode_cache=True, discard_partial_chunks=False
-    )
-    t = Tracker(cfg)
+    t = tracker(chunk=256, save_decode_cache=True, discard_partial_chunks=False)
     prompt = tokens(300)
     table = blocks(19)
     run_prefill(t, "R", prompt, table)
@@ -482,21 +428,11 @@ def test_s4_pr2929_slice_vectors(
 ) -> None:
     """#2929's vectors: the tokens computed in the step are all_token_ids[nc : nc + new], and
     every token vLLM has is learned, whatever nc says."""
-    t = Tracker(TrackerConfig(block_size=4, chunk_size=8))
+    t = tracker(block=4, chunk=8)
     all_ids = tokens(all_len)
     prompt_len = 500 if all_len == 500 else 100
-    t.add_request("R", all_ids[:prompt_len])
-    t.lookup("R", 0, all_ids[:prompt_len])
-    t.allocated("R", blocks(cdiv(known, 4)), 0)
-    t.scheduled(
-        "R",
-        num_computed=0,
-        num_scheduled=known,
-        all_token_ids=all_ids[:prompt_len],
-        block_ids=blocks(cdiv(known, 4)),
-        admission=NEW,
-    )
     table = blocks(cdiv(known, 4))
+    admit(t, "R", all_ids[:prompt_len], table, num_scheduled=known)
     if nc > known:  # the async step before: scheduled while its input token was unsampled
         extra = blocks(cdiv(known + 1, 4) - len(table), first=800)
         table += extra
@@ -521,7 +457,7 @@ def test_s4_pr2929_slice_vectors(
 def test_s4_pr2929_preemption_vector() -> None:
     """#2929's preemption vector: prompt 100 + 50 decoded, resumed with nc=50 and 50 new: the
     tokens computed are prompt[50:100], and the tracker knows all 150."""
-    t = Tracker(TrackerConfig(block_size=10, chunk_size=50))
+    t = tracker(block=10, chunk=50)
     prompt = tokens(100)
     table = blocks(10)
     run_prefill(t, "R", prompt, table)
@@ -529,14 +465,8 @@ def test_s4_pr2929_preemption_vector() -> None:
     decode_sync(t, "R", all_ids, table, 49, block_size=10)
     assert len(all_ids) == 150
     t.preempted("R")
-    for key, _ in stored_items(t.index):  # the pool lost the prompt's chunks
-        t.apply(ev.ChunkEvicted(t.step, "", key=key))
-    assert t.lookup("R", 50, all_ids) == 0
-    t.allocated("R", blocks(10, first=50), 0)
-    t.scheduled(
-        "R", num_computed=50, num_scheduled=50, all_token_ids=all_ids,
-        block_ids=blocks(10, first=50), admission=RESUMED,
-    )  # fmt: skip
+    evict_all(t)  # the pool lost the prompt's chunks
+    admit(t, "R", all_ids, blocks(10, first=50), local_hit=50, num_scheduled=50, admission=RESUMED)
     s = st(t, "R")
     assert s.token_ids[50:100] == prompt[50:100]
     assert s.token_ids == all_ids and s.num_tokens == 100
@@ -549,8 +479,7 @@ def test_s4_pr2929_preemption_vector() -> None:
 def test_s5_full_hit_on_resume_leaves_the_last_token() -> None:
     """#2929: resumed with the pool holding all 200 tokens: external = 200 - 100 - 1 = 99,
     nc = 199, and the load is [100, 199), never the last token."""
-    cfg = TrackerConfig(block_size=10, chunk_size=50, save_decode_cache=True)
-    t = Tracker(cfg)
+    t = tracker(block=10, chunk=50, save_decode_cache=True)
     prompt = tokens(100)
     table = blocks(10)
     run_prefill(t, "R", prompt, table)
@@ -560,29 +489,21 @@ def test_s5_full_hit_on_resume_leaves_the_last_token() -> None:
     t.preempted("R")
     assert t.index.prefix_hit(chunk_keys(root_key(""), all_ids, 50)) == 3  # [0, 150)
     # a follow-up request with R's 200 tokens as its prompt stores the last chunk too
-    t.add_request("R2", all_ids)
-    assert t.lookup("R2", 0, all_ids) == 150
-    t.allocated("R2", blocks(20, first=400), 150)
-    ds = t.scheduled(
-        "R2", num_computed=150, num_scheduled=50, all_token_ids=all_ids,
-        block_ids=blocks(20, first=400), admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R2", all_ids, blocks(20, first=400), 150)
     confirm(t, "R2", ds)
     assert t.index.prefix_hit(chunk_keys(root_key(""), all_ids, 50)) == 4
     t.finished("R2")
 
     assert t.lookup("R", 100, all_ids) == 99
     assert st(t, "R").lookup == LookupResult(100, 200, 99, 200)
-    t.allocated("R", blocks(20, first=700), 99)
-    ds = t.scheduled(
-        "R", num_computed=199, num_scheduled=1, all_token_ids=all_ids,
-        block_ids=blocks(20, first=700), admission=RESUMED,
-    )  # fmt: skip
+    ds = admit(
+        t, "R", all_ids, blocks(20, first=700), 99, local_hit=100, admission=RESUMED, lookup=False
+    )
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end, len(load.keys)) == (100, 199, 2)
     s = st(t, "R")
     assert s.token_ids == all_ids and s.num_tokens == 200 and s.num_computed == 199
-    plan = transfer_plan(load, s, cfg)
+    plan = transfer_plan(load, s, t.config)
     assert plan is not None
     assert [(c.token_start, c.token_end) for c in plan.chunks] == [(100, 150), (150, 199)]
     assert t.violations == []  # pre-#2929: assert 199 == 200
@@ -605,8 +526,7 @@ def test_s5_pr2929_resume_assertion_vectors(
 ) -> None:
     """#2929's resume vectors: nc must be local + the external tokens we offered (with the
     full-hit -1); anything else is a named violation and the request recomputes."""
-    cfg = TrackerConfig(block_size=4, chunk_size=8)
-    t = Tracker(cfg)
+    t = tracker(block=4, chunk=8)
     all_ids = tokens(num_tokens)
     for i, key in enumerate(chunk_keys(root_key(""), all_ids[:pool], 8)):
         t.apply(ev.ChunkStored(0, "", key=key, slot=i, num_tokens=8))  # a warm pool
@@ -640,8 +560,7 @@ def test_s5_pr2929_resume_assertion_vectors(
 def test_s6_full_prompt_hit_loads_exactly_894_of_895() -> None:
     """#4614 / vLLM #52617: a new request whose whole 895-token prompt is in the pool is
     offered 894 tokens and the load covers exactly [0, 894), never position 894."""
-    cfg = TrackerConfig(block_size=16, chunk_size=256, discard_partial_chunks=False)
-    t = Tracker(cfg)
+    t = tracker(chunk=256, discard_partial_chunks=False)
     prompt = tokens(895)
     run_prefill(t, "donor", prompt, blocks(56))
     donor_all = [*prompt, 1]
@@ -651,14 +570,10 @@ def test_s6_full_prompt_hit_loads_exactly_894_of_895() -> None:
     t.add_request("R", prompt)
     assert t.lookup("R", 0, prompt) == 894
     assert st(t, "R").lookup == LookupResult(0, 895, 894, 895)
-    t.allocated("R", blocks(56, first=900), 894)
-    ds = t.scheduled(
-        "R", num_computed=894, num_scheduled=1, all_token_ids=prompt,
-        block_ids=blocks(56, first=900), admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, blocks(56, first=900), 894, lookup=False)
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end, len(load.keys)) == (0, 894, 4)
-    plan = transfer_plan(load, st(t, "R"), cfg)
+    plan = transfer_plan(load, st(t, "R"), t.config)
     assert plan is not None
     assert plan.num_tokens == 894
     assert max(c.token_end for c in plan.chunks) == 894
@@ -669,32 +584,22 @@ def test_s6_full_prompt_hit_loads_exactly_894_of_895() -> None:
 # --- S7 ----------------------------------------------------------------------------------------
 
 
-def _s7_setup(
-    prompt_len: int,
-) -> tuple[Tracker, TrackerConfig, list[int], list[int], list[ev.DecisionEvent]]:
-    cfg = TrackerConfig(block_size=16, chunk_size=256, block_hits=False)
-    t = Tracker(cfg)
+def _s7_setup(prompt_len: int) -> tuple[Tracker, list[int], list[int], list[ev.DecisionEvent]]:
+    t = tracker(chunk=256, block_hits=False)
     prompt = tokens(prompt_len)
-    run_prefill(t, "donor", prompt[:768], blocks(48, first=1000))
-    t.finished("donor")
-    t.add_request("R", prompt)
-    assert t.lookup("R", 0, prompt) == 768
+    pool_with(t, prompt[:768], blocks(48, first=1000))
     table = blocks(cdiv(prompt_len, 16))
-    t.allocated("R", table, 768)
-    ds = t.scheduled(
-        "R", num_computed=768, num_scheduled=prompt_len - 768, all_token_ids=prompt,
-        block_ids=table, admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, table, 768)
     load = one(ds, ev.LoadPlanned)
     assert (load.start, load.end, len(load.keys)) == (0, 768, 3)
-    return t, cfg, prompt, table, ds
+    return t, prompt, table, ds
 
 
 def test_s7_load_failure_rolls_back_and_resaves() -> None:
     """#2516: the load of [512, 768) fails (blocks 32..47); vLLM rolls back to 512 and
     reschedules 488 tokens: the tracker truncates, stays within the 63 blocks, and re-saves
     chunk [512, 768) from the recomputed KV."""
-    t, cfg, prompt, table, ds = _s7_setup(1000)
+    t, prompt, table, ds = _s7_setup(1000)
     assert saved_keys(ds) == []  # 1000 < 1024
     s = st(t, "R")
     assert (s.num_tokens, s.saved) == (1000, 768)
@@ -712,7 +617,7 @@ def test_s7_load_failure_rolls_back_and_resaves() -> None:
     assert s.num_tokens <= s.block_capacity(16) == 1008
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end, save.keys) == (512, 768, (failed_key,))
-    plan = transfer_plan(save, s, cfg)
+    plan = transfer_plan(save, s, t.config)
     assert plan is not None and plan.block_ids[32:48] == tuple(table[32:48])
     t.save_done("R", save.keys)
     assert st(t, "R").saved == 768 and failed_key in t.index
@@ -722,7 +627,7 @@ def test_s7_load_failure_rolls_back_and_resaves() -> None:
 def test_s7_saves_planned_over_the_failed_range_are_never_stored() -> None:
     """#2516: a chunk saved in the admission step was computed over the failed load; when the
     worker reports it stored, the pool must not offer it, and it is saved again later."""
-    t, cfg, prompt, table, ds = _s7_setup(1100)
+    t, prompt, table, ds = _s7_setup(1100)
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end) == (768, 1024)
     (bad,) = save.keys
@@ -731,7 +636,7 @@ def test_s7_saves_planned_over_the_failed_range_are_never_stored() -> None:
     assert bad not in t.index
     assert not t.index.is_writing(bad)
     stats = t.index.stats()
-    assert stats["stored"] + stats["writing"] + stats["free"] == cfg.num_slots
+    assert stats["stored"] + stats["writing"] + stats["free"] == t.config.num_slots
     t.end_step()
 
     ds = t.scheduled("R", num_computed=512, num_scheduled=588, all_token_ids=prompt)
@@ -749,16 +654,14 @@ def test_s7_saves_planned_over_the_failed_range_are_never_stored() -> None:
 def test_2984_resumed_with_no_block_ids_drops_the_stale_table() -> None:
     """#2984: a resumed request reported with no block ids (None) keeps none of its freed
     blocks; a running one with None simply gets no new blocks."""
-    cfg = TrackerConfig(block_size=16, chunk_size=16)
-    t = Tracker(cfg)
+    t = tracker()
     prompt = tokens(40)
     run_prefill(t, "R", prompt, [1, 2, 3])
     all_ids = [*prompt, 1]
     t.scheduled("R", num_computed=40, num_scheduled=1, all_token_ids=all_ids, block_ids=None)
     assert st(t, "R").block_ids == [1, 2, 3]
     t.preempted("R")
-    for key, _ in stored_items(t.index):
-        t.apply(ev.ChunkEvicted(t.step, "", key=key))
+    evict_all(t)
     assert t.lookup("R", 0, all_ids) == 0
     t.allocated("R", [7, 8, 9], 0)
     ds = t.scheduled(
@@ -775,8 +678,7 @@ def test_2984_resumed_with_no_block_ids_drops_the_stale_table() -> None:
 def test_decode_phase_is_not_sticky_after_preemption() -> None:
     """§2.8 (is_decode_phase never reset): preempted during decode, resumed with pool hit 0 and
     a multi-chunk re-prefill: the recomputed chunks are saved with save_decode_cache=False."""
-    cfg = TrackerConfig(block_size=16, chunk_size=16, save_decode_cache=False)
-    t = Tracker(cfg)
+    t = tracker(save_decode_cache=False)
     prompt = tokens(40)
     table = [1, 2, 3]
     run_prefill(t, "R", prompt, table)
@@ -785,15 +687,9 @@ def test_decode_phase_is_not_sticky_after_preemption() -> None:
         assert saved_keys(ds) == []  # decode chunks are not saved
     assert len(all_ids) == 70
     t.preempted("R")
-    for key, _ in stored_items(t.index):  # the pool is reset: hit 0
-        t.apply(ev.ChunkEvicted(t.step, "", key=key))
+    evict_all(t)  # the pool is reset: hit 0
 
-    assert t.lookup("R", 0, all_ids) == 0
-    t.allocated("R", [20, 21], 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=32, all_token_ids=all_ids, block_ids=[20, 21],
-        admission=RESUMED,
-    )  # fmt: skip
+    ds = admit(t, "R", all_ids, [20, 21], num_scheduled=32, admission=RESUMED)
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end) == (0, 32)
     confirm(t, "R", ds)
@@ -819,16 +715,9 @@ def test_decode_phase_is_not_sticky_after_preemption() -> None:
 def test_save_watermark_moves_only_on_confirmation() -> None:
     """§2.8 (watermark advanced at scheduling time, failed stores never retried): planned is
     not saved; SaveDone moves the watermark; SaveFailed replans the chunk."""
-    cfg = TrackerConfig(block_size=16, chunk_size=16)
-    t = Tracker(cfg)
+    t = tracker()
     prompt = tokens(50)
-    t.add_request("R", prompt)
-    t.lookup("R", 0, prompt)
-    t.allocated("R", [1, 2, 3, 4], 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=50, all_token_ids=prompt, block_ids=[1, 2, 3, 4],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, [1, 2, 3, 4])
     save = one(ds, ev.SavePlanned)
     assert (save.start, save.end, len(save.keys)) == (0, 48, 3)
     s = st(t, "R")
@@ -860,16 +749,9 @@ def test_save_watermark_moves_only_on_confirmation() -> None:
 def test_save_before_reuse_finished_request_waits_for_its_save() -> None:
     """§1.5 / MP #4822: a request that finishes while its save is in flight tells vLLM to delay
     freeing its blocks, and its state stays until the worker confirms."""
-    cfg = TrackerConfig(block_size=16, chunk_size=16)
-    t = Tracker(cfg)
+    t = tracker()
     prompt = tokens(32)
-    t.add_request("R", prompt)
-    t.lookup("R", 0, prompt)
-    t.allocated("R", [1, 2], 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=32, all_token_ids=prompt, block_ids=[1, 2],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, [1, 2])
     save = one(ds, ev.SavePlanned)
     assert t.finished("R") is True  # delay free: the save still reads blocks 1 and 2
     s = st(t, "R")
@@ -894,18 +776,11 @@ def test_save_before_reuse_finished_request_waits_for_its_save() -> None:
 def test_a_promised_chunk_survives_another_requests_save_in_the_same_step() -> None:
     """#1686 / #2106 (evicted between lookup and retrieve): once vLLM accepted our external
     tokens (Allocated), another request's save in the same step must not evict their chunks."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=3))
+    t = tracker(num_slots=3)
     a, b = tokens(16), tokens(16, base=5000)
-    run_prefill(t, "donor", [*a, *b], [1, 2])  # the pool: k(a), k(ab)
-    t.finished("donor")
+    pool_with(t, [*a, *b], [1, 2])  # the pool: k(a), k(ab)
     q = tokens(48, base=9000)
-    t.add_request("X", q)
-    t.lookup("X", 0, q)
-    t.allocated("X", [3, 4], 0)
-    ds = t.scheduled(
-        "X", num_computed=0, num_scheduled=16, all_token_ids=q, block_ids=[3, 4],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "X", q, [3, 4], num_scheduled=16)
     confirm(t, "X", ds)  # the pool is full: k(a) is the least recently used
     t.end_step()
 
@@ -926,18 +801,11 @@ def test_a_promised_chunk_survives_another_requests_save_in_the_same_step() -> N
 
 
 def test_a_save_never_evicts_the_chunk_its_own_load_reads() -> None:
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=1))
+    t = tracker(num_slots=1)
     a = tokens(16)
-    run_prefill(t, "donor", a, [1])
-    t.finished("donor")
+    pool_with(t, a, [1])
     prompt = [*a, *tokens(16, base=3000)]
-    t.add_request("R", prompt)
-    assert t.lookup("R", 0, prompt) == 16
-    t.allocated("R", [2, 3], 16)
-    ds = t.scheduled(
-        "R", num_computed=16, num_scheduled=16, all_token_ids=prompt, block_ids=[2, 3],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, [2, 3], 16)
     load = one(ds, ev.LoadPlanned)
     assert all(load.keys[0] not in d.evicted for d in of(ds, ev.SavePlanned))
     assert saved_keys(ds) == []  # the only slot is being read
@@ -947,20 +815,13 @@ def test_a_save_never_evicts_the_chunk_its_own_load_reads() -> None:
 def test_a_request_finished_while_loading_keeps_its_pin_until_the_result() -> None:
     """Two requests read the same chunk; one is aborted before its load reports back: the
     other's pin must survive the aborted one's result (released once, not twice)."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16, num_slots=4))
+    t = tracker(num_slots=4)
     a = tokens(16)
-    run_prefill(t, "donor", a, [1])
-    t.finished("donor")
+    pool_with(t, a, [1])
     (key,) = [k for k, _ in stored_items(t.index)]
     prompt = [*a, 1, 2, 3]
     for rid, table in (("R1", [2, 3]), ("R2", [4, 5])):
-        t.add_request(rid, prompt)
-        assert t.lookup(rid, 0, prompt) == 16
-        t.allocated(rid, table, 16)
-        ds = t.scheduled(
-            rid, num_computed=16, num_scheduled=3, all_token_ids=prompt, block_ids=table,
-            admission=NEW,
-        )  # fmt: skip
+        ds = admit(t, rid, prompt, table, 16)
         assert one(ds, ev.LoadPlanned).keys == (key,)
     assert t.finished("R1", "aborted") is False
     assert t.state("R1") is not None  # its load is still in flight
@@ -976,17 +837,12 @@ def test_a_request_finished_while_loading_keeps_its_pin_until_the_result() -> No
 # --- wrong inputs: named violations, recompute fallback ---------------------------------------
 
 
-def _pool_with(t: Tracker, prompt: list[int]) -> None:
-    run_prefill(t, "donor", prompt, blocks(cdiv(len(prompt), 16), first=5000))
-    t.finished("donor")
-
-
 def test_accepted_tokens_we_never_offered() -> None:
     """§1.7 #4 (the "Mismatch in tokens to load" assert): vLLM accepts 48 external tokens when
     we offered 32: a violation, no load, and the blocks vLLM thinks are loaded are refused."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(64)
-    _pool_with(t, prompt[:32])
+    pool_with(t, prompt[:32], blocks(2, first=5000))
     t.add_request("R", prompt)
     assert t.lookup("R", 0, prompt) == 32
     t.allocated("R", [1, 2, 3, 4], 48)
@@ -1010,9 +866,9 @@ def test_accepted_tokens_we_never_offered() -> None:
 def test_token_content_must_match() -> None:
     """§1.7 I2: the tokens vLLM reports must equal what the tracker knows (content, not just
     length); a mismatch is a violation and the lookup offers nothing."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(32)
-    _pool_with(t, prompt)
+    pool_with(t, prompt, blocks(2, first=5000))
     t.add_request("R", prompt)
     other = list(prompt)
     other[5] = -7 + 100
@@ -1026,15 +882,9 @@ def test_token_content_must_match() -> None:
 
 def test_token_gap_is_refused() -> None:
     """A token range that starts past what the tracker knows would leave a hole: violation."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(20)
-    t.add_request("R", prompt)
-    t.lookup("R", 0, prompt)
-    t.allocated("R", [1, 2], 0)
-    t.scheduled(
-        "R", num_computed=0, num_scheduled=20, all_token_ids=prompt, block_ids=[1, 2],
-        admission=NEW,
-    )  # fmt: skip
+    admit(t, "R", prompt, [1, 2])
     ds = t.apply(ev.Scheduled(t.step, "R", 20, 1, token_start=22, token_ids=(5,)))
     # (ids past num_computed + num_scheduled: no connector sends them, tracker/wellformed.py)
     assert rules(t) == ["field_order", "token_gap"]
@@ -1045,15 +895,9 @@ def test_token_gap_is_refused() -> None:
 def test_scheduled_beyond_block_capacity() -> None:
     """#2516 / §1.7 I1: tokens beyond the block table's capacity are a violation; no save is
     planned from a table that cannot hold the tokens."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(40)
-    t.add_request("R", prompt)
-    t.lookup("R", 0, prompt)
-    t.allocated("R", [1, 2], 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=40, all_token_ids=prompt, block_ids=[1, 2],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, [1, 2])
     assert rules(t) == ["tokens_within_blocks"]
     assert t.violations[0].detail == {"num_tokens": 40, "capacity": 32}
     assert saved_keys(ds) == []
@@ -1063,7 +907,7 @@ def test_scheduled_beyond_block_capacity() -> None:
 
 def test_vllm_ahead_of_the_tracker() -> None:
     """vLLM counts tokens the tracker never saw scheduled (a missed step): violation."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(40)
     run_prefill(t, "R", prompt, [1, 2, 3, 4])
     ds = t.scheduled("R", num_computed=45, num_scheduled=1, all_token_ids=[*prompt, *range(6)])
@@ -1085,15 +929,9 @@ def test_unknown_request() -> None:
 def test_event_after_finish() -> None:
     """Anything but a worker result about a finished request is a violation, whether its state
     is still held (save in flight) or already retired."""
-    t = Tracker(TrackerConfig(block_size=16, chunk_size=16))
+    t = tracker()
     prompt = tokens(32)
-    t.add_request("R", prompt)
-    t.lookup("R", 0, prompt)
-    t.allocated("R", [1, 2], 0)
-    ds = t.scheduled(
-        "R", num_computed=0, num_scheduled=32, all_token_ids=prompt, block_ids=[1, 2],
-        admission=NEW,
-    )  # fmt: skip
+    ds = admit(t, "R", prompt, [1, 2])
     assert t.finished("R")
     assert t.scheduled("R", num_computed=32, num_scheduled=1, all_token_ids=prompt) == [
         ev.ViolationRecorded(t.step, "R", "event_after_finish", "Scheduled", "")
