@@ -428,6 +428,23 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         assert self.recording is not None
         self.recording.finished(request, block_ids, answer)
 
+    def take_events(self) -> Any:
+        """The inner's KV events (vLLM collects them every step, published or not), passed on
+        as a list and recorded as facts (``InnerStored``, ``InnerRemoved``): what the inner
+        stored and dropped is what ``explain`` splits ``not_offered`` by."""
+        try:
+            events = list(_optional(self._inner, "take_events", ()) or ())
+        except BaseException as exc:
+            self._raised("take_events", exc)
+            raise
+        if events:
+            self._record("take_events", self._inner_events, events)
+        return events
+
+    def _inner_events(self, events: list[Any]) -> None:
+        assert self.recording is not None
+        self.recording.inner_events(events)
+
     def get_kv_connector_stats(self) -> Any:
         stats = _optional(self._inner, "get_kv_connector_stats", None)
         if stats is not None and self.recording is not None:

@@ -485,8 +485,43 @@ class SchedulerRecorder:
         if stats is not None and not _empty_stats(stats):
             self.write(ev.InnerStats(self.step, "", side, _stats_text(stats)))
 
+    def inner_events(self, events: list[Any]) -> None:
+        """The inner's KV events of this step (vLLM's ``BlockStored``, ``BlockRemoved``,
+        ``AllBlocksCleared``, told apart by name: their fields grew release by release), as
+        ``InnerStored`` / ``InnerRemoved``; any other kind is not the pool's and is skipped."""
+        for e in events:
+            kind = type(e).__name__
+            medium = str(getattr(e, "medium", None) or "")
+            if kind == "BlockStored":
+                parent = getattr(e, "parent_block_hash", None)
+                self.write(
+                    ev.InnerStored(
+                        self.step,
+                        "",
+                        tuple(_event_key(h) for h in e.block_hashes),
+                        b"" if parent is None else _event_key(parent),
+                        tuple(int(t) for t in getattr(e, "token_ids", None) or ()),
+                        int(getattr(e, "block_size", 0) or 0),
+                        medium,
+                    )
+                )
+            elif kind == "BlockRemoved":
+                keys = tuple(_event_key(h) for h in e.block_hashes)
+                self.write(ev.InnerRemoved(self.step, "", keys, medium))
+            elif kind == "AllBlocksCleared":
+                self.write(ev.InnerRemoved(self.step, "", (), medium))
+
     def raised(self, callback: str, exc: BaseException, req_id: str = "") -> None:
         self.write(ev.InnerRaised(self.step, req_id, callback, _error_text(exc)))
+
+
+def _event_key(h: Any) -> bytes:
+    """A KV event's block hash as the log keeps it: vLLM's ``ExternalBlockHash`` is bytes or
+    an int (LMCache's chunk hashes are ints of any size): an int becomes ``b"#"`` and its
+    decimal digits, so the two kinds never collide."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    return b"#" + str(int(h)).encode()
 
 
 def _empty_stats(stats: Any) -> bool:

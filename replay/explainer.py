@@ -21,6 +21,7 @@ from kvledger.tracker.chunks import ChunkIndex
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.history import RETIRED_MEMORY, Folded, retires
 from kvledger.tracker.index_fold import apply_recorded
+from kvledger.tracker.inner_store import InnerStore
 from kvledger.tracker.plans import (
     Span,
     block_hit,
@@ -244,6 +245,8 @@ class Explainer:
         self._waiting: dict[bytes, list[tuple[str, _Lookup, int, bytes, tuple[int, ...]]]] = {}
         self._waiting_step = -1
         self.without_lookup = 0  # admissions with no lookup before them (nothing acted on)
+        # A recorder's log: what the wrapped connector's KV events say it stored and dropped.
+        self.inner = InnerStore()
         self._reading: list[bytes] = []  # the chunks a failing load read, still stored
 
     # --- the walk ------------------------------------------------------------------------
@@ -471,6 +474,9 @@ class Explainer:
             if key in self.remote_seen:
                 self.remote_lost[key] = (e.step, f"a load found it {e.reason or 'gone'}")
 
+    def _inner_event(self, item: Folded) -> None:
+        self.inner.apply(item.event)
+
     def _remote_outage(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.RemoteOutage)
@@ -614,14 +620,17 @@ class Explainer:
                 out.append(Miss(k, e, "new_prefix"))
             return out, None
         if computed is not None and shared >= e - s:
+            if self.recorded:
+                return self._not_offered(s, e, computed.step, computed.request, state), None
             return [self._never_saved(span, computed)], None
         out = []
         if computed is not None and shared > 0:
             k, by, step = s + shared, computed.request, computed.step
-            if ended:  # computed up to k, no further: a piece shorter than the unit asked
-                why = "partial_chunk" if not self.recorded else "not_offered"
+            if ended and self.recorded:  # computed up to k, no further
+                out += self._not_offered(s, k, step, by, state)
+            elif ended:  # computed up to k, no further: a piece shorter than the unit asked
                 detail = f"computed only up to token {k}, in a chunk never completed"
-                out.append(Miss(s, k, why, step, by, detail=detail))
+                out.append(Miss(s, k, "partial_chunk", step, by, detail=detail))
             else:
                 out.append(Miss(s, k, "prefix_diverged", step, by, k))
         out.append(Miss(s + shared, e, "new_prefix"))
@@ -666,11 +675,40 @@ class Explainer:
             return Miss(span.start, span.end, "unexplained", fate.step, fate.by, None, "stored")
         return Miss(span.start, span.end, reason, fate.step, fate.by, None, fate.detail)
 
+    def _not_offered(
+        self, s: int, e: int, step: int, by: str, state: RequestState
+    ) -> list[Miss]:
+        """A recorder's log: tokens ``[s, e)`` computed before in this run (by ``by`` at
+        ``step``), not offered by the wrapped connector. Where it publishes KV events with
+        their tokens, they say why: it never stored them, it dropped them, or it held them."""
+        inner = self.inner
+        if not inner.with_tokens:
+            return [Miss(s, e, "not_offered", step, by)]
+        out: list[Miss] = []
+        at = s
+        dropped: int | None = None  # a key before was dropped: a hit is a prefix
+        for piece in inner.cover(state.token_ids[:e]):
+            if dropped is None:
+                dropped = piece.removed
+            if piece.end <= s:
+                continue
+            a, b = max(s, piece.start), min(e, piece.end)
+            if dropped is not None:
+                out.append(Miss(a, b, "inner_evicted", dropped))
+            elif piece.end - piece.start in inner.whole_sizes:
+                unsaid = "" if inner.removals else "it publishes no removals: a drop is unsaid"
+                out.append(Miss(a, b, "inner_not_offered", piece.stored, detail=unsaid))
+            else:
+                detail = "stored only as a prompt's tail, a key no other continues"
+                out.append(Miss(a, b, "not_offered", piece.stored, detail=detail))
+            at = b
+        if at < e:
+            out.append(Miss(at, e, "inner_never_stored", step, by))
+        return out
+
     def _never_saved(self, span: Span, computed: Computed) -> Miss:
         """Computed before in full, never saved: why not, by the computing request's rules."""
         s, e, by, step = span.start, span.end, computed.request, computed.step
-        if self.recorded:
-            return Miss(s, e, "not_offered", step, by)
         if span.partial:
             if not self.config.discard_partial_chunks:
                 detail = "they lie inside a longer chunk; only a prefill's own tail is saved"
@@ -855,4 +893,6 @@ _AFTER: dict[type[ev.Event], Callable[[Explainer, Folded], None]] = {
     ev.RemoteLoadFailed: Explainer._remote_load_failed,
     ev.RemoteOutage: Explainer._remote_outage,
     ev.RemoteRestored: Explainer._remote_restored,
+    ev.InnerStored: Explainer._inner_event,
+    ev.InnerRemoved: Explainer._inner_event,
 }

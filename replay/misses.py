@@ -63,8 +63,15 @@ REASONS: dict[str, str] = {
     "recompute_only": "the pool held it (or could have), but a violation had made the request "
     "(or the one that computed it) fall back to recompute: no load, no save",
     "not_accepted": "offered to vLLM, which accepted fewer tokens",
+    "inner_not_offered": "the wrapped connector's KV events say it stored it and still held "
+    "it, yet it did not offer it: a silently shortened hit",
+    "inner_evicted": "computed before in this run; the wrapped connector stored it and its KV "
+    "events say it dropped it",
+    "inner_never_stored": "computed before in this run; the wrapped connector's KV events name "
+    "no store of it",
     "not_offered": "computed before in this run but not offered by the wrapped connector: "
-    "why is in its private store, which a recorder's log cannot show",
+    "why is in its private store, which a recorder's log cannot show (it publishes no KV "
+    "events with their tokens)",
     "unexplained": "the log does not say: the recorded answer and the fold disagree, or the "
     "token ids are not in the log",
 }
@@ -144,6 +151,9 @@ _FACTS = {
     "foreign_value": "refused at step {step}",
     "load_failed": "failed at step {step}; vLLM recomputed",
     "recompute_only": "{by}, at step {step}",
+    "inner_not_offered": "stored by the wrapped connector at step {step}, still held",
+    "inner_evicted": "dropped by the wrapped connector at step {step}",
+    "inner_never_stored": "computed by {by} at step {step}; no store of it published",
     "not_offered": "computed by {by} at step {step}",
 }
 

@@ -640,6 +640,53 @@ def test_a_recorders_log(tmp_path: Path) -> None:
     assert any("not the wrapped connector's store" in n for n in x.notes())
 
 
+def test_a_recorders_log_with_the_connectors_kv_events(tmp_path: Path) -> None:
+    """Where the wrapped connector publishes KV events, explain splits what it did not offer:
+    it held it (a silently shortened hit), it dropped it (and every key after it: a hit is a
+    prefix), it never stored it. The sums hold, and check names the shortened hit."""
+    path = tmp_path / "recorded.kvlog"
+    config = TrackerConfig(block_size=B, chunk_size=C)
+    header = {**config.to_dict(), "recorder": {"format": 1, "inner": "SomeConnector"}}
+    p = prompt(32, 23)
+    with LogWriter(path, header, fsync="never") as w:
+
+        def ask(step: int, rid: str, tokens: list[int], offer: int, blocks: tuple[int, ...]):
+            w.append(ev.RequestAdded(step, rid, tuple(tokens)))
+            w.append(ev.LookupAsked(step, rid, 0, len(tokens), 0, tuple(tokens)))
+            w.append(ev.InnerLookupAnswered(step, rid, offer))
+            w.append(ev.Allocated(step, rid, blocks, offer))
+            w.append(
+                ev.Scheduled(step, rid, offer, len(tokens) - offer, 0, tuple(tokens), blocks, NEW)
+            )
+
+        ask(0, "a", p, 0, tuple(range(1, 9)))
+        w.end_step(0)
+        w.append(ev.Finished(1, "a", "stopped"))
+        # The connector stored a's first three chunks (not the fourth), then dropped the second.
+        w.append(ev.InnerStored(1, "", (b"h0", b"h1", b"h2"), b"", tuple(p[:24]), C, "cpu"))
+        w.append(ev.InnerRemoved(1, "", (b"h1",), "cpu"))
+        w.end_step(1)
+        ask(2, "b", [*p, 5], 0, tuple(range(9, 18)))  # held [0, 8), offered nothing
+        w.end_step(2)
+    x = explained(path)
+    b = admission(x, "b")
+    assert misses(b) == [
+        (0, 8, "inner_not_offered"),
+        (8, 24, "inner_evicted"),
+        (24, 32, "inner_never_stored"),
+        (32, 33, "new_prefix"),
+    ]
+    held, dropped, never = b.misses[:3]
+    assert (held.step, dropped.step, never.step, never.by) == (1, 1, 0, "a")
+    assert dropped.describe() == "inner_evicted (dropped by the wrapped connector at step 1)"
+    from kvledger.replay.replayer import check
+
+    result = check(path)
+    assert [(p.name, p.req_id, p.step) for p in result.problems] == [
+        ("stored_not_offered", "b", 2)
+    ]
+
+
 # --- the command ------------------------------------------------------------------------------
 
 

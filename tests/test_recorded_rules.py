@@ -5,6 +5,8 @@ at that step)."""
 
 from __future__ import annotations
 
+import hashlib
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -43,6 +45,7 @@ def test_every_rule_is_documented():
         "stale_completion",
         "finished_without_blocks",
         "connector_raised",
+        "stored_not_offered",
     }
 
 
@@ -416,3 +419,126 @@ def test_a_hand_off_without_blocks_is_named(events, data):
     planted = [*events[:i], ev.InnerFinishedAnswered(e.step, e.req_id, e.delay, (), e.params)]
     planted += events[i + 1 :]
     assert named(planted) == [("finished_without_blocks", e.req_id, e.step)]
+
+
+# --- stored_not_offered: the connector's own KV events against its answers -----------------
+
+
+def _stored(step, keys, tokens, size=16, parent=b""):
+    return ev.InnerStored(step, "", tuple(keys), parent, tuple(tokens), size, "cpu")
+
+
+GATE = ev.InnerRemoved(0, "", (b"some-other-key",), "cpu")  # the connector publishes removals
+
+
+def test_stored_not_offered():
+    """It stored the prompt's first 48 tokens as three keys of 16, and still holds them: an
+    answer of 16 leaves out 16 more it could have offered (the last key ends at the prompt's
+    last token, which vLLM computes: 32 is what it owed)."""
+    store = _stored(0, [b"k0", b"k1", b"k2"], PROMPT)
+    found = check_recorded([store, GATE, *admission(offered=16, accepted=16)], BS)
+    assert [(v.rule, v.req_id, v.step) for v in found] == [("stored_not_offered", "r", 0)]
+    assert found[0].detail == {
+        "num_tokens": 48,
+        "local_hit": 0,
+        "external": 16,
+        "held": 32,
+        "stored_at": 0,
+    }
+    # Its nearest clean neighbours: what it held, offered (with vLLM's own hit counted); a
+    # key it dropped; a connector that never published a removal (it may drop silently).
+    assert rules([store, GATE, *admission(offered=32, accepted=32)]) == []
+    assert rules([store, GATE, *admission(local=16, offered=16, accepted=16)]) == []
+    dropped = ev.InnerRemoved(0, "", (b"k1",), "cpu")
+    assert rules([store, dropped, *admission(offered=16, accepted=16)]) == []
+    assert rules([store, *admission(offered=16, accepted=16)]) == []
+    # Everything dropped at once (AllBlocksCleared).
+    cleared = ev.InnerRemoved(0, "", (), "cpu")
+    assert rules([store, cleared, *admission(offered=0, accepted=0)]) == []
+
+
+def test_a_prompts_tail_is_not_a_whole_key():
+    """A key no other key continues is a prompt's tail (LMCache stores one per prompt): a
+    longer prompt's lookup keys that range differently, so it is not owed."""
+    keys = [_stored(0, [b"k0"], PROMPT[:16]), _stored(0, [b"t"], PROMPT[16:40], 24, b"k0")]
+    assert rules([*keys, GATE, *admission(offered=16, accepted=16)]) == []
+    # k0 is whole (the tail continues it): held and not offered.
+    assert rules([*keys, GATE, *admission(offered=0, accepted=0)]) == ["stored_not_offered"]
+    chained = [_stored(0, [b"k0", b"k1"], PROMPT[:32]), _stored(0, [b"t"], PROMPT[32:40], 8, b"k1")]
+    assert rules([*chained, GATE, *admission(offered=0, accepted=0)]) == ["stored_not_offered"]
+
+
+_CHUNK = 16
+_BASE = tuple(range(200, 264))
+# Prompts sharing prefixes, whole chunks or not; one diverging after the first chunk.
+_PROMPTS = (_BASE[:20], _BASE[:32], _BASE[:40], _BASE[:48], _BASE, _BASE[:16] + (7,) * 30)
+
+
+def _key(prefix):
+    return hashlib.blake2b(repr(prefix).encode(), digest_size=8).digest()
+
+
+@st.composite
+def stores(draw):
+    """A connector that stores prompts chunk by chunk (a prompt's partial tail as a key of
+    its own, which only that very prompt finds), drops chunks, and publishes both; it offers
+    the longest run of held chunks from the start, its tail only for the same prompt, never
+    the last token. (events, the lookups' (index, step, offered))."""
+    held: dict[tuple[int, ...], bool] = {}  # prefix -> held
+    events: list = [GATE]
+    lookups = []
+    for step in range(draw(st.integers(1, 12))):
+        op = draw(st.sampled_from(["store", "store", "drop", "look", "look"]))
+        p = draw(st.sampled_from(_PROMPTS))
+        if op == "store":
+            parent = b""
+            for a in range(0, len(p), _CHUNK):
+                b = min(a + _CHUNK, len(p))
+                prefix = p[:b]
+                if not held.get(prefix):
+                    held[prefix] = True
+                    events.append(_stored(step, [_key(prefix)], p[a:b], b - a, parent))
+                parent = _key(prefix)
+        elif op == "drop" and any(held.values()):
+            prefix = draw(st.sampled_from(sorted(k for k, v in held.items() if v)))
+            held[prefix] = False
+            events.append(ev.InnerRemoved(step, "", (_key(prefix),), "cpu"))
+        elif op == "look":
+            end = 0
+            while end < len(p):
+                b = min(end + _CHUNK, len(p))
+                if not held.get(p[:b]):
+                    break
+                end = b
+            offered = min(end, len(p) - 1)
+            rid = f"r{len(lookups)}"
+            events += [
+                ev.RequestAdded(step, rid, p),
+                ev.LookupAsked(step, rid, 0, len(p), len(p), ()),
+                ev.InnerLookupAnswered(step, rid, offered, False),
+            ]
+            lookups.append((len(events) - 1, step, offered))
+    return events, lookups
+
+
+@settings(max_examples=300, deadline=None)
+@given(stores())
+def test_a_connector_that_offers_what_it_holds_is_clean(history):
+    events, _ = history
+    assert rules(events) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(stores(), st.data())
+def test_an_answer_a_chunk_short_is_named(history, data):
+    events, lookups = history
+    owed = [(i, step, offered) for i, step, offered in lookups if offered >= _CHUNK]
+    if not owed:
+        return
+    i, step, offered = data.draw(st.sampled_from(owed))
+    e = events[i]
+    events = [*events[:i], ev.InnerLookupAnswered(step, e.req_id, offered - _CHUNK, False)]
+    found = check_recorded(events, BS)
+    assert [(v.rule, v.req_id, v.step) for v in found] == [
+        ("stored_not_offered", e.req_id, step)
+    ]

@@ -54,6 +54,8 @@ def _sound_event(cls: type[ev.Event]) -> ev.Event:
         values["num_tokens"] = 1
     if cls is ev.Scheduled:
         values["num_scheduled"] = 1
+    if cls is ev.InnerStored:
+        values["block_size"] = 1  # one token per key
     return cls(**values)
 
 

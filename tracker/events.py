@@ -434,6 +434,33 @@ class RecordLost(InputEvent):
     error: str = ""
 
 
+@attrs.frozen(slots=True)
+class InnerStored(InputEvent):
+    """The inner published a KV event (vLLM's ``BlockStored``, from ``take_events``): it
+    stored blocks ``hashes`` (its own keys, in order, each for ``block_size`` tokens of
+    ``token_ids``; the first one's parent ``parent``, b"" for none) on ``medium``. A key is the
+    inner's bytes, or an integer key written as ``b"#"`` and its decimal digits. ``token_ids``
+    may be empty (an inner that does not publish them). ``req_id`` is empty: KV events name
+    blocks, not requests."""
+
+    TAG: ClassVar[int] = 48
+    hashes: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    parent: bytes = b""
+    token_ids: tuple[int, ...] = attrs.field(default=(), converter=_ints)
+    block_size: int = 0
+    medium: str = ""
+
+
+@attrs.frozen(slots=True)
+class InnerRemoved(InputEvent):
+    """The inner published that it no longer holds blocks ``hashes`` on ``medium`` (vLLM's
+    ``BlockRemoved``); ``hashes`` empty: it dropped every block (``AllBlocksCleared``)."""
+
+    TAG: ClassVar[int] = 49
+    hashes: tuple[bytes, ...] = attrs.field(default=(), converter=_keys)
+    medium: str = ""
+
+
 # --- KV-content digests (tags 60-69): what the worker found in the blocks (tracker/digests.py)
 
 
@@ -563,6 +590,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     InnerStats,
     InnerRaised,
     RecordLost,
+    InnerStored,
+    InnerRemoved,
     BlockDigested,
     LoadDigested,
     LookupAnswered,

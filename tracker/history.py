@@ -68,6 +68,8 @@ GLOBAL_TYPES: tuple[type[ev.Event], ...] = (
     ev.InnerStats,
     ev.InnerRaised,
     ev.RecordLost,
+    ev.InnerStored,
+    ev.InnerRemoved,
 )
 
 

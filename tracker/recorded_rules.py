@@ -47,6 +47,14 @@ The rules, each judged only on what the log shows (a connector's private state i
   blocks by design (``requires_kv_delivery`` False), and a dropped save is only a future miss.
 - ``connector_raised``: a scheduler-side callback of the connector raised (recorded as
   ``InnerRaised``): vLLM's engine core does not survive it.
+- ``stored_not_offered``: the connector's own KV events (``InnerStored``, ``InnerRemoved``:
+  tracker/inner_store.py) say it stored the request's tokens up to ``k`` as whole keys and
+  still held every one of them, yet it offered less than ``k`` (vLLM's local hit plus its
+  answer): a silently shortened hit, named with the store that proves it. ``k`` stops short of
+  the request's last token (vLLM computes that one). Judged only once the connector has
+  published a removal in this log: one that never publishes removals may have dropped a key
+  without saying so. Lookups whose tokens the log does not hold in full (a resumed request's
+  output, recorded step by step) are not judged.
 
 ``digest_mismatch`` and ``load_unchanged`` are the digests' (tracker/digests.py), folded by the
 Tracker from ``BlockDigested``/``LoadDigested``.
@@ -66,6 +74,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvledger.tracker import events as ev
+from kvledger.tracker.inner_store import InnerStore
 from kvledger.tracker.recorded_steps import RecordedSteps
 from kvledger.tracker.state import Violation
 from kvledger.tracker.wellformed import Wellformed
@@ -84,6 +93,7 @@ RECORDED_RULES: dict[str, str] = {
     "stale_completion": "a transfer completion for a request id with none outstanding (#51637)",
     "finished_without_blocks": "a hand-off of a request finished with no blocks (#50297)",
     "connector_raised": "a scheduler-side callback of the connector raised",
+    "stored_not_offered": "the connector's KV events say it held more than it offered",
 }
 
 
@@ -103,6 +113,8 @@ class _Req:
         "load_blocks",
         "load_steps",
         "preempted",
+        "prompt",
+        "tokens",
         "waiting_recv",
     )
 
@@ -113,6 +125,10 @@ class _Req:
         self.external: int | None = None  # the last answer's external tokens (None: None)
         self.async_load = False  # the last answer's load_async
         self.waiting_recv = False  # an async load accepted, no finished_recving yet
+        self.prompt: tuple[int, ...] = ()
+        # The last ask's tokens, where the log holds them all and the connector publishes
+        # what it stores (stored_not_offered); else None.
+        self.tokens: tuple[int, ...] | None = None
         self.load_blocks: frozenset[int] = frozenset()  # blocks of the last sync load
         self.load_steps = -1  # Scheduled steps since that load's admission (-1: none)
         self.preempted = False
@@ -159,6 +175,8 @@ class RecordedRules:
         self._wellformed = Wellformed()
         # What a StepDecoded leaves out, to judge it as the Scheduled events it stands for.
         self._steps = RecordedSteps()
+        # What the connector says it stored and dropped (its KV events).
+        self.inner_store = InnerStore()
 
     # --- the walk -----------------------------------------------------------------------
 
@@ -195,6 +213,7 @@ class RecordedRules:
 
     def _added(self, e: ev.RequestAdded) -> list[Violation]:
         r = self._reqs[e.req_id] = _Req()
+        r.prompt = e.prompt_token_ids
         r.earlier_finish = self._finished_at.pop(e.req_id, -1)
         self._freed.discard(e.req_id)
         return []
@@ -202,6 +221,9 @@ class RecordedRules:
     def _asked(self, e: ev.LookupAsked) -> list[Violation]:
         r = self._req(e.req_id)
         r.asked = LookupSeen(e.step, e.local_hit, e.num_tokens)
+        r.tokens = None
+        if self.inner_store.with_tokens and e.token_start <= len(r.prompt):
+            r.tokens = r.prompt[: e.token_start] + e.token_ids
         return []
 
     def _answered(self, e: ev.InnerLookupAnswered) -> list[Violation]:
@@ -246,11 +268,34 @@ class RecordedRules:
                     },
                 )
             )
+        if e.external >= 0 and r.tokens is not None and self.inner_store.removals:
+            out += self._shortened(e, seen, r.tokens)
         seen.answer = answer
         r.ask, r.ask_epoch = ask, self._epoch
         r.external = None if e.external < 0 else e.external
         r.async_load = e.load_async
         return out
+
+    def _shortened(
+        self, e: ev.InnerLookupAnswered, seen: LookupSeen, tokens: tuple[int, ...]
+    ) -> list[Violation]:
+        """stored_not_offered: the connector held whole keys past what it offered."""
+        offered = seen.local_hit + e.external
+        held = self.inner_store.held_whole(tokens[: seen.num_tokens], seen.num_tokens - 1)
+        if held is None or held.end <= offered:
+            return []
+        detail = {
+            "num_tokens": seen.num_tokens,
+            "local_hit": seen.local_hit,
+            "external": e.external,
+            "held": held.end,
+            "stored_at": held.stored,
+        }
+        return [Violation("stored_not_offered", e.step, e.req_id, "InnerLookupAnswered", detail)]
+
+    def _inner_event(self, e: ev.Event) -> list[Violation]:
+        self.inner_store.apply(e)
+        return []
 
     def _allocated(self, e: ev.Allocated) -> list[Violation]:
         self._epoch += 1
@@ -502,6 +547,8 @@ _HANDLERS: dict[type[ev.Event], Callable[[RecordedRules, Any], list[Violation]]]
     ev.InnerLoadErrors: RecordedRules._load_errors,
     ev.InnerRaised: RecordedRules._raised,
     ev.RecordLost: RecordedRules._record_lost,
+    ev.InnerStored: RecordedRules._inner_event,
+    ev.InnerRemoved: RecordedRules._inner_event,
 }
 
 

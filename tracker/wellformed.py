@@ -124,6 +124,20 @@ def _decoded_tokens(e: ev.StepDecoded) -> list[tuple[str, str, dict[str, Any]]]:
     return []
 
 
+def _stored_tokens(e: ev.InnerStored) -> list[tuple[str, str, dict[str, Any]]]:
+    """`token_ids` neither empty (an inner that does not publish them) nor `block_size` per
+    key of `hashes`"""
+    if e.token_ids and len(e.token_ids) != len(e.hashes) * e.block_size:
+        return [
+            (
+                "field_lengths",
+                "token_ids",
+                {"tokens": len(e.token_ids), "hashes": len(e.hashes), "block_size": e.block_size},
+            )
+        ]
+    return []
+
+
 def _stats_side(e: ev.InnerStats) -> list[tuple[str, str, dict[str, Any]]]:
     """`side` neither `worker` nor `scheduler`"""
     if e.side not in ("worker", "scheduler"):
@@ -181,6 +195,14 @@ SPECS: dict[type[ev.Event], Spec] = {
     ev.InnerStats: Spec(about=NONE, extra=_stats_side),
     ev.InnerRaised: Spec(about=ANY, nonempty=("callback",)),
     ev.RecordLost: Spec(about=ANY, nonempty=("callback",)),
+    ev.InnerStored: Spec(
+        about=NONE,
+        nonneg=("token_ids", "block_size"),
+        nonempty=("hashes",),
+        extra=_stored_tokens,
+        extra_rule="field_lengths",
+    ),
+    ev.InnerRemoved: Spec(about=NONE, nonempty=("hashes",)),
     ev.BlockDigested: Spec(
         nonneg=("start", "rank"),
         signed64=("digests",),
