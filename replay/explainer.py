@@ -48,13 +48,18 @@ FATES_MEMORY = 1 << 20
 _IN_FLIGHT_OVER = frozenset({"new_prefix", "earlier_run"})
 
 
-def _retell(pieces: list[Miss], start: int, end: int, why: Miss) -> None:
-    """Give the pieces' tokens in ``[start, end)`` missed for a reason in
-    :data:`_IN_FLIGHT_OVER` the reason and facts of ``why``, in place, splitting pieces at the
-    bounds."""
+def _retell(
+    pieces: list[Miss],
+    start: int,
+    end: int,
+    why: Miss,
+    over: frozenset[str] | None = _IN_FLIGHT_OVER,
+) -> None:
+    """Give the pieces' tokens in ``[start, end)`` missed for a reason in ``over`` (None: any)
+    the reason and facts of ``why``, in place, splitting pieces at the bounds."""
     out: list[Miss] = []
     for m in pieces:
-        if m.reason not in _IN_FLIGHT_OVER or m.end <= start or m.start >= end:
+        if (over is not None and m.reason not in over) or m.end <= start or m.start >= end:
             out.append(m)
             continue
         a, b = max(m.start, start), min(m.end, end)
@@ -540,6 +545,10 @@ class Explainer:
                     pieces.append(_moved(broken, span.start, span.end))
                 continue
             why, chain = self._why(span, state, salt, chain)
+            if self.recorded and self.inner.with_tokens:
+                # What the wrapped connector's own events say of these tokens comes first.
+                for fact in self._inner_facts(state, span.start, span.end):
+                    _retell(why, fact.start, fact.end, fact, over=None)
             if any(m.reason in _IN_FLIGHT_OVER for m in why):
                 waiting.append(
                     (span.parent, span.start, tuple(state.token_ids[span.start : span.end]))
@@ -621,13 +630,13 @@ class Explainer:
             return out, None
         if computed is not None and shared >= e - s:
             if self.recorded:
-                return self._not_offered(s, e, computed.step, computed.request, state), None
+                return self._not_offered(s, e, computed.step, computed.request), None
             return [self._never_saved(span, computed)], None
         out = []
         if computed is not None and shared > 0:
             k, by, step = s + shared, computed.request, computed.step
             if ended and self.recorded:  # computed up to k, no further
-                out += self._not_offered(s, k, step, by, state)
+                out += self._not_offered(s, k, step, by)
             elif ended:  # computed up to k, no further: a piece shorter than the unit asked
                 detail = f"computed only up to token {k}, in a chunk never completed"
                 out.append(Miss(s, k, "partial_chunk", step, by, detail=detail))
@@ -675,18 +684,21 @@ class Explainer:
             return Miss(span.start, span.end, "unexplained", fate.step, fate.by, None, "stored")
         return Miss(span.start, span.end, reason, fate.step, fate.by, None, fate.detail)
 
-    def _not_offered(
-        self, s: int, e: int, step: int, by: str, state: RequestState
-    ) -> list[Miss]:
+    def _not_offered(self, s: int, e: int, step: int, by: str) -> list[Miss]:
         """A recorder's log: tokens ``[s, e)`` computed before in this run (by ``by`` at
         ``step``), not offered by the wrapped connector. Where it publishes KV events with
-        their tokens, they say why: it never stored them, it dropped them, or it held them."""
+        their tokens, what they cover is told by :meth:`_inner_facts`; the rest it never
+        stored."""
+        why = "inner_never_stored" if self.inner.with_tokens else "not_offered"
+        return [Miss(s, e, why, step, by)]
+
+    def _inner_facts(self, state: RequestState, s: int, e: int) -> list[Miss]:
+        """What the wrapped connector's KV events say of tokens ``[s, e)``: held (it did not
+        offer them), dropped (or a key before them was: a hit is a prefix), or held only as
+        a prompt's tail key (which a longer prompt does not look up)."""
         inner = self.inner
-        if not inner.with_tokens:
-            return [Miss(s, e, "not_offered", step, by)]
         out: list[Miss] = []
-        at = s
-        dropped: int | None = None  # a key before was dropped: a hit is a prefix
+        dropped: int | None = None
         for piece in inner.cover(state.token_ids[:e]):
             if dropped is None:
                 dropped = piece.removed
@@ -701,9 +713,6 @@ class Explainer:
             else:
                 detail = "stored only as a prompt's tail, a key no other continues"
                 out.append(Miss(a, b, "not_offered", piece.stored, detail=detail))
-            at = b
-        if at < e:
-            out.append(Miss(at, e, "inner_never_stored", step, by))
         return out
 
     def _never_saved(self, span: Span, computed: Computed) -> Miss:

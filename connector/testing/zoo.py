@@ -54,6 +54,7 @@ __all__ = [
     "FullPromptMatch",
     "HandoffAfterPreemption",
     "HandoffDelivered",
+    "HitCappedAtCapacity",
     "KVSwappedOnLoad",
     "LoadFaultWorker",
     "LoadIntoLastBlocks",
@@ -399,6 +400,41 @@ class SampledTokenStored(_ZooKVLedger):
         return meta
 
 
+class HitCappedAtCapacity(_ZooKVLedger):
+    """SGLang #40193 (https://github.com/sgl-project/sglang/issues/40193), at the offer: the
+    store holds every chunk of the prefix, but the hit is silently cut to what the host tier
+    has room to stage (here one chunk). Nothing is wrong with the bytes, and no rule of the
+    connector API is broken: vLLM recomputes what it was not offered. Only the connector's own
+    KV events, which say it held more, show the hit it owed."""
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        # The lookup sees the prefix only as far as one chunk past vLLM's own hit (and the
+        # token after it): its answer, which the scheduler role's tracker keeps, is capped.
+        capped = _Capped(request, num_computed_tokens + self.kv_config.chunk_size + 1)
+        try:
+            return super().get_num_new_matched_tokens(capped, num_computed_tokens)
+        finally:
+            capped.limit = None  # whoever kept it reads the request whole from now on
+
+
+class _Capped:
+    """A vLLM request whose ``all_token_ids`` end at ``limit`` (None: the whole list)."""
+
+    def __init__(self, request: Any, limit: int) -> None:
+        self._request = request
+        self.limit: int | None = limit
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+    @property
+    def all_token_ids(self) -> Any:
+        tokens = self._request.all_token_ids
+        return tokens if self.limit is None else tokens[: self.limit]
+
+
 class FullPromptMatch(_ZooKVLedger):
     """vLLM #55113 (https://github.com/vllm-project/vllm/issues/55113): a store lookup that
     matches the whole prompt offers every token of it, leaving none for vLLM to compute; with a
@@ -645,6 +681,23 @@ SHAPES: dict[str, Shape] = {
         engine=_NO_PREFIX_CACHE,
         extra_config={"chunk_size": 32, "save_decode_cache": True},
         digests="sampled",
+    ),
+    # KV events on: the connector publishes what its pool stores and evicts. A pool of three
+    # chunks: "b"'s two chunks evict one of "a"'s (a removal published); "again", b's prompt
+    # and 32 tokens more, finds both of b's chunks held and is offered one.
+    "sglang_40193_offer": Shape(
+        "sglang_40193_offer",
+        "SGLang #40193 (the offer)",
+        "https://github.com/sgl-project/sglang/issues/40193",
+        _inner(HitCappedAtCapacity),
+        _KVLEDGER,
+        (
+            ZooRequest("a", "pa", 64, 2),
+            ZooRequest("b", "pb", 64, 2, after="a"),
+            ZooRequest("again", "pb", 96, 2, after="b"),
+        ),
+        engine={**_NO_PREFIX_CACHE, "kv_events": True},
+        extra_config={"chunk_size": 32, "host_pool_bytes": 3 * 16384},
     ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
