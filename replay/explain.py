@@ -36,6 +36,12 @@ On a recorder's log (``connector/recorder.py``) no pool decision is recorded: ex
 what the log can show (what vLLM was offered against what this run computed before) and names
 the rest ``not_offered``: the wrapped connector's private store is not in the log.
 
+A record that says something impossible (``tracker.wellformed``: a negative block id, keys and
+answers of different lengths, ...) is read as the recording ``Tracker`` read it: the pool's,
+the remote store's and the digests' folds take in nothing of it. The report
+names each under ``malformed`` (``replay.malformed``): its rule, its step and its position, as
+``kvledger check`` names it, on a connector's log and on a recorder's.
+
 Memory follows the distinct token sequences computed (bounded by ``history_tokens``; beyond
 it the oldest are forgotten and counted in ``forgotten``), plus a few numbers per request.
 """
@@ -48,6 +54,7 @@ from typing import Any
 import attrs
 
 from kvledger.replay.explainer import HISTORY_TOKENS, Explainer
+from kvledger.replay.malformed import MalformedRecords
 from kvledger.replay.misses import (
     HITS,
     NOTES,
@@ -94,6 +101,9 @@ class Explanation:
     forgotten: int = 0
     request: str | None = None  # what --request narrowed it to
     damage: StopInfo | None = None
+    # The log's records that say something impossible, by the rules they break
+    # (replay.malformed): every one counted, the first KEPT listed.
+    malformed: MalformedRecords = attrs.Factory(MalformedRecords)
 
     def admissions(self) -> list[AdmissionMisses]:
         return [a for r in self.requests for a in r.admissions]
@@ -142,6 +152,7 @@ class Explanation:
                 "kind": self.damage.kind,
                 "reason": self.damage.reason,
             },
+            "malformed": self.malformed.to_dict(),
         }
 
 
@@ -166,14 +177,20 @@ class _ByRequest:
 
 
 def _explain_run(
-    explainer: Explainer, frames: Iterable[Any], config: TrackerConfig
+    explainer: Explainer,
+    frames: Iterable[Any],
+    config: TrackerConfig,
+    malformed: MalformedRecords | None = None,
 ) -> dict[str, str]:
-    """Feed one run's frames through ``explainer`` to their end: every life label, in arrival
-    order, with its request id."""
+    """Feed one run's frames through ``explainer`` (and ``malformed``, which names the records
+    that say something impossible) to their end: every life label, in arrival order, with its
+    request id."""
     labels: dict[str, str] = {}
     for item in walk(frames, config):
         if item.new and item.life:
             labels.setdefault(item.life, item.req_id)
+        if malformed is not None:
+            malformed.feed(item)
         explainer.feed(item)
     explainer.finish()
     return labels
@@ -221,7 +238,8 @@ def explain(
         explainer.new_run(old.name, old_config)
         _explain_run(explainer, old.frames(), old_config)
     explainer.new_run("", config)
-    labels = _explain_run(explainer, src.frames(), config)
+    malformed = MalformedRecords()  # the explained log's own, not the earlier runs'
+    labels = _explain_run(explainer, src.frames(), config, malformed)
     chosen = list(labels) if request is None else resolve(request, labels)
     requests = by_request.requests(chosen)
     return Explanation(
@@ -233,4 +251,5 @@ def explain(
         forgotten=explainer.history.forgotten,
         request=request,
         damage=src.damage,
+        malformed=malformed,
     )

@@ -4,8 +4,10 @@ States are the recorded ones: the walk (``tracker.history.walk``) folds the reco
 input facts *and* decisions, under the configuration of the log's header, so each state is
 exactly what the recording Tracker held after that event. (Re-deriving the decisions with this
 version of the code and comparing them is ``kvledger check``'s job, not a view's.) An event
-that says something impossible (``tracker.wellformed``) says so on its row: its ``detail``
-ends with the rules it breaks, and ``violation`` names them.
+that says something impossible (``tracker.wellformed``, asked through ``replay.malformed`` about
+every record of the log, in order, as ``check`` asks it) says so on its row: its ``detail``
+ends with the rules it breaks, and ``violation`` names them. (``show``'s list of requests
+names every malformed record of the log, about one request or none: ``replay.malformed.read``.)
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from typing import Any
 import attrs
 
 from kvledger.replay.format import describe_event
+from kvledger.replay.malformed import MalformedRecords
 from kvledger.replay.naming import RequestNotFound, resolve
 from kvledger.replay.source import LogPath, LogSource, damage_dict, open_log
 from kvledger.replay.steps import StepRange
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.framing import StopInfo
-from kvledger.tracker.history import POOL, Folded, walk
-from kvledger.tracker.wellformed import malformed
+from kvledger.tracker.history import GLOBAL_TYPES, POOL, Folded, walk
+from kvledger.tracker.state import Violation
 
 __all__ = [
     "Fold",
@@ -107,11 +110,11 @@ class RequestLife(list[Row]):
         }
 
 
-def _row(item: Folded) -> Row:
+def _row(item: Folded, bad: list[Violation]) -> Row:
+    """``item``'s row; ``bad``: the rules its record breaks (``replay.malformed``)."""
     pos, e, label, s = item.pos, item.event, item.life, item.after
     violation = e.rule if isinstance(e, ev.ViolationRecorded) else ""
     detail = describe_event(e)
-    bad = malformed(e)
     if bad:
         violation = ",".join(dict.fromkeys(v.rule for v in bad))
         said = ", ".join(f"{v.rule} {v.detail.get('field', '')}".rstrip() for v in bad)
@@ -150,7 +153,7 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
     otherwise, with the ids that contain it or the nearest ones."""
     src = open_log(path)
     config, _ = src.lenient_config()
-    rows = [_row(s) for s in walk(src.frames(), config, lambda rid: rid == request)]
+    rows = _rows(src, config, request)
     if rows:
         return RequestLife(rows, request, config, src.damage, src.name)
     damage = src.damage
@@ -160,8 +163,22 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
             if e.req_id and e.req_id != POOL:
                 ids.setdefault(e.req_id, e.req_id)
     rid = ids[resolve(request, ids)[0]]
-    rows = [_row(s) for s in walk(src.frames(), config, lambda r: r == rid)]
+    rows = _rows(src, config, rid)
     return RequestLife(rows, rid, config, src.damage or damage, src.name)
+
+
+def _rows(src: LogSource, config: TrackerConfig, req_id: str) -> list[Row]:
+    """The rows of request ``req_id``'s lives. Every record of the log is walked and judged,
+    in order (a record is malformed against the records before it: an outage twice), and the
+    request's kept: a walk for the request alone (``walk``'s ``want``) would skip the rest."""
+    feed = MalformedRecords(keep=0).feed
+    rows = []
+    for item in walk(src.frames(), config):
+        bad = feed(item)
+        # (The events about no request come once under POOL, "": never a request's row.)
+        if item.req_id == req_id and (req_id or item.event.__class__ not in GLOBAL_TYPES):
+            rows.append(_row(item, bad))
+    return rows
 
 
 # --- less noise: select and fold ------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 import attrs
 
 from kvledger.replay.format import format_event
+from kvledger.replay.malformed import detail_text
 from kvledger.replay.results import CheckResult, Problem
 from kvledger.replay.source import LogSource
 from kvledger.tracker import events as ev
@@ -94,7 +95,6 @@ def check_recorded_into(
                 judged[0][1].extend(book.apply(e))
             for x, violations in judged:
                 for v in violations:
-                    detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
                     if result.add(
                         Problem(
                             "violation",
@@ -106,7 +106,7 @@ def check_recorded_into(
                             offset=frame.offset,
                             seq=frame.seq,
                             index=index,
-                            detail=detail,
+                            detail=detail_text(v),
                         ),
                         max_problems,
                     ):

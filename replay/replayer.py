@@ -48,6 +48,7 @@ from typing import Any
 import attrs
 
 from kvledger.replay.counts import moved
+from kvledger.replay.malformed import detail_text
 from kvledger.replay.recorded import check_recorded_into
 from kvledger.replay.results import CheckResult, Problem, RecordedViolation, WhatIf
 from kvledger.replay.source import LogPath, LogSource, LogUnreadable, open_log
@@ -56,7 +57,7 @@ from kvledger.tracker.config import ConfigError, TrackerConfig
 from kvledger.tracker.framing import Frame, LogFormatError
 from kvledger.tracker.state import RequestState
 from kvledger.tracker.tracker import Tracker
-from kvledger.tracker.wellformed import malformed
+from kvledger.tracker.wellformed import malformed, sound
 
 __all__ = [
     "DIVERGENT_ADMISSION_RULES",
@@ -173,8 +174,12 @@ class _Replay:
     ) -> dict[str, Any]:
         """A problem's fields about the input it was found at."""
         return {
-            # A digest verdict is stamped with the step of the load it judges.
-            "step": event.judged_step if event.__class__ is ev.LoadDigested else event.step,
+            # A digest verdict is stamped with the step of the load it judges. A malformed
+            # LoadDigested judges no load (the digests take in nothing malformed): like every
+            # malformed record, it is named at its own step (replay/malformed.py).
+            "step": event.judged_step
+            if event.__class__ is ev.LoadDigested and sound(event)
+            else event.step,
             "req_id": event.req_id,
             "event": event,
             "before": self._summary(before),
@@ -252,7 +257,6 @@ class _Replay:
         rule it breaks is a problem. It is still compared with what this code derives, as
         any recorded decision. Returns whether the check is done (``--first``)."""
         for v in malformed(d):
-            detail = ",".join(f"{k}={val}" for k, val in v.detail.items())
             self._add(
                 Problem(
                     "violation",
@@ -265,7 +269,7 @@ class _Replay:
                     offset=frame.offset,
                     seq=frame.seq,
                     index=index,
-                    detail=detail,
+                    detail=detail_text(v),
                 )
             )
         return self.done

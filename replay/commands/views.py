@@ -9,7 +9,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from kvledger.replay import lives, summary
+from kvledger.replay import lives, malformed, summary
 from kvledger.replay.commands.common import (
     EXIT_DIFFER,
     EXIT_UNREADABLE,
@@ -326,8 +326,15 @@ def _show_requests(args: argparse.Namespace) -> int:
     """``show LOG``: every request, one line each, and how to see one."""
     lines, damage = lives.request_lines(args.log)
     status = args.exit_code = warn_damage(args.log, damage)
+    found = malformed.read(args.log)
     if args.json:
-        print_json({"log": str(args.log), "requests": [r.to_dict() for r in lines]})
+        print_json(
+            {
+                "log": str(args.log),
+                "requests": [r.to_dict() for r in lines],
+                "malformed": found.to_dict(),
+            }
+        )
         return status
     out = Output()
     out.line(f"{len(lines)} request{'s' if len(lines) != 1 else ''} in {args.log}")
@@ -347,9 +354,14 @@ def _show_requests(args: argparse.Namespace) -> int:
         "asked: tokens the admissions' lookups asked about; local: of them in vLLM's prefix "
         "cache; loaded: from the pool; missed: kvledger explain's; problems: kvledger check's"
     )
+    _print_malformed(out, found, _LISTED, "--json")
     if lines:
         out.line(f"one request's life: kvledger show {args.log} --request {lines[0].request}")
     return status
+
+
+# The malformed records show's list of requests prints (--json: every one kept).
+_LISTED = 20
 
 
 def _blocks(ids: Sequence[int]) -> str:
@@ -565,6 +577,32 @@ def _explain(args: argparse.Namespace) -> int:
         f"{'s' if t['admissions'] != 1 else ''}: {t['tokens_hit']} hit "
         f"({got}), {missed} missed ({_pct(missed / asked if asked else None)})"
     )
+    _print_malformed(out, result.malformed, args.limit, "--limit N, or --json")
     for note in result.notes():
         out.line(f"note: {note}")
     return status
+
+
+def _print_malformed(out: Output, found: malformed.MalformedRecords, limit: int, more: str) -> None:
+    """The log's records that say something impossible (``replay.malformed``), a row per rule
+    broken, as ``kvledger check`` names them: the first ``limit``, and how many more (``more``:
+    the options that show them)."""
+    total = found.total
+    if not total:
+        return
+    out.line()
+    rules = ", ".join(f"{rule} {n}" for rule, n in found.by_rule.most_common())
+    out.line(
+        f"malformed records: {total} rule{'s' if total != 1 else ''} broken ({rules}); "
+        "kvledger check names each, at the same step"
+    )
+    out.table(
+        ["step", "#", "event", "request", "rule", "detail"],
+        [
+            [m.step, m.index, m.event, m.request or "-", m.rule, m.detail]
+            for m in found.records[:limit]
+        ],
+        right=("step", "#"),
+    )
+    if total > limit:
+        out.line(f"... {total - limit} more ({more})")
