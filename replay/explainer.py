@@ -689,8 +689,13 @@ class Explainer:
         ``step``), not offered by the wrapped connector. Where it publishes KV events with
         their tokens, what they cover is told by :meth:`_inner_facts`; the rest it never
         stored."""
-        why = "inner_never_stored" if self.inner.with_tokens else "not_offered"
-        return [Miss(s, e, why, step, by)]
+        inner = self.inner
+        if inner.with_tokens and not inner.unplaced:
+            return [Miss(s, e, "inner_never_stored", step, by)]
+        detail = ""
+        if inner.unplaced:
+            detail = f"{inner.unplaced} of its stores name a parent it never stored: unplaced"
+        return [Miss(s, e, "not_offered", step, by, detail=detail)]
 
     def _inner_facts(self, state: RequestState, s: int, e: int) -> list[Miss]:
         """What the wrapped connector's KV events say of tokens ``[s, e)``: held (it did not

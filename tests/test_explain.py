@@ -682,9 +682,7 @@ def test_a_recorders_log_with_the_connectors_kv_events(tmp_path: Path) -> None:
     from kvledger.replay.replayer import check
 
     result = check(path)
-    assert [(p.name, p.req_id, p.step) for p in result.problems] == [
-        ("stored_not_offered", "b", 2)
-    ]
+    assert [(p.name, p.req_id, p.step) for p in result.problems] == [("stored_not_offered", "b", 2)]
 
 
 # --- the command ------------------------------------------------------------------------------

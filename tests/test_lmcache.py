@@ -27,7 +27,7 @@ def lmcache_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     """Every rig workload against a version, bare and wrapped in KVLedgerRecorder (digests
     sampled), run once per module in one child process per version (importing vLLM and
     LMCache is most of its time). Reports by workload name, ``NAME+recorded`` wrapped."""
-    from kvledger.connector.testing.lmcache import WORKLOADS, run_version
+    from kvledger.connector.testing.lmcache import EVENT_WORKLOADS, WORKLOADS, run_version
 
     cache: dict[str, dict] = {}
 
@@ -35,7 +35,8 @@ def lmcache_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
         require_lmcache([version])
         if version not in cache:
             logs = tmp_path_factory.mktemp(f"lmcache-{version}")
-            cache[version] = run_version(version, list(WORKLOADS), record_to=str(logs))
+            workloads = list(WORKLOADS) + (list(EVENT_WORKLOADS) if version == "0.5.6" else [])
+            cache[version] = run_version(version, workloads, record_to=str(logs))
         return cache[version]
 
     return get
@@ -237,7 +238,7 @@ def test_current_releases_recorded_logs_check_clean(lmcache_runs: Runs, version:
         assert result.exit_code == 0, (name, [p.describe() for p in result.problems])
         digests = result.counts["digests"]
         assert digests["verified"] == digests["loaded"], name
-        if name != "big_chunks+recorded":
+        if not name.startswith("big_chunks"):  # its twin with KV events too
             diff = _check(report.log_path, differential=True, chunk_size=16)
             assert diff.exit_code == 0, (name, [p.describe() for p in diff.problems])
 
@@ -300,3 +301,62 @@ def test_vllm_0_33_calls_get_kv_events_that_0_3_x_lacks(lmcache_runs: Runs, vers
         error = reports[name].error
         assert error is not None and error.startswith("step 0: AttributeError"), name
         assert "get_kv_events" in error and "lmcache_connector.py" in error, name
+
+
+# --- LMCache's own KV events, through vLLM's LMCacheConnectorV1 -------------------------------
+
+
+def _stored(path):
+    from kvledger.replay.source import open_log
+    from kvledger.tracker import events as ev
+
+    return [e for f in open_log(path).frames() for e in f.events if isinstance(e, ev.InnerStored)]
+
+
+def test_lmcache_kv_events_split_not_offered(lmcache_runs: Runs) -> None:
+    """0.5.6 with enable_kv_events: its engine publishes a CacheStoreEvent per chunk stored,
+    vLLM's wrapper turns them into BlockStored, and the recorder logs them. req-1, preempted,
+    asks again for its prompt and outputs: LMCache offers the two chunks it stored; explain
+    says why not the rest: LMCache never stored it (the prompt's partial chunk and the
+    outputs: save_decode_cache off). The log checks clean."""
+    from kvledger.replay.explain import explain
+
+    report = lmcache_runs("0.5.6")["issue1969_events+recorded"]
+    assert report.clean and report.error is None
+    stored = _stored(report.log_path)
+    assert [(len(e.hashes), e.block_size, bool(e.parent)) for e in stored] == [
+        (1, 16, False),
+        (1, 16, True),
+    ] * 2
+    assert _check(report.log_path).exit_code == 0
+    ((preempted_at, who),) = report.preemptions
+    (again,) = [a for a in explain(report.log_path).admissions() if a.admission == 2]
+    assert (again.request, again.hit["inner"]) == (who, 32)
+    assert [(m.start, m.end, m.reason) for m in again.misses] == [
+        (32, 48, "inner_never_stored"),
+        (48, 49, "new_prefix"),
+    ]
+    assert (again.misses[0].by, again.misses[0].step) == (who, preempted_at)
+
+
+def test_lmcache_events_of_a_chunk_stored_twice_in_a_step_are_lost(lmcache_runs: Runs) -> None:
+    """Four requests share a 70-token prefix, chunks of 64: each one's store puts the shared
+    first chunk again, and LMCache publishes it again (its store has no "already stored"
+    check), four identical events in one step. vLLM's LMCacheKVEvents keeps only events seen
+    once per worker (KVEventAggregator.get_common_events: count == num_workers), so the first
+    chunk is published by none, and every tail names a parent the log never saw stored.
+    explain says so and falls back to not_offered; nothing is judged on it."""
+    from kvledger.replay.explain import explain
+
+    report = lmcache_runs("0.5.6")["big_chunks_events+recorded"]
+    assert report.clean and report.error is None
+    stored = _stored(report.log_path)
+    assert stored and all(e.block_size == 26 and e.parent for e in stored)
+    assert {e.parent for e in stored} == {stored[0].parent}
+    assert stored[0].parent not in {h for e in stored for h in e.hashes}
+    assert _check(report.log_path).exit_code == 0
+    resumed = [a for a in explain(report.log_path).admissions() if a.admission == 2]
+    reasons = {m.reason for a in resumed for m in a.misses}
+    assert "not_offered" in reasons and not reasons & {"inner_never_stored", "inner_evicted"}
+    details = {m.detail for a in resumed for m in a.misses if m.reason == "not_offered"}
+    assert details == {f"{len(stored)} of its stores name a parent it never stored: unplaced"}

@@ -539,6 +539,4 @@ def test_an_answer_a_chunk_short_is_named(history, data):
     e = events[i]
     events = [*events[:i], ev.InnerLookupAnswered(step, e.req_id, offered - _CHUNK, False)]
     found = check_recorded(events, BS)
-    assert [(v.rule, v.req_id, v.step) for v in found] == [
-        ("stored_not_offered", e.req_id, step)
-    ]
+    assert [(v.rule, v.req_id, v.step) for v in found] == [("stored_not_offered", e.req_id, step)]

@@ -62,6 +62,10 @@ class InnerStore:
         self.stores = 0
         self.with_tokens = 0
         self.removals = 0
+        # Stores under a parent key the log never saw stored (LMCache names the parent of a
+        # store call's first chunk 0 when the call starts past the prompt's first chunk):
+        # where they lie is unknown, so "never stored" cannot be said while there are any.
+        self.unplaced = 0
         # Sizes of keys some other key continues: the connector's whole units (a prompt's
         # partial tail is never continued).
         self.whole_sizes: set[int] = set()
@@ -85,7 +89,8 @@ class InnerStore:
         if parent:
             above = self.entries.get(parent)
             if above is None:
-                return  # stored under a key this log never saw: cannot be placed
+                self.unplaced += 1  # stored under a key this log never saw: cannot be placed
+                return
             start = above.start + len(above.tokens)
             self.whole_sizes.add(len(above.tokens))
         else:

@@ -114,6 +114,9 @@ class LMCacheRun:
     # Give an adapter without get_kv_events (0.3.x) an empty one: vLLM 0.33's wrapper calls
     # it after every forward pass. False: the adapter as it is (0.3.x then fails at step 0).
     events_shim: bool = True
+    # LMCache's KV events (its enable_kv_events): the engine publishes a CacheStoreEvent per
+    # chunk it stores, as LMCacheEngine.store does (releases that have them: 0.4 on).
+    kv_events: bool = False
     # More "lmcache.*" settings (save_decode_cache, save_unfull_chunk...).
     lmcache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
@@ -186,10 +189,21 @@ WORKLOADS: dict[str, LMCacheRun] = {
     ),
 }
 
+# Workloads with LMCache's KV events on (releases with CacheStoreEvent: 0.4 on). #1969's
+# workload: req-1, preempted, asks again for its prompt and its outputs.
+EVENT_WORKLOADS: dict[str, LMCacheRun] = {
+    "issue1969_events": LMCacheRun("issue1969_events", enable_prefix_caching=False, kv_events=True),
+    "big_chunks_events": dataclasses.replace(
+        WORKLOADS["big_chunks"], name="big_chunks_events", kv_events=True
+    ),
+}
+
 
 def lmcache_kv_connector(spec: LMCacheRun) -> dict[str, Any]:
     """The ``--kv-transfer-config`` an LMCache user passes, with this run's chunk size."""
     extra: dict[str, Any] = {"lmcache.chunk_size": spec.chunk_size, "lmcache.local_cpu": True}
+    if spec.kv_events:
+        extra["lmcache.enable_kv_events"] = True
     extra.update({f"lmcache.{k}": v for k, v in spec.lmcache.items()})
     return {
         "kv_connector": "LMCacheConnectorV1",
@@ -236,7 +250,13 @@ class PrefixStore:
     already stored is not stored again, and a retrieve stops at the first chunk it lacks.
     """
 
-    def __init__(self, chunk_size: int, block_size: int, no_lookup_result: int | None) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        block_size: int,
+        no_lookup_result: int | None,
+        kv_events: bool = False,
+    ) -> None:
         self.chunk_size = chunk_size
         self.block_size = block_size
         self.no_lookup_result = no_lookup_result
@@ -247,6 +267,8 @@ class PrefixStore:
         self.retrieved: dict[str, int] = {}
         self.stored: dict[str, int] = {}
         self.failed: set[str] = set()
+        # LMCache's CacheStoreEvents not yet taken (None: its KV events are off).
+        self.kv_events: list[Any] | None = [] if kv_events else None
         # Engine attributes the adapters read.
         self.metadata = SimpleNamespace(
             worker_id=0,
@@ -291,13 +313,33 @@ class PrefixStore:
         kvcaches = list(kwargs.get("kvcaches") or self.kvcaches)
         slots = kwargs["slot_mapping"].to("cpu").long()
         skip = self._skip(mask, len(tokens))
+        # LMCacheEngine.store's events: one per chunk of the call (stored before or not: it
+        # puts every chunk past the mask), the first one past token 0 naming parent 0.
+        prev_key = 0
         for start, end, key in self._chunks(tokens):
-            if start < skip or key in self.chunks:
+            if start < skip:
                 continue
-            span = slots[start:end]
-            self.chunks[key] = torch.stack([self._rows(c)[:, span].clone() for c in kvcaches])
-            req = str(kwargs.get("req_id", "?"))
-            self.stored[req] = self.stored.get(req, 0) + (end - start)
+            if key not in self.chunks:
+                span = slots[start:end]
+                rows = [self._rows(c)[:, span].clone() for c in kvcaches]
+                self.chunks[key] = torch.stack(rows)
+                req = str(kwargs.get("req_id", "?"))
+                self.stored[req] = self.stored.get(req, 0) + (end - start)
+            if self.kv_events is not None:
+                from lmcache.utils import CacheStoreEvent
+
+                self.kv_events.append(
+                    CacheStoreEvent(
+                        block_hashes=[key],
+                        parent_block_hash=None if start == 0 else prev_key,
+                        token_ids=[int(t) for t in tokens[start:end]],
+                        block_size=end - start,
+                        lora_id=None,
+                        medium="cpu",
+                        lora_name=None,
+                    )
+                )
+                prev_key = key
 
     def retrieve(self, tokens: Sequence[int], mask: Any = None, **kwargs: Any) -> Any:
         import torch
@@ -332,7 +374,8 @@ class PrefixStore:
         pass  # nothing is pinned: the store never evicts
 
     def get_kv_events(self) -> list[Any]:
-        return []
+        events, self.kv_events = self.kv_events or [], [] if self.kv_events is not None else None
+        return events
 
     def close(self) -> None:
         pass
@@ -653,7 +696,7 @@ def run(
     """Run ``spec`` in this process (lmcache must be importable here). ``kv_connector`` is
     the ``--kv-transfer-config`` (default: LMCache's own, ``lmcache_kv_connector``)."""
     report = LMCacheReport(version=version, workload=spec.name)
-    store = PrefixStore(spec.chunk_size, spec.block_size, _no_lookup_result())
+    store = PrefixStore(spec.chunk_size, spec.block_size, _no_lookup_result(), spec.kv_events)
     with patched_lmcache(store, spec.events_shim):
         driver = None
         try:
@@ -691,7 +734,7 @@ def run_version(
         raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
     jobs: list[dict[str, Any]] = []
     for workload in workloads:
-        spec = WORKLOADS[workload] if isinstance(workload, str) else workload
+        spec = {**WORKLOADS, **EVENT_WORKLOADS}[workload] if isinstance(workload, str) else workload
         fields = dataclasses.asdict(spec)
         if bare or record_to is None:
             jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
