@@ -9,8 +9,9 @@ scheduler with the connector and the KV-content oracle (the run of docs/why-miss
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -609,13 +610,13 @@ def test_what_the_log_does_not_say_is_unexplained(tmp_path: Path) -> None:
 # --- a recorder's log -------------------------------------------------------------------------
 
 
-def test_a_recorders_log(tmp_path: Path) -> None:
-    """On a recorder's log explain shows what vLLM was offered against what the run computed
-    before; what the wrapped connector did not offer is not_offered."""
-    path = tmp_path / "recorded.kvlog"
+@contextlib.contextmanager
+def recorded_log(path: Path) -> Iterator[tuple[LogWriter, Callable[..., None]]]:
+    """A recorder's log (its header names the inner connector), and ``ask``: one request
+    admitted as the recorder records it (added, asked, the inner's offer, allocated with that
+    offer accepted, scheduled)."""
     config = TrackerConfig(block_size=B, chunk_size=C)
     header = {**config.to_dict(), "recorder": {"format": 1, "inner": "SomeConnector"}}
-    p = prompt(16, 19)
     with LogWriter(path, header, fsync="never") as w:
 
         def ask(step: int, rid: str, tokens: list[int], offer: int, blocks: tuple[int, ...]):
@@ -627,6 +628,15 @@ def test_a_recorders_log(tmp_path: Path) -> None:
                 ev.Scheduled(step, rid, offer, len(tokens) - offer, 0, tuple(tokens), blocks, NEW)
             )
 
+        yield w, ask
+
+
+def test_a_recorders_log(tmp_path: Path) -> None:
+    """On a recorder's log explain shows what vLLM was offered against what the run computed
+    before; what the wrapped connector did not offer is not_offered."""
+    path = tmp_path / "recorded.kvlog"
+    p = prompt(16, 19)
+    with recorded_log(path) as (w, ask):
         ask(0, "a", p, 0, (1, 2, 3, 4))
         w.end_step(0)
         w.append(ev.Finished(1, "a", "stopped"))
@@ -645,20 +655,8 @@ def test_a_recorders_log_with_the_connectors_kv_events(tmp_path: Path) -> None:
     it held it (a silently shortened hit), it dropped it (and every key after it: a hit is a
     prefix), it never stored it. The sums hold, and check names the shortened hit."""
     path = tmp_path / "recorded.kvlog"
-    config = TrackerConfig(block_size=B, chunk_size=C)
-    header = {**config.to_dict(), "recorder": {"format": 1, "inner": "SomeConnector"}}
     p = prompt(32, 23)
-    with LogWriter(path, header, fsync="never") as w:
-
-        def ask(step: int, rid: str, tokens: list[int], offer: int, blocks: tuple[int, ...]):
-            w.append(ev.RequestAdded(step, rid, tuple(tokens)))
-            w.append(ev.LookupAsked(step, rid, 0, len(tokens), 0, tuple(tokens)))
-            w.append(ev.InnerLookupAnswered(step, rid, offer))
-            w.append(ev.Allocated(step, rid, blocks, offer))
-            w.append(
-                ev.Scheduled(step, rid, offer, len(tokens) - offer, 0, tuple(tokens), blocks, NEW)
-            )
-
+    with recorded_log(path) as (w, ask):
         ask(0, "a", p, 0, tuple(range(1, 9)))
         w.end_step(0)
         w.append(ev.Finished(1, "a", "stopped"))
