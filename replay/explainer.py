@@ -116,6 +116,7 @@ class _Open:
         "accepted",
         "admission",
         "asked",
+        "blocks",
         "ext_end",
         "fail_at",
         "fail_step",
@@ -167,6 +168,8 @@ class _Open:
         self.load_result: str | None = None
         self.load_ns: int | None = None
         self.load_end_ns: int | None = None
+        # A recorder's log: the block table at the admission, to place a load error's blocks.
+        self.blocks: tuple[int, ...] = ()
 
 
 class _Life:
@@ -250,6 +253,10 @@ class Explainer:
         self._waiting: dict[bytes, list[tuple[str, _Lookup, int, bytes, tuple[int, ...]]]] = {}
         self._waiting_step = -1
         self.without_lookup = 0  # admissions with no lookup before them (nothing acted on)
+        # A recorder's log: requests that ended with a load's result unheard, retired once
+        # their step is over (_inner_load_errors may still name their blocks).
+        self._retiring: list[str] = []
+        self._retiring_step = -1
         # A recorder's log: what the wrapped connector's KV events say it stored and dropped.
         self.inner = InnerStore()
         self._reading: list[bytes] = []  # the chunks a failing load read, still stored
@@ -264,6 +271,10 @@ class Explainer:
         if item.pos == self._last_pos:
             return
         self._last_pos = item.pos
+        if self._retiring and e.step > self._retiring_step:
+            for label in self._retiring:
+                self._retire(label)
+            self._retiring = []
         before, after = item.before, item.after
         handler = _BEFORE.get(cls)
         if handler is not None:
@@ -273,7 +284,15 @@ class Explainer:
         if handler is not None:
             handler(self, item)
         if after is not None and retires(after):
-            self._retire(item.life)
+            life = self.lives.get(item.life)
+            adm = None if life is None else life.current
+            if self.recorded and adm is not None and adm.ext_end > adm.local:
+                # vLLM may end a request whose load failed (kv_load_failure_policy "fail")
+                # before the recorder hears the worker's load errors, later in the step.
+                self._retiring.append(item.life)
+                self._retiring_step = e.step
+            else:
+                self._retire(item.life)
 
     def _retire(self, label: str) -> None:
         """The walk forgets a retired request: so does this, but for what explains another's
@@ -297,6 +316,9 @@ class Explainer:
 
     def finish(self) -> None:
         """The admissions still open at the end of the log."""
+        for label in self._retiring:
+            self._retire(label)
+        self._retiring = []
         for label, life in self.lives.items():
             if life.current is not None:
                 self._close(label, life)
@@ -780,8 +802,30 @@ class Explainer:
             rule,
             e.num_computed,
         )
+        if self.recorded and item.after is not None:
+            adm.blocks = tuple(item.after.block_ids)
         life.lookup = None
         life.current = adm
+
+    def _inner_load_errors(self, item: Folded) -> None:
+        """A recorder's log: the worker reported blocks whose load failed. An open admission
+        whose accepted tokens lie in one of them failed from that block on, whatever vLLM
+        did next (recompute from there, or end the request with an error)."""
+        e = item.event
+        assert isinstance(e, ev.InnerLoadErrors)
+        failed, bs = set(e.block_ids), self.config.block_size
+        for life in self.lives.values():
+            adm = life.current
+            if adm is None or adm.fail_at is not None or adm.ext_end <= adm.local:
+                continue
+            for i, block in enumerate(adm.blocks):
+                start = i * bs
+                if start >= adm.ext_end:
+                    break
+                if block in failed and start + bs > adm.local:
+                    adm.fail_at, adm.fail_step = max(start, adm.local), e.step
+                    adm.load_result = "failed"
+                    break
 
     @staticmethod
     def _load_failed(life: _Life, start: int, end: int, step: int | None) -> Miss:
@@ -907,6 +951,7 @@ _AFTER: dict[type[ev.Event], Callable[[Explainer, Folded], None]] = {
     ev.RemoteLoadFailed: Explainer._remote_load_failed,
     ev.RemoteOutage: Explainer._remote_outage,
     ev.RemoteRestored: Explainer._remote_restored,
+    ev.InnerLoadErrors: Explainer._inner_load_errors,
     ev.InnerStored: Explainer._inner_event,
     ev.InnerRemoved: Explainer._inner_event,
 }

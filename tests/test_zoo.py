@@ -255,7 +255,7 @@ LMCACHE = {
     "0.3.9.post2": ["lmcache_1969"],
     "0.3.10": ["lmcache_1969", "lmcache_mismatch"],
     "0.4.2": ["lmcache_mismatch", "lmcache_2821"],
-    "0.5.6": ["lmcache_2821"],
+    "0.5.6": ["lmcache_2821", "lmcache_4133"],
 }
 
 
@@ -361,3 +361,36 @@ def test_lmcache_2821_decode_kv_never_saved_under_async_scheduling(lmcache: Any)
     assert fixed.clean
     assert _check(fixed.log_path).exit_code == 0
     assert _check(fixed.log_path, differential=True, save_decode_cache=True).exit_code == 0
+
+
+@pytest.mark.lmcache
+@pytest.mark.slow
+def test_lmcache_4133_eviction_between_lookup_and_retrieve(lmcache: Any) -> None:
+    """0.5.6: the lookup promised 63 tokens of again-req-0's prompt, and its last chunk was
+    evicted before the worker's retrieve. The adapter (non-layerwise) staged 48 tokens,
+    reported the blocks it could not (invalid_block_ids), and vLLM 0.33 ended the request
+    with an error (its kv_load_failure_policy): nothing was computed over the missing KV.
+    check: clean, a failure reported is the API working. explain: 48 tokens hit, 15 whose
+    load failed, at the step the worker's report came (after the request had ended)."""
+    from kvledger.replay.explain import explain
+    from kvledger.replay.source import open_log
+    from kvledger.tracker import events as ev
+
+    report = lmcache["0.5.6"]["lmcache_4133"]
+    assert report.error is None and report.clean
+    ((step, who, claimed),) = report.claims
+    assert (who, claimed) == ("again-req-0", 63)
+    assert report.loads == [(step, who, 48)] and report.load_errors
+    assert _check(report.log_path).exit_code == 0
+    finished = [
+        e.reason
+        for f in open_log(report.log_path).frames()
+        for e in f.events
+        if isinstance(e, ev.Finished) and e.req_id == who
+    ]
+    assert finished == ["finished_error"]
+    (again,) = [a for a in explain(report.log_path).admissions() if a.request == who]
+    assert again.hit["inner"] == 48
+    assert [(m.start, m.end, m.reason, m.step) for m in again.misses] == [
+        (48, 63, "load_failed", step + 1)
+    ]

@@ -117,6 +117,9 @@ class LMCacheRun:
     # LMCache's KV events (its enable_kv_events): the engine publishes a CacheStoreEvent per
     # chunk it stores, as LMCacheEngine.store does (releases that have them: 0.4 on).
     kv_events: bool = False
+    # Requests whose first retrieve finds the last chunk their lookup promised gone: an
+    # eviction between the scheduler's lookup and the worker's retrieve (LMCache #4133).
+    evict_before_retrieve: tuple[str, ...] = ()
     # More "lmcache.*" settings (save_decode_cache, save_unfull_chunk...).
     lmcache: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     seed: int = 0
@@ -256,8 +259,11 @@ class PrefixStore:
         block_size: int,
         no_lookup_result: int | None,
         kv_events: bool = False,
+        evict_before_retrieve: Sequence[str] = (),
     ) -> None:
         self.chunk_size = chunk_size
+        self.evict_before_retrieve = set(evict_before_retrieve)
+        self._last_hit: dict[str, int] = {}  # lookup id -> the key of the last chunk it found
         self.block_size = block_size
         self.no_lookup_result = no_lookup_result
         self.chunks: dict[int, Any] = {}  # prefix key -> tensor [layers, 2, n, row]
@@ -347,6 +353,10 @@ class PrefixStore:
         kvcaches = list(kwargs.get("kvcaches") or self.kvcaches)
         slots = kwargs["slot_mapping"].to("cpu").long()
         skip = self._skip(mask, len(tokens))
+        req = str(kwargs.get("req_id", "?"))
+        if req in self.evict_before_retrieve:  # LMCache #4133: evicted since the lookup
+            self.evict_before_retrieve.discard(req)
+            self.chunks.pop(self._last_hit.get(req, 0), None)
         ret = torch.zeros(len(tokens), dtype=torch.bool)
         for start, end, key in self._chunks(tokens):
             if start < skip:
@@ -358,7 +368,6 @@ class PrefixStore:
             for layer, cache in enumerate(kvcaches):
                 self._rows(cache)[:, span] = value[layer].to(cache.dtype)
             ret[start:end] = True
-        req = str(kwargs.get("req_id", "?"))
         got = int(ret.sum())
         self.retrieved[req] = self.retrieved.get(req, 0) + got
         if got < len(tokens) - skip:
@@ -388,6 +397,7 @@ class PrefixStore:
             if key not in self.chunks:
                 break
             hit = end
+            self._last_hit[lookup_id] = key
         self.lookups[lookup_id] = hit
         return hit
 
@@ -696,7 +706,13 @@ def run(
     """Run ``spec`` in this process (lmcache must be importable here). ``kv_connector`` is
     the ``--kv-transfer-config`` (default: LMCache's own, ``lmcache_kv_connector``)."""
     report = LMCacheReport(version=version, workload=spec.name)
-    store = PrefixStore(spec.chunk_size, spec.block_size, _no_lookup_result(), spec.kv_events)
+    store = PrefixStore(
+        spec.chunk_size,
+        spec.block_size,
+        _no_lookup_result(),
+        spec.kv_events,
+        spec.evict_before_retrieve,
+    )
     with patched_lmcache(store, spec.events_shim):
         driver = None
         try:

@@ -873,4 +873,18 @@ def lmcache_shapes() -> dict[str, Any]:
             async_scheduling=True,
             lmcache={"save_decode_cache": True},
         ),
+        # LMCache #4133: an eviction between the scheduler's lookup and the worker's retrieve.
+        # A 64-token prompt sent again: the lookup promises 63 tokens, and the last chunk it
+        # found is gone when the worker retrieves (the non-layerwise path: the crash of the
+        # issue is the layerwise blender's, which needs a GPU model).
+        "lmcache_4133": LMCacheRun(
+            "lmcache_4133",
+            num_requests=1,
+            prompt_len=64,
+            max_tokens=4,
+            num_gpu_blocks=12,
+            enable_prefix_caching=False,
+            repeat_prompts=1,
+            evict_before_retrieve=("again-req-0",),
+        ),
     }
