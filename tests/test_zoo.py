@@ -41,6 +41,8 @@ API = {  # visible at the connector API: named with digests off
     "vllm_50297": ("b", {"finished_without_blocks"}),
     "vllm_55113": ("again", {"full_hit_no_last_token"}),
     "sglang_40193_offer": ("again", {"stored_not_offered"}),
+    # build_connector_meta raised: a callback about the step, not one request.
+    "vllm_49635": ("", {"connector_raised"}),
 }
 ALL = {**BYTES, **API}
 # No rule can name these (a legitimate run can look the same); ``check --differential``, which
@@ -131,6 +133,14 @@ def _assert_api_step(name: str, report: Any, problem: Any) -> None:
         (finished,) = [s for r, s in report.finished_at if r == "x"]
         assert "completion=finished_sending" in problem.detail
         assert f"request=finished at step {finished + 1}, nothing outstanding" in problem.detail
+    elif name == "vllm_49635":
+        # "first" finished; in the next step's build_connector_meta the connector prepared its
+        # final store for a request its manager had forgotten, and raised (the engine dies).
+        assert report.error is not None and report.error.startswith("KeyError: 'first'")
+        assert problem.step == report.error_step
+        (finished,) = [s for r, s in report.finished_at if r == "first"]
+        assert problem.step == finished + 1
+        assert problem.detail == "callback=build_connector_meta,error=KeyError: 'first'"
     elif name == "sglang_40193_offer":
         # No error and no wrong KV: the hit was only short. The connector's own events say it
         # held b's two chunks when "again" asked; it offered one. explain splits the same way.

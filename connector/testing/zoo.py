@@ -51,6 +51,7 @@ __all__ = [
     "CompletionRepeated",
     "EngineLoadFault",
     "FailedLoadMarkedDone",
+    "FinalStoreBeforeForget",
     "FullPromptMatch",
     "HandoffAfterPreemption",
     "HandoffDelivered",
@@ -58,6 +59,7 @@ __all__ = [
     "KVSwappedOnLoad",
     "LoadFaultWorker",
     "LoadIntoLastBlocks",
+    "ManagerForgetsBeforeFinalStore",
     "RepeatedCompletionWorker",
     "SampledTokenStored",
     "Shape",
@@ -435,6 +437,56 @@ class _Capped:
         return tokens if self.limit is None else tokens[: self.limit]
 
 
+class ManagerForgetsBeforeFinalStore(_ZooKVLedger):
+    """vLLM #49635 (https://github.com/vllm-project/vllm/issues/49635, fixed by PR #49671): the
+    offloading connector's ``request_finished`` tells its manager the request finished before
+    the scheduler prepared the request's deferred final store; the manager deletes the
+    request's state, and the next step's ``prepare_store`` for it raises ``KeyError``. Here
+    the manager is a set of the request ids it tracks, and a finished request's final store is
+    prepared at the next ``build_connector_meta``."""
+
+    notify_first: ClassVar[bool] = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._managed: set[str] = set()  # the manager's requests
+        self._final: list[str] = []  # finished requests whose final store is deferred
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        self._managed.add(str(request.request_id))
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        answer = super().request_finished(request, block_ids)
+        req_id = str(request.request_id)
+        if self.notify_first:
+            self._managed.discard(req_id)  # manager.on_request_finished, too early
+        self._final.append(req_id)
+        return answer
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        final, self._final = self._final, []
+        for req_id in final:
+            self._prepare_store(req_id)
+            self._managed.discard(req_id)  # the fix: the manager hears of it after the store
+        return super().build_connector_meta(scheduler_output)
+
+    def _prepare_store(self, req_id: str) -> None:
+        if req_id not in self._managed:
+            raise KeyError(req_id)  # TieringOffloadingManager.prepare_store's request state
+
+
+class FinalStoreBeforeForget(ManagerForgetsBeforeFinalStore):
+    """The clean twin of ``ManagerForgetsBeforeFinalStore`` (PR #49671): every final store is
+    prepared before the manager hears that the request finished."""
+
+    notify_first = False
+
+
 class FullPromptMatch(_ZooKVLedger):
     """vLLM #55113 (https://github.com/vllm-project/vllm/issues/55113): a store lookup that
     matches the whole prompt offers every token of it, leaving none for vLLM to compute; with a
@@ -698,6 +750,17 @@ SHAPES: dict[str, Shape] = {
         ),
         engine={**_NO_PREFIX_CACHE, "kv_events": True},
         extra_config={"chunk_size": 32, "host_pool_bytes": 3 * 16384},
+    ),
+    # "first" finishes while "second" still runs: the step after, the final store of "first"
+    # is prepared for a request the manager already forgot.
+    "vllm_49635": Shape(
+        "vllm_49635",
+        "vLLM #49635",
+        "https://github.com/vllm-project/vllm/issues/49635",
+        _inner(ManagerForgetsBeforeFinalStore),
+        _inner(FinalStoreBeforeForget),
+        (ZooRequest("first", "pa", 48, 2), ZooRequest("second", "pb", 48, 8)),
+        engine=_NO_PREFIX_CACHE,
     ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
