@@ -43,6 +43,7 @@ API = {  # visible at the connector API: named with digests off
     "sglang_40193_offer": ("again", {"stored_not_offered"}),
     # build_connector_meta raised: a callback about the step, not one request.
     "vllm_49635": ("", {"connector_raised"}),
+    "lmcache_4762": ("again", {"stale_completion"}),
 }
 ALL = {**BYTES, **API}
 # No rule can name these (a legitimate run can look the same); ``check --differential``, which
@@ -133,6 +134,16 @@ def _assert_api_step(name: str, report: Any, problem: Any) -> None:
         (finished,) = [s for r, s in report.finished_at if r == "x"]
         assert "completion=finished_sending" in problem.detail
         assert f"request=finished at step {finished + 1}, nothing outstanding" in problem.detail
+    elif name == "lmcache_4762":
+        # Under MultiConnector the first connector was chosen for "again"'s 64 tokens and
+        # loaded them; the second, told 0, reported a finished_recving for it anyway, and
+        # vLLM's scheduler asserted (a completion for a running request).
+        assert report.error is not None and "AssertionError" in report.error
+        assert "scheduler.py" in report.error
+        assert problem.step == report.error_step + 1
+        assert problem.detail == (
+            "completion=finished_recving,request=running (request_finished not called)"
+        )
     elif name == "vllm_49635":
         # "first" finished; in the next step's build_connector_meta the connector prepared its
         # final store for a request its manager had forgotten, and raised (the engine dies).

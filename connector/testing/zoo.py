@@ -59,6 +59,7 @@ __all__ = [
     "KVSwappedOnLoad",
     "LoadFaultWorker",
     "LoadIntoLastBlocks",
+    "LoserStillLoads",
     "ManagerForgetsBeforeFinalStore",
     "RepeatedCompletionWorker",
     "SampledTokenStored",
@@ -487,6 +488,52 @@ class FinalStoreBeforeForget(ManagerForgetsBeforeFinalStore):
     notify_first = False
 
 
+class LoserStillLoads(_ZooKVLedger):
+    """LMCache #4762 (https://github.com/LMCache/LMCache/pull/4762), with vLLM #51786: under
+    vLLM's MultiConnector the first sub-connector with a hit is chosen, and the others are
+    told ``update_state_after_alloc(request, blocks, 0)``. LMCache's MP connector ignores the
+    0: its own lookup hit, so it retrieves anyway, and reports the request in
+    ``finished_recving``, a second completion for a request the chosen connector already
+    loaded (vLLM's scheduler asserts on it). Here the scheduler role notes each request it
+    offered tokens and was accepted none, and its worker reports each in ``finished_recving``
+    at its next report."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._offered: dict[str, int] = {}
+        self._rogue: list[str] = []  # scheduler: lost, loading anyway
+        self._recving: set[str] = set()  # worker: to report
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        n, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        self._offered[str(request.request_id)] = n or 0
+        return n, load_async
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        req_id = str(request.request_id)
+        if num_external_tokens == 0 and self._offered.pop(req_id, 0) > 0:
+            self._rogue.append(req_id)  # needs_retrieve(): its own lookup hit
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        # The worker learns them with the step's metadata (an attribute of this class's).
+        setattr(meta, "rogue", tuple(self._rogue))  # noqa: B010
+        self._rogue = []
+        return meta
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._recving.update(getattr(connector_metadata, "rogue", ()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sending, recving = super().get_finished(finished_req_ids)
+        rogue, self._recving = self._recving, set()
+        return sending, (set(recving or ()) | rogue) or None
+
+
 class FullPromptMatch(_ZooKVLedger):
     """vLLM #55113 (https://github.com/vllm-project/vllm/issues/55113): a store lookup that
     matches the whole prompt offers every token of it, leaving none for vLLM to compute; with a
@@ -598,6 +645,9 @@ class Shape:
     digests: str = "off"
     kv_role: str = "kv_both"
     seed: int = 0
+    # A connector ("module:Class") placed before the recorded one under vLLM's MultiConnector
+    # (None: the recorder is the connector).
+    multi_first: str | None = None
 
     def prompts(self) -> dict[str, list[int]]:
         """The token stream of each prompt name, seeded (token ids 10 to 999), as long as the
@@ -762,6 +812,19 @@ SHAPES: dict[str, Shape] = {
         (ZooRequest("first", "pa", 48, 2), ZooRequest("second", "pb", 48, 8)),
         engine=_NO_PREFIX_CACHE,
     ),
+    # Under MultiConnector, kvledger's connector first, the faulty one second: both store
+    # "first"'s chunks; "again" is offered them by both, the first is chosen, and the second
+    # is told 0 and "loads" anyway.
+    "lmcache_4762": Shape(
+        "lmcache_4762",
+        "LMCache #4762",
+        "https://github.com/LMCache/LMCache/pull/4762",
+        _inner(LoserStillLoads),
+        _KVLEDGER,
+        _RELOAD,
+        engine=_NO_PREFIX_CACHE,
+        multi_first=_KVLEDGER,
+    ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
         "vllm_55113",
@@ -825,7 +888,10 @@ def run_shape(
         seed=shape.seed,
         **dict(shape.engine),
     )
-    driver = runner(spec, log_dir)
+    if shape.multi_first is None:
+        driver = runner(spec, log_dir)
+    else:
+        driver = _multi_runner(spec, shape.multi_first, log_dir)
     harness = driver.harness
     prompts = shape.prompts()
     waiting = list(shape.requests)
@@ -882,7 +948,7 @@ def run_shape(
     return ZooReport(
         shape=shape.name,
         fixed=fixed,
-        log_path=getattr(connector, "log_path", None),
+        log_path=_log_path(connector),
         steps=steps,
         preemptions=harness.stats.preemptions,
         finished=tuple(sorted(harness.finished)),
@@ -893,6 +959,42 @@ def run_shape(
         leaks=tuple(leaks),
         seconds=time.perf_counter() - started,
     )
+
+
+def _multi_runner(spec: Any, first: str, log_dir: str) -> Any:
+    """The rigs' model runner of ``spec`` under vLLM's MultiConnector: ``first``, then the
+    recorder wrapping ``spec.inner`` (each with the shape's extra config)."""
+    from kvledger.connector.testing.driver import ModelRunner, engine_config
+    from kvledger.connector.testing.recorded import kv_transfer_config
+
+    def config(inner: str, record: bool) -> dict[str, Any]:
+        return kv_transfer_config(
+            inner,
+            spec.extra_config,
+            record=record,
+            log_dir=log_dir,
+            digests=spec.digests,
+            kv_role=spec.kv_role,
+        )
+
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": spec.kv_role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [config(first, False), config(spec.inner, True)]
+        },
+    }
+    return ModelRunner(engine_config(spec, multi), layout=spec.layout)
+
+
+def _log_path(connector: Any) -> str | None:
+    """The recorder's log: the connector's, or under a MultiConnector its recorded child's."""
+    for c in [connector, *getattr(connector, "_connectors", ())]:
+        path = getattr(c, "log_path", None)
+        if path is not None:
+            return str(path)
+    return None
 
 
 # --------------------------------------------------------------------------------------------
