@@ -101,6 +101,10 @@ class Explanation:
     forgotten: int = 0
     request: str | None = None  # what --request narrowed it to
     damage: StopInfo | None = None
+    # A recorder's log: the wrapped connector's KV events (tracker.inner_store), as counted.
+    inner_stores: int = 0
+    inner_removals: int = 0
+    inner_unplaced: int = 0
     # The log's records that say something impossible, by the rules they break
     # (replay.malformed): every one counted, the first KEPT listed.
     malformed: MalformedRecords = attrs.Factory(MalformedRecords)
@@ -113,8 +117,21 @@ class Explanation:
 
     def notes(self) -> list[str]:
         notes = list(NOTES)
-        if self.recorded:
+        if self.recorded and not self.inner_stores:
             notes.append(RECORDED_NOTE)
+        elif self.recorded:
+            notes.append(
+                f"the wrapped connector published its KV events ({self.inner_stores} stores, "
+                f"{self.inner_removals} removals): what it did not offer is split by them "
+                "(inner_never_stored, inner_evicted, inner_not_offered)"
+                + (
+                    f"; {self.inner_unplaced} stores name a parent it never stored, so what "
+                    "it never stored cannot be told (not_offered)"
+                    if self.inner_unplaced
+                    else ""
+                )
+                + ("" if self.inner_removals else "; it published no removal: a drop is unsaid")
+            )
         if self.without_lookup:
             notes.append(
                 f"{self.without_lookup} admissions had no lookup before them (nothing was "
@@ -252,4 +269,7 @@ def explain(
         request=request,
         damage=src.damage,
         malformed=malformed,
+        inner_stores=explainer.inner.with_tokens,
+        inner_removals=explainer.inner.removals,
+        inner_unplaced=explainer.inner.unplaced,
     )
