@@ -60,3 +60,12 @@ def test_what_cannot_be_matched_is_kept_out():
     malformed = ev.InnerStored(1, "", (b"a",), b"", T[:15], 16, "cpu")  # field_lengths
     s = store(no_tokens, malformed)
     assert (s.stores, s.with_tokens, s.cover(T)) == (1, 0, [])
+
+
+def test_memory_is_bounded_by_tokens(monkeypatch):
+    import kvledger.tracker.inner_store as inner_store
+
+    monkeypatch.setattr(inner_store, "MAX_TOKENS", 40)
+    s = store(stored(1, [b"a", b"b"], T[:32]), stored(2, [b"c"], T[32:48], parent=b"b"))
+    assert (s.tokens, s.forgotten) == (32, 1)  # a, the oldest, is forgotten
+    assert s.cover(T) == []  # and with it the way from the root to b and c

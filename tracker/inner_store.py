@@ -17,7 +17,8 @@ under the same prefix, following the keys from a root while their tokens match. 
 connector's own hashing is never recomputed: two keys with the same tokens under the same
 parent are the same prefix, whatever hash function named them.
 
-Pure: no I/O. Memory is bounded by :data:`MAX_ENTRIES` (the oldest entries forgotten first).
+Pure: no I/O. Memory is bounded by :data:`MAX_TOKENS` token ids held in entries (the oldest
+entries forgotten first; a forgotten key's children can no longer be reached from a root).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from typing import NamedTuple
 from kvledger.tracker import events as ev
 from kvledger.tracker.wellformed import malformed
 
-__all__ = ["MAX_ENTRIES", "Entry", "InnerStore", "Piece"]
+__all__ = ["MAX_TOKENS", "Entry", "InnerStore", "Piece"]
 
-MAX_ENTRIES = 1 << 20
+MAX_TOKENS = 1 << 24  # as explain's history of computed prefixes (replay/explainer.py)
 
 
 class Entry(NamedTuple):
@@ -69,6 +70,8 @@ class InnerStore:
         # Sizes of keys some other key continues: the connector's whole units (a prompt's
         # partial tail is never continued).
         self.whole_sizes: set[int] = set()
+        self.tokens = 0  # token ids held in entries
+        self.forgotten = 0  # entries forgotten for the bound
 
     def apply(self, e: ev.Event) -> None:
         if e.__class__ is ev.InnerStored:
@@ -99,13 +102,16 @@ class InnerStore:
         for i, key in enumerate(e.hashes):
             tokens = e.token_ids[i * size : (i + 1) * size]
             old = self.entries.pop(key, None)
+            if old is not None:
+                self.tokens -= len(old.tokens)
             if old is None or old.parent != parent:
                 self.children.setdefault(parent, []).append(key)
             if i:
                 self.whole_sizes.add(size)
             self.entries[key] = Entry(parent, start, tokens, e.step, None)
+            self.tokens += len(tokens)
             parent, start = key, start + size
-        while len(self.entries) > MAX_ENTRIES:
+        while self.tokens > MAX_TOKENS:
             self._forget(next(iter(self.entries)))
 
     def _removed(self, e: ev.InnerRemoved) -> None:
@@ -118,6 +124,8 @@ class InnerStore:
 
     def _forget(self, key: bytes) -> None:
         entry = self.entries.pop(key)
+        self.tokens -= len(entry.tokens)
+        self.forgotten += 1
         under = self.children.get(entry.parent)
         if under is not None and key in under:
             under.remove(key)
