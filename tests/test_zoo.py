@@ -276,7 +276,7 @@ LMCACHE = {
     "0.3.9.post2": ["lmcache_1969"],
     "0.3.10": ["lmcache_1969", "lmcache_mismatch"],
     "0.4.2": ["lmcache_mismatch", "lmcache_2821"],
-    "0.5.6": ["lmcache_2821", "lmcache_4133"],
+    "0.5.6": ["lmcache_2821", "lmcache_4133", "lmcache_4133_twin"],
 }
 
 
@@ -415,3 +415,11 @@ def test_lmcache_4133_eviction_between_lookup_and_retrieve(lmcache: Any) -> None
     assert [(m.start, m.end, m.reason, m.step) for m in again.misses] == [
         (48, 63, "load_failed", step + 1)
     ]
+    # The twin, nothing evicted: all 63 tokens loaded, the request finishes, clean.
+    twin = lmcache["0.5.6"]["lmcache_4133_twin"]
+    assert twin.error is None and twin.clean and not twin.load_errors
+    # (LMCache retrieves its whole last chunk, the token vLLM computes itself included.)
+    assert [(w, n) for _, w, n in twin.loads] == [(who, 64)]
+    assert _check(twin.log_path).exit_code == 0
+    (again,) = [a for a in explain(twin.log_path).admissions() if a.request == who]
+    assert (again.hit["inner"], again.misses) == (63, [])

@@ -1007,7 +1007,7 @@ def lmcache_shapes() -> dict[str, Any]:
     and the release with its fix (tests/test_zoo.py names them)."""
     from kvledger.connector.testing.lmcache import WORKLOADS, LMCacheRun
 
-    return {
+    shapes = {
         # LMCache #1969: the rig's own workload (0.3.9.post2 faulty, 0.3.10 fixed).
         "lmcache_1969": WORKLOADS["issue1969"],
         # The "Mismatch in tokens to load" assertion (the seed's #2158): chunks of 64 over
@@ -1053,3 +1053,9 @@ def lmcache_shapes() -> dict[str, Any]:
             evict_before_retrieve=("again-req-0",),
         ),
     }
+    # Its clean twin: the same workload, nothing evicted (the issue is open: no release fixes
+    # it; the twin is the run without the eviction).
+    shapes["lmcache_4133_twin"] = dataclasses.replace(
+        shapes["lmcache_4133"], name="lmcache_4133_twin", evict_before_retrieve=()
+    )
+    return shapes
