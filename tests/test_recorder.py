@@ -275,3 +275,50 @@ def test_example_connector_saves_uncomputed_prefill_chunks(tmp_path):
     assert {p.req_id for p in result.problems} <= {m.req_id for m in report.mismatches}
     assert result.counts["digests"]["verified"] > 0
     assert _check(report.log_path, differential=True, chunk_size=16).exit_code == 1
+
+
+def test_the_inners_kv_events_reach_vllm_and_the_log_alike(tmp_path, monkeypatch):
+    """KVLedgerConnector with vLLM's KV events on publishes its pool's stores and evictions
+    through take_events. Wrapped, every one still reaches vLLM's publisher, in order, and the
+    log holds each as a fact (InnerStored, InnerRemoved) with the same keys, parent and
+    tokens."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored, NullEventPublisher
+
+    from kvledger.connector.recording import _event_key
+    from kvledger.tracker import events as ev
+
+    published = []
+    monkeypatch.setattr(
+        NullEventPublisher, "publish", lambda self, batch: published.extend(batch.events)
+    )
+    report = _run(
+        tmp_path,
+        inner="kvledger.connector.vllm:KVLedgerConnector",
+        kv_events=True,
+        num_requests=6,
+        repeat_prompts=3,
+        extra_config={"chunk_size": 32, "host_pool_bytes": 6 * 16384},
+    )
+    assert report.mismatches == () and report.log_path is not None
+    theirs = [e for e in published if getattr(e, "medium", None) == "CPU"]  # not the GPU's
+    expected = [
+        (
+            "stored",
+            tuple(_event_key(h) for h in e.block_hashes),
+            tuple(e.token_ids),
+            b"" if e.parent_block_hash is None else _event_key(e.parent_block_hash),
+        )
+        if isinstance(e, BlockStored)
+        else ("removed", tuple(_event_key(h) for h in e.block_hashes), (), b"")
+        for e in theirs
+        if isinstance(e, (BlockStored, BlockRemoved))
+    ]
+    logged = [
+        ("stored", e.hashes, e.token_ids, e.parent)
+        if isinstance(e, ev.InnerStored)
+        else ("removed", e.hashes, (), b"")
+        for e in events_of(report.log_path)
+        if isinstance(e, (ev.InnerStored, ev.InnerRemoved))
+    ]
+    assert logged == expected
+    assert {kind for kind, *_ in logged} == {"stored", "removed"}  # the pool filled and evicted
