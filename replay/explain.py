@@ -170,6 +170,14 @@ class Explanation:
                 "reason": self.damage.reason,
             },
             "malformed": self.malformed.to_dict(),
+            # A recorder's log: the wrapped connector's KV events as explain counted them.
+            "inner_events": {
+                "stores": self.inner_stores,
+                "removals": self.inner_removals,
+                "unplaced": self.inner_unplaced,
+            }
+            if self.recorded
+            else None,
         }
 
 

@@ -677,6 +677,7 @@ def test_a_recorders_log_with_the_connectors_kv_events(tmp_path: Path) -> None:
     held, dropped, never = b.misses[:3]
     assert (held.step, dropped.step, never.step, never.by) == (1, 1, 0, "a")
     assert dropped.describe() == "inner_evicted (dropped by the wrapped connector at step 1)"
+    assert x.to_dict()["inner_events"] == {"stores": 1, "removals": 1, "unplaced": 0}
     from kvledger.replay.replayer import check
 
     result = check(path)
