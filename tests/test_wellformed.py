@@ -22,7 +22,7 @@ from kvledger.tracker import wellformed as wf
 from kvledger.tracker.chunks import ChunkIndex
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DigestBook
-from kvledger.tracker.index_fold import apply_decision, apply_input
+from kvledger.tracker.index_fold import apply_input, apply_recorded
 from kvledger.tracker.recorded_rules import RecordedRules
 from kvledger.tracker.remote import apply_remote
 from kvledger.tracker.tracker import Tracker
@@ -189,8 +189,10 @@ def test_the_pool_takes_in_no_malformed_event() -> None:
     apply_input(index, ev.ChunkStored(0, "", KEY, -1, 16), None, None, config)
     assert index.slot_of(b"") is None and index.slot_of(KEY) is None
     # A recorded save plan whose keys and slots differ in number (a reader applying
-    # recorded decisions, kvledger export's pool columns) is not applied, and does not raise.
-    apply_decision(index, ev.SavePlanned(0, "a", 0, 32, (KEY, KEY[::-1]), (0,)), config)
+    # recorded decisions, kvledger export's pool columns) is not applied, and does not raise:
+    # apply_recorded checks it, once (apply_decision takes only sound decisions).
+    plan = ev.SavePlanned(0, "a", 0, 32, (KEY, KEY[::-1]), (0,))
+    apply_recorded(index, plan, None, None, config)
     assert index.slot_of(KEY) is None
 
 

@@ -278,9 +278,17 @@ class StepDecoded(InputEvent):
     def new_blocks(self) -> dict[int, int] | None:
         """``blocks`` as number -> block id; None when the pairs are malformed (odd length, a
         number twice, or a number not in ``nums``)."""
+        grown = self.block_pairs()
+        if grown is None or not grown.keys() <= set(self.nums):
+            return None
+        return grown
+
+    def block_pairs(self) -> dict[int, int] | None:
+        """:meth:`new_blocks` less the test that each number is in ``nums``, for a caller
+        that holds ``nums`` as a set already (the replay's batch)."""
         pairs = self.blocks
-        grown = {pairs[i]: pairs[i + 1] for i in range(0, len(pairs) - 1, 2)}
-        if len(pairs) % 2 or len(grown) * 2 != len(pairs) or not grown.keys() <= set(self.nums):
+        grown = dict(zip(pairs[::2], pairs[1::2], strict=False))  # odd: refused below
+        if len(pairs) % 2 or len(grown) * 2 != len(pairs):
             return None
         return grown
 

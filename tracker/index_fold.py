@@ -64,7 +64,8 @@ def _save_planned(
     config: TrackerConfig,
 ) -> None:
     assert isinstance(e, ev.SavePlanned)
-    if e.keys and not malformed(e):
+    # Sound by now: the Tracker derived it, or apply_recorded checked it (checked once).
+    if e.keys:
         aliases = save_aliases(e, after, config) if after is not None else ()
         index.apply_save_planned(e.keys, e.slots, e.evicted, aliases)
 
@@ -175,8 +176,9 @@ def apply_decision(
     config: TrackerConfig,
     state: RequestState | None = None,
 ) -> None:
-    """Apply the effect of a decision the Tracker just derived (``state``: the request's
-    state with the decision folded in; a save plan's aliases are read from its token ids)."""
+    """Apply the effect of a decision the Tracker just derived, or a recorded one that
+    ``tracker.wellformed`` found sound (``state``: the request's state with the decision
+    folded in; a save plan's aliases are read from its token ids)."""
     DECISION_EFFECTS.get(decision.__class__, _nothing)(index, decision, None, state, config)
 
 

@@ -182,6 +182,29 @@ class RequestState(NamedTuple):
         }
 
 
+def _quick_replace(cls: Any) -> None:
+    """Give the NamedTuple ``cls`` a ``_replace`` that copies the tuple once and sets the
+    named fields by position: the fold makes a new state for every event, and the generic
+    ``_replace`` pops every field from the keywords (twice the time, a tenth of a replay)."""
+    index = {name: i for i, name in enumerate(cls._fields)}
+    new = tuple.__new__
+
+    def _replace(self: Any, /, **changes: Any) -> Any:
+        values = list(self)
+        for name, value in changes.items():
+            i = index.get(name)
+            if i is None:
+                raise TypeError(f"Got unexpected field names: {list(changes)!r}")
+            values[i] = value
+        return new(cls, values)
+
+    cls._replace = _replace
+
+
+for _cls in (LookupResult, LoadProgress, SaveProgress, Lifetime, RequestState):
+    _quick_replace(_cls)
+
+
 def new_state(
     req_id: str, prompt: Sequence[int], config: TrackerConfig, cache_salt: str = ""
 ) -> RequestState:

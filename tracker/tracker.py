@@ -277,8 +277,13 @@ class _Decoding:
         that a reader could tell (False: the caller settles the batch and checks the
         requests one by one)."""
         nums, cap = event.nums, self.cap
-        grown = event.new_blocks()
-        if grown is None or not self._follow(t, nums, strict=True):
+        grown = event.block_pairs()
+        # After _follow the batch's members are exactly the numbers of ``nums``.
+        if (
+            grown is None
+            or not self._follow(t, nums, strict=True)
+            or not grown.keys() <= cap.keys()
+        ):
             return False
         b = t.config.block_size
         for num in grown:
