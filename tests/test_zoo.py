@@ -13,6 +13,7 @@ the load's own step.
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +35,8 @@ BYTES = {  # only the KV-content digests can see these: the connector API shows 
     "lmcache_4463": ("again", {"digest_mismatch"}),
     "sglang_40193": ("again", {"load_unchanged"}),
     "vllm_52360": ("b", {"digest_mismatch"}),
+    # vLLM's own OffloadingConnector, PR #47046's fix taken out for the faulty run
+    "vllm_46951": ("again", {"load_unchanged", "digest_mismatch"}),
 }
 API = {  # visible at the connector API: named with digests off
     "vllm_51637": ("x", {"stale_completion"}),
@@ -228,6 +231,52 @@ def test_without_digests_a_byte_fault_checks_clean(zoo: Any, name: str) -> None:
     report = zoo(name, digests="off")
     assert report.mismatches
     assert _check(report.log_path).exit_code == 0
+
+
+def test_vllm_46951_a_store_reads_what_another_connectors_load_wrote(zoo: Any) -> None:
+    """vLLM's MultiConnector over two of vLLM's own OffloadingConnectors (chunks of 32 and 16
+    tokens; their scheduler roles, CPU managers and worker roles vLLM's, their copies the
+    rig's), recorded as one connector. "r" finished with the first connector's store of its
+    chunk still to run; "q" was a hit of the second alone, loaded asynchronously into one of
+    r's freed blocks. With PR #47046's fix taken out (the faulty run only), the first connector
+    never heard of q's blocks, so no fence: its store read them after q's load, and kept p's KV
+    in r's chunk. The twin (vLLM 0.33 as shipped) flushed the store before the load. "again"
+    loads that chunk: the oracle finds block 1 wrong, and only the digests say so."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    from kvledger.connector.testing.offloading import rig_workers
+    from kvledger.replay.explain import explain
+
+    faulty, twin = zoo("vllm_46951"), zoo("vllm_46951", fixed=True)
+    # The patch lasted the faulty run only: vLLM's own method is back.
+    assert "regardless of num_external_tokens" in inspect.getsource(
+        OffloadingConnectorScheduler.update_state_after_alloc
+    )
+    # r's store (the first connector's first job): read late, after q's load; in the twin,
+    # waited on (jobs_to_flush) before it. The second connector, which chose to load q, fenced
+    # its own store of r in both runs.
+    (first, second), (first_twin, second_twin) = (
+        rig_workers(faulty.worker),
+        rig_workers(twin.worker),
+    )
+    assert (first.blocks_per_chunk, second.blocks_per_chunk) == (2, 1)
+    assert first.stores_read == [(0, "reported")]
+    assert first_twin.stores_read == [(0, "waited")]
+    assert (1, "waited") in second.stores_read and (1, "waited") in second_twin.stores_read
+    # q: 16 tokens offered (the second connector's chunk), loaded asynchronously.
+    (q,) = [a for a in explain(faulty.log_path).admissions() if a.request == "q"]
+    assert (q.hit["inner"], q.accepted) == (16, 16)
+    # again: r's chunk loaded; its second block (tokens 16-31) holds p's KV. check names the
+    # load of that block: unchanged, since the block it went into last held p's first 16
+    # tokens too (a block holding anything else would read as digest_mismatch).
+    hit = faulty.first_mismatch("again")
+    assert hit is not None and hit[1].position == 16 and faulty.error is None
+    (problem,) = _check(faulty.log_path).problems
+    assert (problem.name, problem.req_id, problem.step) == ("load_unchanged", "again", hit[0])
+    assert problem.detail.startswith("block=1,")
+    assert not twin.mismatches
 
 
 def test_vllm_36752_trigger_checks_clean(zoo: Any) -> None:

@@ -8,7 +8,10 @@ in the scheduler role (what it answers vLLM) or in the worker role (``make_worke
 moves bytes). Each names the upstream report it reproduces. Its clean twin is the same workload
 with the fault taken out: ``KVLedgerConnector`` itself, or the fixed variant named in the
 ``Shape``. The faults of LMCache's own adapter are reproduced with LMCache's real releases
-instead (``lmcache_shapes``, run by ``connector.testing.lmcache``).
+instead (``lmcache_shapes``, run by ``connector.testing.lmcache``). A fault of vLLM's own
+connectors runs vLLM's real connector (OffloadingConnector with the rig's copies,
+``connector.testing.offloading``), the upstream fix taken out for the faulty run by a patch of
+the one vLLM method (``VLLM_PATCHES``, ``Shape.vllm_patch``); its twin runs vLLM unpatched.
 
 A shape is a scripted workload (``ZooRequest``: which request arrives when, with which prompt)
 on a small pool, chosen so that the fault's moment happens: a preemption in the step after a
@@ -25,11 +28,13 @@ Nothing here is imported by what vLLM loads in production.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import random
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,12 +46,14 @@ from kvledger.connector.kv_layout import slot_mapping_for
 from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan
 from kvledger.connector.scheduler import first_group
 from kvledger.connector.testing.faults import FaultyWorkerSide
+from kvledger.connector.testing.offloading import offloading_extra_config
 from kvledger.connector.testing.oracle import Mismatch
 from kvledger.connector.vllm import KVLedgerConnector
 from kvledger.connector.worker import WorkerSide
 
 __all__ = [
     "SHAPES",
+    "VLLM_PATCHES",
     "AsyncStoreWorker",
     "CompletionRepeated",
     "EngineLoadFault",
@@ -71,6 +78,7 @@ __all__ = [
     "ZooReport",
     "ZooRequest",
     "lmcache_shapes",
+    "offloading_allocations_untracked",
     "run_shape",
     "set_engine_fault",
 ]
@@ -605,6 +613,53 @@ class EngineLoadFault(_ZooKVLedger):
 
 
 # --------------------------------------------------------------------------------------------
+# Faults of vLLM's own connectors: an upstream fix taken out again, for the faulty run only
+# --------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def offloading_allocations_untracked() -> Iterator[None]:
+    """vLLM #46951 (https://github.com/vllm-project/vllm/issues/46951), the fix proposed in
+    PR #47046 (https://github.com/vllm-project/vllm/pull/47046; also #46960): before it,
+    ``OffloadingConnectorScheduler.update_state_after_alloc`` returned before it recorded the
+    blocks vLLM had just allocated when it was to load none of them (``num_external_tokens == 0``). Under MultiConnector the
+    blocks of a request another connector loads asynchronously (a request not scheduled in
+    that step, so absent from the SchedulerOutput) were then never checked against the blocks
+    the connector's pending store jobs still read: no job was flushed, and a store read what
+    the other connector's load had written there ("possibly offloading stale KV data").
+
+    vLLM 0.33 carries the fix (the blocks are recorded first, "regardless of
+    num_external_tokens", the form asked for in PR #47046's review); this puts the early return
+    back in front of it, as before the fix, while the faulty run lasts. Nothing else of vLLM's
+    code changes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        OffloadingConnectorScheduler,
+    )
+
+    fixed = OffloadingConnectorScheduler.update_state_after_alloc
+    source = inspect.getsource(fixed)
+    if source.find("_current_batch_allocated_block_ids") > source.find("num_external_tokens == 0"):
+        raise RuntimeError("this vLLM's OffloadingConnector does not carry the fix of #46951")
+
+    def before_the_fix(self: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return  # the blocks go unrecorded: a fence on them is never raised
+        fixed(self, request, blocks, num_external_tokens)
+
+    setattr(OffloadingConnectorScheduler, "update_state_after_alloc", before_the_fix)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(OffloadingConnectorScheduler, "update_state_after_alloc", fixed)  # noqa: B010
+
+
+# name -> the patch a faulty run applies to vLLM (Shape.vllm_patch); its twin runs without it.
+VLLM_PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+    "offloading_allocations_untracked": offloading_allocations_untracked,
+}
+
+
+# --------------------------------------------------------------------------------------------
 # Shapes: workloads that make the fault happen
 # --------------------------------------------------------------------------------------------
 
@@ -648,6 +703,9 @@ class Shape:
     # A connector ("module:Class") placed before the recorded one under vLLM's MultiConnector
     # (None: the recorder is the connector).
     multi_first: str | None = None
+    # A name in VLLM_PATCHES: an upstream fix of vLLM's own code taken out while the faulty
+    # run lasts (the faulty and the fixed connector are then the same, vLLM's own).
+    vllm_patch: str | None = None
 
     def prompts(self) -> dict[str, list[int]]:
         """The token stream of each prompt name, seeded (token ids 10 to 999), as long as the
@@ -665,6 +723,19 @@ def _inner(cls: type) -> str:
 
 _KVLEDGER = "kvledger.connector.vllm:KVLedgerConnector"
 _NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+
+def _offloading(offloaded_block_size: int) -> dict[str, Any]:
+    """A MultiConnector child: vLLM's OffloadingConnector, its CPU tier in chunks of
+    ``offloaded_block_size`` tokens, its copies the rig's (connector/testing/offloading.py)."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": offloading_extra_config(
+            offloaded_block_size=offloaded_block_size
+        ),
+    }
+
 
 # A prompt computed and stored, then sent again with a suffix (no prefix cache): the second
 # request loads the first one's chunks. Block 16, chunk 32: 4 blocks, 2 chunks loaded.
@@ -825,6 +896,30 @@ SHAPES: dict[str, Shape] = {
         engine=_NO_PREFIX_CACHE,
         multi_first=_KVLEDGER,
     ),
+    # vLLM's MultiConnector over two of vLLM's own OffloadingConnectors, the first with chunks of
+    # 32 tokens, the second of 16; the recorder wraps the MultiConnector. "p" (24 tokens) is
+    # stored by the second only and keeps decoding in its two blocks, so "r" (32 tokens: one
+    # chunk of the first) takes the pool's other two; r finishes in its prefill step, its store
+    # job deferred to the next step. "q", p's prompt again, is then a hit of the second alone,
+    # which loads it asynchronously into a block r freed, in the step r's store runs. "again"
+    # (r's prompt and 16 tokens more) loads the first's chunk of r.
+    "vllm_46951": Shape(
+        "vllm_46951",
+        "vLLM #46951",
+        "https://github.com/vllm-project/vllm/issues/46951",
+        "MultiConnector",
+        "MultiConnector",
+        (
+            ZooRequest("p", "pp", 24, 8),
+            ZooRequest("r", "pr", 32, 1, at=1),
+            ZooRequest("q", "pp", 24, 2, after="r"),
+            ZooRequest("again", "pr", 48, 4, after="q"),
+        ),
+        engine={**_NO_PREFIX_CACHE, "num_gpu_blocks": 5},
+        extra_config={"connectors": [_offloading(32), _offloading(16)]},
+        digests="sampled",
+        vllm_patch="offloading_allocations_untracked",
+    ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
         "vllm_55113",
@@ -863,6 +958,8 @@ class ZooReport:
     error_step: int | None
     leaks: tuple[str, ...]
     seconds: float
+    # The worker-role connector the run drove (a test may look inside it).
+    worker: Any = attrs.field(default=None, eq=False, repr=False)
 
     def first_mismatch(self, req_id: str | None = None) -> tuple[int, Mismatch] | None:
         for step, m in self.mismatches:
@@ -875,7 +972,16 @@ def run_shape(
     shape: Shape, *, fixed: bool = False, log_dir: str, max_steps: int = 400
 ) -> ZooReport:
     """Run ``shape`` with its faulty connector (or, ``fixed``, its twin) wrapped in
-    ``KVLedgerRecorder``, its log in ``log_dir``; see the module docstring."""
+    ``KVLedgerRecorder``, its log in ``log_dir``; see the module docstring. The faulty run of a
+    shape with a ``vllm_patch`` runs under that patch of vLLM's code, its twin without it."""
+    patch: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if shape.vllm_patch is not None and not fixed:
+        patch = VLLM_PATCHES[shape.vllm_patch]()
+    with patch:
+        return _run_shape(shape, fixed=fixed, log_dir=log_dir, max_steps=max_steps)
+
+
+def _run_shape(shape: Shape, *, fixed: bool, log_dir: str, max_steps: int) -> ZooReport:
     from kvledger.connector.testing.recorded import WrappedSpec, runner
 
     started = time.perf_counter()
@@ -958,6 +1064,7 @@ def run_shape(
         error_step=error_step,
         leaks=tuple(leaks),
         seconds=time.perf_counter() - started,
+        worker=driver.worker,
     )
 
 
