@@ -571,8 +571,10 @@ class Tracker:
         """Write the ``StepDecoded`` of steps already counted (:meth:`decode_batch`)."""
         if not nums:
             return
-        flat = tuple(x for pair in grown for x in pair)
         self.counts["events"] += 1
+        if self._log is None:
+            return  # nothing reads the event but the log: not built (a step's hot path)
+        flat = tuple(itertools.chain.from_iterable(grown))
         self._record(ev.StepDecoded(self.step, "", tuple(nums), flat), ())
 
     def decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
