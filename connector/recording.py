@@ -17,6 +17,7 @@ reads, ``token_list``, is handed in), and is driven in tests with no connector a
 
 from __future__ import annotations
 
+import itertools
 import json
 import operator
 from collections.abc import Callable, Mapping
@@ -65,6 +66,7 @@ def _params_text(params: Any) -> str:
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _KNOWN = operator.attrgetter("known")
+_NEXT = (1).__add__  # a count one step on, mapped in C
 
 
 class _Batch:
@@ -129,20 +131,22 @@ class _Batch:
         grown: list[Any] = []
         new_block_ids = cached.new_block_ids
         if new_block_ids.count(None) != len(new_block_ids):
-            for life, blocks in zip(lives, new_block_ids, strict=True):
-                if blocks:
-                    group = blocks[0]
-                    if len(group) > 1:
-                        return False
-                    if group:
-                        grown += (life.num, group[0])
+            if len(new_block_ids) != len(lives):
+                return False
+            # Only the requests whose table grew (vLLM gives None for the others): a few.
+            for i in itertools.compress(range(len(lives)), new_block_ids):
+                group = new_block_ids[i][0]
+                if len(group) > 1:
+                    return False
+                if group:
+                    grown += (lives[i].num, group[0])
         try:
             tokens = tuple(map(operator.getitem, self.lists, counts))
         except IndexError:  # a token not known yet
             return False
         if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
             return False
-        self.counts = [c + 1 for c in counts]
+        self.counts = list(map(_NEXT, counts))
         return True
 
 
