@@ -610,6 +610,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="skip the do-nothing connector (vLLM's own cost of having a connector)",
     )
+    p.add_argument(
+        "--bare-null",
+        action="store_true",
+        help="run null without the worker loop, as this bench did before 2026-11-28 (its "
+        "caches stay warm across the step; docs/performance.md)",
+    )
     args = parse_timing(p, argv)
     base_cfg = decode_config(args)
     if base_cfg is None:
@@ -640,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         tb = token_bytes(base.harness)
         if args.null:
             null_cfg = base_cfg.with_(kv_connector=NULL_CONNECTOR)
-            variants.append(Variant("null", null_cfg, driven=True))
+            variants.append(Variant("null", null_cfg, driven=not args.bare_null))
         conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
         if args.kv_events:
