@@ -66,7 +66,6 @@ def _params_text(params: Any) -> str:
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
 _KNOWN = operator.attrgetter("known")
-_NEXT = (1).__add__  # a count one step on, mapped in C
 
 
 class _Batch:
@@ -146,7 +145,7 @@ class _Batch:
             return False
         if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
             return False
-        self.counts = list(map(_NEXT, counts))
+        self.counts = [c + 1 for c in counts]  # (a map of (1).__add__ is twice as slow)
         return True
 
 
