@@ -80,8 +80,9 @@ typecheck: setup-vllm
 # puts one on PYTHONPATH in a child process. --no-deps: their declared deps pull CUDA builds.
 # The pure-Python deps the adapter imports (0.5.x: numba, cryptography, blake3 too) go into
 # one more directory. 0.3.9.post2 / 0.3.10: the last release before LMCache's #1969 fix and
-# the first after it; 0.4.2 and 0.5.6: current lines.
-LMCACHE_VERSIONS := 0.3.9.post2 0.3.10 0.4.2 0.5.6
+# the first after it; 0.4.2 and 0.5.6: current lines; 0.5.5: the last release whose MP
+# LMCache-driven store is not drained at a preemption (the zoo's lmcache_4955).
+LMCACHE_VERSIONS := 0.3.9.post2 0.3.10 0.4.2 0.5.5 0.5.6
 LMCACHE_DEPS := aiofile==3.12.3 caio==0.12.10 uvicorn==0.54.0 sortedcontainers==2.4.0 \
 	redis==8.1.0 numba==0.68.1 llvmlite==0.50.0 cryptography==50.0.2 cffi==2.1.1 \
 	pycparser==3.12 blake3==1.0.11
@@ -91,12 +92,24 @@ build/lmcache-deps/.installed: | $(BIN)/python
 	$(BIN)/pip install -q --no-deps --target build/lmcache-deps $(LMCACHE_DEPS)
 	touch $@
 
+# What LMCache's multiprocess (MP) cache server imports beyond those (0.5.x: its OpenTelemetry
+# metrics, its P2P controller's httpx): the MP rig runs that server in the child process
+# (connector/testing/lmcache_mp.py), so it goes on PYTHONPATH there only.
+LMCACHE_MP_DEPS := opentelemetry-api==1.40.0 opentelemetry-sdk==1.40.0 \
+	opentelemetry-semantic-conventions==0.61b0 opentelemetry-exporter-prometheus==0.61b0 \
+	importlib-metadata==8.7.0 zipp==4.1.2 httpx==0.28.1 httpcore==1.0.9
+
+build/lmcache-mp-deps/.installed: | $(BIN)/python
+	rm -rf build/lmcache-mp-deps
+	$(BIN)/pip install -q --no-deps --target build/lmcache-mp-deps $(LMCACHE_MP_DEPS)
+	touch $@
+
 build/lmcache-%/.installed: | $(BIN)/python
 	rm -rf build/lmcache-$*
 	$(BIN)/pip install -q --no-deps --target build/lmcache-$* lmcache==$*
 	touch $@
 
-lmcache: build/lmcache-deps/.installed $(foreach v,$(LMCACHE_VERSIONS),build/lmcache-$(v)/.installed)
+lmcache: build/lmcache-deps/.installed build/lmcache-mp-deps/.installed $(foreach v,$(LMCACHE_VERSIONS),build/lmcache-$(v)/.installed)
 
 # Two pytest workers (pytest-xdist), a test file each at a time: files share module fixtures,
 # and every test that needs a port, a server or a scratch file makes its own. The slowest

@@ -14,11 +14,15 @@ import pytest
 __all__ = ["require_lmcache"]
 
 
-def require_lmcache(versions: Sequence[str]) -> None:
-    """Skip (fail in CI) unless every version in ``versions`` is installed."""
+def require_lmcache(versions: Sequence[str], *, mp: bool = False) -> None:
+    """Skip (fail in CI) unless every version in ``versions`` is installed (``mp``: and what
+    LMCache's MP server imports, ``build/lmcache-mp-deps``)."""
     from kvledger.connector.testing.lmcache import BUILD, missing_versions
+    from kvledger.connector.testing.lmcache_mp import MP_DEPS
 
     missing = missing_versions(versions)
+    if mp and not (MP_DEPS / ".installed").exists():
+        missing.append(MP_DEPS.name)
     if missing:
         why = f"LMCache {', '.join(missing)} not installed under {BUILD} (make lmcache)"
         if os.environ.get("CI") or os.environ.get("KVLEDGER_REQUIRE_LMCACHE"):

@@ -325,7 +325,8 @@ LMCACHE = {
     "0.3.9.post2": ["lmcache_1969"],
     "0.3.10": ["lmcache_1969", "lmcache_mismatch"],
     "0.4.2": ["lmcache_mismatch", "lmcache_2821"],
-    "0.5.6": ["lmcache_2821", "lmcache_4133", "lmcache_4133_twin"],
+    "0.5.5": ["lmcache_4955"],
+    "0.5.6": ["lmcache_2821", "lmcache_4133", "lmcache_4133_twin", "lmcache_4955"],
 }
 
 
@@ -333,14 +334,18 @@ LMCACHE = {
 def lmcache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     """Every version's child process, two at a time (importing vLLM and LMCache is most of
     their time); reports by version, then workload."""
-    from kvledger.connector.testing.lmcache import run_version
+    from kvledger.connector.testing.lmcache_mp import run_version
     from kvledger.connector.testing.zoo import lmcache_shapes
     from tests._lmcache import require_lmcache
 
-    require_lmcache(list(LMCACHE))
+    require_lmcache(list(LMCACHE), mp=True)
+
+    # Made here, before the threads: pytest's mktemp is not safe to call from two at once (one
+    # run failed with "zoo-lmcache-0.3.10 is not a normalized and relative path").
+    dirs = {version: tmp_path_factory.mktemp(f"zoo-lmcache-{version}") for version in LMCACHE}
 
     def run(version: str) -> dict[str, Any]:
-        logs = tmp_path_factory.mktemp(f"zoo-lmcache-{version}")
+        logs = dirs[version]
         shapes = lmcache_shapes()
         specs = [shapes[n] for n in LMCACHE[version]]
         reports = run_version(version, specs, record_to=str(logs), bare=False)
@@ -472,3 +477,44 @@ def test_lmcache_4133_eviction_between_lookup_and_retrieve(lmcache: Any) -> None
     assert _check(twin.log_path).exit_code == 0
     (again,) = [a for a in explain(twin.log_path).admissions() if a.request == who]
     assert (again.hit["inner"], again.misses) == (63, [])
+
+
+@pytest.mark.lmcache
+@pytest.mark.slow
+def test_lmcache_4955_in_flight_mp_store_reads_reused_blocks(lmcache: Any) -> None:
+    """LMCache's MP mode, its connector and its server (LMCache-driven transfer over CPU
+    shared memory). "a" and "b" prefill together and fill the pool; in the next step vLLM
+    preempts "b" and hands its last block to "a", whose forward writes it while the server's
+    STORE of b's chunks is in flight. 0.5.5's preemption flush is a no-op: nothing waits for
+    that store before the forward, the server reads a's KV into b's last chunk, and "again"
+    (b's prompt and 16 tokens more) loads it. Only the digests see it: ``digest_mismatch`` on
+    again's load, block 3. 0.5.6 waits for the store in ``flush_inflight_stores`` before the
+    forward: the same run is clean, every loaded block verified."""
+    report = lmcache["0.5.5"]["lmcache_4955"]
+    assert report.error is None
+    ((preempted_at, who),) = report.preemptions
+    assert who == "b"
+    # Nothing of LMCache waited on a store in the preempting step (the forward ran first).
+    assert not [w for w in report.store_waits if w[1] == preempted_at]
+    first = report.first_mismatch()
+    assert first is not None
+    assert (first["req_id"], first["position"]) == ("again", 48)
+    assert first["holder"].startswith("a[")  # b's last chunk holds a's KV
+    ((load_step, _, loaded),) = [x for x in report.loads if x[1] == "again"]
+    assert loaded == 64 and first["step"] >= load_step
+    result = _check(report.log_path)
+    assert result.exit_code == 1
+    assert [(p.name, p.req_id) for p in result.problems] == [("digest_mismatch", "again")]
+    (problem,) = result.problems
+    assert problem.step in (load_step, load_step + 1)
+    assert "block=3" in problem.detail
+    # The twin: the same schedule; LMCache's flush waits for every in-flight store first.
+    twin = lmcache["0.5.6"]["lmcache_4955"]
+    assert twin.error is None and twin.clean
+    assert twin.preemptions == report.preemptions
+    flushed = [w for w in twin.store_waits if w[1] == preempted_at]
+    assert flushed and flushed[0][2].endswith("flush_inflight_stores")
+    result = _check(twin.log_path)
+    assert result.exit_code == 0
+    digests = result.counts["digests"]
+    assert digests["loaded"] > 0 and digests["verified"] == digests["loaded"]

@@ -46,7 +46,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from kvledger.connector.testing.driver import ModelRunner
+from kvledger.connector.testing.driver import ModelRunner, built_by_vllm
 from kvledger.connector.testing.harness import HarnessConfig
 
 __all__ = [
@@ -532,6 +532,9 @@ class LMCacheReport:
     finished: list[str] = dataclasses.field(default_factory=list)
     error: str | None = None
     log_path: str | None = None
+    # LMCache's MP mode (connector/testing/lmcache_mp.py): (store number, step, who) each time
+    # LMCache waited on a store's future; store numbers count the stores in the order issued.
+    store_waits: list[tuple[int, int, str]] = dataclasses.field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -554,8 +557,9 @@ class LMCacheReport:
             "loads",
             "saves",
             "load_errors",
+            "store_waits",
         ):
-            data[name] = [tuple(x) for x in data[name]]
+            data[name] = [tuple(x) for x in data.get(name, [])]
         return cls(**data)
 
 
@@ -569,6 +573,7 @@ class _LMCacheRunner(ModelRunner):
         kv_connector: Mapping[str, Any],
         report: LMCacheReport,
         store: PrefixStore,
+        make_worker: Any = built_by_vllm,
     ) -> None:
         self.spec = spec
         self.report = report
@@ -587,7 +592,7 @@ class _LMCacheRunner(ModelRunner):
         )
         # 0.3.9's adapter has no register_kv_caches: it reads the caches off the
         # forward context's attention layers, one per virtual engine.
-        super().__init__(config, kv_cache_list=True)
+        super().__init__(config, kv_cache_list=True, make_worker=make_worker)
         self._observe_claims()
 
     def _observe_claims(self) -> None:
@@ -746,26 +751,57 @@ def run_version(
     name; with ``record_to``, each workload runs a second time wrapped in ``KVLedgerRecorder``
     (logs in that directory, ``digests`` on the worker, ``steady_decode`` the recorder's),
     reported as ``NAME+recorded`` (``bare=False``: only that run)."""
+    jobs = [
+        job
+        for workload in workloads
+        for job in adapter_jobs(workload, record_to, digests, steady_decode, bare)
+    ]
+    return run_jobs(version, jobs, module="kvledger.connector.testing.lmcache", timeout=timeout)
+
+
+def adapter_jobs(
+    workload: str | LMCacheRun,
+    record_to: str | None,
+    digests: str,
+    steady_decode: bool,
+    bare: bool,
+) -> list[dict[str, Any]]:
+    """The child's jobs for one workload of the adapter rig: bare, recorded, or both."""
+    spec = {**WORKLOADS, **EVENT_WORKLOADS}[workload] if isinstance(workload, str) else workload
+    fields = dataclasses.asdict(spec)
+    jobs: list[dict[str, Any]] = []
+    if bare or record_to is None:
+        jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
+    if record_to is not None:
+        kv = recorded_kv_connector(spec, record_to, digests, steady_decode)
+        jobs.append({"label": f"{spec.name}+recorded", "spec": fields, "kv_connector": kv})
+    return jobs
+
+
+def run_jobs(
+    version: str,
+    jobs: Sequence[Mapping[str, Any]],
+    *,
+    module: str,
+    paths: Sequence[Path] = (),
+    env: Mapping[str, str] | None = None,
+    timeout: float = 1200,
+) -> dict[str, LMCacheReport]:
+    """Run ``jobs`` in a child ``python -m module`` with that LMCache version (and ``paths``)
+    on ``PYTHONPATH``, ``env`` added; one marked report line per job."""
     if not installed(version):
         raise FileNotFoundError(f"LMCache {version} is not installed under {BUILD} (make lmcache)")
-    jobs: list[dict[str, Any]] = []
-    for workload in workloads:
-        spec = {**WORKLOADS, **EVENT_WORKLOADS}[workload] if isinstance(workload, str) else workload
-        fields = dataclasses.asdict(spec)
-        if bare or record_to is None:
-            jobs.append({"label": spec.name, "spec": fields, "kv_connector": None})
-        if record_to is not None:
-            kv = recorded_kv_connector(spec, record_to, digests, steady_decode)
-            jobs.append({"label": f"{spec.name}+recorded", "spec": fields, "kv_connector": kv})
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(version_path(version)), str(DEPS), str(_ROOT)])
-    env["LMCACHE_LOG_LEVEL"] = "WARNING"
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_")}
+    child_paths = [str(version_path(version)), str(DEPS), *map(str, paths), str(_ROOT)]
+    child_env["PYTHONPATH"] = os.pathsep.join(child_paths)
+    child_env["LMCACHE_LOG_LEVEL"] = "WARNING"
+    child_env.update(env or {})
     proc = subprocess.run(
-        [sys.executable, "-m", "kvledger.connector.testing.lmcache"],
-        input=json.dumps({"version": version, "jobs": jobs}),
+        [sys.executable, "-m", module],
+        input=json.dumps({"version": version, "jobs": list(jobs)}),
         capture_output=True,
         text=True,
-        env=env,
+        env=child_env,
         cwd=str(_ROOT),
         timeout=timeout,
         check=False,
@@ -785,17 +821,27 @@ def run_version(
 _MARK = "kvledger-lmcache-report "
 
 
+def run_job(job: Mapping[str, Any], version: str) -> LMCacheReport:
+    """One job of ``adapter_jobs``, in this (child) process."""
+    fields = dict(job["spec"])
+    fields["lmcache"] = dict(fields.get("lmcache") or {})
+    report = run(LMCacheRun(**fields), job["kv_connector"], version=version)
+    report.workload = job["label"]
+    return report
+
+
+def write_report(report: LMCacheReport) -> None:
+    """The child's marked report line."""
+    sys.stdout.write("\n" + _MARK + report.to_json() + "\n")
+    sys.stdout.flush()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Child process: a JSON request on stdin, one marked report line per run on stdout."""
     argparse.ArgumentParser(description=__doc__).parse_args(argv)
     request = json.loads(sys.stdin.read())
     for job in request["jobs"]:
-        fields = dict(job["spec"])
-        fields["lmcache"] = dict(fields.get("lmcache") or {})
-        report = run(LMCacheRun(**fields), job["kv_connector"], version=request["version"])
-        report.workload = job["label"]
-        sys.stdout.write("\n" + _MARK + report.to_json() + "\n")
-        sys.stdout.flush()
+        write_report(run_job(job, request["version"]))
     return 0
 
 

@@ -1113,6 +1113,7 @@ def lmcache_shapes() -> dict[str, Any]:
     """The zoo's LMCache shapes: ``LMCacheRun`` workloads, each run on the release with the bug
     and the release with its fix (tests/test_zoo.py names them)."""
     from kvledger.connector.testing.lmcache import WORKLOADS, LMCacheRun
+    from kvledger.connector.testing.lmcache_mp import LMCacheMPRun, MPRequest
 
     shapes = {
         # LMCache #1969: the rig's own workload (0.3.9.post2 faulty, 0.3.10 fixed).
@@ -1165,4 +1166,24 @@ def lmcache_shapes() -> dict[str, Any]:
     shapes["lmcache_4133_twin"] = dataclasses.replace(
         shapes["lmcache_4133"], name="lmcache_4133_twin", evict_before_retrieve=()
     )
-    return shapes
+    # LMCache #4955 (an in-flight MP store reads blocks a preemption freed; vLLM #52360's shape
+    # in LMCache's own MP mode): LMCache's MP connector and its MP server, LMCache-driven
+    # transfer over CPU shared memory (connector/testing/lmcache_mp.py). "a" and "b" (64
+    # tokens each) fill the pool of 8 blocks in one prefill step; in the next, "a" needs a
+    # block for its first decode token, vLLM preempts "b" and hands a b's last block, which
+    # a's forward writes while the server's STORE of b's 4 chunks is still in flight. 0.5.5's
+    # preemption flush (LMCacheDrivenTransferContext.flush_inflight_stores) is a no-op: the
+    # store reads a's KV into b's last chunk. "again" (b's prompt and 16 tokens more) loads
+    # it. 0.5.6 waits for the store before the forward (the same workload: clean).
+    mp = {
+        "lmcache_4955": LMCacheMPRun(
+            "lmcache_4955",
+            (
+                MPRequest("a", "pa", 64, 6),
+                MPRequest("b", "pb", 64, 6),
+                MPRequest("again", "pb", 80, 4, after="b"),
+            ),
+            num_gpu_blocks=9,
+        )
+    }
+    return {**shapes, **mp}
