@@ -62,6 +62,7 @@ __all__ = [
     "run",
     "run_version",
     "version_path",
+    "wrapped_in_recorder",
 ]
 
 # The pinned wheels `make lmcache` installs. 0.3.9.post2 is the last release before LMCache PR
@@ -221,7 +222,21 @@ def recorded_kv_connector(
     """LMCache's ``--kv-transfer-config`` wrapped in ``KVLedgerRecorder`` (docs/recording.md):
     the recorder is loaded by module path, LMCache by its registry name, with its own extra
     config as ``inner_extra_config``."""
-    inner = lmcache_kv_connector(spec)
+    return wrapped_in_recorder(
+        lmcache_kv_connector(spec),
+        log_dir,
+        digests,
+        spec.chunk_size,
+        steady_decode=steady_decode,
+    )
+
+
+def wrapped_in_recorder(
+    inner: dict[str, Any], log_dir: str, digests: str, chunk_size: int, **more: Any
+) -> dict[str, Any]:
+    """The ``--kv-transfer-config`` ``inner`` (an LMCache connector, by its registry name)
+    wrapped in ``KVLedgerRecorder``, its log written on the scheduler thread; ``more``: more of
+    the recorder's extra config."""
     return {
         "kv_connector": "KVLedgerRecorder",
         "kv_connector_module_path": "kvledger.connector.vllm",
@@ -232,9 +247,9 @@ def recorded_kv_connector(
             "log_dir": log_dir,
             "digests": digests,
             # The granularity `kvledger check --differential` gives kvledger's pool: LMCache's.
-            "chunk_size": spec.chunk_size,
+            "chunk_size": chunk_size,
             "log_background": False,
-            "steady_decode": steady_decode,
+            **more,
         },
     }
 

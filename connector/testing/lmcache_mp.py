@@ -69,6 +69,7 @@ from kvledger.connector.testing.lmcache import (
     installed,
     run_job,
     run_jobs,
+    wrapped_in_recorder,
     write_report,
 )
 
@@ -166,20 +167,7 @@ def recorded_mp_kv_connector(
     spec: LMCacheMPRun, port: int, log_dir: str, digests: str = "sampled"
 ) -> dict[str, Any]:
     """LMCache's MP ``--kv-transfer-config`` wrapped in ``KVLedgerRecorder``."""
-    inner = mp_kv_connector(spec, port)
-    return {
-        "kv_connector": "KVLedgerRecorder",
-        "kv_connector_module_path": "kvledger.connector.vllm",
-        "kv_role": inner["kv_role"],
-        "kv_connector_extra_config": {
-            "inner": inner["kv_connector"],
-            "inner_extra_config": inner["kv_connector_extra_config"],
-            "log_dir": log_dir,
-            "digests": digests,
-            "chunk_size": spec.chunk_size,
-            "log_background": False,
-        },
-    }
+    return wrapped_in_recorder(mp_kv_connector(spec, port), log_dir, digests, spec.chunk_size)
 
 
 # --------------------------------------------------------------------------------------------
