@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvledger.connector.testing.harness import skip_reason
+from kvledger.tracker import events as ev
 
 pytestmark = [
     pytest.mark.vllm,
@@ -506,7 +507,9 @@ def test_lmcache_4955_in_flight_mp_store_reads_reused_blocks(lmcache: Any) -> No
     assert result.exit_code == 1
     assert [(p.name, p.req_id) for p in result.problems] == [("digest_mismatch", "again")]
     (problem,) = result.problems
-    assert problem.step in (load_step, load_step + 1)
+    # Judged when the worker digests the load, which LMCache's MP mode completes
+    # asynchronously: a step or more after it was planned on a loaded machine (16 for 14 once).
+    assert problem.step >= load_step and isinstance(problem.event, ev.LoadDigested)
     assert "block=3" in problem.detail
     # The twin: the same schedule; LMCache's flush waits for every in-flight store first.
     twin = lmcache["0.5.6"]["lmcache_4955"]
