@@ -46,6 +46,7 @@ __all__ = [
     "load_failures_reportable",
     "make_kv_connector_output",
     "model_runner_v2_available",
+    "named_prompts",
     "random_workload",
     "shared_prefix_prompts",
     "skip_reason",
@@ -293,6 +294,17 @@ def shared_prefix_prompts(
     rng = random.Random(seed)
     prefix = _random_tokens(rng, prefix_len, vocab_size)
     return [prefix + _random_tokens(rng, suffix_len, vocab_size) for _ in range(n)]
+
+
+def named_prompts(name: str, seed: int, requests: Iterable[Any]) -> dict[str, list[int]]:
+    """The token stream of each prompt name of a scripted workload (``requests``, each with
+    ``prompt`` and ``prompt_len``), seeded by the workload's name (token ids 10 to 999), as long
+    as the longest request naming it: a request's prompt is the first ``prompt_len`` of them."""
+    rng = random.Random(f"{name}:{seed}")
+    longest: dict[str, int] = {}
+    for r in requests:
+        longest[r.prompt] = max(longest.get(r.prompt, 0), r.prompt_len)
+    return {prompt: [rng.randrange(10, 1000) for _ in range(n)] for prompt, n in longest.items()}
 
 
 def random_workload(

@@ -49,7 +49,6 @@ import functools
 import importlib
 import json
 import os
-import random
 import socket
 import sys
 import threading
@@ -60,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.connector.testing.driver import built_by_vllm
+from kvledger.connector.testing.harness import named_prompts
 from kvledger.connector.testing.lmcache import (
     BUILD,
     LMCacheReport,
@@ -134,11 +134,7 @@ class LMCacheMPRun:
         return False
 
     def prompts(self) -> dict[str, list[int]]:
-        rng = random.Random(f"{self.name}:{self.seed}")
-        longest: dict[str, int] = {}
-        for r in self.requests:
-            longest[r.prompt] = max(longest.get(r.prompt, 0), r.prompt_len)
-        return {name: [rng.randrange(10, 1000) for _ in range(n)] for name, n in longest.items()}
+        return named_prompts(self.name, self.seed, self.requests)
 
     def to_fields(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

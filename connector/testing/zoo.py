@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import random
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +45,7 @@ from kvledger.connector.kv_layout import slot_mapping_for
 from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan
 from kvledger.connector.scheduler import first_group
 from kvledger.connector.testing.faults import FaultyWorkerSide
+from kvledger.connector.testing.harness import named_prompts
 from kvledger.connector.testing.offloading import offloading_extra_config
 from kvledger.connector.testing.oracle import Mismatch
 from kvledger.connector.vllm import KVLedgerConnector
@@ -708,13 +708,8 @@ class Shape:
     vllm_patch: str | None = None
 
     def prompts(self) -> dict[str, list[int]]:
-        """The token stream of each prompt name, seeded (token ids 10 to 999), as long as the
-        longest request naming it: a request's prompt is the first ``prompt_len`` of them."""
-        rng = random.Random(f"{self.name}:{self.seed}")
-        longest: dict[str, int] = {}
-        for r in self.requests:
-            longest[r.prompt] = max(longest.get(r.prompt, 0), r.prompt_len)
-        return {name: [rng.randrange(10, 1000) for _ in range(n)] for name, n in longest.items()}
+        """The token stream of each prompt name (``harness.named_prompts``)."""
+        return named_prompts(self.name, self.seed, self.requests)
 
 
 def _inner(cls: type) -> str:
