@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Final, Literal, Protocol
@@ -192,26 +192,14 @@ class LogWriter:
         """Buffer ``event`` for its step's frame (encoded now: a later change of anything the
         event refers to cannot alter the log). Raises :class:`tracker.codec.EncodeError` for
         an object that is not an event the codec knows."""
+        if type(event) is StepDecoded:
+            self.append_decoded(event.step, event.nums, event.blocks, event.tokens, event.req_id)
+            return
         if not self._pending:
             self._begin_frame(event.step)
         elif event.step != self._frame_step:
             self._write_pending()
             self._begin_frame(event.step)
-        if type(event) is StepDecoded:
-            # The decode step's one record: packed with its frame (on the log's thread when
-            # there is one) once its req_id is interned. Its fields are tuples, fixed; each
-            # int takes at most 9 bytes; one that is not an int costs this record (_packed).
-            later = (event, self._refs)
-            if event.req_id in self._refs and self._sealed_at is None:
-                self._pending.append(later)
-                self._pending_size += 24 + 9 * (
-                    len(event.nums) + len(event.blocks) + len(event.tokens)
-                )
-                return
-            record = _packed(self._packer, later)
-            self._pending.append(record)
-            self._pending_size += len(record)
-            return
         fn = self._encoders.get(event.__class__)
         if fn is None:
             raise codec.EncodeError(f"not an event type the codec knows: {type(event)!r}")
@@ -230,9 +218,38 @@ class LogWriter:
         self._pending.append(record)
         self._pending_size += len(record)
 
+    def append_decoded(
+        self,
+        step: int,
+        nums: Sequence[int],
+        blocks: Sequence[int] = (),
+        tokens: Sequence[int] = (),
+        req_id: str = "",
+    ) -> None:
+        """``append(StepDecoded(step, req_id, nums, blocks, tokens))``, the event built where
+        its frame is packed: the decode step's one record, which the connector writes every
+        step. Packed with its frame (on the log's thread when there is one) once its req_id is
+        interned; its fields are copied into tuples now, so a later change of the caller's
+        lists cannot alter the log. Each int takes at most 9 bytes; one that is not an int
+        costs this record (``_packed``)."""
+        if not self._pending:
+            self._begin_frame(step)
+        elif step != self._frame_step:
+            self._write_pending()
+            self._begin_frame(step)
+        later = (step, req_id, _tuple(nums), _tuple(blocks), _tuple(tokens), self._refs)
+        if req_id in self._refs and self._sealed_at is None:
+            self._pending.append(later)
+            self._pending_size += 24 + 9 * (len(nums) + len(blocks) + len(tokens))
+            return
+        record = _packed(self._packer, later)
+        self._pending.append(record)
+        self._pending_size += len(record)
+
     def end_step(self, step: int) -> None:
         """Write the frame of ``step`` (nothing if it has no events) and flush it to the OS."""
-        self._check_usable()
+        if self.closed or self._failure is not None or self._out.failure is not None:
+            self._check_usable()  # raises
         if not self._pending:
             return
         if step != self._frame_step:
@@ -345,7 +362,8 @@ class LogWriter:
             raise LogWriteError(f"LogWriter for {self._first} failed earlier: {self._failure}")
 
     def _begin_frame(self, step: int) -> None:
-        self._check_usable()
+        if self.closed or self._failure is not None or self._out.failure is not None:
+            self._check_usable()  # raises
         if self._rotate_due and self._sealed_at is None:
             self._rotate()
         self._frame_step = step
@@ -533,8 +551,15 @@ def _segment_start(prev_segment_digest: str, **fields: Any) -> bytes:
     return segment_start(segment_header(prev_segment_digest=prev_segment_digest, **fields))
 
 
-# A StepDecoded appended, packed when its frame is built, with its segment's intern table.
-_Later = tuple[StepDecoded, dict[str, int]]
+# A StepDecoded appended (step, req_id, nums, blocks, tokens), built and packed when its frame
+# is, with its segment's intern table.
+_Later = tuple[int, str, tuple[Any, ...], tuple[Any, ...], tuple[Any, ...], dict[str, int]]
+
+
+def _tuple(values: Sequence[Any]) -> tuple[Any, ...]:
+    return values if type(values) is tuple else tuple(values)
+
+
 _ENCODE_STEP: Final = codec.encoder_table()[StepDecoded]
 _ENCODE_LOST: Final = codec.encoder_table()[RecordLost]
 
@@ -547,20 +572,14 @@ def _packed(packer: msgpack.Packer, record: bytes | _Later) -> bytes:
     no tokenizer and no block pool give)."""
     if isinstance(record, bytes):
         return record
-    event, refs = record
+    step, req_id, nums, blocks, tokens, refs = record
     try:
-        nums, blocks, tokens = (
-            int_tuple(event.nums),
-            int_tuple(event.blocks),
-            int_tuple(event.tokens),
-        )
-        if nums is not event.nums or blocks is not event.blocks or tokens is not event.tokens:
-            event = StepDecoded(event.step, event.req_id, nums, blocks, tokens)
+        event = StepDecoded(step, req_id, int_tuple(nums), int_tuple(blocks), int_tuple(tokens))
         return packer.pack(_ENCODE_STEP(event, refs))  # type: ignore[no-any-return]
     except (TypeError, ValueError, OverflowError) as e:
         packer.reset()
-        error = f"cannot encode a StepDecoded of step {event.step}: {e}"
-        lost = RecordLost(event.step, event.req_id, "StepDecoded", error)
+        error = f"cannot encode a StepDecoded of step {step}: {e}"
+        lost = RecordLost(step, req_id, "StepDecoded", error)
         return packer.pack(_ENCODE_LOST(lost, refs))  # type: ignore[no-any-return]
 
 

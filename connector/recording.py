@@ -81,7 +81,7 @@ class _Batch:
 
     __slots__ = (
         "changes",
-        "counts",
+        "last",
         "lists",
         "lives",
         "nums",
@@ -102,7 +102,9 @@ class _Batch:
         self.lives = lives
         self.nums = tuple(nums)
         self.lists = [lists[r] for r in req_ids]
-        self.counts = list(map(_NUM_TOKENS, lives))  # each life's count, as the log gives it
+        # Each life's count at the last step, one less than the log gives it now: vLLM's
+        # counts of the next step are these plus one each.
+        self.last = [n - 1 for n in map(_NUM_TOKENS, lives)]
         self.changes = steps.changes
         # The tokens vLLM scheduled for each, read in one call (a tuple, or the one value),
         # and what they are in a steady step: one each.
@@ -119,12 +121,18 @@ class _Batch:
             counts = list(map(_NUM_TOKENS, lives))
             if list(map(_KNOWN, lives)) != counts or list(map(rec._lives.get, req_ids)) != lives:
                 return False
-            self.counts, self.changes = counts, steps.changes
-        counts = self.counts
+            self.last, self.changes = [n - 1 for n in counts], steps.changes
+        counts = cached.num_computed_tokens
         if (
-            cached.num_computed_tokens != counts
-            # every one scheduled (KeyError if not) one token
-            or self.scheduled_of(scheduled) != self.one_each
+            len(counts) != len(lives)
+            or set(map(operator.sub, counts, self.last)) != {1}
+            # every one scheduled one token: vLLM's counts all 1 and no more of them than
+            # these (its keys are the new and the cached requests), which reads no request
+            # id; else each one's (KeyError if not scheduled)
+            or (
+                (len(scheduled) != len(req_ids) or set(scheduled.values()) != {1})
+                and self.scheduled_of(scheduled) != self.one_each
+            )
         ):
             return False
         grown: list[Any] = []
@@ -141,11 +149,11 @@ class _Batch:
                     grown += (lives[i].num, group[0])
         try:
             tokens = tuple(map(operator.getitem, self.lists, counts))
-        except IndexError:  # a token not known yet
+        except (IndexError, TypeError):  # a token not known yet; a count that is no index
             return False
         if not rec._decoded(lives, self.nums, tokens, grown, batch=True):
             return False
-        self.counts = [c + 1 for c in counts]  # (a map of (1).__add__ is twice as slow)
+        self.last = list(counts)  # a copy: vLLM's list is vLLM's
         return True
 
 
@@ -170,6 +178,8 @@ class SchedulerRecorder:
         token_list: Callable[[Any], list[int] | None] = lambda request: None,
     ) -> None:
         self.log = log  # a LogSink, or None (recording off: the engine runs as unwrapped)
+        # A sink that takes a steady step's parts (LogWriter.append_decoded), or None.
+        self._append_decoded: Callable[..., None] | None = getattr(log, "append_decoded", None)
         self.step = 0
         self.records_lost = 0
         self.log_error: str | None = None
@@ -395,18 +405,21 @@ class SchedulerRecorder:
         observe = self.observe
         try:
             # The token ids are vLLM's; the writer makes them ints, or says the record is
-            # lost (connector/logwriter.py, _packed), off this thread. An observer gets
-            # them as ints here.
-            event = ev.StepDecoded(
-                self.step,
-                "",
-                tuple(nums),
-                ev.int_tuple(grown) if grown else (),
-                tokens if observe is None else ev.int_tuple(tokens),
-            )
-            if observe is not None:
-                observe(event)
-            self.log.append(event)
+            # lost (connector/logwriter.py, _packed), off this thread, where it also builds
+            # the event (append_decoded). An observer gets them as ints here.
+            if observe is None and self._append_decoded is not None:
+                self._append_decoded(self.step, nums, ev.int_tuple(grown), tokens)
+            else:
+                event = ev.StepDecoded(
+                    self.step,
+                    "",
+                    tuple(nums),
+                    ev.int_tuple(grown) if grown else (),
+                    tokens if observe is None else ev.int_tuple(tokens),
+                )
+                if observe is not None:
+                    observe(event)
+                self.log.append(event)
         except EncodeError as exc:  # a token id the log cannot hold: those steps are lost
             self.lost("StepDecoded", exc)
             return False

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import attrs
 import structlog
 
 from kvledger.connector.config import ConnectorConfig
@@ -71,6 +70,21 @@ def first_group(block_ids: Any) -> tuple[int, ...]:
     ):
         return tuple(block_ids[0])
     return tuple(block_ids)
+
+
+def resumed_markers(cached: Any) -> tuple[Any, Any]:
+    """How vLLM's ``CachedRequestData`` says which requests resumed from preemption: a set of
+    ids (``resumed_req_ids``, vLLM >= 0.11), or else a flag per position
+    (``resumed_from_preemption``); (ids, None) or (None, flags or None)."""
+    resumed_ids = getattr(cached, "resumed_req_ids", None)
+    if resumed_ids is not None:
+        return resumed_ids, None
+    return None, getattr(cached, "resumed_from_preemption", None)
+
+
+# A steady step counted as a batch (Tracker.decode_batch): the positions that take the full
+# path, the numbers counted and their (number, block) pairs.
+_Batch = tuple[list[int], Sequence[int], list[tuple[int, int]]]
 
 
 def _guarded(default: Callable[[], T]) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -196,6 +210,11 @@ class SchedulerSide:
         self.adapter_errors = 0
         # Running totals for vLLM's connector metrics (connector/metrics.py).
         self.counters = Counters()
+        # Whether anything a metric reads may have changed since metrics() last looked: set by
+        # every callback but a steady step's, so that vLLM's question after each steady step
+        # costs one attribute (missed, a change is only reported a step later: since() sends
+        # what changed since the last report).
+        self._moved = True
         # What the loads were for: resumed requests, and hits covering the whole prompt.
         self.load_stats = {"tokens_loaded_on_resume": 0, "full_hits": 0}
         self._requests: dict[str, Any] = {}
@@ -237,6 +256,7 @@ class SchedulerSide:
 
     @_guarded(lambda: None)
     def on_new_request(self, request: Any) -> None:
+        self._moved = True
         self._see(request)
 
     def _see(self, request: Any) -> str:
@@ -254,6 +274,7 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Pure with respect to the pool: asked again, answers the same."""
+        self._moved = True
         return self._lookup(request, num_computed_tokens)
 
     @_guarded(lambda: (0, False))
@@ -331,6 +352,7 @@ class SchedulerSide:
         load. A request the tracker does not know (never added, or already retired) is not
         taken in here: the tracker records ``unknown_request`` and keeps nothing, and the
         external tokens, which nobody looked up, are refused when vLLM schedules it."""
+        self._moved = True
         req_id = str(request.request_id)
         num_external = int(num_external_tokens)
         block_ids = first_group(blocks)
@@ -355,39 +377,44 @@ class SchedulerSide:
             self._probe_remote()
         decisions: list[ev.DecisionEvent] = []
         preempted: tuple[str, ...] = ()
+        # The running requests counted as a batch (_steady_batch); None: one by one, the steady
+        # ones numbered into ``steady`` and ``grown`` (_cached_requests).
+        batch: _Batch | None = None
         steady: list[int] = []
         grown: list[tuple[int, int]] = []
-        batched = [False]  # the steady steps were counted as a batch (Tracker.decode_batch)
+        full = 0  # requests that took the full path
         try:
-            preempted = tuple(sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
+            listed = getattr(scheduler_output, "preempted_req_ids", None)
+            preempted = tuple(sorted(listed)) if listed else ()
             for req_id in preempted:
                 tracker.preempted(req_id)
-            for req_id, read in self._scheduled_requests(scheduler_output, steady, grown, batched):
-                decisions += self._scheduled_one(req_id, read)
+            if scheduler_output.scheduled_new_reqs:
+                for req_id, read in self._new_requests(scheduler_output):
+                    full += 1
+                    decisions += self._scheduled_one(req_id, read)
+            batch = self._steady_batch(scheduler_output)
+            # A decode step, every request steady, ends here: no request takes the full path.
+            if batch is None or batch[0]:
+                for req_id, read in self._cached_requests(scheduler_output, batch, steady, grown):
+                    full += 1
+                    decisions += self._scheduled_one(req_id, read)
         except Exception as exc:
             self._adapter_error("build_connector_meta", exc)
-        if batched[0]:
-            tracker.record_decoded(steady, grown)
+        if batch is not None:
+            tracker.record_decoded(batch[1], batch[2])
         else:
             tracker.decoded(steady, grown)
+        if full or preempted or batch is None:
+            self._moved = True
         plan = self._plan(step, decisions, preempted)
         if self.digests is not None:
-            plan = attrs.evolve(plan, digests=self._plan_digests(step, scheduler_output, preempted))
+            plan = plan._replace(digests=self._plan_digests(step, scheduler_output, preempted))
         tracker.end_step()
         return plan
 
-    def _scheduled_requests(
-        self, out: Any, steady: list[int], grown: list[tuple[int, int]], batched: list[bool]
-    ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
-        """(req id, a reader of its facts) per scheduled request. Reading happens inside the
-        per-request guard, so one malformed entry costs one request, not the step.
-
-        The hot path: a running request decoding one token with at most one new block, at the count
-        the tracker expects, is only numbered into ``steady`` (one ``StepDecoded`` record for
-        the whole step); its token ids are learned later, in bulk, when a decision needs
-        them. Anything unusual about it takes the full path. A step whose running requests
-        were each scheduled one token, none resumed, is checked as a batch
-        (:meth:`_steady_batch`, ``batched[0]`` set); any other request by request."""
+    def _new_requests(self, out: Any) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+        """(req id, a reader of its facts) per new request. Reading happens inside the
+        per-request guard, so one malformed entry costs one request, not the step."""
         num_scheduled: dict[str, int] = out.num_scheduled_tokens
         for new in out.scheduled_new_reqs:
 
@@ -402,11 +429,20 @@ class SchedulerSide:
                 }
 
             yield str(new.req_id), read_new
+
+    def _cached_requests(
+        self, out: Any, batch: _Batch | None, steady: list[int], grown: list[tuple[int, int]]
+    ) -> Iterator[tuple[str, Callable[[], dict[str, Any]]]]:
+        """(req id, a reader of its facts) per running or resumed request that takes the full
+        path: with a ``batch``, those it left out; without, any that is not steady.
+
+        The hot path: a running request decoding one token with at most one new block, at the
+        count the tracker expects, is only numbered into ``steady`` (one ``StepDecoded``
+        record for the whole step); its token ids are learned later, in bulk, when a decision
+        needs them. Anything unusual about it takes the full path."""
+        num_scheduled: dict[str, int] = out.num_scheduled_tokens
         cached = out.scheduled_cached_reqs
-        resumed_ids = getattr(cached, "resumed_req_ids", None)
-        resumed_flags = (
-            None if resumed_ids is not None else getattr(cached, "resumed_from_preemption", None)
-        )
+        resumed_ids, resumed_flags = resumed_markers(cached)
         cached_all = getattr(cached, "all_token_ids", None) or {}
 
         def read_cached(i: int, req_id: str) -> dict[str, Any]:
@@ -422,14 +458,9 @@ class SchedulerSide:
                 "fallback_tokens": cached_all.get(req_id),
             }
 
-        unsteady = self._steady_batch(cached, num_scheduled, resumed_ids, resumed_flags)
-        if unsteady is not None:
-            positions, nums, pairs = unsteady
-            steady += nums
-            grown += pairs
-            batched[0] = True
+        if batch is not None:
             ids = cached.req_ids
-            for i in positions:
+            for i in batch[0]:
                 yield str(ids[i]), functools.partial(read_cached, i, ids[i])
             return
         decode_step_ok = self.tracker.decode_step_ok
@@ -459,19 +490,25 @@ class SchedulerSide:
                 pass
             yield str(req_id), functools.partial(read_cached, i, req_id)
 
-    def _steady_batch(
-        self, cached: Any, num_scheduled: Any, resumed_ids: Any, resumed_flags: Any
-    ) -> tuple[list[int], list[int], list[tuple[int, int]]] | None:
+    def _steady_batch(self, out: Any) -> _Batch | None:
         """The running requests of a step in which each was scheduled exactly one token and
         none was resumed, counted as a batch (``Tracker.decode_batch``: no Python per steady
         request): the positions that take the full path, and the numbers and (number, block)
         pairs counted. None: not such a step, or something about it is not as vLLM gives it
         (checked request by request instead)."""
-        ids = cached.req_ids
-        if not ids or resumed_ids or (resumed_flags is not None and any(resumed_flags)):
-            return None
         try:
-            if set(map(num_scheduled.get, ids)) != {1}:
+            cached = out.scheduled_cached_reqs
+            ids = cached.req_ids
+            resumed_ids, resumed_flags = resumed_markers(cached)
+            if not ids or resumed_ids or (resumed_flags is not None and any(resumed_flags)):
+                return None
+            num_scheduled = out.num_scheduled_tokens
+            # One token for every request: vLLM's counts all 1 and no more of them than cached
+            # requests (its keys are the new and the cached requests), which reads no request
+            # id; with new requests beside them, the cached ones' counts one by one.
+            if not (len(num_scheduled) == len(ids) and set(num_scheduled.values()) == {1}) and (
+                set(map(num_scheduled.get, ids)) != {1}
+            ):
                 return None
             new_block_ids = cached.new_block_ids
             grown: dict[int, int] = {}
@@ -512,8 +549,20 @@ class SchedulerSide:
             return []
 
     def _plan(
-        self, step: int, decisions: Iterable[ev.DecisionEvent], preempted: tuple[str, ...]
+        self, step: int, decisions: list[ev.DecisionEvent], preempted: tuple[str, ...]
     ) -> StepPlan:
+        if not (
+            decisions
+            or self._allocated_this_step
+            or self._unlooked
+            or self._unlooked_refused
+            or self._delayed_free
+        ):
+            # A steady step plans nothing. Built by tuple.__new__ in one C call: the named
+            # tuple's own __new__ is a Python function, 2 to 4 us more on the scheduler's
+            # cold caches (docs/performance.md); tests/test_connector_scenarios.py holds this
+            # to StepPlan(step, preempted=preempted).
+            return tuple.__new__(StepPlan, (step, (), (), (), preempted, (), None))
         loads: list[TransferPlan] = []
         saves: list[TransferPlan] = []
         refused: list[int] = []
@@ -582,6 +631,9 @@ class SchedulerSide:
     def metrics(self) -> dict[str, int] | None:
         """What changed in the counters and the pool since the previous call, for vLLM's
         connector stats (connector/metrics.py); None when nothing did."""
+        if not self._moved:
+            return None  # steady steps only since the last call: nothing a metric reads moved
+        self._moved = False
         c, t = self.counters, self.tracker
         c.violations = len(t.violations)
         c.adapter_errors = self.adapter_errors
@@ -610,8 +662,7 @@ class SchedulerSide:
                     token_ids=request.all_token_ids if request is not None else (),
                 )
             cached = out.scheduled_cached_reqs
-            resumed_ids = getattr(cached, "resumed_req_ids", None)
-            flags = getattr(cached, "resumed_from_preemption", None)
+            resumed_ids, flags = resumed_markers(cached)
             bs = planner.block_size
             deferred = planner.deferred
             computed = cached.num_computed_tokens
@@ -705,6 +756,7 @@ class SchedulerSide:
         recorded violation, and the request it names gives up its transfers on this rank (its
         load, if one is in flight, and its pending saves fail), so that nothing it holds waits
         for a result that will never come. Every other entry is applied."""
+        self._moved = True
         rank = report.rank
         unreadable: list[str] = []
         # (field, its event, the reader of one entry, what applies it), in the order applied.
@@ -844,6 +896,7 @@ class SchedulerSide:
         if self.config.strict:
             raise exc
         self.adapter_errors += 1
+        self._moved = True
         _log.error("kvledger.unreadable_report", req_id=req_id, event_type=event, error=repr(exc))
         self.tracker.mark_violation(req_id or "", "adapter_error", event, error=repr(exc))
 
@@ -853,6 +906,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """True while a save still reads the request's blocks: vLLM keeps them until the worker
         reports the request in ``finished_sending``."""
+        self._moved = True
         req_id = str(request.request_id)
         self._requests.pop(req_id, None)
         if self.digests is not None:
@@ -869,6 +923,7 @@ class SchedulerSide:
         if self.config.strict:
             raise exc
         self.adapter_errors += 1
+        self._moved = True
         if req_id is not None:
             self.tracker.mark_violation(req_id, "adapter_error", "Scheduled", error=repr(exc))
         else:

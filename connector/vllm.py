@@ -313,10 +313,20 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
             self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVLedgerMetadata:
+        # Every step: the role's guard (a property call) only when there is no scheduler side.
+        side = self._scheduler or self.scheduler_side
         with self._stop:
-            return KVLedgerMetadata(self.scheduler_side.build_connector_meta(scheduler_output))
+            return KVLedgerMetadata(side.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        # vLLM calls it every step; in most, no worker reported anything (neither our worker
+        # metadata nor, on a vLLM without it, the stats that carry the reports instead:
+        # SchedulerSide._reports_of), and there is nothing to apply.
+        if (
+            getattr(connector_output, "kv_connector_worker_meta", None) is None
+            and getattr(connector_output, "kv_connector_stats", None) is None
+        ):
+            return
         with self._stop:
             self.scheduler_side.update_connector_output(connector_output)
 

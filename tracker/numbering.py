@@ -17,15 +17,17 @@ __all__ = ["RequestNumbers"]
 
 class RequestNumbers:
     """``num_of`` (req id -> number) and ``req_of`` (number -> req id) are read directly on
-    hot paths; they change only through ``take`` and ``give_back``."""
+    hot paths; they change only through ``take`` and ``give_back``, each of which that
+    changes them bumps ``version`` (a reader that cached numbers knows whether they hold)."""
 
-    __slots__ = ("_free", "_next", "num_of", "req_of")
+    __slots__ = ("_free", "_next", "num_of", "req_of", "version")
 
     def __init__(self) -> None:
         self.num_of: dict[str, int] = {}
         self.req_of: dict[int, str] = {}
         self._free: list[int] = []
         self._next = 0
+        self.version = 0
 
     def take(self, req_id: str) -> int:
         """The request's number, taking the lowest free one if it has none."""
@@ -38,6 +40,7 @@ class RequestNumbers:
             num, self._next = self._next, self._next + 1
         self.num_of[req_id] = num
         self.req_of[num] = req_id
+        self.version += 1
         return num
 
     def follow(self, event: ev.Event) -> None:
@@ -54,3 +57,4 @@ class RequestNumbers:
         if num is not None:
             del self.req_of[num]
             heapq.heappush(self._free, num)
+            self.version += 1

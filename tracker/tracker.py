@@ -193,7 +193,7 @@ class _Decoding:
         be (no live state): ``strict`` (a replay), False at once, and the caller checks the
         step request by request; else (the connector) it stays out of the batch."""
         cap = self.cap
-        if nums != self.nums:
+        if nums is not self.nums and nums != self.nums:
             now = set(nums)
             for num in cap.keys() - now:
                 self.drop(t, num)
@@ -235,7 +235,8 @@ class _Decoding:
         return the positions of the others, in order. Those leave the batch, their steps so
         far settled, and are derived again when they come back."""
         cap, lim = self.cap, self.lim
-        self._follow(t, nums, strict=False)
+        if nums is not self.nums or self.dirty:  # else the members are those of the last step
+            self._follow(t, nums, strict=False)
         aligned = self.aligned
         if aligned is None:
             off = self.off
@@ -254,7 +255,7 @@ class _Decoding:
             if nums[i] in cap:
                 cap[nums[i]] += b
         s = steps + 1
-        if not self._bounds_hold(s):
+        if (self.min_cap < s or self.min_lim < s) and not self._bounds_hold(s):
             short = {num for num in cap if cap[num] < s or lim[num] < s}
             bad = sorted({*bad, *(i for i, num in enumerate(nums) if num in short)})
         for i in bad:
@@ -341,6 +342,9 @@ class Tracker:
         self._numbers = RequestNumbers()
         self._num_of = self._numbers.num_of  # read on the hot path
         self._req_of = self._numbers.req_of
+        # The last step's request ids (a copy), the numbering's version then, and their
+        # numbers: for the connector's steady step (_nums_of).
+        self._ids_seen: tuple[list[str], int, tuple[int, ...]] | None = None
         self.violations: list[Violation] = []
         self.step = 0
         self.counts: dict[str, int] = {
@@ -352,6 +356,10 @@ class Tracker:
             "finished": 0,
         }
         self._log = log
+        # A sink that takes a steady step's parts (LogWriter.append_decoded), or None.
+        self._append_decoded: Callable[[int, Sequence[int], Sequence[int]], None] | None = getattr(
+            log, "append_decoded", None
+        )
         # Why the log stopped being written, if it did (the engine goes on without it).
         self.log_error: str | None = None
         # What the shell wants told (a structlog-shaped logger); the core itself writes nowhere.
@@ -546,7 +554,7 @@ class Tracker:
 
     def decode_batch(
         self, req_ids: Sequence[str], num_computed: Sequence[int], grown: Mapping[int, int]
-    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    ) -> tuple[list[int], Sequence[int], list[tuple[int, int]]]:
         """The connector's steady step as a batch: ``req_ids`` were each scheduled exactly one
         token at vLLM's ``num_computed`` (the same positions), none resumed; ``grown`` maps a
         position to the one block its table grew by. Those that ``decode_step_ok`` would take
@@ -556,16 +564,27 @@ class Tracker:
         (number, block) pairs of those counted, for :meth:`record_decoded`."""
         if self._decoding is None:
             self._decoding = _Decoding()
-        nums = tuple(map(self._num_of.get, req_ids, itertools.repeat(-1)))
+        nums = self._nums_of(req_ids)
         bad = self._decoding.take(self, nums, num_computed, grown)
         if not bad:
-            steady = list(nums)
-            pairs = [(nums[i], block) for i, block in grown.items()]
-        else:
-            out = set(bad)
-            steady = [n for i, n in enumerate(nums) if i not in out]
-            pairs = [(nums[i], block) for i, block in grown.items() if i not in out]
+            return bad, nums, [(nums[i], block) for i, block in grown.items()]
+        out = set(bad)
+        steady = [n for i, n in enumerate(nums) if i not in out]
+        pairs = [(nums[i], block) for i, block in grown.items() if i not in out]
         return bad, steady, pairs
+
+    def _nums_of(self, req_ids: Sequence[str]) -> tuple[int, ...]:
+        """The numbers of ``req_ids`` (-1: none). A step's list of vLLM's that equals the step
+        before's, under the same numbering (nothing taken or given back since), has the same
+        numbers: the list comparison reads only pointers (vLLM hands the same string objects
+        every step), where looking each id up reads every string, cold by then."""
+        seen = self._ids_seen
+        version = self._numbers.version
+        if seen is not None and seen[1] == version and type(req_ids) is list and req_ids == seen[0]:
+            return seen[2]
+        nums = tuple(map(self._num_of.get, req_ids, itertools.repeat(-1)))
+        self._ids_seen = (list(req_ids), version, nums)
+        return nums
 
     def record_decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
         """Write the ``StepDecoded`` of steps already counted (:meth:`decode_batch`)."""
@@ -575,7 +594,15 @@ class Tracker:
         if self._log is None:
             return  # nothing reads the event but the log: not built (a step's hot path)
         flat = tuple(itertools.chain.from_iterable(grown))
-        self._record(ev.StepDecoded(self.step, "", tuple(nums), flat), ())
+        if self._append_decoded is None:
+            self._record(ev.StepDecoded(self.step, "", tuple(nums), flat), ())
+            return
+        # The sink builds the event where it packs it (LogWriter.append_decoded): off vLLM's
+        # scheduler thread when the log has its own.
+        try:
+            self._append_decoded(self.step, nums, flat)
+        except Exception as exc:
+            self._log_failed(exc)
 
     def decoded(self, nums: Sequence[int], grown: Sequence[tuple[int, int]] = ()) -> None:
         """Record one step of steady decodes for these request numbers, each admitted by

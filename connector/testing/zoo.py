@@ -294,7 +294,7 @@ class LoadIntoLastBlocks(_ZooKVLedger):
         loads = tuple(
             _to_last_blocks(load, tables.get(load.req_id), bs) for load in meta.plan.loads
         )
-        meta.plan = attrs.evolve(meta.plan, loads=loads)
+        meta.plan = meta.plan._replace(loads=loads)
         return meta
 
 
@@ -407,7 +407,7 @@ class SampledTokenStored(_ZooKVLedger):
         meta = super().build_connector_meta(scheduler_output)
         if self._final_saves:
             saves, self._final_saves = tuple(self._final_saves), []
-            meta.plan = attrs.evolve(meta.plan, saves=saves + meta.plan.saves)
+            meta.plan = meta.plan._replace(saves=saves + meta.plan.saves)
         return meta
 
 
