@@ -47,6 +47,9 @@ API = {  # visible at the connector API: named with digests off
     "sglang_40193_offer": ("again", {"stored_not_offered"}),
     # build_connector_meta raised: a callback about the step, not one request.
     "vllm_49635": ("", {"connector_raised"}),
+    # vLLM's own OffloadingConnector under MultiConnector, its blocks bound taken out: its
+    # store path asserted in build_connector_meta (the engine dies there).
+    "vllm_52170": ("", {"connector_raised"}),
     "lmcache_4762": ("again", {"stale_completion"}),
 }
 ALL = {**BYTES, **API}
@@ -156,6 +159,14 @@ def _assert_api_step(name: str, report: Any, problem: Any) -> None:
         (finished,) = [s for r, s in report.finished_at if r == "first"]
         assert problem.step == finished + 1
         assert problem.detail == "callback=build_connector_meta,error=KeyError: 'first'"
+    elif name == "vllm_52170":
+        # "again" was aborted while waiting for the second connector's asynchronous load; in
+        # the next step's build_connector_meta the first connector counted its 64 computed
+        # tokens as 4 chunks to store, had no block id for them, and asserted.
+        assert report.error is not None and report.error.startswith("AssertionError")
+        assert "scheduler.py" in report.error
+        assert problem.step == report.error_step
+        assert problem.detail == "callback=build_connector_meta,error=AssertionError: "
     elif name == "sglang_40193_offer":
         # No error and no wrong KV: the hit was only short. The connector's own events say it
         # held b's two chunks when "again" asked; it offered one. explain splits the same way.
@@ -278,6 +289,46 @@ def test_vllm_46951_a_store_reads_what_another_connectors_load_wrote(zoo: Any) -
     assert (problem.name, problem.req_id, problem.step) == ("load_unchanged", "again", hit[0])
     assert problem.detail.startswith("block=1,")
     assert not twin.mismatches
+
+
+def test_vllm_52170_the_store_path_asserts_on_a_request_it_has_no_blocks_of(zoo: Any) -> None:
+    """vLLM's MultiConnector over two of vLLM's own OffloadingConnectors (chunks of 16 tokens,
+    the first with a CPU tier of four chunks), recorded as one connector. "filler" evicted
+    "first" from the first connector, so "again" (first's prompt and 16 tokens more) was a hit
+    of the second alone, loaded asynchronously; vLLM aborted it while it waited. The first
+    connector had looked "again" up (its block ids cleared, its cursor at 0) and was told of
+    its blocks with 0 external tokens, which records none. With the blocks bound of
+    ``storable_chunks`` taken out (the faulty run only), the abort's step counted the 64
+    computed tokens as 4 chunks, sliced 4 keys and no block id, and vLLM's own assertion
+    ``len(offload_keys) == len(offload_block_ids)`` raised in ``build_connector_meta``: the
+    engine of #52170 dies there. The twin (vLLM 0.33 as shipped) stores nothing for it."""
+    import vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler as offloading
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        RequestOffloadState,
+    )
+
+    from kvledger.connector.testing.offloading import rig_workers
+
+    faulty, twin = zoo("vllm_52170"), zoo("vllm_52170", fixed=True)
+    # The patch lasted the faulty run only: vLLM's own method is back.
+    assert "num_allocated_chunks" in inspect.getsource(RequestOffloadState.storable_chunks)
+    # The assertion is vLLM's own line, the one #52170 reports.
+    assert faulty.error is not None and faulty.error_step is not None
+    line = int(re.fullmatch(r"AssertionError \(scheduler\.py:(\d+)\)", faulty.error)[1])
+    source = Path(offloading.__file__).read_text().splitlines()[line - 1]
+    assert source.strip() == "assert len(offload_keys) == len(offload_block_ids)"
+    # "again" was aborted, not finished by a token: it never produced one.
+    assert "again" in faulty.finished and "again" not in dict(faulty.finished_at)
+    # The first connector's tier holds four chunks; the second's far more.
+    first, second = rig_workers(twin.worker)
+    assert first.cpu[0].shape[0] == 4 < second.cpu[0].shape[0]
+    (problem,) = _check(faulty.log_path).problems
+    assert (problem.name, problem.req_id, problem.step) == (
+        "connector_raised",
+        "",
+        faulty.error_step,
+    )
+    assert twin.error is None and not twin.mismatches
 
 
 def test_vllm_36752_trigger_checks_clean(zoo: Any) -> None:

@@ -79,6 +79,7 @@ __all__ = [
     "ZooRequest",
     "lmcache_shapes",
     "offloading_allocations_untracked",
+    "offloading_chunks_unallocated",
     "run_shape",
     "set_engine_fault",
 ]
@@ -653,9 +654,56 @@ def offloading_allocations_untracked() -> Iterator[None]:
         setattr(OffloadingConnectorScheduler, "update_state_after_alloc", fixed)  # noqa: B010
 
 
+@contextlib.contextmanager
+def offloading_chunks_unallocated() -> Iterator[None]:
+    """vLLM #52170 (https://github.com/vllm-project/vllm/issues/52170): ``assert
+    len(offload_keys) == len(offload_block_ids)`` in ``OffloadingConnectorScheduler.
+    _build_store_jobs`` kills the engine (vLLM 0.26, NIXL and OffloadingConnector under
+    MultiConnector). The store path takes its chunk count from
+    ``RequestOffloadState.storable_chunks`` and slices that many keys and that many chunks of
+    the request's block ids; vLLM 0.33 bounds the count by the tokens, by the blocks the
+    connector was told of (``num_allocated_chunks``) and by the keys (``num_keyed_chunks``,
+    PR #52923, https://github.com/vllm-project/vllm/pull/52923, which closed #52170; its
+    description says the blocks bound was there before it).
+
+    Under vLLM 0.33 the keys bound never binds with a connector (the keys come from
+    ``Request.block_hashes``, which cover every whole chunk of ``num_tokens``: the lookahead
+    hashes that lag behind them are off when a KV connector is configured), so taking it out
+    alone changes nothing. This takes the blocks bound out (the keys bound stays): a request
+    that finishes before the connector heard of any of its blocks (one vLLM aborted while
+    another connector's asynchronous load into them was in flight: its
+    ``update_state_after_alloc`` records none, its block ids are only learnt from a step that
+    schedules the request) is counted by its computed tokens, and the block slice comes up
+    short. Nothing else of vLLM's code changes."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        RequestOffloadState,
+    )
+
+    fixed = RequestOffloadState.storable_chunks
+    if "num_allocated_chunks" not in inspect.getsource(fixed):
+        raise RuntimeError("this vLLM's storable_chunks has no bound by the allocated blocks")
+
+    def without_the_blocks_bound(
+        self: Any, group_config: Any, group_state: Any, num_offloadable_tokens: int
+    ) -> int:
+        # vLLM 0.33's body, ``num_allocated_chunks`` left out of the min().
+        num_chunks = num_offloadable_tokens // int(group_config.tokens_per_chunk)
+        is_decoding = num_offloadable_tokens > self.req.num_prompt_tokens
+        if group_config.is_eagle_group and is_decoding and not self.req.is_finished():
+            num_chunks = max(0, num_chunks - 1)
+        return min(num_chunks, len(group_state.offload_keys))
+
+    setattr(RequestOffloadState, "storable_chunks", without_the_blocks_bound)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(RequestOffloadState, "storable_chunks", fixed)  # noqa: B010
+
+
 # name -> the patch a faulty run applies to vLLM (Shape.vllm_patch); its twin runs without it.
 VLLM_PATCHES: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
     "offloading_allocations_untracked": offloading_allocations_untracked,
+    "offloading_chunks_unallocated": offloading_chunks_unallocated,
 }
 
 
@@ -682,6 +730,9 @@ class ZooRequest:
     # The next turn of a chat: the prompt starts with that request's prompt and output, and
     # the shape's token stream ``prompt`` fills the rest up to ``prompt_len``.
     continues: str | None = None
+    # Aborted (as a client that goes away) between two steps, as soon as vLLM has it waiting
+    # for an asynchronous load (WAITING_FOR_REMOTE_KVS).
+    abort_while_loading: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -720,16 +771,25 @@ _KVLEDGER = "kvledger.connector.vllm:KVLedgerConnector"
 _NO_PREFIX_CACHE = {"enable_prefix_caching": False}
 
 
-def _offloading(offloaded_block_size: int) -> dict[str, Any]:
+def _offloading(offloaded_block_size: int, cpu_chunks: int | None = None) -> dict[str, Any]:
     """A MultiConnector child: vLLM's OffloadingConnector, its CPU tier in chunks of
-    ``offloaded_block_size`` tokens, its copies the rig's (connector/testing/offloading.py)."""
+    ``offloaded_block_size`` tokens (``cpu_chunks`` of them, else the rig's default size), its
+    copies the rig's (connector/testing/offloading.py)."""
+    size: dict[str, Any] = {}
+    if cpu_chunks is not None:
+        size["cpu_bytes"] = cpu_chunks * offloaded_block_size * _KV_BYTES_PER_TOKEN
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": offloading_extra_config(
-            offloaded_block_size=offloaded_block_size
+            offloaded_block_size=offloaded_block_size, **size
         ),
     }
+
+
+# KV bytes of one token in the rig's model (harness.py: 2 layers, K and V, 2 KV heads of 16
+# float32 values): what a CPU tier holds per token.
+_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 
 
 # A prompt computed and stored, then sent again with a suffix (no prefix cache): the second
@@ -915,6 +975,27 @@ SHAPES: dict[str, Shape] = {
         digests="sampled",
         vllm_patch="offloading_allocations_untracked",
     ),
+    # vLLM's MultiConnector over two of vLLM's own OffloadingConnectors with chunks of 16
+    # tokens, the first with a CPU tier of four chunks; the recorder wraps the MultiConnector.
+    # "first" (64 tokens) is stored by both; "filler" (64 other tokens) evicts it from the
+    # first. "again" (first's prompt and 16 tokens more) is then a hit of the second alone
+    # (64 tokens), loaded asynchronously; vLLM aborts it while it waits for that load. The
+    # first connector never heard of its blocks and counts its 64 computed tokens.
+    "vllm_52170": Shape(
+        "vllm_52170",
+        "vLLM #52170",
+        "https://github.com/vllm-project/vllm/issues/52170",
+        "MultiConnector",
+        "MultiConnector",
+        (
+            ZooRequest("first", "p", 64, 2),
+            ZooRequest("filler", "f", 64, 2, after="first"),
+            ZooRequest("again", "p", 80, 4, after="filler", abort_while_loading=True),
+        ),
+        engine=_NO_PREFIX_CACHE,
+        extra_config={"connectors": [_offloading(16, cpu_chunks=4), _offloading(16)]},
+        vllm_patch="offloading_chunks_unallocated",
+    ),
     # The same prompt twice, synchronous loads, no prefix cache: the second is a full hit.
     "vllm_55113": Shape(
         "vllm_55113",
@@ -1017,9 +1098,19 @@ def _run_shape(shape: Shape, *, fixed: bool, log_dir: str, max_steps: int) -> Zo
                     tokens = turn + tokens[len(turn) :]
                 harness.add_request(r.req_id, tokens[: r.prompt_len], r.max_tokens)
 
+    def abort() -> None:
+        from vllm.v1.request import RequestStatus
+
+        for r in shape.requests:
+            request = harness.scheduler.requests.get(r.req_id)
+            if r.abort_while_loading and request is not None:
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    harness.abort_request(r.req_id)
+
     try:
         while steps < max_steps:
             arrive()
+            abort()
             result = harness.step()
             if result is None:
                 if not waiting:
