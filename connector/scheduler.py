@@ -560,8 +560,8 @@ class SchedulerSide:
         ):
             # A steady step plans nothing. Built by tuple.__new__ in one C call: the named
             # tuple's own __new__ is a Python function, 2 to 4 us more on the scheduler's
-            # cold caches (docs/performance.md); tests/test_connector_scenarios.py holds this
-            # to StepPlan(step, preempted=preempted).
+            # cold caches (docs/performance.md); tests/test_steady_step.py holds this to
+            # StepPlan(step, preempted=preempted).
             return tuple.__new__(StepPlan, (step, (), (), (), preempted, (), None))
         loads: list[TransferPlan] = []
         saves: list[TransferPlan] = []
