@@ -12,8 +12,12 @@ every byte of the previous segment in ``prev_segment_digest``; frame ``seq`` num
 segments, so a reader notices a missing, reordered or foreign segment.
 
 Durability: every ``end_step`` writes its frame and flushes it to the OS (a process crash loses
-at most the step being written, seen as a torn tail); ``fsync`` runs on rotation and on close
-(``fsync="step"`` also after every step, ``"never"`` never). An ``fsync`` error is logged and
+at most the step being written, seen as a torn tail), or, with ``background``, hands it to the
+log's thread, which writes what was handed over in one call every 50 ms (``_WAKE_S``; at once
+past 1 MiB, or for an fsync, a rotation, the seal): a group commit, whose crash loses what
+was still handed over, the last 50 ms of steps (at most ``max_queue_bytes`` when the disk is
+behind). ``fsync`` runs on rotation and on close (``fsync="step"`` also after every step,
+``"never"`` never). An ``fsync`` error is logged and
 never retried (after a failed fsync the kernel may have dropped the dirty pages and a retry can
 falsely succeed, "fsyncgate"): the writer marks itself failed and the next write, or ``close``,
 raises :class:`LogWriteError`. Open a new log to continue. A failed ``write`` does the same.

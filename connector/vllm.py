@@ -319,6 +319,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
             return KVLedgerMetadata(side.build_connector_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
+        side = self._scheduler or self.scheduler_side  # the role's guard, as above
         # vLLM calls it every step; in most, no worker reported anything (neither our worker
         # metadata nor, on a vLLM without it, the stats that carry the reports instead:
         # SchedulerSide._reports_of), and there is nothing to apply.
@@ -328,7 +329,7 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
         ):
             return
         with self._stop:
-            self.scheduler_side.update_connector_output(connector_output)
+            side.update_connector_output(connector_output)
 
     def request_finished(
         self, request: Any, block_ids: list[int]
