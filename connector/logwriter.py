@@ -371,7 +371,7 @@ class LogWriter:
         if self._rotate_due and self._sealed_at is None:
             self._rotate()
         self._frame_step = step
-        self._mark = self._encoder.mark()
+        self._mark = len(self._refs)  # the encoder's mark(), without a call: every step
 
     def _open_segment(self, number: int) -> None:
         path = self._first.with_name(segment_name(self._first.name, number))
@@ -482,7 +482,7 @@ class LogWriter:
     def _wrote(self, size: int) -> None:
         """A step's frames went to the output (``size``: their bytes, when not counted yet)."""
         self._size += size
-        self._mark = self._encoder.mark()
+        self._mark = len(self._refs)  # the encoder's mark(), as in _begin_frame
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
 
