@@ -74,7 +74,7 @@ def first_group(block_ids: Any) -> tuple[int, ...]:
 
 def resumed_markers(cached: Any) -> tuple[Any, Any]:
     """How vLLM's ``CachedRequestData`` says which requests resumed from preemption: a set of
-    ids (``resumed_req_ids``, vLLM >= 0.11), or else a flag per position
+    ids (``resumed_req_ids``), or, in the releases before it, a flag per position
     (``resumed_from_preemption``); (ids, None) or (None, flags or None)."""
     resumed_ids = getattr(cached, "resumed_req_ids", None)
     if resumed_ids is not None:

@@ -20,6 +20,16 @@ PREEMPTING: dict[str, Any] = dict(
     shared_prefix=16,
     num_requests=6,
 )
+# Eight requests decoding up to 120 tokens on a pool that preempts: mostly steady decode
+# steps, with saves, loads, preemptions and finishes between them.
+DECODING: dict[str, Any] = dict(
+    num_gpu_blocks=40,
+    max_num_seqs=8,
+    num_requests=8,
+    prompt_len=(20, 90),
+    max_tokens=(60, 120),
+    shared_prefix=16,
+)
 # The same, every reuse from the connector (no prefix cache), prompts prefilled in one step
 # (ExampleConnector saves a prompt whole in the step that first schedules it).
 PREEMPTING_RECORDED: dict[str, Any] = dict(

@@ -23,6 +23,7 @@ from kvledger.tracker.tracker import Tracker, _Decoding
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import replay_bench
+from _rigs import DECODING
 from replay_bench import write_log  # the bench's decode-heavy workload
 
 
@@ -271,15 +272,7 @@ def test_under_vllms_scheduler_the_batch_writes_the_same_log(
         pytest.skip(str(skip_reason()))
     from kvledger.connector.testing.run import RunSpec, run
 
-    spec = RunSpec(
-        num_gpu_blocks=40,
-        max_num_seqs=8,
-        num_requests=8,
-        prompt_len=(20, 90),
-        max_tokens=(60, 120),
-        shared_prefix=16,
-        async_scheduling=async_scheduling,
-    )
+    spec = RunSpec(**DECODING, async_scheduling=async_scheduling)
     batch = SchedulerSide._steady_batch
     taken = {"steady": 0}
 

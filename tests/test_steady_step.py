@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _rigs import DECODING
 from fakes import FakeBlocks, FakeRequest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -122,14 +123,7 @@ def test_after_steady_steps_the_metrics_are_what_the_counters_say(tmp_path: Path
         assert got == want
         return got
 
-    spec = RunSpec(
-        num_gpu_blocks=40,
-        max_num_seqs=8,
-        num_requests=8,
-        prompt_len=(20, 90),
-        max_tokens=(60, 120),
-        shared_prefix=16,
-    )
+    spec = RunSpec(**DECODING)
     SchedulerSide.metrics = checked  # type: ignore[method-assign]
     try:
         report = run(spec, log_dir=str(tmp_path))
