@@ -252,8 +252,7 @@ class LogWriter:
 
     def end_step(self, step: int) -> None:
         """Write the frame of ``step`` (nothing if it has no events) and flush it to the OS."""
-        if self.closed or self._failure is not None or self._out.failure is not None:
-            self._check_usable()  # raises
+        self._check_usable()
         if not self._pending:
             return
         if step != self._frame_step:
@@ -366,12 +365,11 @@ class LogWriter:
             raise LogWriteError(f"LogWriter for {self._first} failed earlier: {self._failure}")
 
     def _begin_frame(self, step: int) -> None:
-        if self.closed or self._failure is not None or self._out.failure is not None:
-            self._check_usable()  # raises
+        self._check_usable()
         if self._rotate_due and self._sealed_at is None:
             self._rotate()
         self._frame_step = step
-        self._mark = len(self._refs)  # the encoder's mark(), without a call: every step
+        self._mark = self._encoder.mark()
 
     def _open_segment(self, number: int) -> None:
         path = self._first.with_name(segment_name(self._first.name, number))
@@ -482,7 +480,7 @@ class LogWriter:
     def _wrote(self, size: int) -> None:
         """A step's frames went to the output (``size``: their bytes, when not counted yet)."""
         self._size += size
-        self._mark = len(self._refs)  # the encoder's mark(), as in _begin_frame
+        self._mark = self._encoder.mark()
         if self.rotate_bytes is not None and self._size >= self.rotate_bytes:
             self._rotate_due = True
 

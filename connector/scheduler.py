@@ -33,7 +33,7 @@ from kvledger.tracker.plans import blocks_covering, transfer_plan
 from kvledger.tracker.remote import lookup_keys
 from kvledger.tracker.tracker import Tracker
 
-__all__ = ["SchedulerSide", "first_group", "status_name"]
+__all__ = ["SchedulerSide", "carries_reports", "first_group", "status_name"]
 
 _log = structlog.get_logger("kvledger.connector")
 # The Tracker's violations and log failures, under the name they always had.
@@ -70,6 +70,16 @@ def first_group(block_ids: Any) -> tuple[int, ...]:
     ):
         return tuple(block_ids[0])
     return tuple(block_ids)
+
+
+def carries_reports(connector_output: Any) -> bool:
+    """Whether vLLM's ``KVConnectorOutput`` has where our worker's reports ride: the worker
+    metadata, or, on a vLLM without it, the connector stats (what
+    ``SchedulerSide._reports_of`` reads). Most steps it has neither: nothing to apply."""
+    return (
+        getattr(connector_output, "kv_connector_worker_meta", None) is not None
+        or getattr(connector_output, "kv_connector_stats", None) is not None
+    )
 
 
 def resumed_markers(cached: Any) -> tuple[Any, Any]:
@@ -727,7 +737,8 @@ class SchedulerSide:
     def _reports_of(self, connector_output: Any) -> list[Any]:
         """The worker reports in vLLM's ``KVConnectorOutput``: our worker metadata (one report
         per rank, or a bare or wrapped single report), else (no worker metadata) the plain reports in
-        the connector stats. Anything else there is not ours and is ignored."""
+        the connector stats (``carries_reports``). Anything else there is not ours and is
+        ignored."""
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
         reports = getattr(meta, "reports", None)
         if reports is not None:

@@ -35,7 +35,7 @@ from kvledger.connector.edge import (
 )
 from kvledger.connector.messages import StepPlan, WorkerReport
 from kvledger.connector.recorder import KVLedgerRecorder  # loaded by vLLM from this module too
-from kvledger.connector.scheduler import SchedulerSide
+from kvledger.connector.scheduler import SchedulerSide, carries_reports
 from kvledger.connector.stopping import NO_HOOK, StopHook
 
 if TYPE_CHECKING:  # imported at run time only in the worker role: torch only where bytes move
@@ -320,14 +320,8 @@ class KVLedgerConnector(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore
 
     def update_connector_output(self, connector_output: Any) -> None:
         side = self._scheduler or self.scheduler_side  # the role's guard, as above
-        # vLLM calls it every step; in most, no worker reported anything (neither our worker
-        # metadata nor, on a vLLM without it, the stats that carry the reports instead:
-        # SchedulerSide._reports_of), and there is nothing to apply.
-        if (
-            getattr(connector_output, "kv_connector_worker_meta", None) is None
-            and getattr(connector_output, "kv_connector_stats", None) is None
-        ):
-            return
+        if not carries_reports(connector_output):
+            return  # most steps: no worker reported anything, and nothing is recorded
         with self._stop:
             side.update_connector_output(connector_output)
 

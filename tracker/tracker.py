@@ -235,8 +235,7 @@ class _Decoding:
         return the positions of the others, in order. Those leave the batch, their steps so
         far settled, and are derived again when they come back."""
         cap, lim = self.cap, self.lim
-        if nums is not self.nums or self.dirty:  # else the members are those of the last step
-            self._follow(t, nums, strict=False)
+        self._follow(t, nums, strict=False)
         aligned = self.aligned
         if aligned is None:
             off = self.off
@@ -255,7 +254,7 @@ class _Decoding:
             if nums[i] in cap:
                 cap[nums[i]] += b
         s = steps + 1
-        if (self.min_cap < s or self.min_lim < s) and not self._bounds_hold(s):
+        if not self._bounds_hold(s):
             short = {num for num in cap if cap[num] < s or lim[num] < s}
             bad = sorted({*bad, *(i for i, num in enumerate(nums) if num in short)})
         for i in bad:
