@@ -611,25 +611,36 @@ class _WhatIf(_Replay):
         would have sent them, except for the token ids, which the run learned later, in bulk
         (the what-if config tolerates the lag, see ``_check_into``). The rest stay steady."""
         tracker = self.tracker
-        req_of = tracker.request_of
+        found, bad = tracker.entries_of(e)
+        if any(v.rule == "decoded_blocks" for v in bad):
+            return e  # no entry can be trusted: the tracker names the record as it stands
+        split = {entry.num: entry for entry in found}
         steady: list[int] = []
+        grown: list[int] = []
         for num in e.nums:
-            rid = req_of(num)
-            state = tracker.state(rid) if rid is not None else None
+            entry = split.get(num)
+            state = tracker.state(entry.req_id) if entry is not None else None
             if (
-                rid is None
+                entry is None  # an unknown number: the tracker names it
                 or state is None
-                or tracker.decode_step_ok(rid, state.num_tokens) is not None
+                or tracker.decode_step_ok(entry.req_id, state.num_tokens) is not None
             ):
-                steady.append(num)  # (or unknown: the tracker names it)
+                steady.append(num)
+                if entry is not None and entry.block is not None:
+                    grown += (num, entry.block)
                 continue
             if len(state.token_ids) <= state.num_tokens:
                 self.what_if.steps_without_token_ids += 1
-            scheduled = ev.Scheduled(e.step, rid, state.num_tokens, 1, len(state.token_ids))
+            block = () if entry.block is None else (entry.block,)
+            scheduled = ev.Scheduled(
+                e.step, entry.req_id, state.num_tokens, 1, len(state.token_ids), (), block
+            )
             self._apply_now(scheduled, state)
         if not steady:
             return None
-        return e if len(steady) == len(e.nums) else ev.StepDecoded(e.step, "", tuple(steady))
+        if len(steady) == len(e.nums):
+            return e
+        return ev.StepDecoded(e.step, "", tuple(steady), tuple(grown))
 
     def _complete_transfers(self, step: int) -> None:
         """Every transfer planned before ``step`` succeeded."""

@@ -429,18 +429,15 @@ class _Forecaster:
         t, b = self.t, self.config.block_size
         steady: list[int] = []
         grown: list[tuple[int, int]] = []
-        carried = e.tokens if len(e.tokens) == len(e.nums) else ()
-        if not carried and e.nums and self.decode_ids_needed:
+        found = t.entries_of(e)[0]  # an unknown number: kvledger check names it
+        if found and found[0].token is None and self.decode_ids_needed:
             raise Unanswerable(DECODE_IDS)
-        for i, num in enumerate(e.nums):
-            req_id = t.request_of(num)
-            if req_id is None:
-                continue
+        for _, req_id, _, token in found:
             toks = self.tokens.setdefault(req_id, [])
             ran = self.ran.get(req_id, 0)
             self.ran[req_id] = ran + 1
-            if carried:
-                toks.append(carried[i])
+            if token is not None:
+                toks.append(token)
             done = self.done.get(req_id, 0)
             if done != ran:
                 continue  # ahead of the run: this token is already computed

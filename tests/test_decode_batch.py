@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from kvledger.replay.logreader import LogReader
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.history import walk
 from kvledger.tracker.tracker import Tracker, _Decoding
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
@@ -296,3 +297,59 @@ def test_under_vllms_scheduler_the_batch_writes_the_same_log(
     steady = sum(len(e.nums) for _, e in logs[1] if isinstance(e, ev.StepDecoded))
     assert logs[0] == logs[1]
     assert taken["steady"] >= 0.8 * steady > 0
+
+
+def _walked(config: TrackerConfig, frames: Sequence[Sequence[ev.Event]]) -> dict[str, Any]:
+    """Each request's last state as ``history.walk`` folds it (``explain``'s and ``show``'s
+    reading), as (num_tokens, block ids)."""
+    last: dict[str, Any] = {}
+    for item in walk([attrs.evolve(_Frame(), events=tuple(f)) for f in frames], config):
+        if item.after is not None:
+            last[item.req_id] = (item.after.num_tokens, tuple(item.after.block_ids))
+    return last
+
+
+@attrs.frozen
+class _Frame:
+    events: tuple[ev.Event, ...] = ()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 10**6),
+            st.sampled_from(["drop_num", "unknown_num", "block", "bad_blocks"]),
+            st.integers(0, 99),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_the_walk_and_the_replay_read_damaged_steps_alike(history: Any, damage: Any) -> None:
+    """A damaged steady step, read by the replay (``Tracker``) and by the walk behind
+    ``explain`` and ``show``: both resolve its entries through ``tracker.decoded``, so each
+    request ends with the same count and block table. (Damage that only the replay's bounds
+    judge, a step taken twice or early, is left out: the walk follows the recording Tracker,
+    which validated nothing; a request whose table a dropped block left short is stopped by the
+    replay's bounds and advanced by the walk.)"""
+    config, frames = history
+    frames = [list(f) for f in frames[:200]]
+    steady = [i for i, f in enumerate(frames) if any(isinstance(e, ev.StepDecoded) for e in f)]
+    for pick, how, other in damage:
+        frame = frames[steady[pick % len(steady)]]
+        j = next(j for j, e in enumerate(frame) if isinstance(e, ev.StepDecoded))
+        frame[j : j + 1] = _damaged(frame[j], how, other)
+    t = Tracker(config)
+    for frame in frames:
+        for e in frame:
+            t.apply(e)
+    # A request the replay's bounds stopped (a dropped block leaves its table short) is
+    # advanced by the walk regardless: compared are the others, most of them.
+    stopped = {v.req_id for v in t.violations if v.rule == "decoded_not_steady"}
+    replayed = {
+        r: (s.num_tokens, tuple(s.block_ids)) for r, s in t.states.items() if r not in stopped
+    }
+    assert len(replayed) >= 8
+    walked = _walked(config, frames)
+    assert {r: walked[r] for r in replayed} == replayed

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.decoded import entries as decoded_entries
 from kvledger.tracker.numbering import RequestNumbers
 from kvledger.tracker.state import Phase, RequestState, advance_decoded, fold, learn_decoded
 from kvledger.tracker.wellformed import sound
@@ -209,19 +210,16 @@ def walk(
                     yield new(Folded, (pos, frame, e, POOL, POOL, False, None, None))
                 if cls is decoded and sound(e):  # a malformed one advances no request
                     assert isinstance(e, ev.StepDecoded)
-                    grew = e.new_blocks() or {}
-                    # A recorder's log carries each step's token id (kvledger's own does not).
-                    tokens = e.tokens if len(e.tokens) == len(e.nums) else ()
-                    for i, num in enumerate(e.nums):
-                        r = req_of.get(num)
-                        state = get(r) if r is not None else None
-                        if r is None or state is None:
-                            continue  # an unknown number: kvledger check names it
+                    # A recorder's log carries each step's token id (kvledger's own does not);
+                    # an unknown number is skipped here and named by kvledger check.
+                    for _, r, block, token in decoded_entries(e, req_of)[0]:
+                        state = get(r)
+                        if state is None:
+                            continue
                         # As the recording Tracker did (it validates only on replay).
-                        block = grew.get(num)
                         advanced = advance_decoded(state, 1, () if block is None else (block,))
-                        if tokens:
-                            advanced = learn_decoded(advanced, tokens[i], e, config)
+                        if token is not None:
+                            advanced = learn_decoded(advanced, token, e, config)
                         states[r] = advanced
                         if want is None or want(r):
                             label = live[r][0] if r in live else r

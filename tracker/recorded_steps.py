@@ -27,18 +27,12 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+from kvledger.tracker import decoded
 from kvledger.tracker import events as ev
 from kvledger.tracker.numbering import RequestNumbers
 from kvledger.tracker.state import Violation
 
-__all__ = ["DECODED_RULES", "Life", "RecordedSteps", "advance"]
-
-# The rules a recorder's StepDecoded can break (a damaged or forged log): the Tracker's names.
-DECODED_RULES: dict[str, str] = {
-    "decoded_blocks": "a StepDecoded's blocks or tokens do not pair with its numbers",
-    "decoded_unknown": "a StepDecoded names a number no live request holds",
-    "decoded_not_steady": "a StepDecoded names a request the log never scheduled in this life",
-}
+__all__ = ["Life", "RecordedSteps", "advance"]
 
 
 _NUM_TOKENS = operator.attrgetter("num_tokens")
@@ -206,33 +200,26 @@ class RecordedSteps:
     ) -> tuple[list[tuple[str, int, int, int, int | None]], list[Violation]]:
         """What each entry of a recorder's ``StepDecoded`` stands for, as ``(req id,
         num_computed, token_start, token id, new block or None)`` (its ``Scheduled``: one token,
-        running), and the violations of the entries that stand for none. Does not follow ``e``
-        (the recorder's digests read a step's entries before the log takes it)."""
+        running), and the violations of the entries that stand for none (read by
+        ``tracker.decoded``, as every reader reads them). Does not follow ``e`` (the
+        recorder's digests read a step's entries before the log takes it)."""
         self.settle()
-        bad: list[Violation] = []
-        grown = e.new_blocks()
-        nums, tokens = e.nums, e.tokens
-        said = {"numbers": len(nums), "tokens": len(tokens), "blocks": len(e.blocks)}
-        if len(tokens) != len(nums) or len(set(nums)) != len(nums):
-            # No entry can be told from another (tracker.wellformed names this first).
-            return [], [Violation("decoded_blocks", e.step, "", "StepDecoded", said)]
-        if grown is None:
-            # Blocks that do not pair: named, and each entry judged without one, as the
-            # Tracker judges a kvledger log's (Tracker._apply_step_decoded).
-            bad.append(Violation("decoded_blocks", e.step, "", "StepDecoded", said))
-            grown = {}
+        lives = self.lives
+
+        def judge(entry: decoded.Entry) -> Violation | None:
+            # (A numbered request has a life: both change at RequestAdded and Finished.)
+            life = lives.get(entry.req_id)
+            if life is None or life.num_tokens < 0:
+                # Not scheduled in this life, or preempted since: its step was no steady one.
+                return decoded.not_steady(e, entry.req_id)
+            return None
+
+        found, bad = decoded.entries(e, self._req_of, tokens=True, judge=judge)
         out: list[tuple[str, int, int, int, int | None]] = []
-        req_of, lives = self._req_of, self.lives
-        for num, token in zip(nums, tokens, strict=True):
-            rid = req_of.get(num)
-            life = lives.get(rid) if rid is not None else None
-            if rid is None or life is None:
-                bad.append(Violation("decoded_unknown", e.step, str(num), "StepDecoded", {}))
-                continue
-            if life.num_tokens < 0:
-                bad.append(Violation("decoded_not_steady", e.step, rid, "StepDecoded", {}))
-                continue
-            out.append((rid, life.num_tokens, life.known, token, grown.get(num)))
+        for _, rid, block, token in found:
+            life = lives[rid]
+            assert token is not None  # tokens=True: every entry carries its token
+            out.append((rid, life.num_tokens, life.known, token, block))
         return out, bad
 
     def encode(self, events: Any) -> list[ev.Event]:

@@ -22,8 +22,8 @@ from typing import Any, ClassVar, Protocol
 
 import attrs
 
+from kvledger.tracker import decoded, invariants
 from kvledger.tracker import events as ev
-from kvledger.tracker import invariants
 from kvledger.tracker.chunks import ChunkIndex
 from kvledger.tracker.codec import EncodeError
 from kvledger.tracker.config import TrackerConfig
@@ -527,6 +527,11 @@ class Tracker:
         """The live request a ``StepDecoded`` number stands for (None: no such request)."""
         return self._req_of.get(num)
 
+    def entries_of(self, event: ev.StepDecoded) -> tuple[list[decoded.Entry], list[Violation]]:
+        """``event``'s entries under this tracker's numbering (``tracker.decoded.entries``):
+        for a reader that splits a steady step request by request (a what-if replay)."""
+        return decoded.entries(event, self._req_of)
+
     def decode_step_ok(
         self, req_id: str, num_computed: int, new_block: int | None = None
     ) -> int | None:
@@ -646,36 +651,25 @@ class Tracker:
                 return []
             self._end_batch()  # the requests below change one by one: start again
         pending, states, config = self._pending, self._states, self.config
-        bad: list[Violation] = []
-        new_block = event.new_blocks()
-        if new_block is None:
-            bad.append(Violation("decoded_blocks", event.step, "", "StepDecoded", {}))
-            new_block = {}
-        for num in event.nums:
-            req_id = self._req_of.get(num)
-            state = states.get(req_id) if req_id is not None else None
-            if state is None or req_id is None:
-                bad.append(Violation("decoded_unknown", event.step, str(num), "StepDecoded", {}))
-                continue
+
+        def judge(entry: decoded.Entry) -> Violation | None:
+            num, req_id, block, _ = entry
+            state = states.get(req_id)
+            if state is None:
+                # A number whose request holds no state: nothing to advance, none to name.
+                return Violation("decoded_unknown", event.step, str(num), "StepDecoded", {})
             k = pending.get(req_id, 0)
             grown = self._pending_blocks.get(req_id, [])
-            block = new_block.get(num)
             if not steady_decode(state, config, k, len(grown) + (block is not None)):
                 self._materialize(req_id)
-                bad.append(
-                    Violation(
-                        "decoded_not_steady",
-                        event.step,
-                        req_id,
-                        "StepDecoded",
-                        {"num_tokens": state.num_tokens + k},
-                    )
-                )
                 self._store(req_id, states[req_id]._replace(recompute_only=True))
-                continue
+                return decoded.not_steady(event, req_id, num_tokens=state.num_tokens + k)
             pending[req_id] = k + 1
             if block is not None:
                 self._pending_blocks.setdefault(req_id, []).append(block)
+            return None
+
+        bad = decoded.entries(event, self._req_of, judge=judge)[1]
         self._record(event, ())
         return self._report(bad, None) if bad else []
 
