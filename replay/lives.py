@@ -171,7 +171,7 @@ def _rows(src: LogSource, config: TrackerConfig, req_id: str) -> list[Row]:
     """The rows of request ``req_id``'s lives. Every record of the log is walked and judged,
     in order (a record is malformed against the records before it: an outage twice), and the
     request's kept: a walk for the request alone (``walk``'s ``want``) would skip the rest."""
-    feed = MalformedRecords(keep=0).feed
+    feed = MalformedRecords(keep=0, recorded=src.recorded).feed
     rows = []
     for item in walk(src.frames(), config):
         bad = feed(item)

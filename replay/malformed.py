@@ -10,6 +10,13 @@ records of their walk (``tracker.history.walk``, or ``labelled`` where nothing i
 request's life with the rules its record breaks, and ``show``'s list of requests (:func:`read`)
 names every malformed record of the log, about one request or none.
 
+A ``StepDecoded`` that is well formed is also read entry by entry, as every reader of one
+reads it (``tracker.decoded``): its numbers resolved under the log's request numbering
+(``tracker.numbering``: ``RequestAdded`` and ``Finished`` alone decide it), so blocks or tokens
+that do not pair with its numbers are ``decoded_blocks`` and a number no live request holds is
+``decoded_unknown``, here as in ``check``. (Whether an entry could have been a steady step,
+``decoded_not_steady``, is a judgement of the fold: ``check`` makes it.)
+
 A malformed record is named by its rule (one per malformation: ``field_negative``,
 ``field_lengths``, ...), at its own step (the step of the frame it was read from) and its
 position in the log (0-based, every record counted): the rule, the step and the position are
@@ -24,7 +31,10 @@ from typing import Any
 import attrs
 
 from kvledger.replay.source import LogPath, LogSource, open_log
+from kvledger.tracker import decoded
+from kvledger.tracker import events as ev
 from kvledger.tracker.history import Folded, Labelled, labelled
+from kvledger.tracker.numbering import RequestNumbers
 from kvledger.tracker.state import Violation
 from kvledger.tracker.wellformed import Wellformed
 
@@ -69,12 +79,25 @@ class Malformed:
 class MalformedRecords:
     """Every malformed record of one log, fed its walk in order (:meth:`feed`, each item of
     ``tracker.history.walk``, a record yielded again for another request counted once): the
-    first :data:`KEPT` rules broken kept in :attr:`records`, all counted in :attr:`by_rule`."""
+    first :data:`KEPT` rules broken kept in :attr:`records`, all counted in :attr:`by_rule`.
+    ``recorded``: a recorder's log, whose ``StepDecoded`` carries a token per number."""
 
-    __slots__ = ("_check", "_found", "_pos", "by_rule", "keep", "records", "total")
+    __slots__ = (
+        "_check",
+        "_found",
+        "_numbers",
+        "_pos",
+        "_recorded",
+        "by_rule",
+        "keep",
+        "records",
+        "total",
+    )
 
-    def __init__(self, keep: int = KEPT) -> None:
+    def __init__(self, keep: int = KEPT, *, recorded: bool = False) -> None:
         self._check = Wellformed().check
+        self._numbers = RequestNumbers()
+        self._recorded = recorded
         self._pos = -1
         self._found: list[Violation] = []
         self.keep = keep
@@ -90,6 +113,12 @@ class MalformedRecords:
         self._pos = item.pos
         e = item.event
         found = self._found = self._check(e)
+        cls = e.__class__
+        if cls is ev.RequestAdded or cls is ev.Finished:
+            self._numbers.follow(e)
+        elif cls is ev.StepDecoded and not found:  # a malformed one is read no further
+            assert isinstance(e, ev.StepDecoded)
+            found = self._found = decoded.entries(e, self._numbers.req_of, tokens=self._recorded)[1]
         if found:
             self.total += len(found)
             self.by_rule.update(v.rule for v in found)
@@ -125,7 +154,7 @@ def read(path: LogPath | LogSource, keep: int = KEPT) -> MalformedRecords:
     """Every malformed record of a log, read once without a fold (``tracker.history.labelled``:
     each record with its position and its request's life)."""
     src = open_log(path)
-    records = MalformedRecords(keep)
+    records = MalformedRecords(keep, recorded=src.recorded)
     feed = records.feed
     for item in labelled(src.frames()):
         feed(item)
