@@ -207,7 +207,8 @@ def test_a_number_given_back_and_taken_in_one_step() -> None:
             t.end_step()
         out.append(t.apply(ev.Finished(t.step, "b")))
         admit("c", [7, 8, 9])
-        assert t.request_of(1) == "c"
+        [entry] = t.entries_of(ev.StepDecoded(t.step, "", (1,)))[0]
+        assert entry.req_id == "c"
         t.end_step()
         out.append(t.apply(ev.StepDecoded(t.step, "", (0, 1))))  # a, and now c
         out.append(t.apply(ev.StepDecoded(t.step + 1, "", (0, 1), (0, next(blocks)))))

@@ -523,10 +523,6 @@ class Tracker:
 
     # --- steady decode: the hot path -----------------------------------------------------
 
-    def request_of(self, num: int) -> str | None:
-        """The live request a ``StepDecoded`` number stands for (None: no such request)."""
-        return self._req_of.get(num)
-
     def entries_of(self, event: ev.StepDecoded) -> tuple[list[decoded.Entry], list[Violation]]:
         """``event``'s entries under this tracker's numbering (``tracker.decoded.entries``):
         for a reader that splits a steady step request by request (a what-if replay)."""
