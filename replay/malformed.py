@@ -12,7 +12,8 @@ names every malformed record of the log, about one request or none.
 
 A ``StepDecoded`` that is well formed is also read entry by entry, as every reader of one
 reads it (``tracker.decoded``): its numbers resolved under the log's request numbering
-(``tracker.numbering``: ``RequestAdded`` and ``Finished`` alone decide it), so blocks or tokens
+(``tracker.numbering``: ``RequestAdded`` and ``Finished`` decide it; in kvledger's own log a
+``RequestAdded`` the fold refuses takes none, ``state.starts_life``), so blocks or tokens
 that do not pair with its numbers are ``decoded_blocks`` and a number no live request holds is
 ``decoded_unknown``, here as in ``check``. (Whether an entry could have been a steady step,
 ``decoded_not_steady``, is a judgement of the fold: ``check`` makes it.)
@@ -35,7 +36,7 @@ from kvledger.tracker import decoded
 from kvledger.tracker import events as ev
 from kvledger.tracker.history import Folded, Labelled, labelled
 from kvledger.tracker.numbering import RequestNumbers
-from kvledger.tracker.state import Violation
+from kvledger.tracker.state import Violation, starts_life
 from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["KEPT", "Malformed", "MalformedRecords", "detail_text", "read"]
@@ -114,7 +115,10 @@ class MalformedRecords:
         e = item.event
         found = self._found = self._check(e)
         cls = e.__class__
-        if cls is ev.RequestAdded or cls is ev.Finished:
+        if cls is ev.Finished or (
+            # The Tracker numbers only a request its fold gives a state; a recorder, every one.
+            isinstance(e, ev.RequestAdded) and (self._recorded or starts_life(e))
+        ):
             self._numbers.follow(e)
         elif cls is ev.StepDecoded and not found:  # a malformed one is read no further
             assert isinstance(e, ev.StepDecoded)

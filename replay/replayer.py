@@ -623,7 +623,7 @@ class _WhatIf(_Replay):
             if (
                 entry is None  # an unknown number: the tracker names it
                 or state is None
-                or tracker.decode_step_ok(entry.req_id, state.num_tokens) is not None
+                or tracker.decode_step_ok(entry.req_id, state.num_tokens, entry.block) is not None
             ):
                 steady.append(num)
                 if entry is not None and entry.block is not None:

@@ -252,3 +252,30 @@ def test_explain_and_show_print_the_records(
     for argv in (["explain", str(clean)], ["show", str(clean)]):
         _, out = _run(capsys, *argv)
         assert "malformed records" not in out
+
+
+def test_a_request_the_fold_refused_takes_no_number(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In kvledger's own log, a ``RequestAdded`` whose prompt is no uint32 ids
+    (``token_ids_valid``) gets no state from the writing Tracker, so no number: the numbers of
+    the requests after it are one lower than counting every ``RequestAdded``. explain and show
+    number as check does (before, they named three ``decoded_unknown`` where check named
+    none). A recorder numbers every request it logs: there the same record takes one."""
+    bad = ev.RequestAdded(0, "x", (-1,))
+    steps: list[list[ev.Event]] = [[bad], _admitted(False), [ev.Finished(0, "x", "stop")]]
+    # r is number 0 in the Tracker's numbering; counting x as well, it would be 1.
+    steps += [[ev.StepDecoded(0, "", (0,))] for _ in range(3)]
+    log = _write(tmp_path / "refused.kvlog", steps, config=TrackerConfig(block_size=16))
+    code, out = _run(capsys, "check", "--json", str(log))
+    # Number 0 is r: check judges r's steps (a table of 32 tokens is full: not steady).
+    steps_of = {(p["name"], p["req_id"]) for p in json.loads(out)["problems"]}
+    assert ("decoded_not_steady", R) in steps_of and ("token_ids_valid", "x") in steps_of
+    assert _check(capsys, log) == _explain(capsys, log) == _show(capsys, log)[0] == set()
+
+    # The recorder took a number for x, so r is 1, and a step naming 0 names x's number.
+    recorded = [[bad], _admitted(True), [ev.StepDecoded(0, "", (1,), (), (7,))]]
+    log = _write(tmp_path / "recorded.kvlog", recorded, recorder=True, recorder_format=2)
+    code, out = _run(capsys, "check", "--json", str(log))
+    assert code == 0, out  # the step stands for r's next Scheduled, which keeps every rule
+    assert _explain(capsys, log) == _show(capsys, log)[0] == set()

@@ -77,7 +77,7 @@ def entries(
     for i, num in enumerate(nums):
         rid = req_of.get(num)
         if rid is None:
-            bad.append(Violation("decoded_unknown", e.step, str(num), "StepDecoded", {}))
+            bad.append(Violation("decoded_unknown", e.step, str(num), "StepDecoded", {"num": num}))
             continue
         entry: Entry = new(Entry, (num, rid, get_block(num), carried[i] if width else None))
         failed = judge(entry) if judge is not None else None

@@ -249,6 +249,13 @@ def _valid_tokens(tokens: Sequence[int]) -> bool:
     return True
 
 
+def starts_life(e: ev.RequestAdded) -> bool:
+    """Whether the fold can give ``e``'s request a state: not when its prompt's token ids are
+    not uint32 (``token_ids_valid``). A request the fold gives no state takes no number in a
+    log the ``Tracker`` wrote (``tracker.numbering``)."""
+    return _valid_tokens(e.prompt_token_ids)
+
+
 def _learn_tokens(
     state: RequestState, start: int, tokens: Sequence[int], event: ev.Event, config: TrackerConfig
 ) -> tuple[RequestState, tuple[Violation, ...]]:
@@ -317,7 +324,7 @@ def _preempt(state: RequestState) -> RequestState:
 def _on_request_added(
     state: RequestState | None, e: ev.RequestAdded, config: TrackerConfig
 ) -> Result:
-    if not _valid_tokens(e.prompt_token_ids):
+    if not starts_life(e):
         return state, (_violation("token_ids_valid", e, prompt_len=len(e.prompt_token_ids)),)
     if state is not None:
         if state.phase is Phase.FINISHED:
