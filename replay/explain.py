@@ -263,9 +263,8 @@ def explain(
         explainer.new_run(old.name, old_config)
         _explain_run(explainer, old.frames(), old_config)
     explainer.new_run("", config)
-    malformed = MalformedRecords(
-        recorded=recorded
-    )  # the explained log's own, not the earlier runs'
+    # The explained log's own malformed records, not the earlier runs'.
+    malformed = MalformedRecords(recorded=recorded)
     labels = _explain_run(explainer, src.frames(), config, malformed)
     chosen = list(labels) if request is None else resolve(request, labels)
     requests = by_request.requests(chosen)

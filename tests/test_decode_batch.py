@@ -314,7 +314,7 @@ def _walked(config: TrackerConfig, frames: Sequence[Sequence[ev.Event]]) -> dict
     """Each request's last state as ``history.walk`` folds it (``explain``'s and ``show``'s
     reading), as (num_tokens, block ids)."""
     last: dict[str, Any] = {}
-    for item in walk([attrs.evolve(_Frame(), events=tuple(f)) for f in frames], config):
+    for item in walk([_Frame(tuple(f)) for f in frames], config):
         if item.after is not None:
             last[item.req_id] = (item.after.num_tokens, tuple(item.after.block_ids))
     return last

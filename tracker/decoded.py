@@ -28,7 +28,7 @@ from typing import NamedTuple
 from kvledger.tracker import events as ev
 from kvledger.tracker.state import Violation
 
-__all__ = ["Entry", "entries", "not_steady"]
+__all__ = ["Entry", "entries", "not_steady", "unknown"]
 
 
 class Entry(NamedTuple):
@@ -77,7 +77,7 @@ def entries(
     for i, num in enumerate(nums):
         rid = req_of.get(num)
         if rid is None:
-            bad.append(Violation("decoded_unknown", e.step, str(num), "StepDecoded", {"num": num}))
+            bad.append(unknown(e, num))
             continue
         entry: Entry = new(Entry, (num, rid, get_block(num), carried[i] if width else None))
         failed = judge(entry) if judge is not None else None
@@ -86,6 +86,11 @@ def entries(
             continue
         out.append(entry)
     return out, bad
+
+
+def unknown(e: ev.StepDecoded, num: int) -> Violation:
+    """Number ``num`` of ``e`` stands for no request the reader can advance."""
+    return Violation("decoded_unknown", e.step, str(num), "StepDecoded", {"num": num})
 
 
 def not_steady(e: ev.StepDecoded, req_id: str, **detail: int) -> Violation:

@@ -4,7 +4,8 @@ A request takes the lowest free number at the ``RequestAdded`` that starts its l
 it back at its ``Finished``. Those two recorded facts alone decide every number, so the
 Tracker that writes a log and any reader of it (a replay, ``kvledger show``) assign the same
 ones. (In kvledger's own log a ``RequestAdded`` whose prompt the fold refuses starts no life
-and takes none: ``state.starts_life``. A recorder numbers every request it logs.) Numbers stay small (bounded by the live requests), so a step's record stays small.
+and takes none: ``state.starts_life``. A recorder numbers every request it logs.) Numbers
+stay small (bounded by the live requests), so a step's record stays small.
 """
 
 from __future__ import annotations

@@ -653,9 +653,7 @@ class Tracker:
             state = states.get(req_id)
             if state is None:
                 # A number whose request holds no state: nothing to advance, none to name.
-                return Violation(
-                    "decoded_unknown", event.step, str(num), "StepDecoded", {"num": num}
-                )
+                return decoded.unknown(event, num)
             k = pending.get(req_id, 0)
             grown = self._pending_blocks.get(req_id, [])
             if not steady_decode(state, config, k, len(grown) + (block is not None)):
