@@ -9,7 +9,9 @@ caching is off); requests share a long prefix. Outputs are compared token for to
 with a server without the connector. Then the server is stopped as a terminal's Ctrl-C stops it
 (SIGINT to the whole group) or as a service manager does (SIGTERM to the server): vLLM's engine
 core is killed before it would call the connector's ``shutdown()`` (SIGKILL right after
-SIGTERM by default), and the log must still end complete: ``kvledger check`` exits 0.
+SIGTERM by default), and the log must still end complete: ``kvledger check`` exits 0. Where
+vLLM's kill can come before the engine core runs its handler at all, a log the kill cut must
+say so (exit 3) and hold nothing inconsistent.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -86,6 +89,28 @@ def connector_config(log_dir: Path) -> dict[str, Any]:
     return kvledger_config(log_dir, chunk_size=BLOCK)
 
 
+def assert_ended_by(log: str, output: str, stop: str, *, race: bool) -> str:
+    """The log of a served engine asked to stop by ``stop``: sealed by the signal (the end
+    record names it; ``check`` exits 0), or, only where vLLM may SIGKILL its engine core before
+    the core has run its handler (``race``: SIGTERM to the server alone, SIGINT to the group),
+    cut by that kill: open, and everything it holds consistent (``check`` exits 3, the SIGKILL
+    row of docs/using-with-vllm.md, "How the log ends"). Returns ``check``'s output."""
+    check = kvledger("check", log)
+    sealed = "kvledger.log_sealed" in output
+    if check.returncode == 0 or not race:
+        assert check.returncode == 0, check.stdout + check.stderr
+        assert sealed, "the log checks complete, but the server never said it sealed it"
+        assert f"ended     on {stop}" in check.stdout, check.stdout
+    else:
+        # The kill won the race (once in CI, on a loaded machine): the log says so, honestly.
+        assert check.returncode == 3, check.stdout + check.stderr
+        assert "no end record" in check.stdout and not sealed, check.stdout
+        assert "force killing remaining process" in output, "an open log, and no kill by vLLM"
+        lost = f"vLLM killed its engine core before it ran its {stop} handler: the log is open"
+        warnings.warn(lost, stacklevel=2)
+    return check.stdout
+
+
 def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
     for i, (a, b) in enumerate(zip(base, other, strict=True)):
         assert a == b, f"round {i}: outputs differ with the connector"
@@ -93,11 +118,11 @@ def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("sig", "group", "extra_args"),
+    ("sig", "group", "extra_args", "race"),
     [
-        (signal.SIGINT, True, ()),
-        (signal.SIGTERM, False, ()),
-        (signal.SIGTERM, False, ("--shutdown-timeout", "10")),
+        (signal.SIGINT, True, (), True),
+        (signal.SIGTERM, False, (), True),
+        (signal.SIGTERM, False, ("--shutdown-timeout", "10"), False),
     ],
     ids=["ctrl-c", "sigterm", "sigterm-shutdown-timeout"],
 )
@@ -108,21 +133,21 @@ def test_served_outputs_and_a_complete_log(
     sig: signal.Signals,
     group: bool,
     extra_args: tuple[str, ...],
+    race: bool,
 ) -> None:
     """Same tokens as without the connector; preempted and pool-hit requests; after the stop
     (by Ctrl-C; by SIGTERM to the server, which vLLM follows with SIGKILL to the engine core at
-    once, or after draining with --shutdown-timeout), the log is complete and checks clean, and
-    stats shows the preemptions and the loads."""
+    once, or after draining with --shutdown-timeout), the stop signal sealed the log (vLLM
+    never reached the connector's shutdown before the kill), which checks clean, and stats
+    shows the preemptions and the loads. Where the kill can come first (``race``), a log it
+    cut must say so and check clean up to its last step."""
     kv = connector_config(tmp_path)
     outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, extra_args)
     base_outputs, base_preemptions, _, _ = base
     assert_same(base_outputs, outputs)
     assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
-    # vLLM never reached the connector's shutdown before the kill: the stop signal sealed it.
-    assert "kvledger.log_sealed" in output
     log = the_log(tmp_path)
-    check = kvledger("check", log)
-    assert check.returncode == 0, check.stdout + check.stderr
+    assert_ended_by(log, output, sig.name, race=race)
     stats = kvledger("stats", log, "--json")
     assert stats.returncode == 0, stats.stderr
     import json
@@ -248,19 +273,16 @@ def recorder_config(log_dir: Path) -> dict[str, Any]:
 def test_recorded_serving_stopped_by_sigterm(tiny_model: str, base: Any, tmp_path: Path) -> None:
     """The recorder around vLLM's own CPU offloading connector, as a user would record it:
     the same tokens as without any connector, and after SIGTERM to the server the log is
-    complete, checks clean with its loads verified by the sampled digests, and stats reads
-    it as a recorder's log."""
+    sealed (or, where vLLM's kill came first, says it is open), checks clean with its loads
+    verified by the sampled digests, and stats reads it as a recorder's log."""
     outputs, preemptions, _, output = serve(
         tiny_model, recorder_config(tmp_path), signal.SIGTERM, group=False
     )
     assert_same(base[0], outputs)
     assert preemptions > 0
-    assert "kvledger.log_sealed" in output
     log = the_log(tmp_path)
     assert Path(log).name.startswith("kvledger-rec-")
-    check = kvledger("check", log)
-    assert check.returncode == 0, check.stdout + check.stderr
-    assert "recorder  wrapping SimpleCPUOffloadConnector" in check.stdout
-    assert "ended     on SIGTERM" in check.stdout
+    checked = assert_ended_by(log, output, "SIGTERM", race=True)
+    assert "recorder  wrapping SimpleCPUOffloadConnector" in checked
     stats = kvledger("stats", log)
     assert "accepted from the wrapped connector" in stats.stdout, stats.stdout
