@@ -352,7 +352,7 @@ def _collect(
             series.saved.append(state.saved)
         touched.clear()
 
-    for item in walk(src.frames(), config, ids.__contains__):
+    for item in walk(src.frames(), config, ids.__contains__, recorded=src.recorded):
         at, e, label, before, after = item.frame, item.event, item.life, item.before, item.after
         if at is not frame:
             if frame is not None:

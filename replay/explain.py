@@ -206,12 +206,14 @@ def _explain_run(
     frames: Iterable[Any],
     config: TrackerConfig,
     malformed: MalformedRecords | None = None,
+    *,
+    recorded: bool,
 ) -> dict[str, str]:
-    """Feed one run's frames through ``explainer`` (and ``malformed``, which names the records
-    that say something impossible) to their end: every life label, in arrival order, with its
-    request id."""
+    """Feed one run's frames (a recorder's, when ``recorded``) through ``explainer`` (and
+    ``malformed``, which names the records that say something impossible) to their end: every
+    life label, in arrival order, with its request id."""
     labels: dict[str, str] = {}
-    for item in walk(frames, config):
+    for item in walk(frames, config, recorded=recorded):
         if item.new and item.life:
             labels.setdefault(item.life, item.req_id)
         if malformed is not None:
@@ -228,7 +230,7 @@ def explain_frames(
     run the tracker's rules replayed under other settings, ``replay/whatif.py``)."""
     by_request = _ByRequest()
     explainer = Explainer(config, by_request.keep, recorded=recorded)
-    requests = by_request.requests(_explain_run(explainer, frames, config))
+    requests = by_request.requests(_explain_run(explainer, frames, config, recorded=recorded))
     return Explanation(
         log=name,
         recorded=recorded,
@@ -261,11 +263,11 @@ def explain(
     for old in earlier_sources:
         old_config, _ = old.lenient_config()
         explainer.new_run(old.name, old_config)
-        _explain_run(explainer, old.frames(), old_config)
+        _explain_run(explainer, old.frames(), old_config, recorded=old.recorded)
     explainer.new_run("", config)
     # The explained log's own malformed records, not the earlier runs'.
     malformed = MalformedRecords(recorded=recorded)
-    labels = _explain_run(explainer, src.frames(), config, malformed)
+    labels = _explain_run(explainer, src.frames(), config, malformed, recorded=recorded)
     chosen = list(labels) if request is None else resolve(request, labels)
     requests = by_request.requests(chosen)
     return Explanation(

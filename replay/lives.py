@@ -173,7 +173,7 @@ def _rows(src: LogSource, config: TrackerConfig, req_id: str) -> list[Row]:
     request's kept: a walk for the request alone (``walk``'s ``want``) would skip the rest."""
     feed = MalformedRecords(keep=0, recorded=src.recorded).feed
     rows = []
-    for item in walk(src.frames(), config):
+    for item in walk(src.frames(), config, recorded=src.recorded):
         bad = feed(item)
         # (The events about no request come once under POOL, "": never a request's row.)
         if item.req_id == req_id and (req_id or item.event.__class__ not in GLOBAL_TYPES):

@@ -123,7 +123,7 @@ def _lives(log: LogPath) -> tuple[dict[str, _Life], int, dict[str, Any], StopInf
             life.admissions.append(a)
 
     explainer = Explainer(config, keep, recorded=src.recorded)
-    for item in walk(src.frames(), config):
+    for item in walk(src.frames(), config, recorded=src.recorded):
         explainer.feed(item)
         e = item.event
         last_ns = max(last_ns, item.frame.wall_ns)

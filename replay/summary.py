@@ -181,7 +181,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     explainer = Explainer(config, tally.add, recorded=src.recorded)
     wellformed = Wellformed()
     malformed: Counter[str] = Counter()
-    for item in walk(src.frames(), config):
+    for item in walk(src.frames(), config, recorded=src.recorded):
         explainer.feed(item)
         pos = item.pos
         if pos == last_pos:

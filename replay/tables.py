@@ -370,7 +370,7 @@ class _Builder:
         last_pos = -1
         feed = self.explainer.feed
         count_of = COUNTERS.get
-        for item in walk(src.frames(), self.config):
+        for item in walk(src.frames(), self.config, recorded=src.recorded):
             pos, frame, e, label = item.pos, item.frame, item.event, item.life
             before, after = item.before, item.after
             if pos == last_pos:  # a StepDecoded, once more for each request it names

@@ -279,3 +279,6 @@ def test_a_request_the_fold_refused_takes_no_number(
     code, out = _run(capsys, "check", "--json", str(log))
     assert code == 0, out  # the step stands for r's next Scheduled, which keeps every rule
     assert _explain(capsys, log) == _show(capsys, log)[0] == set()
+    # show's walk numbers the recorder's way too: the step is r's, its last row.
+    _, _, rows = _show(capsys, log)
+    assert max(rows) == sum(map(len, recorded)) - 1, rows

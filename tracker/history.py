@@ -182,13 +182,17 @@ def walk(
     frames: Iterable[_HasEvents],
     config: TrackerConfig,
     want: Callable[[str], bool] | None = None,
+    *,
+    recorded: bool = False,
 ) -> Iterator[Folded]:
     """Fold the recorded events request by request, as the recording Tracker did, and yield
     each with its request's state before and after it (see :class:`Folded`).
 
     ``want(req_id)`` limits what is yielded (every request is still folded: request numbers
     depend on all of them); without it the events about no request are yielded too. A retired
-    request's state is dropped: memory follows the live requests."""
+    request's state is dropped: memory follows the live requests. ``recorded``: a recorder's
+    log, whose writer numbered every request it logged, where the Tracker numbers only those
+    its fold gives a state (``tracker.numbering``)."""
     states: dict[str, RequestState] = {}
     get = states.get
     lives = Lives()
@@ -235,10 +239,13 @@ def walk(
             if before is not None or cls is added:
                 after = fold(before, e, config)[0]
                 if after is not None:
-                    numbers.follow(e)
+                    if not recorded:
+                        numbers.follow(e)
                     if retires(after):
                         states.pop(rid, None)
                     else:
                         states[rid] = after
+            if recorded and (cls is added or cls is finished):
+                numbers.follow(e)
             if want is None or want(rid):
                 yield new(Folded, (pos, frame, e, rid, label, new_life, before, after))
