@@ -157,6 +157,69 @@ def test_served_outputs_and_a_complete_log(
     assert doc["tokens_loaded"] > 0
 
 
+@pytest.mark.parametrize(
+    ("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"]
+)
+def test_a_stop_while_requests_run_leaves_a_checked_log(
+    tiny_model: str, tmp_path: Path, sig: signal.Signals, group: bool
+) -> None:
+    """The usual stop: Ctrl-C, or a service manager's SIGTERM, while four completions are
+    still decoding, so the engine core is signalled in the middle of its steps and the seal
+    may wait for a callback in progress. The log ends sealed, holding requests that never
+    finished, and checks clean (or, where vLLM's kill came first, is open and consistent).
+
+    vLLM 0.32's front end then often waits for the cut-off requests' connections for good
+    (uvicorn: "Waiting for connections to close"), with or without a connector, and a second
+    Ctrl-C does not end it. A service manager ends it as ``docker stop`` does: SIGKILL to
+    the group after a grace period. The engine core is gone by then, so the log is already
+    what the stop signal left."""
+    import concurrent.futures
+    import json
+    import os
+    import time
+
+    from kvledger.connector.testing.served import Server, ServerSpec, group_members
+
+    spec = ServerSpec(tiny_model, kv_transfer_config=connector_config(tmp_path), **ENGINE)
+    with Server(spec) as server:
+        pool = concurrent.futures.ThreadPoolExecutor(1)
+        running = pool.submit(server.complete, rounds(tiny_model)[0][0], 150)
+        deadline = time.monotonic() + 120
+        while server.metric("vllm:num_requests_running") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # some decode steps in
+        assert not running.done(), "the completions ended before the stop"
+        core = server.engine_core()
+        if group:
+            os.killpg(server.proc.pid, sig)
+        else:
+            server.proc.send_signal(sig)
+        deadline = time.monotonic() + 60
+        while core in group_members(server.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert core not in group_members(server.proc.pid), "the engine core outlived the stop"
+        try:
+            server.proc.wait(10)  # docker stop's grace period
+        except subprocess.TimeoutExpired:
+            assert "Waiting for connections to close" in server.output()
+            os.killpg(server.proc.pid, signal.SIGKILL)
+        server.returncode = server.proc.wait(60)
+        server.wait_group()
+        # Cut off: the client's call failed, or vLLM's abort returned short completions.
+        failed = running.exception(60) is not None
+        assert failed or any(len(out) < 150 for out in running.result()), running.result()
+        pool.shutdown()
+        output = server.output()
+    log = the_log(tmp_path)
+    assert_ended_by(log, output, sig.name, race=True)
+    stats = kvledger("stats", log, "--json")
+    assert stats.returncode == 0, stats.stderr
+    doc = json.loads(stats.stdout)
+    # All four were admitted; none finished but by the stop's abort.
+    assert doc["requests"] == 4 and doc["steps"] > 4, doc
+    assert set(doc["finish_reasons"]) <= {"finished_aborted"}, doc["finish_reasons"]
+
+
 def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: Path) -> None:
     """The server with vLLM's KV events on (its zmq publisher) and prefix caching on, and a
     router's ZMQ subscriber on the stream: every chunk the log stored has its BlockStored
