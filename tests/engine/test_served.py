@@ -158,14 +158,17 @@ def test_served_outputs_and_a_complete_log(
 
 
 @pytest.mark.parametrize(
-    ("sig", "group"), [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"]
+    ("sig", "group", "recorder"),
+    [(signal.SIGINT, True, False), (signal.SIGTERM, False, False), (signal.SIGINT, True, True)],
+    ids=["ctrl-c", "sigterm", "recorder-ctrl-c"],
 )
 def test_a_stop_while_requests_run_leaves_a_checked_log(
-    tiny_model: str, tmp_path: Path, sig: signal.Signals, group: bool
+    tiny_model: str, tmp_path: Path, sig: signal.Signals, group: bool, recorder: bool
 ) -> None:
     """The usual stop: Ctrl-C, or a service manager's SIGTERM, while four completions are
-    still decoding, so the engine core is signalled in the middle of its steps and the seal
-    may wait for a callback in progress. The log ends sealed, holding requests that never
+    still decoding (KVLedgerConnector; and the recorder around vLLM's own CPU offloading
+    connector), so the engine core is signalled in the middle of its steps and the seal may
+    wait for a callback in progress. The log ends sealed, holding requests that never
     finished, and checks clean (or, where vLLM's kill came first, is open and consistent).
 
     vLLM 0.32's front end then often waits for the cut-off requests' connections for good
@@ -180,7 +183,8 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
 
     from kvledger.connector.testing.served import Server, ServerSpec, group_members
 
-    spec = ServerSpec(tiny_model, kv_transfer_config=connector_config(tmp_path), **ENGINE)
+    kv = recorder_config(tmp_path) if recorder else connector_config(tmp_path)
+    spec = ServerSpec(tiny_model, kv_transfer_config=kv, **ENGINE)
     with Server(spec) as server:
         pool = concurrent.futures.ThreadPoolExecutor(1)
         running = pool.submit(server.complete, rounds(tiny_model)[0][0], 150)
