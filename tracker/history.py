@@ -239,13 +239,13 @@ def walk(
             if before is not None or cls is added:
                 after = fold(before, e, config)[0]
                 if after is not None:
-                    if not recorded:
-                        numbers.follow(e)
                     if retires(after):
                         states.pop(rid, None)
                     else:
                         states[rid] = after
-            if recorded and (cls is added or cls is finished):
+            # The writer's numbering: the Tracker's follows what its fold accepted; a
+            # recorder's, every RequestAdded and Finished it logged.
+            if (cls is added or cls is finished) and (recorded or after is not None):
                 numbers.follow(e)
             if want is None or want(rid):
                 yield new(Folded, (pos, frame, e, rid, label, new_life, before, after))
