@@ -219,9 +219,11 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     stats = kvledger("stats", log, "--json")
     assert stats.returncode == 0, stats.stderr
     doc = json.loads(stats.stdout)
-    # All four were admitted; none finished but by the stop's abort.
+    # All four were admitted, and some were still decoding at the stop: at most three ended
+    # but by the stop's abort (on a loaded machine the stop can come after some have ended).
     assert doc["requests"] == 4 and doc["steps"] > 4, doc
-    assert set(doc["finish_reasons"]) <= {"finished_aborted"}, doc["finish_reasons"]
+    ended = {r: n for r, n in doc["finish_reasons"].items() if r != "finished_aborted"}
+    assert sum(ended.values()) < 4, doc["finish_reasons"]
 
 
 def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: Path) -> None:
