@@ -129,8 +129,13 @@ def test_the_batch_applies_to_most_steps(history: Any) -> None:
 
 
 # One way to damage a StepDecoded record: what the fold must judge the same either way.
+# The last five break a rule of tracker.wellformed that the batch must refuse on its own (it
+# proves the numbers' rules itself, and checks the rest with ``sound_but_nums``).
 _DAMAGE = st.sampled_from(
-    ["drop_num", "unknown_num", "twice", "skip", "block", "bad_blocks", "early", "late"]
+    [
+        *("drop_num", "unknown_num", "twice", "skip", "block", "bad_blocks", "early", "late"),
+        *("num_repeated", "num_negative", "block_negative", "req_id", "tokens"),
+    ]
 )
 
 
@@ -152,6 +157,16 @@ def _damaged(e: ev.StepDecoded, how: str, other: int) -> list[ev.Event]:
         return [attrs.evolve(e, nums=(nums[0],)), e]
     if how == "late" and nums:
         return [e, attrs.evolve(e, nums=nums[-1:], blocks=())]
+    if how == "num_repeated" and nums:
+        return [attrs.evolve(e, nums=(*nums, nums[other % len(nums)]))]
+    if how == "num_negative":
+        return [attrs.evolve(e, nums=(*nums, -1 - other))]
+    if how == "block_negative" and nums:
+        return [attrs.evolve(e, blocks=(*_kept(e.blocks, nums[1:]), nums[0], -1 - other))]
+    if how == "req_id":
+        return [attrs.evolve(e, req_id=f"req-{other}")]
+    if how == "tokens" and nums:
+        return [attrs.evolve(e, tokens=tuple(range(len(nums) + 1)))]
     return [e]
 
 

@@ -15,6 +15,7 @@ so replaying a log rebuilds it exactly, and every lookup replays to the same ans
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -27,6 +28,7 @@ __all__ = [
     "chunk_keys",
     "partial_key",
     "root_key",
+    "tokens_bytes",
 ]
 
 _FULL = b"kvledger-full"
@@ -47,8 +49,18 @@ def root_key(salt: str, cache_salt: str = "") -> bytes:
 _TOKEN_BYTES = 4  # a token id is a little-endian uint32 in every key
 
 
-def _tokens_bytes(tokens: Sequence[int]) -> bytes:
-    return struct.pack(f"<{len(tokens)}I", *tokens)
+@functools.lru_cache(maxsize=1024)
+def _packer(n: int) -> Callable[..., bytes]:
+    # struct's own cache of formats holds 100 and is cleared whole when full: with a
+    # format per length, most packs compiled their format again (half a pack's cost).
+    return struct.Struct(f"<{n}I").pack
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    """``tokens`` as the keys encode them, a little-endian uint32 each. Raises
+    ``struct.error`` or ``TypeError`` for an id that is not one (the fold refuses those:
+    ``tracker.state``)."""
+    return _packer(len(tokens))(*tokens)
 
 
 def chunk_keys(
@@ -62,7 +74,7 @@ def chunk_keys(
     if full <= 0:
         return keys
     # Packed once, hashed in slices: a pack per chunk cost as much as the hashing.
-    data = memoryview(_tokens_bytes(tokens[start : start + full * chunk_size]))
+    data = memoryview(tokens_bytes(tokens[start : start + full * chunk_size]))
     width = chunk_size * _TOKEN_BYTES
     for i in range(full):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_FULL)
@@ -75,7 +87,7 @@ def chunk_keys(
 def partial_key(prev: bytes, tokens: Sequence[int]) -> bytes:
     """Key of a partial chunk holding ``tokens`` after the full chunk keyed ``prev``."""
     h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
-    h.update(_tokens_bytes(tokens))
+    h.update(tokens_bytes(tokens))
     return h.digest()
 
 
@@ -88,7 +100,7 @@ def block_prefix_keys(
     if blocks <= 0:
         return
     h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
-    data = memoryview(_tokens_bytes(tokens[: blocks * block_size]))
+    data = memoryview(tokens_bytes(tokens[: blocks * block_size]))
     width = block_size * _TOKEN_BYTES
     for j in range(blocks):
         h.update(data[j * width : (j + 1) * width])

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from kvledger.tracker import events as ev
-from kvledger.tracker.chunks import chunk_keys, root_key
+from kvledger.tracker.chunks import chunk_keys, root_key, tokens_bytes
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.seq import Seq
 
@@ -243,7 +243,7 @@ def _valid_tokens(tokens: Sequence[int]) -> bool:
     """Token ids are uint32 (the chunk keys encode them so). Anything else would make a
     plan raise when it hashes a partial chunk, long after the fold accepted it."""
     try:
-        struct.pack(f"<{len(tokens)}I", *tokens)
+        tokens_bytes(tokens)
     except (struct.error, TypeError):
         return False
     return True

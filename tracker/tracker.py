@@ -42,7 +42,7 @@ from kvledger.tracker.state import (
     steady_decode,
     steady_limit,
 )
-from kvledger.tracker.wellformed import Wellformed
+from kvledger.tracker.wellformed import Wellformed, sound_but_nums
 
 __all__ = ["SILENT", "LogSink", "Tracker", "close_log", "seal_log"]
 
@@ -86,8 +86,8 @@ def close_log(log: Any, failed: Callable[[Exception], None]) -> None:
 
 
 class _Hot:
-    """The hot path's view of one live request, refreshed whenever its state is stored.
-    Derived only; never the source of truth. (A slotted class: its attributes read faster
+    """The hot path's view of one live request, derived when first read after its state was
+    stored (``Tracker.decode_step_ok``). Derived only; never the source of truth. (A slotted class: its attributes read faster
     than a NamedTuple's, and ``decode_step_ok`` reads them for every request every step.)"""
 
     __slots__ = ("capacity", "limit", "num", "num_tokens")
@@ -191,10 +191,13 @@ class _Decoding:
         """Make the batch the requests of ``nums``: those no longer named leave, those that
         joined or changed since (``dirty``) have their bounds derived again. One that cannot
         be (no live state): ``strict`` (a replay), False at once, and the caller checks the
-        step request by request; else (the connector) it stays out of the batch."""
+        step request by request; else (the connector) it stays out of the batch. A replay's
+        numbers are also refused when one is named twice (the connector's ``-1`` repeats)."""
         cap = self.cap
         if nums is not self.nums and nums != self.nums:
             now = set(nums)
+            if strict and len(now) != len(nums):
+                return False  # a number twice: the record is malformed (field_repeated)
             for num in cap.keys() - now:
                 self.drop(t, num)
             req_of = t._req_of
@@ -380,6 +383,8 @@ class Tracker:
         """Fold an input event, derive and fold its decisions, check, log. Never raises for
         bad input unless the configuration is strict."""
         self.counts["events"] += 1
+        if event.__class__ is ev.StepDecoded and self._batch_takes(event):
+            return []
         handler = self._APPLY.get(event.__class__, Tracker._apply_request_event)
         found = self._wellformed.check(event)
         if found:
@@ -533,12 +538,21 @@ class Tracker:
     ) -> int | None:
         """The request's number if its single-token step, at vLLM's ``num_computed`` and with
         at most one new block, is steady (see ``StepDecoded``); None: use ``scheduled``.
-        A few integer comparisons: the bounds were derived when the state last changed."""
+        A few integer comparisons: the bounds are derived once after the state last changed."""
         if self._decoding is not None:  # a replay's batch counts its steps lazily
             self._end_batch()
         hot = self._hot.get(req_id)
         if hot is None:
-            return None
+            num = self._num_of.get(req_id)
+            state = self._states.get(req_id)
+            if num is None or state is None:
+                return None
+            hot = self._hot[req_id] = _Hot(
+                num,
+                state.num_tokens,
+                steady_limit(state, self.config),
+                len(state.block_ids) * self.config.block_size,
+            )
         expected = hot.num_tokens + self._pending.get(req_id, 0)
         if num_computed != expected or expected + 1 > hot.limit:
             return None
@@ -625,27 +639,32 @@ class Tracker:
         self._states[req_id] = state
         if self._decoding is not None:
             self._decoding.dirty.add(req_id)
-        num = self._num_of.get(req_id)
-        if num is not None and req_id not in self._pending:
-            self._hot[req_id] = _Hot(
-                num,
-                state.num_tokens,
-                steady_limit(state, self.config),
-                len(state.block_ids) * self.config.block_size,
-            )
+        # Derived again when next read (decode_step_ok): a replay and the connector's batch
+        # never read it, and most states are stored several times a step.
+        self._hot.pop(req_id, None)
+
+    def _batch_takes(self, event: ev.StepDecoded) -> bool:
+        """Apply a replay's steady step as a batch (_Decoding), if every request it names is
+        steady (True). Most steps are the last one's requests again. Its numbers' own rules
+        (none negative, none twice) are the batch's to prove: each number it takes names a
+        live request, and it counts them whenever they change; the record's other rules are
+        checked here (``sound_but_nums``). A step it refuses, well-formed or not, goes the
+        way of every other event: :meth:`apply` checks it whole, and
+        :meth:`_apply_step_decoded` takes it request by request."""
+        if not event.nums or not sound_but_nums(event):
+            return False
+        if self._decoding is None:
+            self._decoding = _Decoding()
+        if self._decoding.step(self, event):
+            self._record(event, ())
+            return True
+        self._end_batch()  # the requests below change one by one: start again
+        return False
 
     def _apply_step_decoded(self, event: ev.StepDecoded) -> list[ev.DecisionEvent]:
         # A recorded event is validated with the same bound that admitted it to the fast
-        # path, so a replay of a wrong log names the request and the step. Most steps are
-        # the last one's requests again: checked as a batch (_Decoding), request by request
-        # only when the batch cannot tell every request steady.
-        if event.nums:
-            if self._decoding is None:
-                self._decoding = _Decoding()
-            if self._decoding.step(self, event):
-                self._record(event, ())
-                return []
-            self._end_batch()  # the requests below change one by one: start again
+        # path, so a replay of a wrong log names the request and the step; reached only
+        # when the batch (_batch_takes) cannot tell every request steady.
         pending, states, config = self._pending, self._states, self.config
 
         def judge(entry: decoded.Entry) -> Violation | None:

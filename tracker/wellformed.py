@@ -48,7 +48,16 @@ from typing import Any, NamedTuple
 from kvledger.tracker import events as ev
 from kvledger.tracker.state import Violation
 
-__all__ = ["RULES", "SPECS", "Spec", "Wellformed", "broken", "malformed", "sound"]
+__all__ = [
+    "RULES",
+    "SPECS",
+    "Spec",
+    "Wellformed",
+    "broken",
+    "malformed",
+    "sound",
+    "sound_but_nums",
+]
 
 RULES: dict[str, str] = {
     "field_negative": "a count, position, block id, slot, rank or request number below zero",
@@ -288,14 +297,41 @@ def _check_specs() -> dict[type[ev.Event], tuple[Spec, tuple[str, ...], Callable
         if unknown:
             raise RuntimeError(f"tracker.wellformed: {cls.__name__} has no field {unknown}")
         ints = _int_fields(cls)
-        namespace: dict[str, Any] = {"MIN": _MIN64, "MAX": _MAX64, "extra": spec.extra}
-        source = _sound_source(cls, spec, ints)
-        exec(compile(source, f"<kvledger wellformed {cls.__name__}>", "exec"), namespace)
-        out[cls] = (spec, ints, namespace["sound"])
+        out[cls] = (spec, ints, _compiled(cls, spec, ints, cls.__name__))
     return out
 
 
+def _compiled(
+    cls: type[ev.Event], spec: Spec, ints: tuple[str, ...], name: str
+) -> Callable[[Any], bool]:
+    namespace: dict[str, Any] = {"MIN": _MIN64, "MAX": _MAX64, "extra": spec.extra}
+    source = _sound_source(cls, spec, ints)
+    exec(compile(source, f"<kvledger wellformed {name}>", "exec"), namespace)
+    sound_fn: Callable[[Any], bool] = namespace["sound"]
+    return sound_fn
+
+
 _TABLE = _check_specs()
+
+
+def _sound_but(cls: type[ev.Event], fields: frozenset[str]) -> Callable[[Any], bool]:
+    """``sound`` for ``cls`` less its rules on ``fields``, generated from the same table: for
+    a reader that proves those rules another way (see :data:`sound_but_nums`)."""
+    spec = SPECS[cls]
+    spec = spec._replace(
+        nonneg=tuple(f for f in spec.nonneg if f not in fields),
+        distinct=tuple(f for f in spec.distinct if f not in fields),
+    )
+    return _compiled(cls, spec, _int_fields(cls), f"{cls.__name__} but {sorted(fields)}")
+
+
+sound_but_nums = _sound_but(ev.StepDecoded, frozenset({"nums"}))
+"""A ``StepDecoded``'s rules other than those on ``nums`` (not negative, not repeated): the
+replay's batch (``Tracker``'s ``_Decoding``) proves those itself, as every number it takes is
+one the numbering gave a live request (never negative) and it counts the distinct numbers
+whenever they change. Its step is 256 numbers long; three passes over them in C are a
+twentieth of ``check``'s time (docs/performance.md). Any step the batch refuses is checked
+with :func:`malformed` as every other event, so the verdict on a record is the same."""
 
 
 def malformed(event: ev.Event) -> list[Violation]:
