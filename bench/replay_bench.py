@@ -27,7 +27,8 @@ a *record* is what the file holds. Then, over that log:
     python bench/replay_bench.py --events 200000 --rounds 1   # quicker
     python bench/replay_bench.py --full --events 200000       # one record per event
 
-Timings are medians of ``--rounds`` runs; the machine is shared, expect noise.
+Timings are medians of ``--rounds`` rounds; each round runs every variant once, in a random
+order. The machine is shared: expect noise.
 """
 
 from __future__ import annotations
@@ -293,7 +294,7 @@ def main() -> None:
         )
 
     big = logs["big"]
-    t_chk, result = median_time(lambda: check(big), args.rounds)
+    result = check(big)
     if result.exit_code != 0:
         raise SystemExit(f"the bench log does not check clean: {result.problems[:3]}")
     c = result.counts
@@ -301,16 +302,30 @@ def main() -> None:
     logical = records - c["by_type"].get("StepDecoded", 0) + c["steady_decode_steps"]
     size = big.stat().st_size
 
-    rows: list[tuple[str, float]] = []
-    t_raw, n = median_time(lambda: read_raw(big), args.rounds)
-    assert n == records
-    rows.append(("read+verify (iter_raw)", t_raw))
-    t_dec, _ = median_time(lambda: decode(big), args.rounds)
-    rows.append(("read+decode (events)", t_dec))
-    t_bare, _ = median_time(lambda: bare_apply(big), args.rounds)
-    rows.append(("decode+Tracker.apply (floor)", t_bare))
+    # Each round times every variant once, in a random order (the machine's speed drifts:
+    # a variant timed in a run of its own would carry the drift into the ratios below).
+    variants: dict[str, Any] = {
+        "read+verify (iter_raw)": lambda: read_raw(big),
+        "read+decode (events)": lambda: decode(big),
+        "decode+Tracker.apply (floor)": lambda: bare_apply(big),
+        "check (fold+plan+compare)": lambda: check(big),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name in random.sample(list(variants), len(variants)):
+            seconds, out = timed(variants[name])
+            times[name].append(seconds)
+            if name.startswith("read+verify"):
+                assert out == records
+    rows = [(name, statistics.median(runs)) for name, runs in times.items()]
+    t_dec, t_bare, t_chk = (rows[i][1] for i in (1, 2, 3))
+    per_round = [
+        chk / dec
+        for chk, dec in zip(
+            times["check (fold+plan+compare)"], times["read+decode (events)"], strict=True
+        )
+    ]
     res = result
-    rows.append(("check (fold+plan+compare)", t_chk))
 
     peaks = {name: check_peak(path) for name, path in logs.items()}
     small_res = check(logs["small"])
@@ -332,6 +347,12 @@ def main() -> None:
     print(
         f"check: 1M events in {per_m:.2f} s ({'within' if per_m < 3.0 else 'OVER'} the 3 s "
         f"budget); {t_chk / t_bare:.2f}x the decode+apply floor"
+    )
+    spread = f"{min(per_round):.1f} to {max(per_round):.1f}" if len(per_round) > 1 else ""
+    print(
+        f"issue 26: {logical / t_chk / 1e6:.2f} M events/s (goal at least 1); "
+        f"{t_chk / t_dec:.1f}x decoding (goal at most 3"
+        + (f"; per round {spread})" if spread else ")")
     )
     print()
     print(f"{'memory (tracemalloc peak)':<30}{'events':>12}{'live':>6}{'peak':>10}")
