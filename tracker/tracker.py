@@ -87,8 +87,9 @@ def close_log(log: Any, failed: Callable[[Exception], None]) -> None:
 
 class _Hot:
     """The hot path's view of one live request, derived when first read after its state was
-    stored (``Tracker.decode_step_ok``). Derived only; never the source of truth. (A slotted class: its attributes read faster
-    than a NamedTuple's, and ``decode_step_ok`` reads them for every request every step.)"""
+    stored (``Tracker.decode_step_ok``). Derived only; never the source of truth. (A slotted
+    class: its attributes read faster than a NamedTuple's, and ``decode_step_ok`` reads them
+    for every request every step.)"""
 
     __slots__ = ("capacity", "limit", "num", "num_tokens")
 
