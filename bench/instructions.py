@@ -17,8 +17,13 @@ every figure is counted in both trees, on the same log::
     git archive HEAD~3 | (mkdir -p /tmp/before && tar -x -C /tmp/before)
     python bench/instructions.py --against /tmp/before
 
-Counting runs about 50 times slower than the program: the default log is the replay bench's
-workload at 250,000 events (``--events``); the runs share ``--jobs`` processes.
+``--simulate`` runs cachegrind instead, with its cache and branch models, and prints what
+the work missed and mispredicted besides: where the instructions' time goes beyond their
+count (a model of a CPU, not this one's counters, which these machines do not expose).
+
+Counting runs about 50 times slower than the program (``--simulate`` slower still): the
+default log is the replay bench's workload at 250,000 events (``--events``); the runs share
+``--jobs`` processes.
 """
 
 from __future__ import annotations
@@ -54,15 +59,32 @@ elif what == "decode":
 """
 
 _COLLECTED = re.compile(r"Collected : (\d+)")
+# cachegrind's summary (``--simulate``): the figure of each line, as printed.
+_SIMULATED = {
+    "instructions": re.compile(r"I\s+refs:\s+([\d,]+)"),
+    "I1 misses": re.compile(r"I1\s+misses:\s+([\d,]+)"),
+    "D1 misses": re.compile(r"D1\s+misses:\s+([\d,]+)"),
+    "LL misses": re.compile(r"LL misses:\s+([\d,]+)"),
+    "branches": re.compile(r"Branches:\s+([\d,]+)"),
+    "mispredicted": re.compile(r"Mispredicts:\s+([\d,]+)"),
+    "indirect mispredicted": re.compile(
+        r"Mispredicts:\s+[\d,]+\s+\(\s*[\d,]+ cond \+\s+([\d,]+) ind"
+    ),
+}
 
 
-def count(root: Path, what: str, log: Path) -> int:
-    """Instructions executed by a process that imports from ``root`` and runs ``what``."""
+def count(root: Path, what: str, log: Path, simulate: bool = False) -> dict[str, int]:
+    """What a process that imports from ``root`` and runs ``what`` executed: its instructions,
+    and with ``simulate`` its cache misses and mispredicted branches (valgrind's simple
+    models of them, not this CPU's)."""
+    tool = "cachegrind" if simulate else "callgrind"
+    models = ["--cache-sim=yes", "--branch-sim=yes"] if simulate else []
     out = subprocess.run(
         [
             "valgrind",
-            "--tool=callgrind",
-            "--callgrind-out-file=/dev/null",
+            f"--tool={tool}",
+            *models,
+            f"--{tool}-out-file=/dev/null",
             sys.executable,
             "-c",
             _RUN,
@@ -76,10 +98,11 @@ def count(root: Path, what: str, log: Path) -> int:
         # String hashes decide how dicts and sets probe: a fixed seed, the same count.
         env={**os.environ, "PYTHONHASHSEED": "0"},
     )
-    found = _COLLECTED.search(out.stderr)
-    if out.returncode != 0 or found is None:
+    patterns = _SIMULATED if simulate else {"instructions": _COLLECTED}
+    found = {name: pattern.search(out.stderr) for name, pattern in patterns.items()}
+    if out.returncode != 0 or not all(found.values()):
         raise SystemExit(f"valgrind failed on {what} in {root}:\n{out.stderr[-2000:]}")
-    return int(found.group(1))
+    return {name: int(m.group(1).replace(",", "")) for name, m in found.items() if m}
 
 
 def main() -> None:
@@ -91,6 +114,11 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=256, help="host pool chunk slots")
     ap.add_argument("--against", type=Path, help="another tree to count the same runs in")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at a time")
+    ap.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also the cache misses and mispredicted branches (cachegrind's models; slower)",
+    )
     args = ap.parse_args()
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -110,24 +138,43 @@ def main() -> None:
         print(f"counting {len(runs)} runs under valgrind, {args.jobs} at a time ...", flush=True)
         with ThreadPoolExecutor(args.jobs) as pool:
             counted = dict(
-                zip(runs, pool.map(lambda r: count(trees[r[0]], r[1], log), runs), strict=True)
+                zip(
+                    runs,
+                    pool.map(lambda r: count(trees[r[0]], r[1], log, args.simulate), runs),
+                    strict=True,
+                )
             )
 
     print()
     print(f"{'M instructions':<16}{'decode':>10}{'check':>10}{'check/decode':>14}")
     work: dict[str, tuple[int, int]] = {}
     for name in trees:
-        base = counted[(name, "import")]
-        decode, check = counted[(name, "decode")] - base, counted[(name, "check")] - base
+        base = counted[(name, "import")]["instructions"]
+        decode = counted[(name, "decode")]["instructions"] - base
+        check = counted[(name, "check")]["instructions"] - base
         work[name] = (decode, check)
         print(f"{name:<16}{decode / 1e6:>10.1f}{check / 1e6:>10.1f}{check / decode:>14.2f}")
+    if args.simulate:
+        print(
+            f"\n{'M, work only':<24}"
+            + "".join(f"{t + ' ' + w:>16}" for t in trees for w in ("decode", "check"))
+        )
+        for figure in _SIMULATED:
+            cells = "".join(
+                f"{(counted[(t, w)][figure] - counted[(t, 'import')][figure]) / 1e6:>16.2f}"
+                for t in trees
+                for w in ("decode", "check")
+            )
+            print(f"{figure:<24}{cells}")
     if "other" in work:
         (d1, c1), (d0, c0) = work["this"], work["other"]
         print(f"{'this / other':<16}{d1 / d0:>10.3f}{c1 / c0:>10.3f}")
         print(f"\nother: {trees['other']}")
     print(
         f"command: python bench/instructions.py --events {args.events} --live {args.live} "
-        f"--slots {args.slots}" + (f" --against {args.against}" if args.against else "")
+        f"--slots {args.slots}"
+        + (f" --against {args.against}" if args.against else "")
+        + (" --simulate" if args.simulate else "")
     )
 
 
