@@ -145,30 +145,29 @@ def main() -> None:
                 )
             )
 
+    # Each run's figures less those of the run in the same tree that only imported.
+    work = {
+        (t, w): {f: n - counted[(t, "import")][f] for f, n in counted[(t, w)].items()}
+        for t in trees
+        for w in ("decode", "check")
+    }
     print()
     print(f"{'M instructions':<16}{'decode':>10}{'check':>10}{'check/decode':>14}")
-    work: dict[str, tuple[int, int]] = {}
-    for name in trees:
-        base = counted[(name, "import")]["instructions"]
-        decode = counted[(name, "decode")]["instructions"] - base
-        check = counted[(name, "check")]["instructions"] - base
-        work[name] = (decode, check)
-        print(f"{name:<16}{decode / 1e6:>10.1f}{check / 1e6:>10.1f}{check / decode:>14.2f}")
+    for t in trees:
+        decode, check = work[(t, "decode")]["instructions"], work[(t, "check")]["instructions"]
+        print(f"{t:<16}{decode / 1e6:>10.1f}{check / 1e6:>10.1f}{check / decode:>14.2f}")
+    if "other" in trees:
+        ratios = [
+            work[("this", w)]["instructions"] / work[("other", w)]["instructions"]
+            for w in ("decode", "check")
+        ]
+        print(f"{'this / other':<16}" + "".join(f"{r:>10.3f}" for r in ratios))
     if args.simulate:
-        print(
-            f"\n{'M, work only':<24}"
-            + "".join(f"{t + ' ' + w:>16}" for t in trees for w in ("decode", "check"))
-        )
+        columns = [(t, w) for t in trees for w in ("decode", "check")]
+        print(f"\n{'M, work only':<24}" + "".join(f"{t + ' ' + w:>16}" for t, w in columns))
         for figure in _SIMULATED:
-            cells = "".join(
-                f"{(counted[(t, w)][figure] - counted[(t, 'import')][figure]) / 1e6:>16.2f}"
-                for t in trees
-                for w in ("decode", "check")
-            )
-            print(f"{figure:<24}{cells}")
-    if "other" in work:
-        (d1, c1), (d0, c0) = work["this"], work["other"]
-        print(f"{'this / other':<16}{d1 / d0:>10.3f}{c1 / c0:>10.3f}")
+            print(f"{figure:<24}" + "".join(f"{work[c][figure] / 1e6:>16.2f}" for c in columns))
+    if "other" in trees:
         print(f"\nother: {trees['other']}")
     print(
         f"command: python bench/instructions.py --events {args.events} --live {args.live} "

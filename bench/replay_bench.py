@@ -318,13 +318,10 @@ def main() -> None:
             if name.startswith("read+verify"):
                 assert out == records
     rows = [(name, statistics.median(runs)) for name, runs in times.items()]
-    t_dec, t_bare, t_chk = (rows[i][1] for i in (1, 2, 3))
-    per_round = [
-        chk / dec
-        for chk, dec in zip(
-            times["check (fold+plan+compare)"], times["read+decode (events)"], strict=True
-        )
-    ]
+    dec_runs, chk_runs = times["read+decode (events)"], times["check (fold+plan+compare)"]
+    t_dec, t_chk = statistics.median(dec_runs), statistics.median(chk_runs)
+    t_bare = statistics.median(times["decode+Tracker.apply (floor)"])
+    per_round = [chk / dec for chk, dec in zip(chk_runs, dec_runs, strict=True)]
     res = result
 
     peaks = {name: check_peak(path) for name, path in logs.items()}
