@@ -156,3 +156,24 @@ def test_every_version_keeps_its_content(start: list[int], ops: list[tuple[str, 
             assert list(v) == m
             if m:
                 assert v[-1] == m[-1]
+
+
+_bound = st.none() | st.integers(-12, 12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    items=st.lists(st.integers(0, 9), max_size=8),
+    more=st.lists(st.integers(0, 9), min_size=1, max_size=4),
+    start=_bound,
+    stop=_bound,
+    step=st.none() | st.integers(-3, 3).filter(bool),
+)
+def test_a_slice_of_an_older_view_sees_only_the_view(
+    items: list[int], more: list[int], start: int | None, stop: int | None, step: int | None
+) -> None:
+    # The view is shorter than its buffer: a slice is bounded by the view, for any bounds and
+    # any step, exactly as the same slice of a list of its items.
+    view = Seq(items)
+    view.extended(more)  # the buffer grows past the view
+    assert view[start:stop:step] == items[start:stop:step]

@@ -41,6 +41,12 @@ class Seq(Sequence[T], Generic[T]):
     def __getitem__(self, index: slice) -> list[T]: ...
     def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
+            # Bounded by this view's length first, so only the slice is copied (a request's
+            # tokens are sliced a chunk at a time: copying the whole view each time was
+            # the cost).
+            start, stop, step = index.indices(self._n)
+            if step > 0:
+                return self._buf[start:stop:step]
             return self._buf[: self._n][index]
         if index < 0:
             index += self._n
