@@ -3,7 +3,8 @@
 The log is written by the real Tracker with a LogWriter, driven by a decode-heavy serving
 workload: ``--live`` requests at a time (default 256), each a 512-token prompt (a 256-token
 prefix shared by groups of 8 requests, so later ones load it from the pool) prefilled in one
-step, then 200 to 800 decode steps; a finished request is replaced by a new one; every 97
+step, then 200 to 800 decode steps from the next step on (vLLM schedules a request once a
+step); a finished request is replaced by a new one; every 97
 steps two requests are preempted and re-admitted the step after (they reload their saved
 prefix). Steady decode steps are logged as the connector logs them: one ``StepDecoded``
 record per step for all the requests that decoded one token steadily (``--full``: one
@@ -95,6 +96,7 @@ def write_log(
     computed: dict[str, int] = {}
     budget: dict[str, int] = {}
     running: list[str] = []
+    admitted: list[str] = []  # admitted (prefilled) this step
     preempted: list[str] = []
     saves: list[tuple[str, tuple[bytes, ...]]] = []
     loads: list[str] = []
@@ -119,7 +121,8 @@ def write_log(
         collect(rid, out)
         computed[rid] = len(toks)
         toks.append(rng.randrange(32000))  # the sampled token
-        running.append(rid)
+        # vLLM schedules a request once a step: its first decode step is the next one.
+        admitted.append(rid)
 
     def collect(rid: str, out: list[ev.DecisionEvent]) -> None:
         for d in out:
@@ -138,7 +141,7 @@ def write_log(
         for rid in preempted:
             admit(rid, ev.Admission.RESUMED)
         preempted = []
-        while len(running) < live:
+        while len(running) + len(admitted) < live:
             rid = f"req-{next_id:06d}-{rng.getrandbits(32):08x}"
             next_id += 1
             prompt = prefixes[next_id // 8 % len(prefixes)] + [
@@ -199,7 +202,8 @@ def write_log(
             t.decoded(steady, grown)
         steady_steps += len(steady)
         decoded_records += 1 if steady else 0
-        running = still
+        running = still + admitted
+        admitted.clear()
         if step % 97 == 96:
             for rid in rng.sample(running, min(2, len(running))):
                 running.remove(rid)
