@@ -367,7 +367,7 @@ def test_what_if_keeps_the_blocks_of_the_steady_steps_it_splits(tmp_path: Path) 
 
 @pytest.mark.parametrize(
     "what_if",
-    [{"num_slots": 16}, {"chunk_size": 64}, {"save_decode_cache": True, "chunk_size": 32}],
+    [{"num_slots": 4}, {"chunk_size": 64}, {"save_decode_cache": True, "chunk_size": 32}],
 )
 def test_what_if_splits_a_step_of_many_requests_without_a_false_alarm(
     tmp_path: Path, what_if: dict[str, Any]
