@@ -4,9 +4,8 @@ The log is written by the real Tracker with a LogWriter, driven by a decode-heav
 workload: ``--live`` requests at a time (default 256), each a 512-token prompt (a 256-token
 prefix shared by groups of 8 requests, so later ones load it from the pool) prefilled in one
 step, then 200 to 800 decode steps from the next step on (vLLM schedules a request once a
-step); a finished request is replaced by a new one; every 97
-steps two requests are preempted and re-admitted the step after (they reload their saved
-prefix). Steady decode steps are logged as the connector logs them: one ``StepDecoded``
+step); a finished request is replaced by a new one; every 97 steps two requests are
+preempted and re-admitted the step after (they reload their saved prefix). Steady decode steps are logged as the connector logs them: one ``StepDecoded``
 record per step for all the requests that decoded one token steadily (``--full``: one
 ``Scheduled`` record per request and step instead). An *event* is one request's share of a
 callback (a steady decode step counts one per request, as it would without ``StepDecoded``);

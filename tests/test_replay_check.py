@@ -375,7 +375,9 @@ def test_what_if_splits_a_step_of_many_requests_without_a_false_alarm(
     """The replay bench's workload, 24 requests decoding at once, blocks appended every 16
     tokens: under another config some entries of a step stop being steady and the rest stay
     (a split of one record into both). The code before reported 18,490 problems under each
-    of these configs, where nothing was wrong."""
+    of the configs this test then took, where nothing was wrong. ``num_slots`` is 4, not 16:
+    since the bench's requests decode from the step after their admission, as in vLLM, 16
+    slots keep every entry steady and split nothing."""
     path = tmp_path / "bench.kvlog"
     replay_bench.write_log(path, 20_000, 24, 8)
     entries = sum(
