@@ -348,3 +348,33 @@ def test_a_huge_pool_costs_nothing_until_used() -> None:
     assert slots == [0, 1, 2] and not evicted
     assert peak < 1 << 20, peak
     assert index.stats()["free"] == 2**40 - 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=80),
+    salt=st.sampled_from(["", "m"]),
+    cache_salt=st.sampled_from(["", "tenant"]),
+)
+def test_a_request_packed_once_keys_its_prompt_as_the_chain_does(
+    tokens: list[int], salt: str, cache_salt: str
+) -> None:
+    """The fold packs a prompt once (to validate it) and keys it from those bytes
+    (``packed_chunk_keys``); the root is cached per salt pair. The keys are the chain's own:
+    each full chunk hashed from the key before it, from the uncached root."""
+    from kvledger.tracker.chunks import tokens_bytes
+    from kvledger.tracker.config import TrackerConfig
+    from kvledger.tracker.state import new_state
+
+    config = TrackerConfig(block_size=4, chunk_size=16, num_slots=8, salt=salt)
+    state = new_state("r", tokens, config, cache_salt, packed=tokens_bytes(tokens))
+    prev = root_key.__wrapped__(salt, cache_salt)
+    assert state.root == prev
+    expected = []
+    for i in range(len(tokens) // 16):
+        h = hashlib.blake2b(prev, digest_size=16, person=b"kvledger-full")
+        h.update(struct.pack("<16I", *tokens[i * 16 : (i + 1) * 16]))
+        prev = h.digest()
+        expected.append(prev)
+    assert list(state.keys) == expected
+    assert list(new_state("r", tokens, config, cache_salt).keys) == expected

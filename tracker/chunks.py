@@ -26,6 +26,7 @@ __all__ = [
     "RemoteKeys",
     "block_prefix_keys",
     "chunk_keys",
+    "packed_chunk_keys",
     "partial_key",
     "root_key",
     "tokens_bytes",
@@ -40,8 +41,10 @@ KEY_BYTES = 16
 REMOTE_MEMORY = 1 << 18
 
 
+@functools.lru_cache(maxsize=1024)
 def root_key(salt: str, cache_salt: str = "") -> bytes:
-    """The chain's start: model/layout salt plus the request's own cache salt."""
+    """The chain's start: model/layout salt plus the request's own cache salt. Cached: every
+    request of one (salt, cache salt) pair starts from the same root, and bytes are immutable."""
     data = salt.encode() + b"\x00" + cache_salt.encode()
     return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_ROOT).digest()
 
@@ -68,17 +71,26 @@ def chunk_keys(
 ) -> list[bytes]:
     """Keys of the full chunks of ``tokens`` from chunk ``first_chunk`` on, chained from
     ``prev`` (the key of chunk ``first_chunk - 1``, or the root)."""
-    keys: list[bytes] = []
     start = first_chunk * chunk_size
     full = (len(tokens) - start) // chunk_size
     if full <= 0:
-        return keys
+        return []
     # Packed once, hashed in slices: a pack per chunk cost as much as the hashing.
-    data = memoryview(tokens_bytes(tokens[start : start + full * chunk_size]))
+    return packed_chunk_keys(
+        prev, tokens_bytes(tokens[start : start + full * chunk_size]), chunk_size
+    )
+
+
+def packed_chunk_keys(prev: bytes, data: bytes, chunk_size: int) -> list[bytes]:
+    """:func:`chunk_keys` of tokens already packed (:func:`tokens_bytes`), chained from
+    ``prev``: the keys of the whole chunks ``data`` holds (a partial chunk at its end has
+    none). For a caller that packed the tokens anyway (the fold validates a prompt so)."""
+    keys: list[bytes] = []
+    view = memoryview(data)
     width = chunk_size * _TOKEN_BYTES
-    for i in range(full):
+    for i in range(len(data) // width):
         h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_FULL)
-        h.update(data[i * width : (i + 1) * width])
+        h.update(view[i * width : (i + 1) * width])
         prev = h.digest()
         keys.append(prev)
     return keys
