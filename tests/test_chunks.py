@@ -9,7 +9,9 @@ from _pool import stored_items
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvledger.tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key
+from kvledger.tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key, tokens_bytes
+from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.state import new_state
 
 
 def _busy(index: ChunkIndex, key: bytes) -> bool:
@@ -362,10 +364,6 @@ def test_a_request_packed_once_keys_its_prompt_as_the_chain_does(
     """The fold packs a prompt once (to validate it) and keys it from those bytes
     (``packed_chunk_keys``); the root is cached per salt pair. The keys are the chain's own:
     each full chunk hashed from the key before it, from the uncached root."""
-    from kvledger.tracker.chunks import tokens_bytes
-    from kvledger.tracker.config import TrackerConfig
-    from kvledger.tracker.state import new_state
-
     config = TrackerConfig(block_size=4, chunk_size=16, num_slots=8, salt=salt)
     state = new_state("r", tokens, config, cache_salt, packed=tokens_bytes(tokens))
     prev = root_key.__wrapped__(salt, cache_salt)
