@@ -195,17 +195,20 @@ class _Decoding:
         step request by request; else (the connector) it stays out of the batch. A replay's
         numbers are also refused when one is named twice (the connector's ``-1`` repeats)."""
         cap = self.cap
+        joined: Iterable[int] = ()
         if nums is not self.nums and nums != self.nums:
             now = set(nums)
             if strict and len(now) != len(nums):
                 return False  # a number twice: the record is malformed (field_repeated)
-            for num in cap.keys() - now:
-                self.drop(t, num)
-            req_of = t._req_of
-            for num in now - cap.keys():
-                if not self._derive(t, num, req_of.get(num)) and strict:
-                    return False
+            joined = now - cap.keys()
+            # Members not named leave; when the new ones make up the difference, none left
+            # (a finished request left at its Finished already: the common case).
+            if len(now) - len(joined) != len(cap):
+                for num in cap.keys() - now:
+                    self.drop(t, num)
             self.nums = nums
+        # The members whose state changed, before those that joined: a request that joined
+        # this step changed too (its admission was stored), and is derived once, below.
         if self.dirty:
             num_of = t._num_of
             for req_id in self.dirty:
@@ -215,6 +218,11 @@ class _Decoding:
                         return False
                     self.drop(t, changed)
             self.dirty.clear()
+        if joined:
+            req_of = t._req_of
+            for num in joined:
+                if not self._derive(t, num, req_of.get(num)) and strict:
+                    return False
         return True
 
     def _bounds_hold(self, s: int) -> bool:
