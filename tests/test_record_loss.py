@@ -101,3 +101,45 @@ def test_a_non_integer_token_is_refused_by_name() -> None:
     with pytest.raises(TypeError, match=r"expected integers, got float 1\.5"):
         t.add_request("r", [1, 1.5])  # type: ignore[list-item]
     assert t.state("r") is None
+
+
+def test_a_request_id_the_log_cannot_hold_costs_its_records_not_the_log(tmp_path: Path) -> None:
+    """A lone surrogate in a request id (a JSON request id can carry one into vLLM): UTF-8
+    cannot hold it, so each record naming it is lost. The loss is written with the id
+    escaped, and the request gives back the number its lost RequestAdded took, so the
+    steady steps of the requests after it still name them: their trail checks whole."""
+    from _replay_logs import Sim, prompt
+
+    from kvledger import replay
+
+    path = tmp_path / "run.kvlog"
+    cfg = TrackerConfig(block_size=16, chunk_size=32, num_slots=64)
+    t = Tracker(cfg, log=LogWriter(path, cfg.to_dict(), fsync="never"))
+    sim = Sim(t)
+    bad = "bad-\ud800"
+    ids = ("ok-1", bad, "ok-2")
+    for seed, rid in enumerate(ids):
+        sim.add(rid, prompt(40, seed))
+        sim.admit(rid)
+    sim.end_step()
+    for _ in range(20):
+        sim.deliver()
+        for rid in ids:
+            sim.decode(rid)
+        sim.end_step()
+    for rid in ids:
+        sim.finish(rid)
+    sim.end_step()
+    t.close()
+    assert t.log_error is None  # the log was never turned off
+    events = _logged(path)
+    lost = [e for e in events if isinstance(e, ev.ViolationRecorded) and e.rule == "record_lost"]
+    assert lost and {v.req_id for v in lost} == {"bad-\\ud800"}
+    # ok-2 took the number after ok-1's, as a reader numbers them, and decoded steadily
+    steady = [e for e in events if isinstance(e, ev.StepDecoded)]
+    assert steady and all(sorted(e.nums) == [0, 1] for e in steady)
+    for rid in ("ok-1", "ok-2"):
+        assert any(isinstance(e, ev.Finished) and e.req_id == rid for e in events)
+    result = replay.check(path)
+    assert result.exit_code == 1  # never "clean"
+    assert {p.req_id for p in result.problems} == {"bad-\\ud800"}

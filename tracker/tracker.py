@@ -104,6 +104,16 @@ class _Hot:
 _NEVER = -(1 << 62)
 
 
+def _escaped(text: str) -> str:
+    """``text`` as the log can hold it: what UTF-8 cannot encode (lone surrogates) escaped
+    as ``\\udXXXX``; any other text unchanged."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
 class _Decoding:
     """The requests of the steady decode steps a replay applies (``StepDecoded``), and for
     each the steps it may still take steadily, as two bounds in one shared count of steps:
@@ -819,11 +829,23 @@ class Tracker:
             self._log.append(event)
         except EncodeError as exc:
             if isinstance(event, ev.ViolationRecorded):
-                self._log_failed(exc)  # not even the loss can be written
+                self._append_escaped(event, exc)
             else:
                 self._record_lost(event, exc)
         except Exception as exc:
             self._log_failed(exc)
+
+    def _append_escaped(self, v: ev.ViolationRecorded, exc: EncodeError) -> None:
+        """A violation the log cannot hold as it is: its request id, or a text in its detail,
+        holds what UTF-8 cannot (a lone surrogate, which a JSON request id can carry into
+        vLLM). Written again with those escaped (``\\ud800``), so that a lost record is
+        still on record and the rest of the run is logged; the log is given up only when
+        even that cannot be written."""
+        try:
+            assert self._log is not None
+            self._log.append(attrs.evolve(v, req_id=_escaped(v.req_id), detail=_escaped(v.detail)))
+        except Exception:
+            self._log_failed(exc)  # not even the loss can be written
 
     def _record_lost(self, event: ev.Event, exc: EncodeError) -> None:
         """One record could not be encoded (a value msgpack cannot hold): it alone is lost.
@@ -832,6 +854,12 @@ class Tracker:
         decisions; every other request's record goes on."""
         self.counts["records_lost"] = self.counts.get("records_lost", 0) + 1
         req_id = event.req_id if isinstance(event.req_id, str) else ""
+        if event.__class__ is ev.RequestAdded:
+            # A reader numbers requests from their RequestAdded records alone
+            # (tracker/numbering.py), and will never see this one: the request gives its
+            # number back, so every later number means the same to the log's readers. It
+            # then never decodes in a batch; its records go one by one.
+            self._free_number(req_id)
         self.mark_violation(req_id, "record_lost", type(event).__name__, reason=str(exc))
 
     def _report(
