@@ -10,6 +10,7 @@ import pytest
 from _rigs import PREEMPTING, assert_clean
 
 from kvledger.connector.testing.harness import (
+    async_recovery_keeps_placeholders,
     load_failures_reportable,
     load_recovery_misses_resumed,
     model_runner_v2_available,
@@ -102,12 +103,8 @@ def test_a_drafters_deferred_finalize_keeps_every_layer_exact(async_scheduling):
     assert report.tokens_loaded > 0 and report.tokens_saved > 0
 
 
-def test_injected_load_failures_recompute_exactly():
-    """Failed loads are reported as invalid blocks; vLLM's recompute policy rolls back and
-    recomputes them; nothing computed over the failed prefix is ever stored or served."""
-    if not load_failures_reportable():
-        pytest.skip("this vLLM cannot be told of a failed load (invalid_block_ids: 0.11.1 on)")
-    failures = []
+def _failing_every_other_load() -> tuple[list[object], object]:
+    failures: list[object] = []
 
     def fault(req_id, chunk):
         # Fail the second chunk of every other load.
@@ -117,6 +114,15 @@ def test_injected_load_failures_recompute_exactly():
         failures.append(None)
         return False
 
+    return failures, fault
+
+
+def test_injected_load_failures_recompute_exactly():
+    """Failed loads are reported as invalid blocks; vLLM's recompute policy rolls back and
+    recomputes them; nothing computed over the failed prefix is ever stored or served."""
+    if not load_failures_reportable():
+        pytest.skip("this vLLM cannot be told of a failed load (invalid_block_ids: 0.11.1 on)")
+    failures, fault = _failing_every_other_load()
     report = _run(enable_prefix_caching=False, load_fault=fault, extra_config={"chunk_size": 16})
     assert report.load_errors > 0
     assert any(f is not None for f in failures)
@@ -131,6 +137,56 @@ def test_injected_load_failures_recompute_exactly():
     named = {v.split()[2].rstrip(":") for v in report.violations}
     assert wrong and wrong <= named
     assert all(" tokens_match_schedule at Scheduled " in v for v in report.violations)
+
+
+def test_failed_loads_under_async_scheduling_are_named_where_vllm_loses_a_token(tmp_path):
+    """The same failed loads under async scheduling. vLLM up to 0.33 rolls the request back
+    but keeps the failed step's output placeholder (issues #45138, #49250), so the next
+    step's token lands one position early: from there vLLM's token ids are not the model's,
+    and what it serves has lost a token. Its KV is still the model's (the oracle's KV check
+    passes); the token check sees the ids. kvledger names each such request (``tokens_known``:
+    vLLM schedules two tokens whose ids it never reported), at the first step it schedules
+    after the failure, stops saving it (decode chunks included), and ``check`` names the
+    same requests. Where vLLM resets the placeholders, the run is clean."""
+    from kvledger.connector.testing.oracle import Mismatch, TokenMismatch
+    from kvledger.replay.logreader import LogReader
+    from kvledger.replay.replayer import check
+    from kvledger.tracker import events as ev
+
+    if not load_failures_reportable():
+        pytest.skip("this vLLM cannot be told of a failed load (invalid_block_ids: 0.11.1 on)")
+    failures, fault = _failing_every_other_load()
+    report = _run(
+        enable_prefix_caching=False,
+        async_scheduling=True,
+        load_fault=fault,
+        log_dir=str(tmp_path),
+        extra_config={"chunk_size": 16, "save_decode_cache": True},
+    )
+    assert report.load_errors > 0
+    if not async_recovery_keeps_placeholders():
+        assert_clean(report)
+        return
+    diverged: dict[str, int] = {}
+    for m in report.mismatches:
+        if isinstance(m, TokenMismatch):
+            diverged.setdefault(m.req_id, m.position)
+    assert diverged, "no request lost a token: the failures did not reach vLLM's recovery"
+    assert diverged.keys() <= {f[0] for f in failures if f is not None}
+    assert [m.describe() for m in report.mismatches if isinstance(m, Mismatch)] == []
+    named = {v.split()[2].rstrip(":") for v in report.violations}
+    assert named == diverged.keys()
+    assert all(" tokens_known at Scheduled " in v for v in report.violations)
+    assert report.leaks == () and report.adapter_errors == 0
+    # Nothing of a diverged request is saved from its first wrong id on: a later prompt
+    # holding vLLM's ids must never load the KV of the model's.
+    for frame in LogReader(report.log_path):
+        for e in frame.events:
+            if isinstance(e, ev.SavePlanned) and e.keys and e.req_id in diverged:
+                assert e.end <= diverged[e.req_id], (e, diverged[e.req_id])
+    result = check(report.log_path)
+    assert result.exit_code == 1
+    assert {(p.rule, p.req_id) for p in result.problems} == {("tokens_known", r) for r in diverged}
 
 
 def test_oracle_catches_a_wrong_load_range(monkeypatch):

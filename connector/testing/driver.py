@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvledger.connector.testing.harness import (
     HarnessConfig,
+    RequestView,
     SchedulerHarness,
     StepResult,
     fake_token,
@@ -58,7 +59,7 @@ from kvledger.connector.testing.harness import (
 )
 
 if TYPE_CHECKING:
-    from kvledger.connector.testing.oracle import KVOracle, Mismatch
+    from kvledger.connector.testing.oracle import KVOracle, Mismatch, TokenMismatch
 
 __all__ = ["ModelRunner", "Request", "built_by_vllm", "engine_config"]
 
@@ -167,7 +168,7 @@ class ModelRunner:
         self.step = 0
         self.load_errors = 0  # block ids reported in invalid_block_ids, all steps
         self.skip_verify: set[str] = set()
-        self.mismatches: list[tuple[int, Mismatch]] = []
+        self.mismatches: list[tuple[int, Mismatch | TokenMismatch]] = []
 
     # -- the rig's hooks ------------------------------------------------------------------------
 
@@ -284,10 +285,15 @@ class ModelRunner:
 
     # -- checks and runs ------------------------------------------------------------------------
 
-    def checks(self) -> Iterator[tuple[str, tuple[int, ...], Mismatch | None]]:
+    def checks(
+        self, views: Mapping[str, RequestView] | None = None
+    ) -> Iterator[tuple[str, tuple[int, ...], Mismatch | None]]:
         """Per running request vLLM does not recompute: (id, block table, first wrong token or
-        None); none where the runner does not ``compute``."""
-        for req_id, view in self.harness.running_views().items() if self.compute else ():
+        None); none where the runner does not ``compute``. ``views``: the running requests'
+        (``SchedulerHarness.running_views``), when the caller took them already."""
+        if not self.compute:
+            return
+        for req_id, view in (self.harness.running_views() if views is None else views).items():
             if req_id in self.skip_verify or not view.block_ids:
                 continue
             upto = view.num_computed_tokens
@@ -298,9 +304,28 @@ class ModelRunner:
                 self.oracle.verify(req_id, self.tokens_of(req_id, upto), blocks, upto),
             )
 
-    def verify(self) -> list[Mismatch]:
-        """The first wrong token of each running request, after a step."""
-        return [m for _, _, m in self.checks() if m is not None]
+    def token_checks(self, views: Mapping[str, RequestView]) -> Iterator[TokenMismatch]:
+        """Each running request whose token ids in vLLM are not the model's (``tokens_of``):
+        the first position where they differ. The KV check cannot see this: the oracle's
+        values follow the model's tokens, and vLLM keys everything by its own. Every request
+        is compared, a recomputed one too (a wrong id is wrong whatever its KV). Under async
+        scheduling vLLM knows fewer ids than it computed; the ids it knows are compared."""
+        from kvledger.connector.testing.oracle import TokenMismatch  # torch, as the oracle
+
+        for req_id, view in views.items() if self.compute else ():
+            known = view.all_token_ids
+            model = self.tokens_of(req_id, len(known))
+            if list(known) != model[: len(known)]:
+                at = next(i for i, (a, b) in enumerate(zip(known, model, strict=False)) if a != b)
+                yield TokenMismatch(req_id, at, model[at], known[at])
+
+    def verify(self) -> list[Mismatch | TokenMismatch]:
+        """Each running request's first wrong token id, then its first wrong KV, after a
+        step."""
+        views = self.harness.running_views() if self.compute else {}
+        found: list[Mismatch | TokenMismatch] = list(self.token_checks(views))
+        found += [m for _, _, m in self.checks(views) if m is not None]
+        return found
 
     def forget(self, req_id: str) -> None:
         """A request id that comes back is a new request: its old tokens and values go."""

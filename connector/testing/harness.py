@@ -122,6 +122,25 @@ def load_recovery_misses_resumed() -> bool:
 
 
 @functools.cache
+def async_recovery_keeps_placeholders() -> bool:
+    """Whether this vLLM, recovering from a failed load under async scheduling, rolls back a
+    request's computed tokens but leaves its output placeholders: the failed step's sampled
+    token is dropped while its placeholder stays, so the next step's token lands one
+    position early and vLLM's token ids are no longer the model's (vLLM issues #45138 and
+    #49250, part 2; open through 0.33). Read from the source of its recovery
+    (``_update_requests_with_invalid_blocks``): a fix resets ``num_output_placeholders``
+    there."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    recover = getattr(Scheduler, "_update_requests_with_invalid_blocks", None)
+    if recover is None or not load_failures_reportable():
+        return False
+    return "num_output_placeholders" not in inspect.getsource(recover)
+
+
+@functools.cache
 def model_runner_v2_available() -> bool:
     """Whether this vLLM can run Model Runner V2 here: it has one (0.14 on), and it does not
     refuse it without Triton (0.22 to 0.30 raise "requires Triton" when it is asked for; 0.33

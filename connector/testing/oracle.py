@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-__all__ = ["KVOracle", "Mismatch"]
+__all__ = ["KVOracle", "Mismatch", "TokenMismatch"]
 
 _MASK = (1 << 61) - 1
 _MUL = 1_000_003
@@ -42,6 +42,25 @@ class Mismatch:
         return (
             f"{self.req_id}: token {self.position} layer {self.layer} {'KV'[self.kv]} holds "
             f"{self.found} instead of {self.expected} ({self.wrong_tokens} wrong tokens)"
+        )
+
+
+@attrs.frozen
+class TokenMismatch:
+    """vLLM holds another token id at ``position`` than the model computed there: the KV in
+    the caches is the model's, and everything vLLM keys by its token ids (prefix-cache
+    hashes, a connector's chunk keys, the text served) names other tokens than that KV.
+    The oracle's values follow the model's tokens, so only this comparison sees it."""
+
+    req_id: str
+    position: int
+    expected: int  # the model's token
+    found: int  # vLLM's
+
+    def describe(self) -> str:
+        return (
+            f"{self.req_id}: vLLM's token {self.position} is {self.found}, the model's "
+            f"{self.expected}"
         )
 
 

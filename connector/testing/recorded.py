@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from kvledger.connector.testing.driver import ModelRunner, engine_config
-from kvledger.connector.testing.oracle import Mismatch
+from kvledger.connector.testing.oracle import Mismatch, TokenMismatch
 from kvledger.connector.testing.run import RunSpec, run_workload
 
 __all__ = [
@@ -102,7 +102,7 @@ class WrappedReport:
     steps: int
     preemptions: int
     resumptions: int
-    mismatches: tuple[Mismatch, ...]
+    mismatches: tuple[Mismatch | TokenMismatch, ...]
     finished: int
     log_path: str | None
     # Per step: (num_scheduled_tokens, finished ids): what vLLM did, to compare two runs.

@@ -23,7 +23,7 @@ import attrs
 from kvledger.connector.testing.driver import ModelRunner, engine_config
 from kvledger.connector.testing.faults import FaultyWorkerSide, LoadFault
 from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
-from kvledger.connector.testing.oracle import Mismatch
+from kvledger.connector.testing.oracle import Mismatch, TokenMismatch
 
 __all__ = ["RunReport", "RunSpec", "run", "run_workload", "summarize"]
 
@@ -81,7 +81,7 @@ class RunReport:
     chunks_saved: int
     load_errors: int
     violations: tuple[str, ...]
-    mismatches: tuple[Mismatch, ...]
+    mismatches: tuple[Mismatch | TokenMismatch, ...]
     leaks: tuple[str, ...]
     adapter_errors: int
     log_path: str | None

@@ -47,7 +47,7 @@ from kvledger.connector.scheduler import first_group
 from kvledger.connector.testing.faults import FaultyWorkerSide
 from kvledger.connector.testing.harness import named_prompts
 from kvledger.connector.testing.offloading import offloading_extra_config
-from kvledger.connector.testing.oracle import Mismatch
+from kvledger.connector.testing.oracle import Mismatch, TokenMismatch
 from kvledger.connector.vllm import KVLedgerConnector
 from kvledger.connector.worker import WorkerSide
 
@@ -1028,7 +1028,7 @@ class ZooReport:
     # recorder stamps what vLLM reports after a step's forward pass with the next step.
     finished_at: tuple[tuple[str, int], ...]
     # (step, first wrong token of a running request), as the oracle found them.
-    mismatches: tuple[tuple[int, Mismatch], ...]
+    mismatches: tuple[tuple[int, Mismatch | TokenMismatch], ...]
     # A vLLM (or connector) exception that ended the run: "Type: message (file:line)".
     error: str | None
     error_step: int | None
@@ -1037,7 +1037,9 @@ class ZooReport:
     # The worker-role connector the run drove (a test may look inside it).
     worker: Any = attrs.field(default=None, eq=False, repr=False)
 
-    def first_mismatch(self, req_id: str | None = None) -> tuple[int, Mismatch] | None:
+    def first_mismatch(
+        self, req_id: str | None = None
+    ) -> tuple[int, Mismatch | TokenMismatch] | None:
         for step, m in self.mismatches:
             if req_id is None or m.req_id == req_id:
                 return step, m
@@ -1077,7 +1079,7 @@ def _run_shape(shape: Shape, *, fixed: bool, log_dir: str, max_steps: int) -> Zo
     harness = driver.harness
     prompts = shape.prompts()
     waiting = list(shape.requests)
-    mismatches: list[tuple[int, Mismatch]] = []
+    mismatches: list[tuple[int, Mismatch | TokenMismatch]] = []
     finished_at: list[tuple[str, int]] = []
     error: str | None = None
     error_step: int | None = None
