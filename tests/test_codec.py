@@ -253,6 +253,40 @@ def test_header_problems_surface_when_a_record_of_that_tag_appears() -> None:
         codec.Decoder({"4": ["Scheduled", 1, ["req_id"]]})
 
 
+def test_a_tag_declared_under_another_types_name_is_never_decoded_as_this_readers() -> None:
+    """The header's type name counts, not only its tag: tag 4 declared as a type this reader
+    does not know, or as another known type, is an error naming the tag, the declared name and
+    the reader's; records of the tag are never read as ``Scheduled``."""
+    scheduled = codec.schemas()[4][2]
+    for declared, name in [
+        (["Nope", 1, scheduled], "Nope"),
+        (["Finished", 1, scheduled], "Finished"),
+    ]:
+        table = codec.schemas()
+        table[4] = declared
+        dec = codec.Decoder(table, codec.transforms())
+        assert dec.decode(1, [[5, "a"]]) == (ev.Preempted(1, "a"),)  # other tags decode
+        message = (
+            f"tag 4 is declared as {name} v1 in the header; this kvledger's tag 4 is Scheduled"
+        )
+        with pytest.raises(codec.DecodeError, match="record 0: ") as info:
+            dec.decode(2, [[4, 0, 10, 1, 0, [3]]])
+        assert message in str(info.value)
+        with pytest.raises(codec.DecodeError, match="record 0: ") as info:
+            dec.resolve([[4, 0, 10, 1, 0, [3]]])  # raw records: refused too
+        assert message in str(info.value)
+    # Two tags swapped: neither is read as the other.
+    table = codec.schemas()
+    table[4], table[6] = ["Finished", 2, ["req_id", "reason"]], table[4]
+    dec = codec.Decoder(table, codec.transforms())
+    for record, message in [
+        ([4, "a", "stopped"], "tag 4 is declared as Finished v2"),
+        ([6, "b", 1, 1], "tag 6 is declared as Scheduled v1"),
+    ]:
+        with pytest.raises(codec.DecodeError, match=message):
+            dec.decode(1, [record])
+
+
 def test_header_transforms_are_honoured() -> None:
     # A segment written without the delta transform stores token_start as is.
     dec = codec.Decoder(codec.schemas(), {})

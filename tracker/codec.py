@@ -21,7 +21,9 @@ version and the field names it was written with (:func:`schemas`). Reading an ol
 runs the upcasters ``UPCASTERS[(tag, v)]`` for ``v`` up to the current version; each takes the
 record's field list at version ``v`` (after ``req_id``, trailing defaults possibly dropped) and
 returns the list at ``v + 1``. :func:`check_upcasters` runs at import: a type at version ``v > 1``
-without an upcaster for each of ``1 .. v-1`` is an import error.
+without an upcaster for each of ``1 .. v-1`` is an import error. The class name is checked
+too: a tag the header declares under another name than this reader's class for it (an unknown
+type, or a known type at another tag) is an error, never decoded as this reader's type.
 
 Decoding validates every record (arity, types, enum values, interning) and raises
 :class:`DecodeError` naming the type and field; it never executes anything from the data.
@@ -600,6 +602,14 @@ def _plan_for(tag: int, entry: Any, declared_transforms: Any) -> _Plan | str:
     s = _SCHEMAS.get(tag)
     if s is None:
         return f"tag {tag} ({name} v{version}) is unknown to this kvledger"
+    if name != s.name:
+        # The tag is this reader's, the type is not: decoding it as s would misread every
+        # record (a forged or foreign header, or a type this reader does not know). Type
+        # names never change: a rename would need its own entry here, like an upcaster.
+        return (
+            f"tag {tag} is declared as {name} v{version} in the header; this kvledger's tag "
+            f"{tag} is {s.name}"
+        )
     deltas = _header_deltas(s.name, fields, declared_transforms)
     if isinstance(deltas, str):
         return deltas
