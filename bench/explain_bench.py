@@ -38,7 +38,7 @@ from kvledger.tracker.history import walk
 
 def _walk(path: Path) -> int:
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     n = 0
     for _ in walk(src.frames(), config):
         n += 1
@@ -47,7 +47,7 @@ def _walk(path: Path) -> int:
 
 def _walk_explained(path: Path) -> int:
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     seen = [0]
 
     def count(a: Any) -> None:

@@ -544,8 +544,8 @@ def diff(
     counts = [0, 0]  # items read (a StepDecoded is one item per request it names, and one)
     events = [0, 0]
     walks = (
-        walk(src_a.frames(), src_a.lenient_config()[0], recorded=src_a.recorded),
-        walk(src_b.frames(), src_b.lenient_config()[0], recorded=src_b.recorded),
+        walk(src_a.frames(), src_a.config(), recorded=src_a.recorded),
+        walk(src_b.frames(), src_b.config(), recorded=src_b.recorded),
     )
     done = [False, False]
     # Read both logs side by side, always advancing the one that has read fewer events, so

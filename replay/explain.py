@@ -256,12 +256,12 @@ def explain(
     :class:`RequestNotFound` naming the nearest ids."""
     earlier_sources = [open_log(p) for p in earlier]  # every log readable before any is read
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     recorded = src.recorded
     by_request = _ByRequest()
     explainer = Explainer(config, by_request.keep, recorded=recorded, history_tokens=history_tokens)
     for old in earlier_sources:
-        old_config, _ = old.lenient_config()
+        old_config = old.config()
         explainer.new_run(old.name, old_config)
         _explain_run(explainer, old.frames(), old_config, recorded=old.recorded)
     explainer.new_run("", config)

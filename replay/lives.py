@@ -152,7 +152,7 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
     of exactly one id (vLLM's ids carry long random suffixes); :class:`RequestNotFound`
     otherwise, with the ids that contain it or the nearest ones."""
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     rows = _rows(src, config, request)
     if rows:
         return RequestLife(rows, request, config, src.damage, src.name)

@@ -4,7 +4,8 @@
 A name is a life label (``id``, or ``id#2`` for the second life of a reused id), a vLLM request
 id (all its lives), or a part of exactly one id (vLLM's ids carry long random suffixes). Any
 other name is :class:`RequestNotFound`, naming the ids that contain it when there are several,
-else the nearest ids by spelling, so a typo gets its correction.
+else the nearest ids by spelling, so a typo gets its correction; so is the empty name, which
+names no request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ class RequestNotFound(LookupError):
         self.request = request
         self.candidates = tuple(candidates)
         self.nearest = tuple(nearest)
-        if len(self.candidates) > 1:
+        if not request:
+            msg = "no request '' in the log: an empty id names no request"
+        elif len(self.candidates) > 1:
             shown = ", ".join(self.candidates[:10])
             more = "" if len(self.candidates) <= 10 else f" (+{len(self.candidates) - 10} more)"
             msg = f"request {request!r} is ambiguous: {shown}{more}"
@@ -41,6 +44,8 @@ class RequestNotFound(LookupError):
 def resolve(name: str, lives: Mapping[str, str]) -> list[str]:
     """The life labels ``name`` means, in the order of ``lives`` (life label -> vLLM request
     id, in arrival order); :class:`RequestNotFound` when it means none."""
+    if not name:  # a part of every id: it named them all ("ambiguous"), never one
+        raise RequestNotFound(name)
     if name in lives:
         return [name]
     ids = list(dict.fromkeys(lives.values()))

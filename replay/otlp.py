@@ -113,7 +113,7 @@ class _Life:
 
 def _lives(log: LogPath) -> tuple[dict[str, _Life], int, dict[str, Any], StopInfo | None]:
     src = open_log(log)
-    config, _ = src.lenient_config()
+    config = src.config()
     lives: dict[str, _Life] = {}
     last_ns = 0
 

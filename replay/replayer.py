@@ -49,9 +49,10 @@ import attrs
 
 from kvledger.replay.counts import moved
 from kvledger.replay.malformed import detail_text
+from kvledger.replay.naming import RequestNotFound
 from kvledger.replay.recorded import check_recorded_into
 from kvledger.replay.results import CheckResult, Problem, RecordedViolation, WhatIf
-from kvledger.replay.source import LogPath, LogSource, LogUnreadable, open_log
+from kvledger.replay.source import ConfigUnusable, LogPath, LogSource, LogUnreadable, open_log
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import ConfigError, TrackerConfig
 from kvledger.tracker.framing import Frame, LogFormatError
@@ -319,7 +320,9 @@ class _Replay:
         StepDecoded = ev.StepDecoded
         bad_decision = malformed
         steady = 0
-        wanted = self.request
+        # An empty id names no request: the events about none (StepDecoded, ChunkStored) carry
+        # req_id "", and matching them called a log clean for `--request ''`.
+        wanted = self.request or None
         gaps = source.gaps  # filled as the reader meets loss records
         for frame in source.frames():
             if gaps:
@@ -727,8 +730,8 @@ def _check_into(
     }
     try:
         recorded = source.config()
-    except (ConfigError, TypeError) as e:
-        result.error = f"the log header's tracker config cannot be used: {e}"
+    except ConfigUnusable as e:  # the one refusal every command makes (replay.source)
+        result.error = e.problem
         return
     overrides = {k: v for k, v in overrides.items() if k != "strict"}
     try:
@@ -783,7 +786,7 @@ def _check_into(
         result.stop = source.stop
     if request is not None and not replay.request_seen and result.error is None:
         # Never "clean" for a request that is not there (a typo, another log).
-        result.error = f"no request {request!r} in the log"
+        result.error = str(RequestNotFound(request))
 
 
 def _gap_text(gap: dict[str, int], last_step: int | None) -> str:

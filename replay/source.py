@@ -20,7 +20,10 @@ One error model, for ``check``, ``diff``, ``show``, ``stats``, ``timeline`` and 
   (:attr:`LogSource.gaps`) and a missing beginning (:attr:`LogSource.missing_start`);
 - segment files of the log that were not there to read (its first ones, or the one its last
   segment was rotated into) are :meth:`LogSource.missing_segments`; the command line says so
-  after every command, and exits as ``check`` would (:func:`watch_opened`).
+  after every command, and exits as ``check`` would (:func:`watch_opened`);
+- a header whose tracker config cannot be used raises :class:`ConfigUnusable` from
+  :meth:`LogSource.config`, for every command that needs the config (all but ``tail``): the
+  same refusal as ``check``'s, never the defaults in its place.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from kvledger.tracker.framing import (
 )
 
 __all__ = [
+    "ConfigUnusable",
     "LogNotFound",
     "LogPath",
     "LogSource",
@@ -80,6 +84,17 @@ class LogUnreadable(ValueError):
 
 class LogNotFound(LogUnreadable, FileNotFoundError):
     """The log's path does not exist."""
+
+
+class ConfigUnusable(ValueError):
+    """The log's header holds a tracker config that cannot be used (:meth:`LogSource.config`).
+    :attr:`problem` is what ``check`` reports; the message names the log too. (A
+    ``ValueError``: every command's guard turns it into the message and exit 2.)"""
+
+    def __init__(self, log: str, reason: str) -> None:
+        self.log = log
+        self.problem = f"the log header's tracker config cannot be used: {reason}"
+        super().__init__(f"{log}: {self.problem}")
 
 
 def split_config(config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -208,17 +223,15 @@ class LogSource:
         return text
 
     def config(self) -> TrackerConfig:
-        """The run's ``TrackerConfig``, strictly read (a bad header value raises
-        ``ConfigError`` naming it)."""
-        return TrackerConfig.from_header({**self.tracker_config, "strict": False})
-
-    def lenient_config(self) -> tuple[TrackerConfig, str | None]:
-        """The run's ``TrackerConfig``, or the defaults with the reason when the header's
-        values are unusable: a view shows what it can."""
+        """The run's ``TrackerConfig``, from the header: the one place every command reads it.
+        A value that cannot be used (``chunk_size`` 0, 17 or ``"32"``, ``num_slots`` 0, a
+        ``salt`` of 5, ...) raises :class:`ConfigUnusable`, naming it: no command replaces it
+        with a default, since every state, plan and miss reason derived under another
+        configuration than the run's would be wrong."""
         try:
-            return self.config(), None
+            return TrackerConfig.from_header({**self.tracker_config, "strict": False})
         except (ConfigError, TypeError) as e:
-            return TrackerConfig(), f"header config unusable ({e}); using the default configuration"
+            raise ConfigUnusable(self.name, str(e)) from None
 
     def file_bytes(self) -> int:
         total = 0

@@ -109,7 +109,6 @@ class Stats:
     library_version: str = ""
     format_version: str = ""
     run_id: str = ""
-    config_problem: str | None = None
     # A recorder's log (connector/recorder.py): the lookups are the wrapped connector's, whose
     # own hits are not in the log; only vLLM's prefix cache and what vLLM accepted are.
     recorded: bool = False
@@ -147,7 +146,7 @@ def stats(path: LogPath | LogSource) -> Stats:
     bytes per event (file size / events; also per logical event, a ``StepDecoded`` counting
     once per request it names), the header's configuration, and read damage."""
     src = open_log(path)
-    config, config_problem = src.lenient_config()
+    config = src.config()
     h = src.header
     st = Stats(
         log=src.name,
@@ -157,7 +156,6 @@ def stats(path: LogPath | LogSource) -> Stats:
         library_version=str(h.get("library_version", "")),
         format_version=f"{h.get('major', '?')}.{h.get('minor', '?')}",
         run_id=str(h.get("run_id", "")),
-        config_problem=config_problem,
         recorded=src.recorded,
     )
     by_type: Counter[type[ev.Event]] = Counter()

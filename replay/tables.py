@@ -838,7 +838,7 @@ def table_rows(path: LogPath | LogSource, emit: Emit, *, problems: bool = True) 
     come in no promised order (steps and events in log order). A row is a dict holding every
     column of its table."""
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     labels: dict[int, str] = {}
     problem_rows: list[Row] = []
     check_error = None

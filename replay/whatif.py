@@ -614,7 +614,7 @@ def _setup(path: LogPath, changes: dict[str, Any]) -> _Setup:
     if unknown:
         raise Unanswerable(f"not what-if settings: {unknown}; accepted: {', '.join(SETTINGS)}")
     src = open_log(path)
-    recorded, _ = src.lenient_config()
+    recorded = src.config()
     tracker_changes = {k: v for k, v in changes.items() if k in TRACKER_SETTINGS}
     try:
         config = recorded.with_changes(**tracker_changes)

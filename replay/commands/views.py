@@ -455,8 +455,6 @@ def _stats(args: argparse.Namespace) -> int:
         )
     if st.damage is not None:
         rows.append(["damage", st.damage.describe()])
-    if st.config_problem:
-        rows.append(["config problem", st.config_problem])
     out.table(["", "value"], rows)
     out.line()
     out.table(
