@@ -15,6 +15,7 @@ double click resets; nothing fetched); ``.png``, ``.svg`` and ``.pdf`` are drawn
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
 import os
@@ -27,6 +28,7 @@ from typing import Any
 import attrs
 
 from kvledger.replay.extras import pyplot, write_atomic
+from kvledger.replay.format import printable
 from kvledger.replay.misses import Miss
 from kvledger.replay.naming import resolve
 from kvledger.replay.source import LogPath, LogSource, open_log
@@ -244,7 +246,7 @@ def timeline(
     if top < 1:
         raise ValueError(f"top must be at least 1, got {top}")
     src = open_log(path)
-    config, _ = src.lenient_config()
+    config = src.config()
     rows, info = collect(src, ("requests", "admissions", "steps", "misses", "problems"))
     all_steps = sorted(r["step"] for r in rows["steps"])
     if not all_steps:
@@ -273,7 +275,12 @@ def timeline(
         len(rows["problems"]),
         info.check_error,
     )
-    title = f"{src.name}: {len(series)} of {len(rows['requests'])} requests, steps {lo}..{hi}"
+    # A file name that is not UTF-8 is drawn with its bytes escaped: a picture's text and a
+    # page's bytes are UTF-8, which a name's undecodable bytes (lone surrogates) are not.
+    title = (
+        f"{printable(src.name)}: {len(series)} of {len(rows['requests'])} requests, "
+        f"steps {lo}..{hi}"
+    )
     if fmt == "html":
         write_atomic(out_s, _html(result, title).encode())
     else:
@@ -506,8 +513,8 @@ def _page_data(result: TimelineResult, title: str) -> dict[str, Any]:
         "title": title,
         "steps": list(result.steps),
         "colors": COLORS,
-        "damage": None if result.damage is None else result.damage.describe(),
-        "check_error": result.check_error,
+        "damage": _damage_text(result),
+        "check_error": None if result.check_error is None else printable(result.check_error),
         "problems_total": result.problems_total,
         "run": {
             "steps": run.steps,
@@ -555,11 +562,17 @@ def _script_json(obj: Any) -> str:
 _JS = Path(__file__).with_name("timeline.js")
 
 
+def _damage_text(result: TimelineResult) -> str | None:
+    """Where and why reading stopped, as the page shows it (the file named printably)."""
+    return None if result.damage is None else printable(result.damage.describe())
+
+
 def _html(result: TimelineResult, title: str) -> str:
     note = ""
-    if result.damage is not None:
+    damage = _damage_text(result)
+    if damage is not None:
         note = (
-            f'<p class="damage">Read stopped early: {html.escape(result.damage.describe())}. '
+            f'<p class="damage">Read stopped early: {html.escape(damage)}. '
             "Everything before it is shown.</p>"
         )
     return (
@@ -773,6 +786,12 @@ def _matplotlib(plt: ModuleType, result: TimelineResult, title: str, out: str) -
         left=0.07, right=0.99, top=1 - 0.8 / height, bottom=0.5 / height, hspace=0.5
     )
     tmp = out + ".tmp"
-    fig.savefig(tmp, dpi=110, format=Path(out).suffix.lstrip(".").lower())
-    plt.close(fig)
-    os.replace(tmp, out)
+    try:
+        fig.savefig(tmp, dpi=110, format=Path(out).suffix.lstrip(".").lower())
+        os.replace(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):  # never a half-drawn picture left aside
+            os.unlink(tmp)
+        raise
+    finally:
+        plt.close(fig)

@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from types import ModuleType
 from typing import IO, Any, Literal
 
@@ -58,11 +58,17 @@ def optional(module: str) -> ModuleType | None:
 
 
 def write_atomic(out: str, data: bytes) -> None:
-    """Write ``out`` whole or not at all (aside, then renamed)."""
+    """Write ``out`` whole or not at all (aside, then renamed; what was set aside is removed
+    when that fails)."""
     tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def progress_bar(stream: IO[str], label: str, *, unit: Literal["bytes", "requests"]) -> Any:

@@ -11,11 +11,15 @@
 - :func:`elide`: a text cut to a width, saying how long it was: what every command prints of
   a value read from a log (a 5 MB string is as valid on the wire as a 5-byte one). Tables
   elide each cell; ``--json`` keeps every value whole.
+- :func:`printable`: a file name as text every encoder takes (bytes that are not UTF-8 as
+  ``\\xff``), for what is drawn or written as UTF-8 (``timeline``'s pictures and pages).
 """
 
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import typing
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -36,6 +40,7 @@ __all__ = [
     "format_event",
     "jsonable",
     "plain_fields",
+    "printable",
 ]
 
 _FIELDS: dict[type[ev.Event], tuple[str, ...]] = {
@@ -56,6 +61,18 @@ def elide(text: str, width: int = WIDE) -> str:
         return text
     tail = f"… ({len(text):,} chars)"
     return text[: max(0, width - len(tail))] + tail
+
+
+def printable(text: str) -> str:
+    """``text`` (a path, or a message naming one) with the bytes of a file name that the file
+    system's encoding could not decode (``os.fsdecode`` holds them as lone surrogates, which
+    no UTF-8 encoder takes) shown as ``\\xff``: ``r\\xff.kvlog``. Other text is returned as
+    it is."""
+    try:
+        raw = os.fsencode(text)
+    except UnicodeEncodeError:  # a lone surrogate that is no escaped byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return raw.decode(sys.getfilesystemencoding(), "backslashreplace")
 
 
 def field_names(cls: type[ev.Event]) -> tuple[str, ...]:

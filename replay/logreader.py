@@ -102,14 +102,17 @@ def segment_paths(directory: str | os.PathLike[str], stem: str | None = None) ->
 
 
 def newest_log(directory: str | os.PathLike[str]) -> Path | None:
-    """The first segment of the newest log in ``directory`` (by the first segment's modification
-    time; a log directory collects one log per engine start), or None when it holds none."""
+    """The first segment there of the newest log in ``directory`` (by that segment's
+    modification time; a log directory collects one log per engine start), or None when it
+    holds none. A log whose first segments were deleted (retention) is still a log: its first
+    segment there is returned, and its header says that the log's start is missing
+    (``LogFollower.missing_start``), as ``check`` and ``stats`` say."""
     firsts: list[tuple[float, str, Path]] = []
     for segments in _segments_in(Path(directory)).values():
-        for number, p in segments:
-            if number == 0:
-                with contextlib.suppress(OSError):
-                    firsts.append((p.stat().st_mtime, p.name, p))
+        for _, p in sorted(segments):  # the lowest number there: 0, unless it was deleted
+            with contextlib.suppress(OSError):
+                firsts.append((p.stat().st_mtime, p.name, p))
+                break
     return max(firsts)[2] if firsts else None
 
 

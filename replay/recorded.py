@@ -27,6 +27,7 @@ import attrs
 
 from kvledger.replay.format import format_event
 from kvledger.replay.malformed import detail_text
+from kvledger.replay.naming import RequestNotFound
 from kvledger.replay.results import CheckResult, Problem
 from kvledger.replay.source import LogSource
 from kvledger.tracker import events as ev
@@ -68,6 +69,7 @@ def check_recorded_into(
     requests = 0
     by_type: dict[str, int] = {}
     seen_request = False
+    wanted = request or None  # an empty id names no request (events about none carry "")
     done = False
 
     live: set[str] = set()  # requests added and not finished: vLLM's, as the log tells
@@ -80,7 +82,7 @@ def check_recorded_into(
         for e in frame.events:
             name = type(e).__name__
             by_type[name] = by_type.get(name, 0) + 1
-            if e.req_id == request:
+            if e.req_id == wanted:
                 seen_request = True
             if e.__class__ is ev.RequestAdded:
                 requests += 1
@@ -141,7 +143,7 @@ def check_recorded_into(
             result.stopped_early = True
             break
     if request is not None and not seen_request and result.error is None:
-        result.error = f"no request {request!r} in the log"
+        result.error = str(RequestNotFound(request))
     result.read_to(source)
     # vLLM's facts the log holds, a StepDecoded counting as the Scheduled events it stands for.
     inputs = steady + sum(n for t, n in by_type.items() if t in {c.__name__ for c in _INPUTS})

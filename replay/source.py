@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,7 @@ __all__ = [
     "PathArg",
     "damage_dict",
     "log_files",
+    "not_a_file",
     "open_log",
     "split_config",
     "take_opened",
@@ -292,6 +294,9 @@ def open_log(source: LogPath | LogSource) -> LogSource:
     for p in paths:
         if not os.path.exists(p):
             raise LogNotFound(f"{os.fspath(p)}: no such file or directory")
+        why = not_a_file(p)
+        if why is not None:  # a pipe: read as an output error ("Illegal seek"); a FIFO: hung
+            raise LogUnreadable(why)
     if len(paths) > 1 and any(os.path.isdir(p) for p in paths):
         raise LogUnreadable("pass one directory, or the segment files of one log")
     if named and not os.path.isdir(paths[0]):
@@ -318,6 +323,32 @@ def open_log(source: LogPath | LogSource) -> LogSource:
     if opened is not None:
         opened.append(src)
     return src
+
+
+_NOT_FILES = (
+    (stat.S_ISFIFO, "a pipe or FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def not_a_file(path: PathArg) -> str | None:
+    """Why ``path`` cannot be read as a log, when it is neither a regular file nor a directory
+    (a pipe, ``<(cat run.kvlog)``, a FIFO, a device), else None. A log is read from a regular
+    file: a reader reads it more than once and seeks in it, and a FIFO with no writer would
+    block it for ever."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # missing, or unreadable: opening it says why
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = next((what for test, what in _NOT_FILES if test(mode)), "not a file")
+    return (
+        f"{os.fspath(path)}: not a regular file ({kind}): a log must be a regular file "
+        "(kvledger seeks in it); save it to a file first"
+    )
 
 
 def log_files(path: PathArg) -> list[Path]:

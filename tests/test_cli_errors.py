@@ -202,3 +202,78 @@ def test_an_unwritable_output_is_named_as_asked(capsys: Any, tmp_path: Path) -> 
     out = "/proc/kvledger-test.jsonl"  # /proc takes no new files, even for root
     code, _, err = _run(capsys, "export", str(LOG), "--table", "events", "-o", out)
     assert code == 2 and err.startswith(f"kvledger: cannot write {out}")
+
+
+@pytest.mark.parametrize("interval", ["inf", "1e308", "nan", "0", "-inf"])
+def test_tail_takes_a_finite_interval(capsys: Any, interval: str) -> None:
+    # inf and 1e308 ended in time.sleep's OverflowError (a traceback); nan in "Invalid value
+    # NaN (not a number)" after the steps were printed.
+    code, out, err = _run(capsys, "tail", str(LOG), "--once", f"--interval={interval}")
+    assert code == 2 and out == ""
+    assert err.startswith("kvledger: --interval must be a finite number of seconds > 0")
+    assert err.rstrip().endswith(f"got {float(interval)}")
+
+
+def test_an_empty_request_names_no_request(capsys: Any, tmp_path: Path) -> None:
+    # check --request '' matched the events about no request (req_id "") and called a log
+    # with a problem clean (exit 0); show and explain called '' ambiguous.
+    said = "no request '' in the log: an empty id names no request"
+    assert check(SHORT, request="").exit_code == 2 and check(SHORT, request="").error == said
+    code, out, err = _run(capsys, "check", str(SHORT), "--request", "")
+    assert code == 2 and out.endswith(f"result: {said} (exit 2)\n")
+    assert err == f"kvledger check: {said}\n"
+    code, out, _ = _run(capsys, "check", str(SHORT), "--request", "", "--json")
+    assert code == 2 and json.loads(out)["error"] == said
+    for argv in (["show", "-r", ""], ["explain", "-r", ""]):
+        code, _, err = _run(capsys, argv[0], str(SHORT), *argv[1:])
+        assert (code, err) == (2, f"kvledger: {said}\n"), argv
+    code, _, err = _run(capsys, "timeline", str(SHORT), "-r", "", "-o", str(tmp_path / "t.html"))
+    assert code == 2 and "--request takes request ids (none given)" in err
+
+
+def test_check_replicas_says_why_a_log_could_not_be_checked(capsys: Any, tmp_path: Path) -> None:
+    # It printed "kvledger check: cannot check B" and the reason on stdout only, nothing on
+    # stderr, then "result: consistent across the replicas (exit 2)".
+    missing = tmp_path / "missing.kvlog"
+    code, out, err = _run(capsys, "check", "--replicas", str(LOG), str(missing))
+    assert code == 2
+    assert err == f"kvledger check: {missing}: no such file or directory\n"
+    assert out.endswith(
+        "result: consistent across the replicas; 1 of the 2 logs could not be checked (exit 2)\n"
+    )
+    code, out, err = _run(capsys, "check", "--replicas", str(LOG), str(missing), "--json")
+    assert code == 2 and json.loads(out)["exit_code"] == 2
+    assert err == f"kvledger check: {missing}: no such file or directory\n"
+
+
+@pytest.mark.parametrize(
+    "argv", [["stats"], ["check"], ["show", "-r", "req-1"], ["tail", "--once"], ["tail"]]
+)
+def test_a_log_that_is_not_a_regular_file_is_refused(tmp_path: Path, argv: list[str]) -> None:
+    # A pipe (`kvledger stats <(cat run.kvlog)`) read as "cannot write the output: Illegal
+    # seek"; a FIFO with no writer hung every command. Run as a user runs it: a hang fails.
+    import subprocess
+    import sys
+
+    script = "import sys; from kvledger.replay.cli import main; sys.exit(main(sys.argv[1:]))"
+    fifo = tmp_path / "run.kvlog"
+    os.mkfifo(fifo)
+    read_end, write_end = os.pipe()
+    os.write(write_end, LOG.read_bytes()[:4096])  # what <(cat run.kvlog) holds, in part
+    os.close(write_end)
+    try:
+        for log in (str(fifo), f"/dev/fd/{read_end}"):
+            proc = subprocess.run(
+                [sys.executable, "-c", script, argv[0], log, *argv[1:]],
+                pass_fds=(read_end,),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+            assert f"{log}: not a regular file (a pipe or FIFO): a log must be a regular file" in (
+                proc.stderr
+            )
+            assert "cannot write" not in proc.stderr
+    finally:
+        os.close(read_end)

@@ -164,6 +164,31 @@ def test_a_log_missing_its_start_is_said_and_exits_2(logs: Path, tmp_path: Path,
     assert "not all of the log is there: segments 0 to 5 (the log's start) not there" in err
 
 
+@pytest.mark.parametrize("once", [True, False])
+def test_tail_of_a_directory_whose_log_lacks_its_start(
+    logs: Path, tmp_path: Path, once: bool
+) -> None:
+    """The log's directory named, not one of its files: tail said "no kvledger log in ...
+    yet" (and without --once waited for ever) though check and stats read the log there. It
+    follows it from its first segment there, says the start is missing, and exits 2."""
+    import subprocess
+    import sys
+
+    part = _copy(_segments(logs)[6:], tmp_path / "part")
+    script = "import sys; from kvledger.replay.cli import main; sys.exit(main(sys.argv[1:]))"
+    argv = ["tail", str(part), "--all", "--json", *(["--once"] if once else [])]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=60
+    )
+    *steps, end = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert proc.returncode == 2, proc.stderr
+    assert (end["end"], len(steps), end["log"]) == ("closed", 5, str(part / "run.000006.kvlog"))
+    assert "not all of the log is there: segments 0 to 5 (the log's start) not there" in (
+        proc.stderr
+    )
+    assert "no kvledger log" not in proc.stderr and "waiting" not in proc.stderr
+
+
 def test_a_list_of_files_is_read_as_given(logs: Path) -> None:
     """Naming the files is choosing them: a list is never widened."""
     run = _segments(logs)

@@ -6,7 +6,9 @@ clear error, exit 2 (JSON with ``--json``). The page in a browser: test_timeline
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +229,46 @@ def test_a_violation_only_the_run_recorded_is_drawn_too(tmp_path: Path) -> None:
         {"step": 0, "rule": "adapter_error"}
     ]
     assert '"recorded":[[0,"adapter_error"]]' in out.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["html", "svg", "png", "pdf"])
+def test_a_log_whose_name_is_not_utf8_is_drawn(capsys: Any, tmp_path: Path, fmt: str) -> None:
+    # A file name's undecodable bytes (lone surrogates in the str) reached matplotlib's text
+    # (a pybind11 traceback, a .tmp left behind) and the page's UTF-8 ("surrogates not
+    # allowed"): they are drawn escaped, r\xff\xfe.kvlog.
+    if fmt != "html":
+        pytest.importorskip("matplotlib")
+    log = tmp_path / os.fsdecode(b"r\xff\xfe.kvlog")
+    torn = tmp_path / os.fsdecode(b"t\xff.kvlog")  # damaged: the page names it too
+    log.write_bytes(CLEAN.read_bytes())
+    torn.write_bytes(CLEAN.read_bytes()[:-40])
+    for named, shown in ((log, "r\\xff\\xfe.kvlog"), (torn, "t\\xff.kvlog")):
+        out = tmp_path / f"t.{fmt}"
+        code, _, err = _run(capsys, "timeline", str(named), "-o", str(out))
+        assert code == (0 if named == log else 2), err
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([log.name, torn.name, out.name])
+        if fmt in ("html", "svg"):  # the title (in svg, beside the drawn text)
+            assert f"{tmp_path}/{shown}: " in out.read_text(encoding="utf-8")
+        if fmt == "html" and named == torn:
+            assert f"Read stopped early: {tmp_path}/{shown}: offset " in out.read_text()
+
+
+@pytest.mark.parametrize("fmt", ["html", "svg"])
+def test_a_timeline_that_cannot_be_written_leaves_nothing_behind(
+    capsys: Any, tmp_path: Path, monkeypatch: Any, fmt: str
+) -> None:
+    # The picture is drawn aside (out + ".tmp") and renamed: a failure left the .tmp there.
+    if fmt != "html":
+        pytest.importorskip("matplotlib")
+    out = tmp_path / f"t.{fmt}"
+    rename = os.replace
+
+    def disk_full(src: Any, dst: Any) -> None:
+        if os.fspath(dst) != str(out):
+            return rename(src, dst)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), os.fspath(src))
+
+    monkeypatch.setattr(os, "replace", disk_full)
+    code, _, err = _run(capsys, "timeline", str(CLEAN), "-o", str(out))
+    assert code == 2 and err.startswith(f"kvledger: cannot write {out}") and "No space" in err
+    assert list(tmp_path.iterdir()) == []

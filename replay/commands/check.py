@@ -143,6 +143,12 @@ def _run_replicas(args: argparse.Namespace) -> int:
             print(f"== {path}")
             render(result, sys.stdout, limit=args.limit)
             print()
+        # Why a log is exit 2, on stderr, as check of one log says it (it said nothing).
+        if result.error is not None:
+            said = result.error if result.error.startswith(path) else f"{path}: {result.error}"
+            print(f"kvledger check: {said}", file=sys.stderr)
+        elif result.stop is not None:
+            warn_damage(path, result.stop)
     readable = [p for p, r in zip(args.logs, results, strict=True) if r.error is None]
     cross = cross_check(readable)
     code = max([r.exit_code for r in results] + [1 if cross.problems else 0])
@@ -171,7 +177,11 @@ def _run_replicas(args: argparse.Namespace) -> int:
     if more > 0:
         print(f"  ... and {more} more")
     verdict = f"{len(cross.problems)} problems" if cross.problems else "consistent"
-    print(f"result: {verdict} across the replicas (exit {code})")
+    verdict += " across the replicas"
+    left_out = len(args.logs) - len(readable)
+    if left_out:
+        verdict += f"; {left_out} of the {len(args.logs)} logs could not be checked"
+    print(f"result: {verdict} (exit {code})")
     return code
 
 
@@ -324,7 +334,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         for v in result.recorded_violations[:limit]:
             w(f"            {elide(v.describe(), LINE)}\n")
     if result.request is not None:
-        w(f"  request   only {result.request}'s problems are reported")
+        w(f"  request   only {result.request or repr('')}'s problems are reported")
         w(f" ({result.problems_elsewhere} elsewhere)\n" if result.problems_elsewhere else "\n")
     if result.problems_total:
         names = Counter(f"{p.name}" for p in result.problems)

@@ -13,7 +13,7 @@ from kvledger.replay import demo, tail
 from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, LINE, guard
 from kvledger.replay.format import elide
 from kvledger.replay.logreader import newest_log
-from kvledger.replay.source import MissingSegments
+from kvledger.replay.source import MissingSegments, not_a_file
 
 __all__ = ["add_demo", "add_tail"]
 
@@ -64,7 +64,7 @@ def add_tail(sub: Any) -> None:
         type=float,
         default=0.5,
         metavar="S",
-        help="seconds between reads while the log is idle (0.5)",
+        help="seconds between reads while the log is idle (0.5; at most a day)",
     )
     p.add_argument(
         "--json", action="store_true", help="one JSON object per line: each step, then the end"
@@ -74,13 +74,22 @@ def add_tail(sub: Any) -> None:
 
 # --- tail -----------------------------------------------------------------------------------
 
+# The longest --interval: a day between reads of an idle log (time.sleep refuses much more).
+_MAX_INTERVAL = 86400.0
+
 
 @guard
 def _tail(args: argparse.Namespace) -> int:
     if not os.path.exists(args.log):
         raise ValueError(f"{args.log}: no such file or directory")
-    if args.interval <= 0:
-        raise ValueError(f"--interval must be > 0, got {args.interval}")
+    why = not_a_file(args.log)
+    if why is not None:  # a FIFO: opening it waited for ever for a writer
+        raise ValueError(why)
+    if not 0 < args.interval <= _MAX_INTERVAL:  # also nan; inf overflowed time.sleep
+        raise ValueError(
+            f"--interval must be a finite number of seconds > 0 and at most {_MAX_INTERVAL:g} "
+            f"(a day), got {args.interval}"
+        )
 
     def emit(item: tail.StepNews) -> None:
         if args.json:
