@@ -67,7 +67,7 @@ from kvledger.replay.misses import (
     totals,
 )
 from kvledger.replay.naming import resolve
-from kvledger.replay.source import LogPath, LogSource, open_log
+from kvledger.replay.source import LogPath, LogSource, damage_dict, open_log
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.framing import StopInfo
 from kvledger.tracker.history import walk
@@ -101,6 +101,9 @@ class Explanation:
     forgotten: int = 0
     request: str | None = None  # what --request narrowed it to
     damage: StopInfo | None = None
+    # The earlier logs read before it (``earlier``) that could not be read to their end:
+    # (log, damage). What they lack is history the reasons did not see.
+    earlier_damage: tuple[tuple[str, StopInfo], ...] = ()
     # A recorder's log: the wrapped connector's KV events (tracker.inner_store), as counted.
     inner_stores: int = 0
     inner_removals: int = 0
@@ -161,14 +164,10 @@ class Explanation:
             **self.totals(),
             "requests": [r.to_dict() for r in self.requests],
             "notes": self.notes(),
-            "damage": None
-            if self.damage is None
-            else {
-                "file": self.damage.path,
-                "offset": self.damage.offset,
-                "kind": self.damage.kind,
-                "reason": self.damage.reason,
-            },
+            "damage": damage_dict(self.damage),
+            "earlier_damage": [
+                {"log": log, **(damage_dict(d) or {})} for log, d in self.earlier_damage
+            ],
             "malformed": self.malformed.to_dict(),
             # A recorder's log: the wrapped connector's KV events as explain counted them.
             "inner_events": {
@@ -279,6 +278,7 @@ def explain(
         forgotten=explainer.history.forgotten,
         request=request,
         damage=src.damage,
+        earlier_damage=tuple((old.name, old.damage) for old in earlier_sources if old.damage),
         malformed=malformed,
         inner_stores=explainer.inner.with_tokens,
         inner_removals=explainer.inner.removals,

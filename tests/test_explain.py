@@ -564,6 +564,25 @@ def test_an_earlier_run_and_another_model(tmp_path: Path, capsys: Any) -> None:
     assert json.loads(capsys.readouterr().out)["reasons"] == {"earlier_run": 16, "new_prefix": 1}
 
 
+def test_an_earlier_log_read_in_part_is_said_and_exits_2(tmp_path: Path, capsys: Any) -> None:
+    """An earlier log cut short is history the reasons did not see: explain says so on
+    stderr and exits 2, as it does for the log it explains, and --json names the damage."""
+    p = prompt(16, 23)
+    before = _one_run(tmp_path / "before.kvlog", p, "old")
+    now = _one_run(tmp_path / "now.kvlog", [*p, 1], "new")
+    torn = tmp_path / "torn.kvlog"
+    torn.write_bytes(before.read_bytes()[:-20])
+    assert main(["explain", str(now), "--earlier", str(before)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(now), "--earlier", str(torn)]) == 2
+    err = capsys.readouterr().err
+    assert f"{torn}: read stopped early" in err and "torn_tail" in err
+    assert main(["explain", str(now), "--earlier", str(torn), "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["damage"] is None
+    assert [(d["log"], d["kind"]) for d in out["earlier_damage"]] == [(str(torn), "torn_tail")]
+
+
 def test_a_whole_prompt_hit_leaves_the_last_token_by_rule(tmp_path: Path) -> None:
     r = Run(tmp_path / "log")
     p = prompt(16, 18)

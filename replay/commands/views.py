@@ -12,6 +12,7 @@ from typing import Any
 from kvledger.replay import lives, malformed, summary
 from kvledger.replay.commands.common import (
     EXIT_DIFFER,
+    EXIT_OK,
     EXIT_UNREADABLE,
     LINE,
     guard,
@@ -510,7 +511,11 @@ def _explain(args: argparse.Namespace) -> int:
     from kvledger.replay import explain as ex
 
     result = ex.explain(args.log, request=args.request, earlier=args.earlier)
-    status = args.exit_code = warn_damage(args.log, result.damage)
+    # An earlier log read in part is history the reasons did not see: said, and exit 2.
+    status = EXIT_OK
+    for log, damage in result.earlier_damage:
+        status = worse(status, warn_damage(log, damage))
+    status = args.exit_code = worse(status, warn_damage(args.log, result.damage))
     if args.json:
         print_json(result.to_dict())
         return status
