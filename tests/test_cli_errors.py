@@ -277,3 +277,23 @@ def test_a_log_that_is_not_a_regular_file_is_refused(tmp_path: Path, argv: list[
             assert "cannot write" not in proc.stderr
     finally:
         os.close(read_end)
+
+
+def test_an_error_reading_is_not_called_an_output_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A command that writes no file and meets an OSError met it reading (a disk error under
+    the log): said as a read, naming the file; a command with an output names its output."""
+    import argparse
+    import errno
+
+    from kvledger.replay.commands.common import guard
+
+    @guard
+    def reads(args: argparse.Namespace) -> int:
+        raise OSError(errno.EIO, "Input/output error", "run.kvlog")
+
+    assert reads(argparse.Namespace(json=False)) == 2
+    assert capsys.readouterr().err == "kvledger: cannot read run.kvlog: Input/output error\n"
+    assert reads(argparse.Namespace(json=False, out="t.html")) == 2
+    assert capsys.readouterr().err == (
+        "kvledger: cannot write t.html: run.kvlog: Input/output error\n"
+    )

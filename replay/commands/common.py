@@ -112,13 +112,15 @@ def guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
             message = f"cannot read the log: {e}"
         except (RequestNotFound, MissingExtra, ValueError) as e:
             message = str(e)
-        except OSError as e:  # an output path that cannot be written (no such directory, ...)
-            # Name the output asked for: the file that failed may be a writer's temporary one.
+        except OSError as e:
             out, failed = getattr(args, "out", None), e.filename
-            where = (
-                f"{out}: {failed}" if out and failed and str(failed) != str(out) else out or failed
-            )
-            message = f"cannot write {where or 'the output'}: {e.strerror or e}"
+            if not out:  # a command that writes no file: what failed was read
+                message = f"cannot read {failed or 'the log'}: {e.strerror or e}"
+            else:  # an output path that cannot be written (no such directory, ...)
+                # Name the output asked for: the file that failed may be a writer's temporary
+                # one.
+                where = f"{out}: {failed}" if failed and str(failed) != str(out) else out
+                message = f"cannot write {where}: {e.strerror or e}"
         if getattr(args, "json", False):
             print_json({"error": message, "exit_code": EXIT_UNREADABLE})
         return fail(message)
