@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import glob
 import os
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,6 +72,17 @@ class QueryResult:
     partial: list[str] = attrs.field(factory=list)  # exports of logs read only in part, why
 
     def to_dicts(self) -> list[dict[str, Any]]:
+        """The rows as objects, a key per column: :class:`SqlError` when two columns have one
+        name (an object keeps one of them: a column would be lost without a word)."""
+        repeated = [c for c, n in Counter(self.columns).items() if n > 1]
+        if repeated:
+            names = ", ".join(repr(c) for c in repeated)
+            raise SqlError(
+                f"--json gives each row as an object keyed by column name, and the "
+                f"query's result names {'a column' if len(repeated) == 1 else 'columns'} "
+                f"{names} more than once: give each its own name with AS "
+                f"(SELECT ... AS {repeated[0]}_2)"
+            )
         return [dict(zip(self.columns, row, strict=True)) for row in self.rows]
 
 

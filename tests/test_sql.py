@@ -239,6 +239,32 @@ def test_json_and_the_table_list(capsys: Any) -> None:
     assert code == 0 and "admissions" in out and "preempted_before" in out
 
 
+def test_json_is_strict_json_a_number_that_is_not_finite_is_null(capsys: Any) -> None:
+    # 1/0 printed `"a": Infinity` and 0/0 `NaN`, which no strict JSON parser takes.
+    query = "SELECT 1/0 AS a, -1/0 AS b, 0/0 AS c, [1/0, 2.5] AS d, {'e': 0/0} AS f"
+    code, out, _ = _cli(capsys, "sql", str(SHORT), query, "--json")
+
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not strict JSON: {name}")
+
+    assert code == 0
+    assert json.loads(out, parse_constant=refuse) == [
+        {"a": None, "b": None, "c": None, "d": [None, 2.5], "f": {"e": None}}
+    ]
+
+
+def test_json_refuses_a_result_with_a_column_named_twice(capsys: Any) -> None:
+    # Each row became an object keyed by column name: one of the two columns was lost.
+    query = "SELECT 'x' AS a, 'y' AS a, 1 AS b"
+    code, out, err = _cli(capsys, "sql", str(SHORT), query, "--json")
+    assert code == 2 and "'a' more than once" in err and "AS a_2" in err and "'b'" not in err
+    assert json.loads(out)["exit_code"] == 2 and "'a' more than once" in json.loads(out)["error"]
+    code, out, _ = _cli(capsys, "sql", str(SHORT), query)  # the table shows both
+    assert code == 0 and out.split() == ["a", "a", "b", "x", "y", "1"]
+    code, out, _ = _cli(capsys, "sql", str(SHORT), "SELECT 'x' AS a, 'y' AS a_2", "--json")
+    assert code == 0 and json.loads(out) == [{"a": "x", "a_2": "y"}]
+
+
 def test_a_damaged_log_is_queried_up_to_the_damage_and_said(tmp_path: Path, capsys: Any) -> None:
     from _logfiles import torn_copy
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "Handler",
     "fail",
     "guard",
+    "json_text",
     "log_argument",
     "non_negative",
     "print_json",
@@ -93,9 +95,26 @@ def fail(message: str) -> int:
     return EXIT_UNREADABLE
 
 
+def _finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (inf, -inf, nan: ``sql``'s ``1/0``) as None,
+    in dicts, lists and tuples at any depth: JSON has no such numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """``obj`` as strict JSON (RFC 8259, which every parser takes): a float that is not finite
+    becomes null; what json cannot write, its ``str``. Every ``--json`` output is this."""
+    return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)
+
+
 def print_json(obj: Any) -> None:
-    json.dump(obj, sys.stdout, indent=2, default=str)
-    sys.stdout.write("\n")
+    sys.stdout.write(json_text(obj, indent=2) + "\n")
 
 
 def guard(fn: Callable[[argparse.Namespace], int]) -> Handler:
