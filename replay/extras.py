@@ -15,7 +15,7 @@ from contextlib import contextmanager, suppress
 from types import ModuleType
 from typing import IO, Any, Literal
 
-from kvledger.replay.format import elide
+from kvledger.replay.format import elide, visible
 
 __all__ = [
     "MissingExtra",
@@ -120,7 +120,8 @@ def reading_progress(
 
 class Output:
     """Tables and lines: rich on a terminal, plain text otherwise. A table cell wider than
-    :data:`replay.format.WIDE` is elided (:func:`replay.format.elide`)."""
+    :data:`replay.format.WIDE` is elided (:func:`replay.format.elide`); every control character
+    of a line, a cell or a heading is shown escaped (:func:`replay.format.visible`)."""
 
     def __init__(self, stream: IO[str] | None = None) -> None:
         self.stream = stream if stream is not None else sys.stdout
@@ -130,6 +131,9 @@ class Output:
             self.console = rich.Console(file=self.stream, highlight=False, soft_wrap=True)
 
     def line(self, text: str = "", style: str = "") -> None:
+        # One line: a control character in it (a value read from a log: an escape sequence
+        # in a request id, a newline) is shown escaped (replay.format.visible), never sent.
+        text = visible(text)
         if self.console is not None:
             from rich.text import Text
 
@@ -147,7 +151,10 @@ class Output:
     ) -> None:
         # A cell holds a value read from a log, of any size: each is elided, so that no row
         # (and, in plain text, no column's padding) grows with it. --json prints it whole.
+        # A control character in a cell or a heading is shown escaped (replay.format.visible).
         cells = [["" if v is None else elide(str(v)) for v in row] for row in rows]
+        columns, right = [visible(c) for c in columns], [visible(c) for c in right]
+        title = visible(title)
         if self.console is not None:
             from rich.table import Table
 

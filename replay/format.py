@@ -11,6 +11,9 @@
 - :func:`elide`: a text cut to a width, saying how long it was: what every command prints of
   a value read from a log (a 5 MB string is as valid on the wire as a 5-byte one). Tables
   elide each cell; ``--json`` keeps every value whole.
+- :func:`visible`: a value read from a log with its control characters escaped (``\\x1b``),
+  so that a hostile log cannot drive the terminal; :func:`elide` and the text output
+  (``replay.extras.Output``) apply it.
 - :func:`printable`: a file name as text every encoder takes (bytes that are not UTF-8 as
   ``\\xff``), for what is drawn or written as UTF-8 (``timeline``'s pictures and pages).
 """
@@ -41,6 +44,7 @@ __all__ = [
     "jsonable",
     "plain_fields",
     "printable",
+    "visible",
 ]
 
 _FIELDS: dict[type[ev.Event], tuple[str, ...]] = {
@@ -53,14 +57,36 @@ WIDE = 200
 characters; past it, :func:`elide` cuts it."""
 
 
-def elide(text: str, width: int = WIDE) -> str:
-    """``text`` if it fits in ``width`` characters, else its head and how long it was:
-    ``abc… (5,242,880 chars)``, at most ``width`` characters (a width below 32 still keeps
-    the count)."""
+# The control characters (C0, DEL, C1) as repr writes them: a value read from a log goes to a
+# terminal, where an escape sequence in a request id would set the window title or clear the
+# screen, and a newline would break a table's row.
+_CONTROLS = {c: repr(chr(c))[1:-1] for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def visible(text: str) -> str:
+    """``text`` with its control characters (C0, DEL, C1) escaped as repr writes them
+    (``\\x1b``, ``\\n``, ``\\r``, ``\\t``), every other character as it is: a value read
+    from a log, as text for a terminal. :func:`elide` applies it; ``--json`` keeps every value
+    exact (JSON escapes them itself)."""
+    return text.translate(_CONTROLS)
+
+
+def _cut(text: str, width: int) -> str:
     if len(text) <= width:
         return text
     tail = f"… ({len(text):,} chars)"
     return text[: max(0, width - len(tail))] + tail
+
+
+def elide(text: str, width: int = WIDE) -> str:
+    """``text`` :func:`visible` (its control characters escaped) if it fits in ``width``
+    characters, else its head and how long it was: ``abc… (5,242,880 chars)``, at most
+    ``width`` characters (a width below 32 still keeps the count)."""
+    shown = visible(text)
+    if len(shown) <= width:
+        return shown
+    tail = f"… ({len(text):,} chars)"
+    return shown[: max(0, width - len(tail))] + tail
 
 
 def printable(text: str) -> str:
@@ -219,7 +245,7 @@ def _value(name: str, v: Any) -> str:
         items = [_value(name, x) for x in v[:12]]
         more = f", ... ({len(v)} in all)" if len(v) > 12 else ""
         return "[" + ", ".join(items) + more + "]"
-    return repr(elide(v)) if isinstance(v, str) else str(v)
+    return repr(_cut(v, WIDE)) if isinstance(v, str) else str(v)  # repr escapes controls
 
 
 def _is_default(field: Any, value: Any) -> bool:

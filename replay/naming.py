@@ -13,12 +13,16 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 
+from kvledger.replay.format import elide
+
 __all__ = ["RequestNotFound", "resolve"]
 
 
 class RequestNotFound(LookupError):
     """No request by that name: ``candidates`` contain it (several: ambiguous), ``nearest``
-    are spelled like it."""
+    are spelled like it. The message shows ids as every command prints a value read from a
+    log (:func:`replay.format.elide`: control characters escaped, a long id cut); the name
+    asked for as its repr."""
 
     def __init__(
         self, request: str, candidates: Sequence[str] = (), nearest: Sequence[str] = ()
@@ -29,11 +33,11 @@ class RequestNotFound(LookupError):
         if not request:
             msg = "no request '' in the log: an empty id names no request"
         elif len(self.candidates) > 1:
-            shown = ", ".join(self.candidates[:10])
+            shown = ", ".join(map(elide, self.candidates[:10]))
             more = "" if len(self.candidates) <= 10 else f" (+{len(self.candidates) - 10} more)"
             msg = f"request {request!r} is ambiguous: {shown}{more}"
         else:
-            hint = f"; nearest: {', '.join(self.nearest)}" if self.nearest else ""
+            hint = f"; nearest: {', '.join(map(elide, self.nearest))}" if self.nearest else ""
             msg = f"no request {request!r} in the log{hint}"
         super().__init__(msg)
 

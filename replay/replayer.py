@@ -49,7 +49,7 @@ import attrs
 
 from kvledger.replay.counts import moved
 from kvledger.replay.malformed import detail_text
-from kvledger.replay.naming import RequestNotFound
+from kvledger.replay.naming import RequestNotFound, resolve
 from kvledger.replay.recorded import check_recorded_into
 from kvledger.replay.results import CheckResult, Problem, RecordedViolation, WhatIf
 from kvledger.replay.source import ConfigUnusable, LogPath, LogSource, LogUnreadable, open_log
@@ -741,6 +741,13 @@ def _check_into(
         result.bad_option = str(e)
         return
     result.config = config.to_dict()
+    if request:  # an empty one names no request: said after the replay, as ever
+        try:
+            request = result.request = _resolve_request(source, request)
+        except RequestNotFound as e:
+            # None, or several (naming.py's message names them): exit 2, after the replay
+            # (its summary is still shown, as for a request that is not there).
+            result.error = str(e)
     if source.recorded:
         # A recorder's log: the wrapped connector decided, kvledger recorded; nothing to
         # re-derive, the rules any connector keeps to judge (--with sets the differential's pool).
@@ -787,6 +794,24 @@ def _check_into(
     if request is not None and not replay.request_seen and result.error is None:
         # Never "clean" for a request that is not there (a typo, another log).
         result.error = str(RequestNotFound(request))
+
+
+def _resolve_request(source: LogSource, name: str) -> str:
+    """The vLLM request id ``name`` means, by the rule every command names a request with
+    (``replay.naming.resolve``: an id, or a part of exactly one id); :class:`RequestNotFound`
+    (ambiguous, or the nearest ids) when it means none. The log's ids are read first, without
+    a fold; a log that cannot be read that far keeps ``name`` as given (the replay says why)."""
+    ids: dict[str, str] = {}  # every id, in arrival order
+    try:
+        for frame in source.frames():
+            for e in frame.events:
+                if e.req_id:  # the events about no request carry ""
+                    ids.setdefault(e.req_id, e.req_id)
+    except (LogFormatError, OSError):
+        return name
+    if name in ids:
+        return name
+    return ids[resolve(name, ids)[0]]
 
 
 def _gap_text(gap: dict[str, int], last_step: int | None) -> str:

@@ -297,3 +297,122 @@ def test_an_error_reading_is_not_called_an_output_error(capsys: pytest.CaptureFi
     assert capsys.readouterr().err == (
         "kvledger: cannot write t.html: run.kvlog: Input/output error\n"
     )
+
+
+# --- values read from a log reach the terminal escaped ----------------------------------------
+
+_HOSTILE = {
+    # an OSC that sets the window title, a screen clear, a carriage return
+    "escapes": ("\x1b]0;pwned\x07\x1b[2J", "\r", "\\x1b]0;pwned\\x07\\x1b[2J", "\\r"),
+    # a newline broke show's table into rows of nothing
+    "newline": ("", "\nX", "", "\\nX"),
+}
+
+
+def _raw_controls(text: str) -> list[str]:
+    """The control characters of ``text`` (C0, DEL, C1) but the newlines ending its lines."""
+    return [c for c in text if c != "\n" and (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0)]
+
+
+@pytest.mark.parametrize("kind", sorted(_HOSTILE))
+def test_control_characters_from_a_log_are_printed_escaped(
+    capsys: Any, tmp_path: Path, kind: str
+) -> None:
+    from _replay_logs import write_log
+
+    head, tail, shown_head, shown_tail = _HOSTILE[kind]
+    log = str(tmp_path / "run.kvlog")
+    write_log(log, rename=lambda rid: f"{head}{rid}{tail}")
+    raw, shown = f"{head}req-d{tail}", f"{shown_head}req-d{shown_tail}"
+    html = str(tmp_path / "t.html")
+    for argv in (
+        ["check", log],
+        ["check", log, "--request", "q-d"],
+        ["show", log],
+        ["show", log, "-r", "q-d"],
+        ["explain", log],
+        ["explain", log, "-r", "q-d"],
+        ["stats", log],
+        ["tail", "--once", log],
+        ["timeline", log, "-o", html],
+        ["show", log, "-r", "req"],  # ambiguous: the message names the ids
+    ):
+        _, out, err = _run(capsys, *argv)
+        assert not _raw_controls(out + err) and raw not in out + err, argv
+        assert shown in out + err or argv[0] in ("stats", "timeline"), argv
+    # the table keeps one line per request
+    _, out, _ = _run(capsys, "show", log)
+    assert [line.split()[0] for line in out.splitlines()[2:6]] == [
+        f"{shown_head}req-{c}{shown_tail}" for c in "abcd"
+    ]
+    # --json keeps every value exact: JSON escapes what it must
+    _, out, _ = _run(capsys, "show", log, "--json")
+    assert [r["request"] for r in json.loads(out)["requests"]][3] == raw
+
+
+def test_sql_text_output_escapes_control_characters(capsys: Any, tmp_path: Path) -> None:
+    pytest.importorskip("duckdb")
+    from _replay_logs import write_log
+
+    log = str(tmp_path / "run.kvlog")
+    write_log(log, rename=lambda rid: f"\x1b[2J{rid}\n")
+    query = "SELECT request FROM requests ORDER BY request"
+    code, out, _ = _run(capsys, "sql", log, query)
+    assert code == 0 and not _raw_controls(out)
+    assert out.splitlines() == ["request", *(f"\\x1b[2Jreq-{c}\\n" for c in "abcd")]
+    code, out, _ = _run(capsys, "sql", log, query, "--json")
+    assert code == 0 and json.loads(out)[0] == {"request": "\x1b[2Jreq-a\n"}
+
+
+# --- check --request names a request as show, explain and timeline do -------------------------
+
+
+def test_check_request_takes_a_part_of_one_id(capsys: Any, tmp_path: Path) -> None:
+    # check said "no request 'q-d' in the log" where show, explain and timeline found req-d.
+    from _replay_logs import write_log
+
+    log = str(tmp_path / "run.kvlog")
+    write_log(log)  # req-a .. req-d; req-d accepts more than offered (a problem)
+    result = check(log, request="q-d")
+    assert (result.exit_code, result.request, result.error) == (1, "req-d", None)
+    assert [p.req_id for p in result.problems] == ["req-d"]
+    code, out, err = _run(capsys, "check", log, "--request=q-d")
+    assert code == 1 and err == "" and "step 7, request req-d: rule accepted_equals_answer" in out
+    code, out, _ = _run(capsys, "check", log, "--request=q-d", "--json")
+    assert code == 1 and json.loads(out)["request"] == "req-d"
+    assert check(log, request="q-a").exit_code == 0  # req-a's problems: none
+    # several ids contain it, or none: exit 2, the ids that contain it or the nearest
+    ambiguous = "request 'req' is ambiguous: req-a, req-b, req-c, req-d"
+    code, out, err = _run(capsys, "check", log, "--request=req")
+    assert code == 2 and err == f"kvledger check: {ambiguous}\n"
+    assert out.endswith(f"result: {ambiguous} (exit 2)\n")
+    code, out, _ = _run(capsys, "check", log, "--request=req", "--json")
+    assert code == 2 and json.loads(out)["error"] == ambiguous
+    code, _, err = _run(capsys, "check", log, "--request=rex-d")
+    assert code == 2 and err.startswith(
+        "kvledger check: no request 'rex-d' in the log; nearest: req-d"
+    )
+    # the same rule as show's
+    code, _, err = _run(capsys, "show", log, "-r", "req")
+    assert code == 2 and err == f"kvledger: {ambiguous}\n"
+
+
+def test_check_request_on_a_recorders_log_takes_a_part_of_one_id(
+    capsys: Any, tmp_path: Path
+) -> None:
+    from test_check_malformed import PROMPT
+    from test_check_malformed import _write as write_steps
+
+    from kvledger.tracker import events as ev
+
+    added = [ev.RequestAdded(0, rid, PROMPT) for rid in ("req-alpha", "req-beta")]
+    log = str(write_steps(tmp_path / "rec.kvlog", [added], recorder=True))
+    result = check(log, request="alpha")
+    assert (result.exit_code, result.request, result.error) == (0, "req-alpha", None)
+    code, out, _ = _run(capsys, "check", log, "--request", "beta", "--json")
+    assert code == 0 and json.loads(out)["request"] == "req-beta"
+    ambiguous = "request 'req' is ambiguous: req-alpha, req-beta"
+    code, _, err = _run(capsys, "check", log, "--request", "req")
+    assert code == 2 and err == f"kvledger check: {ambiguous}\n"
+    code, _, err = _run(capsys, "check", log, "--request", "")
+    assert code == 2 and "an empty id names no request" in err

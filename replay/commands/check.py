@@ -4,13 +4,12 @@ comparison, the summary, the verdict)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from kvledger.replay.commands.common import LINE, non_negative, warn_damage
+from kvledger.replay.commands.common import LINE, non_negative, print_json, warn_damage
 from kvledger.replay.extras import reading_progress
 from kvledger.replay.format import elide, format_event
 from kvledger.replay.results import CheckResult, Problem
@@ -116,7 +115,7 @@ def run_check(args: argparse.Namespace) -> int:
         # Not the log's fault: the --with value cannot apply to this log's configuration.
         print(f"kvledger check: --with: {result.bad_option}", file=sys.stderr)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print_json(result.to_dict())
     elif result.bad_option is None:
         render(result, sys.stdout, limit=args.limit)
     if result.bad_option is None:
@@ -158,7 +157,7 @@ def _run_replicas(args: argparse.Namespace) -> int:
             "replicas": cross.to_dict(),
             "exit_code": code,
         }
-        print(json.dumps(out, indent=2))
+        print_json(out)
         return code
     print(f"== the {len(readable)} logs together (one remote tier)")
     print(
@@ -170,8 +169,8 @@ def _run_replicas(args: argparse.Namespace) -> int:
         f"the replicas computed; {_n(cross.unjudged)} not computed by any of them"
     )
     for n, p in enumerate(cross.problems[: args.limit], 1):
-        print(f"problem {n}: {p.describe()}")
-        print(f"  {p.detail}")
+        print(f"problem {n}: {elide(p.describe(), LINE)}")
+        print(f"  {elide(p.detail, LINE)}")
         print(f"  at {p.path}")
     more = len(cross.problems) - args.limit
     if more > 0:
@@ -251,7 +250,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
     w = out.write
     if result.error is not None and not result.counts:
         w(f"kvledger check: cannot check {_files(result.paths)}\n")
-        w(f"  error     {result.error}\n")
+        w(f"  error     {elide(result.error, LINE)}\n")
         if result.stop is not None:
             w(f"  at        {result.stop.path}: byte offset {result.stop.offset}\n")
         w("result: unreadable (exit 2)\n")
@@ -334,7 +333,7 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
         for v in result.recorded_violations[:limit]:
             w(f"            {elide(v.describe(), LINE)}\n")
     if result.request is not None:
-        w(f"  request   only {result.request or repr('')}'s problems are reported")
+        w(f"  request   only {elide(result.request) or repr('')}'s problems are reported")
         w(f" ({result.problems_elsewhere} elsewhere)\n" if result.problems_elsewhere else "\n")
     if result.problems_total:
         names = Counter(f"{p.name}" for p in result.problems)

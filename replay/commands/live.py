@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Any
 
 from kvledger.replay import demo, tail
-from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, LINE, guard
+from kvledger.replay.commands.common import EXIT_OK, EXIT_UNREADABLE, LINE, guard, json_text
 from kvledger.replay.format import elide
 from kvledger.replay.logreader import newest_log
 from kvledger.replay.source import MissingSegments, not_a_file
@@ -93,7 +92,7 @@ def _tail(args: argparse.Namespace) -> int:
 
     def emit(item: tail.StepNews) -> None:
         if args.json:
-            print(json.dumps(item.to_dict()), flush=True)
+            print(json_text(item.to_dict()), flush=True)
         else:
             print(elide(item.describe(), 4 * LINE), flush=True)
 
@@ -124,7 +123,7 @@ def _tail(args: argparse.Namespace) -> int:
     elif end.how == "no_log":
         print(f"kvledger: no kvledger log in {args.log} yet", file=sys.stderr)
     if args.json:
-        print(json.dumps({"end": end.how, "steps": end.steps, "log": end.log}), flush=True)
+        print(json_text({"end": end.how, "steps": end.steps, "log": end.log}), flush=True)
     else:
         print(f"end: {end.how.replace('_', ' ')} after {end.steps} steps", flush=True)
     return code
