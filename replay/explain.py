@@ -267,7 +267,8 @@ def explain(
     # The explained log's own malformed records, not the earlier runs'.
     malformed = MalformedRecords(recorded=recorded)
     labels = _explain_run(explainer, src.frames(), config, malformed, recorded=recorded)
-    chosen = list(labels) if request is None else resolve(request, labels)
+    why = None if src.damage is None else src.damage.describe()
+    chosen = list(labels) if request is None else resolve(request, labels, read_in_part=why)
     requests = by_request.requests(chosen)
     return Explanation(
         log=src.name,

@@ -162,7 +162,8 @@ def show(path: LogPath | LogSource, request: str) -> RequestLife:
         for e in frame.events:
             if e.req_id and e.req_id != POOL:
                 ids.setdefault(e.req_id, e.req_id)
-    rid = ids[resolve(request, ids)[0]]
+    why = None if damage is None else damage.describe()
+    rid = ids[resolve(request, ids, read_in_part=why)[0]]
     rows = _rows(src, config, rid)
     return RequestLife(rows, rid, config, src.damage or damage, src.name)
 

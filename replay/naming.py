@@ -25,7 +25,12 @@ class RequestNotFound(LookupError):
     asked for as its repr."""
 
     def __init__(
-        self, request: str, candidates: Sequence[str] = (), nearest: Sequence[str] = ()
+        self,
+        request: str,
+        candidates: Sequence[str] = (),
+        nearest: Sequence[str] = (),
+        *,
+        read_in_part: str | None = None,
     ) -> None:
         self.request = request
         self.candidates = tuple(candidates)
@@ -39,15 +44,21 @@ class RequestNotFound(LookupError):
         else:
             hint = f"; nearest: {', '.join(map(elide, self.nearest))}" if self.nearest else ""
             msg = f"no request {request!r} in the log{hint}"
+            if read_in_part is not None:  # it may be in what could not be read
+                msg = (
+                    f"no request {request!r} in what could be read of the log ({read_in_part})"
+                    f"{hint}"
+                )
         super().__init__(msg)
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-def resolve(name: str, lives: Mapping[str, str]) -> list[str]:
+def resolve(name: str, lives: Mapping[str, str], *, read_in_part: str | None = None) -> list[str]:
     """The life labels ``name`` means, in the order of ``lives`` (life label -> vLLM request
-    id, in arrival order); :class:`RequestNotFound` when it means none."""
+    id, in arrival order); :class:`RequestNotFound` when it means none. ``read_in_part``: why
+    the log was not read to its end, when it was not (the request may be past it)."""
     if not name:  # a part of every id: it named them all ("ambiguous"), never one
         raise RequestNotFound(name)
     if name in lives:
@@ -58,7 +69,12 @@ def resolve(name: str, lives: Mapping[str, str]) -> list[str]:
     containing = [rid for rid in ids if name in rid]
     if len(containing) == 1:
         return [label for label, rid in lives.items() if rid == containing[0]]
-    raise RequestNotFound(name, containing, () if containing else nearest(name, ids))
+    raise RequestNotFound(
+        name,
+        containing,
+        () if containing else nearest(name, ids),
+        read_in_part=None if len(containing) > 1 else read_in_part,
+    )
 
 
 def nearest(name: str, names: Iterable[str], n: int = 5) -> list[str]:

@@ -83,3 +83,24 @@ def test_one_rule_names_a_request() -> None:
     with pytest.raises(RequestNotFound) as nothing:
         resolve("zzzzzz", lives_)
     assert nothing.value.nearest == () and str(nothing.value) == "no request 'zzzzzz' in the log"
+
+
+def test_a_request_past_where_the_log_was_cut_is_not_called_absent(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A log read only in part may hold the request past the damage: show and explain say
+    that it is not in what could be read, and why, rather than that it is not in the log."""
+    data = (DATA / "replay-clean.kvlog").read_bytes()
+    assert len(lives.show(DATA / "replay-clean.kvlog", "again-req-2"))  # the whole log has it
+    cut = tmp_path / "cut.kvlog"
+    cut.write_bytes(data[: len(data) // 3])
+    for argv in (
+        ["show", str(cut), "-r", "again-req-2"],
+        ["explain", str(cut), "-r", "again-req-2"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "no request 'again-req-2' in what could be read of the log (" in err, err
+        assert "torn_tail" in err
+    with pytest.raises(RequestNotFound, match="no request 'req-99' in the log"):
+        lives.show(DATA / "replay-clean.kvlog", "req-99")
