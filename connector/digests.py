@@ -32,10 +32,10 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import attrs
-import structlog
 import torch
 
 from kvledger.connector.kv_layout import describe_kv_caches
+from kvledger.connector.logsafe import safe_logger
 from kvledger.tracker import events as ev
 from kvledger.tracker.digests import (
     DIGEST_MODES,
@@ -48,7 +48,7 @@ from kvledger.tracker.recorded_steps import RecordedSteps
 
 __all__ = ["BlockDigester", "RecorderDigests", "WorkerDigests"]
 
-_log = structlog.get_logger("kvledger.connector")
+_log = safe_logger("kvledger.connector")
 
 _MASK = (1 << 64) - 1
 # Before-digests of loads not verified yet, kept at most (the oldest dropped: unverified).

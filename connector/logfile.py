@@ -15,13 +15,12 @@ import time
 import uuid
 from typing import Any
 
-import structlog
-
 from kvledger.connector.config import ConnectorConfigError, LogSettings
+from kvledger.connector.logsafe import safe_logger
 
 __all__ = ["LOG_PREFIXES", "log_path", "open_log"]
 
-_log = structlog.get_logger("kvledger")
+_log = safe_logger("kvledger")
 
 # The file name's first word, by who writes the log: a reader tells them apart at a glance.
 LOG_PREFIXES = {"connector": "kvledger", "recorder": "kvledger-rec"}

@@ -24,11 +24,11 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-import structlog
+from kvledger.connector.logsafe import safe_logger
 
 __all__ = ["CONNECTORS", "MODULE", "register"]
 
-_log = structlog.get_logger("kvledger.plugin")
+_log = safe_logger("kvledger.plugin")
 
 # Where both classes are found: KVLedgerRecorder is loaded from the same module (connector/vllm.py).
 MODULE = "kvledger.connector.vllm"

@@ -46,8 +46,6 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-import structlog
-
 from kvledger.connector.config import ConnectorConfigError, RecorderConfig, connector_name
 from kvledger.connector.edge import (
     VLLM_VERSION,
@@ -62,6 +60,7 @@ from kvledger.connector.edge import (
     token_list,
 )
 from kvledger.connector.logfile import open_log
+from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.recording import RECORDER_FORMAT, SchedulerRecorder
 from kvledger.connector.scheduler import first_group
 from kvledger.connector.stopping import NO_HOOK, StopHook
@@ -75,7 +74,7 @@ __all__ = [
     "resolve_inner",
 ]
 
-_log = structlog.get_logger("kvledger.recorder")
+_log = safe_logger("kvledger.recorder")
 
 
 # --- resolving and building the inner connector ------------------------------------------

@@ -23,8 +23,7 @@ import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import structlog
-
+from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.scheduler import first_group, status_name
 from kvledger.tracker import events as ev
 from kvledger.tracker.codec import EncodeError
@@ -33,7 +32,7 @@ from kvledger.tracker.tracker import close_log, seal_log
 
 __all__ = ["RECORDER_FORMAT", "SchedulerRecorder"]
 
-_log = structlog.get_logger("kvledger.recorder")
+_log = safe_logger("kvledger.recorder")
 
 # Stats are recorded as JSON cut to this many characters.
 _STATS_CHARS = 4096

@@ -18,10 +18,9 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import structlog
-
 from kvledger.connector.config import ConnectorConfig
 from kvledger.connector.logfile import open_log
+from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.messages import StepPlan, TransferPlan, WorkerReport
 from kvledger.connector.metrics import Counters
 from kvledger.connector.pool_events import PoolEvent, PoolEvents
@@ -35,9 +34,9 @@ from kvledger.tracker.tracker import Tracker
 
 __all__ = ["SchedulerSide", "carries_reports", "first_group", "status_name"]
 
-_log = structlog.get_logger("kvledger.connector")
+_log = safe_logger("kvledger.connector")
 # The Tracker's violations and log failures, under the name they always had.
-_violations = structlog.get_logger("kvledger")
+_violations = safe_logger("kvledger")
 T = TypeVar("T")
 
 

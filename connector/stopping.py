@@ -36,11 +36,11 @@ from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-import structlog
+from kvledger.connector.logsafe import safe_logger
 
 __all__ = ["NO_HOOK", "STOP_SIGNALS", "StopHook"]
 
-_log = structlog.get_logger("kvledger")
+_log = safe_logger("kvledger")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

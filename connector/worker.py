@@ -59,11 +59,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import attrs
-import structlog
 import torch
 
 from kvledger.connector.config import ConnectorConfig
 from kvledger.connector.digests import WorkerDigests
+from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.messages import ChunkTransfer, StepPlan, TransferPlan, WorkerReport
 from kvledger.connector.store import HostChunkPool
 from kvledger.connector.tiers import (
@@ -90,7 +90,7 @@ __all__ = ["WorkerSide"]
 # How many keys read from the remote tier the worker remembers until their local save.
 _READ_REMOTE_KEYS = 1 << 16
 
-_log = structlog.get_logger("kvledger.connector")
+_log = safe_logger("kvledger.connector")
 
 
 class WorkerSide:
