@@ -12,7 +12,6 @@ cannot is dropped. Bookkeeping never stops because a line could not be said.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -29,26 +28,41 @@ def _escaped(value: Any) -> Any:
 
 
 class SafeLogger:
-    """``logger``'s methods (``info``, ``warning``, ``error``, ...), each returning None
-    instead of raising: see the module docstring."""
+    """``logger``'s level methods, each returning None instead of raising: see the module
+    docstring. Only these are forwarded: a proxy that answered any attribute (``__dict__``
+    included) misled vLLM's scan of every module's globals at engine start."""
 
     __slots__ = ("_logger",)
 
     def __init__(self, logger: Any) -> None:
         self._logger = logger
 
-    def __getattr__(self, name: str) -> Callable[..., None]:
-        method = getattr(self._logger, name)
+    def _say(self, level: str, args: tuple[Any, ...], kw: dict[str, Any]) -> None:
+        method = getattr(self._logger, level)
+        try:
+            method(*args, **kw)
+        except Exception:
+            # Nothing of the line can be written even escaped: the bookkeeping goes on.
+            with contextlib.suppress(Exception):
+                method(*map(_escaped, args), **{k: _escaped(v) for k, v in kw.items()})
 
-        def say(*args: Any, **kw: Any) -> None:
-            try:
-                method(*args, **kw)
-            except Exception:
-                # Nothing of the line can be written even escaped: the bookkeeping goes on.
-                with contextlib.suppress(Exception):
-                    method(*map(_escaped, args), **{k: _escaped(v) for k, v in kw.items()})
+    def debug(self, *args: Any, **kw: Any) -> None:
+        self._say("debug", args, kw)
 
-        return say
+    def info(self, *args: Any, **kw: Any) -> None:
+        self._say("info", args, kw)
+
+    def warning(self, *args: Any, **kw: Any) -> None:
+        self._say("warning", args, kw)
+
+    def error(self, *args: Any, **kw: Any) -> None:
+        self._say("error", args, kw)
+
+    def critical(self, *args: Any, **kw: Any) -> None:
+        self._say("critical", args, kw)
+
+    def exception(self, *args: Any, **kw: Any) -> None:
+        self._say("exception", args, kw)
 
 
 def safe_logger(name: str) -> SafeLogger:

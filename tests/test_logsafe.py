@@ -47,3 +47,21 @@ def test_a_line_that_cannot_be_written_at_all_is_dropped() -> None:
             raise OSError("the terminal went away")
 
     SafeLogger(Broken()).error("kvledger.adapter_error", callback="build_connector_meta")
+
+
+def test_the_loggers_answer_no_attribute_they_do_not_have() -> None:
+    """vLLM's engine start scans every module's globals and reads ``vars(value)`` of each that
+    has a ``__dict__``: a logger that answered any attribute handed it a function there."""
+    import sys
+
+    import kvledger.connector.scheduler  # noqa: F401  (its loggers among the globals)
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("kvledger.connector"):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, SafeLogger):
+                assert not hasattr(value, "__dict__")
+                assert not hasattr(value, "kernel")
+                with pytest.raises(TypeError):
+                    vars(value)
