@@ -71,10 +71,11 @@ def visible(text: str) -> str:
     return text.translate(_CONTROLS)
 
 
-def _cut(text: str, width: int) -> str:
+def _cut(text: str, width: int, length: int | None = None) -> str:
+    """``text`` if it fits in ``width``, else its head and ``length`` (its own by default)."""
     if len(text) <= width:
         return text
-    tail = f"… ({len(text):,} chars)"
+    tail = f"… ({len(text) if length is None else length:,} chars)"
     return text[: max(0, width - len(tail))] + tail
 
 
@@ -82,11 +83,7 @@ def elide(text: str, width: int = WIDE) -> str:
     """``text`` :func:`visible` (its control characters escaped) if it fits in ``width``
     characters, else its head and how long it was: ``abc… (5,242,880 chars)``, at most
     ``width`` characters (a width below 32 still keeps the count)."""
-    shown = visible(text)
-    if len(shown) <= width:
-        return shown
-    tail = f"… ({len(text):,} chars)"
-    return shown[: max(0, width - len(tail))] + tail
+    return _cut(visible(text), width, len(text))  # the count is of the value's own characters
 
 
 def printable(text: str) -> str:

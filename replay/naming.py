@@ -73,7 +73,7 @@ def resolve(name: str, lives: Mapping[str, str], *, read_in_part: str | None = N
         name,
         containing,
         () if containing else nearest(name, ids),
-        read_in_part=None if len(containing) > 1 else read_in_part,
+        read_in_part=read_in_part,
     )
 
 

@@ -105,20 +105,27 @@ def load_failures_reportable() -> bool:
 
 
 @functools.cache
+def _recovery_source() -> str | None:
+    """The source of this vLLM's recovery from a failed load
+    (``Scheduler._update_requests_with_invalid_blocks``), or None where it has none: what
+    the predicates below read a bug or its fix from."""
+    import inspect
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    recover = getattr(Scheduler, "_update_requests_with_invalid_blocks", None)
+    return None if recover is None else inspect.getsource(recover)
+
+
+@functools.cache
 def load_recovery_misses_resumed() -> bool:
     """Whether this vLLM's recovery from a failed synchronous load looks for the failed
     blocks only below ``request.num_cached_tokens`` (``_update_requests_with_invalid_blocks``,
     before vLLM PR #38096). vLLM sets that count at a request's first scheduling and does not
     reset it at a preemption, so when a resumed request's load fails beyond it, vLLM does not
     roll the request back and computes over the failed blocks (0.14.1 and 0.18.1 here)."""
-    import inspect
-
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    recover = getattr(Scheduler, "_update_requests_with_invalid_blocks", None)
-    if recover is None:
-        return False
-    return "request.num_cached_tokens" in inspect.getsource(recover)
+    source = _recovery_source()
+    return source is not None and "request.num_cached_tokens" in source
 
 
 @functools.cache
@@ -130,14 +137,10 @@ def async_recovery_keeps_placeholders() -> bool:
     #49250, part 2; open through 0.33). Read from the source of its recovery
     (``_update_requests_with_invalid_blocks``): a fix resets ``num_output_placeholders``
     there."""
-    import inspect
-
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    recover = getattr(Scheduler, "_update_requests_with_invalid_blocks", None)
-    if recover is None or not load_failures_reportable():
+    source = _recovery_source()
+    if source is None or not load_failures_reportable():
         return False
-    return "num_output_placeholders" not in inspect.getsource(recover)
+    return "num_output_placeholders" not in source
 
 
 @functools.cache
