@@ -211,7 +211,8 @@ class StandIn:
         self._server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), self._handler())
         self._server.daemon_threads = True
         self.port = int(self._server.server_address[1])
-        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        # Polled often: close() waits for the loop to see its stop (0.5 s by default, each test).
+        threading.Thread(target=self._server.serve_forever, args=(0.01,), daemon=True).start()
 
     def url(self, path: str = "/0", query: str = "") -> str:
         return f"redis://:standin-pw@127.0.0.1:{self.port}{path}{query}"
@@ -240,6 +241,10 @@ class StandIn:
         standin = self
 
         class Handler(socketserver.StreamRequestHandler):
+            # Replies go out at once, as a Redis server's do: with Nagle's algorithm on, a reply
+            # waited for the client's delayed ACK of the previous one.
+            disable_nagle_algorithm = True
+
             def handle(self) -> None:
                 with standin._lock:
                     standin._conns.add(self.connection)
