@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import random
 import struct
-import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
 import msgpack
 import pytest
+from _memory import peak_memory
 from test_bounded_output import _wide_log
 from test_check_malformed import CONNECTOR, RECORDER
 from test_check_malformed import _write as _write_steps
@@ -132,38 +132,34 @@ def test_every_command_survives_the_hostile_corpus(
     corpus = _corpus(tmp_path)
     failures = []
     printed = 0
-    tracemalloc.start()
-    try:
-        for name, path in corpus.items():
+    peak = 0  # the most memory any one file took (tests/_memory.py)
+    for name, path in corpus.items():
+        with peak_memory() as memory:
             try:
                 code = main(COMMANDS[command](path, tmp_path))
             except SystemExit as e:  # argparse errors only
                 code = e.code if isinstance(e.code, int) else 2
             except Exception as e:  # the defect this test exists for
                 failures.append(f"{name}: raised {type(e).__name__}: {e}")
-                continue
-            out, err = capsys.readouterr()
-            printed = max(printed, len(out) + len(err))
-            if "--json" not in COMMANDS[command](path, tmp_path) and printed > OUTPUT_BOUND:
-                failures.append(f"{name}: printed {len(out) + len(err):,} characters")
-            if code not in EXITS:
-                failures.append(f"{name}: exit {code}")
-            elif code == 2 and not (
-                err.strip()
-                or '"error"' in out
-                or "ERROR" in out
-                or "DAMAGED" in out
-                or "error" in out
-            ):
-                failures.append(f"{name}: exit 2 with nothing said")
-            if "Traceback" in out + err:
-                failures.append(f"{name}: a traceback")
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+                code = None
+        peak = max(peak, memory.bytes)
+        if code is None:
+            continue
+        out, err = capsys.readouterr()
+        printed = max(printed, len(out) + len(err))
+        if "--json" not in COMMANDS[command](path, tmp_path) and printed > OUTPUT_BOUND:
+            failures.append(f"{name}: printed {len(out) + len(err):,} characters")
+        if code not in EXITS:
+            failures.append(f"{name}: exit {code}")
+        elif code == 2 and not (
+            err.strip() or '"error"' in out or "ERROR" in out or "DAMAGED" in out or "error" in out
+        ):
+            failures.append(f"{name}: exit 2 with nothing said")
+        if "Traceback" in out + err:
+            failures.append(f"{name}: a traceback")
     with capsys.disabled():  # the figures of docs/reliability.md (pytest -s)
         print(
-            f"\n{command}: {len(corpus)} files, peak {peak / (1 << 20):.1f} MiB, "
+            f"\n{command}: {len(corpus)} files, peak {peak / (1 << 20):.1f} MiB ({memory.how}), "
             f"at most {printed:,} characters printed"
         )
     assert failures == [], f"{len(failures)} of {len(corpus)}: {failures[:6]}"
