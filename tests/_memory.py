@@ -4,7 +4,7 @@ On Linux: the resident set's high-water mark (``VmHWM``), reset to the resident 
 before the work (``/proc/self/clear_refs``, Linux 4.0 and later) and read after it, less the
 resident set before. That is every page the process touched for the work, C libraries'
 included (DuckDB's, msgpack's buffers), at no cost to the work. ``tracemalloc`` counts
-Python's own allocations only, and made the work it watched three to five times slower (the
+Python's own allocations only, and made the work it watched 4 to 25 times slower (the
 hostile corpus took three minutes of the suite under it). Where the reset is not allowed,
 tracemalloc's peak, as before.
 
