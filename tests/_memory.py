@@ -51,17 +51,9 @@ def _reset_mark() -> bool:
 
 
 @contextlib.contextmanager
-def peak_memory() -> Iterator[Peak]:
-    """``with peak_memory() as peak: work()``, then ``peak.bytes``."""
-    if _reset_mark():
-        peak = Peak("rss")
-        before = _status_kib("VmRSS")
-        _reset_mark()
-        try:
-            yield peak
-        finally:
-            peak.bytes = max(0, _status_kib("VmHWM") - before) << 10
-        return
+def traced_peak() -> Iterator[Peak]:
+    """``tracemalloc``'s peak over the block: Python's allocations only, and exact to the
+    byte, for the bounds of a few MiB that the resident set's noise would swamp."""
     peak = Peak("tracemalloc")
     tracemalloc.start()
     try:
@@ -69,3 +61,21 @@ def peak_memory() -> Iterator[Peak]:
     finally:
         peak.bytes = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
+
+
+@contextlib.contextmanager
+def peak_memory() -> Iterator[Peak]:
+    """``with peak_memory() as peak: work()``, then ``peak.bytes``."""
+    try:
+        before = _status_kib("VmRSS")
+    except (OSError, LookupError):
+        before = None
+    if before is None or not _reset_mark():
+        with traced_peak() as peak:
+            yield peak
+        return
+    peak = Peak("rss")
+    try:
+        yield peak
+    finally:
+        peak.bytes = max(0, _status_kib("VmHWM") - before) << 10

@@ -339,14 +339,13 @@ def test_free_slots_keep_the_plain_lists_order(n: int, ops: list[tuple[str, int]
 
 def test_a_huge_pool_costs_nothing_until_used() -> None:
     # A log header may claim any num_slots; the index must not allocate per slot.
-    import tracemalloc
+    from _memory import traced_peak
 
-    tracemalloc.start()
-    index = ChunkIndex(2**40)
-    slots, evicted = index.choose_slots(3)
-    index.apply_save_planned([_k(1), _k(2), _k(3)], slots, evicted)
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
+    with traced_peak() as traced:
+        index = ChunkIndex(2**40)
+        slots, evicted = index.choose_slots(3)
+        index.apply_save_planned([_k(1), _k(2), _k(3)], slots, evicted)
+    peak = traced.bytes
     assert slots == [0, 1, 2] and not evicted
     assert peak < 1 << 20, peak
     assert index.stats()["free"] == 2**40 - 3

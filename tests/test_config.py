@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tracemalloc
 from pathlib import Path
 
 import pytest
+from _memory import traced_peak
 
 from kvledger.connector.logwriter import LogWriter
 from kvledger.tracker.config import ConfigError, TrackerConfig
@@ -37,11 +37,9 @@ def test_a_bad_value_is_refused_by_name(values: dict[str, object], name: str) ->
 def test_the_largest_accepted_pool_costs_nothing_to_build() -> None:
     from kvledger.tracker.tracker import Tracker
 
-    tracemalloc.start()
-    Tracker(TrackerConfig(num_slots=2**32))
-    _, peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    assert peak < 1 << 20, peak
+    with traced_peak() as traced:
+        Tracker(TrackerConfig(num_slots=2**32))
+    assert traced.bytes < 1 << 20, traced.bytes
 
 
 @pytest.mark.parametrize(("values", "name"), [BAD[0], BAD[6], BAD[9]])

@@ -13,13 +13,13 @@ import subprocess
 import sys
 import textwrap
 import time
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import attrs
 import msgpack
 import pytest
+from _memory import traced_peak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_codec import any_event
@@ -480,12 +480,9 @@ def test_a_length_claiming_gigabytes_stops_without_allocating(tmp_path: Path) ->
     target.write_bytes(
         header_bytes() + head + struct.pack("<I", framing.masked_crc(head)) + b"\x00" * 100
     )
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         frames, reader = read_all(target)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert frames == []
     assert reader.stop is not None and reader.stop.kind == "corrupt"
     assert f"frame length {3 << 30} exceeds max_frame_bytes" in reader.stop.reason
@@ -495,12 +492,9 @@ def test_a_length_claiming_gigabytes_stops_without_allocating(tmp_path: Path) ->
     target.write_bytes(
         header_bytes() + head + struct.pack("<I", framing.masked_crc(head)) + b"\x00" * 100
     )
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         frames, reader = read_all(target)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert reader.stop is not None and reader.stop.kind == "torn_tail"
     assert peak < 8 << 20
 
@@ -537,13 +531,10 @@ def test_hostile_payloads_with_valid_checksums_stop_cleanly(
     target.write_bytes(header_bytes() + frame_with(good) + frame_with(payload))
     offset = len(header_bytes()) + len(frame_with(good))
     for raw in (False, True):
-        tracemalloc.start()
-        try:
+        with traced_peak() as traced:
             reader = LogReader(target)
             frames = list(reader.iter_raw() if raw else reader)
-            _, peak = tracemalloc.get_traced_memory()
-        finally:
-            tracemalloc.stop()
+        peak = traced.bytes
         if raw and "Scheduled.num_computed" in reason:  # raw frames do not check field types
             assert len(frames) == 2 and reader.stop is None
             continue

@@ -4,12 +4,11 @@ cost is bounded before it is decoded."""
 
 from __future__ import annotations
 
-import tracemalloc
 from pathlib import Path
 
 import msgpack
 import pytest
-from _memory import peak_memory
+from _memory import peak_memory, traced_peak
 from test_log import frame_spans, frame_with, header_bytes, many_steps, write_log
 
 from kvledger.connector.logwriter import LogWriter
@@ -103,12 +102,9 @@ def test_a_frame_announcing_too_many_records_is_refused_before_decoding(tmp_path
     payload = msgpack.packb([0, 0, 0, [[5, 0]] * n])
     path = tmp_path / "many.kvlog"
     path.write_bytes(header_bytes() + frame_with(payload))
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         frames, reader = _read(path)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert frames == [] and reader.stop is not None and reader.stop.kind == "corrupt"
     assert f"frame announces {n} records, over {framing.MAX_FRAME_RECORDS}" in reader.stop.reason
     assert peak < 4 * len(payload) + (1 << 20), peak  # the bytes read, nothing decoded

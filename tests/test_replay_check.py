@@ -18,11 +18,11 @@ import json
 import shutil
 import struct
 import sys
-import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _memory import traced_peak
 from _replay_logs import copy_log
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -648,10 +648,9 @@ def test_memory_is_bounded_by_live_requests_not_log_length(tmp_path: Path) -> No
     for n in (150, 600):
         path = tmp_path / f"long-{n}.kvlog"
         write_log(path, n, TrackerConfig(block_size=B, chunk_size=C, num_slots=64), decode=8)
-        tracemalloc.start()
-        result = check(path)
-        peaks.append(tracemalloc.get_traced_memory()[1])
-        tracemalloc.stop()
+        with traced_peak() as traced:
+            result = check(path)
+        peaks.append(traced.bytes)
         assert result.exit_code == 0 and result.counts["peak_live_requests"] == 1
     assert peaks[1] < 1.3 * peaks[0] + 200_000, peaks
 

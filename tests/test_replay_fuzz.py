@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import struct
 import tempfile
-import tracemalloc
 from pathlib import Path
 
 import msgpack
 import pytest
+from _memory import traced_peak
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_event_fuzz import EVENTS as EVERY_TAG
@@ -160,12 +160,9 @@ def test_memory_stays_small_whatever_a_frame_claims(length: int) -> None:
     offset = FRAMES[len(FRAMES) // 2][0]
     head = struct.pack("<I", length)
     data = BYTES[:offset] + head + struct.pack("<I", masked_crc(head)) + BYTES[offset + 8 :]
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         result = run(data)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert result.exit_code == 2 and result.stop is not None and result.stop.offset == offset
     assert peak < 4 << 20, f"peak {peak} bytes"
 
@@ -195,12 +192,9 @@ _BOMBS = {
 def test_a_msgpack_bomb_with_a_valid_checksum(name: str) -> None:
     offset, _ = FRAMES[len(FRAMES) // 3]
     data = BYTES[:offset] + frame(_BOMBS[name])
-    tracemalloc.start()
-    try:
+    with traced_peak() as traced:
         result = run(data)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = traced.bytes
     assert result.exit_code == 2 and result.stop is not None
     assert result.stop.offset == offset and result.stop.kind == "corrupt"
     assert result.counts["events"] == events_before(offset)

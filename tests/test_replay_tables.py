@@ -517,7 +517,7 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
     """A request's rows go out when the walk retires it: four times the requests, about the
     same peak (the same prompts: the history of computed prefixes, which explains misses,
     grows with distinct prompts only, up to its bound: test_explain.py)."""
-    import tracemalloc
+    from _memory import traced_peak
 
     from kvledger.replay.tables import table_rows
 
@@ -530,12 +530,9 @@ def test_memory_follows_the_live_requests_not_the_log(tmp_path: Path) -> None:
         def count(table: str, row: Any, seen: Counter[str] = seen) -> None:
             seen[table] += 1
 
-        tracemalloc.start()
-        try:
+        with traced_peak() as traced:
             table_rows(path, count, problems=False)
-            peaks.append(tracemalloc.get_traced_memory()[1])
-        finally:
-            tracemalloc.stop()
+        peaks.append(traced.bytes)
         assert seen["requests"] == seen["admissions"] == n
         assert seen["saves"] == 2 * n
     assert peaks[1] < 1.5 * peaks[0], peaks
