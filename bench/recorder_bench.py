@@ -10,6 +10,7 @@ Variants:
 
   base    no connector
   null    NullConnector (bench/scheduler_overhead.py): vLLM's own cost of having a connector
+  null2   (--twin) null again: this run's noise floor (two identical variants, read apart)
   rec     KVLedgerRecorder wrapping NullConnector, no log_dir: the forwarding alone
   reclog  the same, recording to a log in a temp dir (written on the log's own thread)
   recsync the same, the log written on the scheduler thread (log_background false)
@@ -90,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             specs: list[tuple[str, dict[str, Any] | None]] = [
                 ("base", None),
                 ("null", so.NULL_CONNECTOR),
+                *([(so.TWIN, so.NULL_CONNECTOR)] if args.twin else []),
                 ("rec", recorder_spec(None)),
                 ("reclog", recorder_spec(os.path.join(tmp, "bg"))),
                 ("recsync", recorder_spec(os.path.join(tmp, "sync"), background=False)),

@@ -10,6 +10,8 @@ only if the run itself went wrong: a preemption, an adapter error, a violation).
          (below): vLLM's own cost of having a connector, and of the worker loop running in
          between, i.e. the floor for any connector; conn's target is against it (skip with
          --no-null)
+  null2  (--twin) null again, identical but for its name: what two identical variants read
+         apart in this run, its noise floor (printed after the target line)
   conn   KVLedgerConnector, kv_connector_extra_config {"chunk_size": 256}, no event log
   log    the same, writing the event log to a temp dir, on the log's own thread (only with --log)
   logsync  the same, writing the log on the scheduler thread (log_background off; with --log)
@@ -316,6 +318,12 @@ def timing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--twin",
+        action="store_true",
+        help="also time a second, identical do-nothing connector (null2): this run's own "
+        "noise floor, printed beside the target line",
+    )
+    p.add_argument(
         "--no-gc",
         dest="gc",
         action="store_false",
@@ -558,7 +566,11 @@ def report(variants: list[Variant], args: argparse.Namespace, reference: str = "
     ref = variants[names.index(reference)]
     ref_med = statistics.median(ref.sched_us)
     verdict = []
+    twin = None
     for v in variants[names.index(reference) + 1 :]:
+        if v.name == TWIN:
+            twin = v
+            continue
         r = statistics.median(v.sched_us) / ref_med
         per_round = statistics.median(round_ratios(v, ref))
         verdict.append(
@@ -566,6 +578,26 @@ def report(variants: list[Variant], args: argparse.Namespace, reference: str = "
         )
     print()
     print(f"target: ratio to {reference} <= {TARGET}: " + ", ".join(verdict))
+    if twin is not None:
+        print(floor_line(twin, ref))
+
+
+# --twin's variant: a second do-nothing connector, identical to ``null`` but for its name.
+TWIN = "null2"
+
+
+def floor_line(twin: Variant, ref: Variant) -> str:
+    """What two identical variants read apart in this run (``--twin``): a ratio nearer 1.000
+    than this is not told from the noise in it."""
+    r = statistics.median(twin.sched_us) / statistics.median(ref.sched_us)
+    rounds = round_ratios(twin, ref)
+    floor = max(abs(x - 1) for x in (r, *rounds))
+    spread = "/".join(f"{x:.3f}" for x in (min(rounds), statistics.median(rounds), max(rounds)))
+    return (
+        f"noise floor: {twin.name}, identical to {ref.name}, reads {r:.3f} "
+        f"(per round min/med/max {spread}): a ratio within {floor:.3f} of 1 is within this "
+        "run's noise"
+    )
 
 
 def profile(v: Variant, args: argparse.Namespace) -> None:
@@ -617,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         "caches stay warm across the step; docs/performance.md)",
     )
     args = parse_timing(p, argv)
+    if args.twin and not args.null:
+        p.error("--twin times a second do-nothing connector: it needs the first (drop --no-null)")
     base_cfg = decode_config(args)
     if base_cfg is None:
         return 2
@@ -647,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.null:
             null_cfg = base_cfg.with_(kv_connector=NULL_CONNECTOR)
             variants.append(Variant("null", null_cfg, driven=not args.bare_null))
+            if args.twin:
+                variants.append(Variant(TWIN, null_cfg, driven=not args.bare_null))
         conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
         if args.kv_events:

@@ -9,13 +9,13 @@ held its oracle value at every step, no violation, nothing leaked, and the log r
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 import tempfile
 from typing import Any
 
+from kvledger.replay.commands.common import json_text
 from kvledger.replay.extras import progress_bar
 
 __all__ = ["add_arguments", "command_name", "main", "problems_in", "setup_error"]
@@ -58,7 +58,7 @@ def setup_error(args: argparse.Namespace, *lines: str) -> int:
     for line in lines:
         print(line, file=sys.stderr)
     if args.json:
-        print(json.dumps({"error": " ".join(lines), "exit_code": 2}, indent=2))
+        print(json_text({"error": " ".join(lines), "exit_code": 2}, indent=2))
     return 2
 
 
@@ -189,7 +189,7 @@ def verdict(
             "log": log_path,
             "exit_code": code,
         }
-        print(json.dumps(doc, indent=2, default=str))
+        print(json_text(doc, indent=2))  # strict JSON, as every --json output
     elif why:
         print("FAILED: " + "; ".join(why))
     else:

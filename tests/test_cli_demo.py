@@ -4,6 +4,7 @@ prints runs as printed, also when ``.venv/bin`` is not on PATH."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -76,3 +77,27 @@ def test_a_large_pool_preempts_and_the_next_line_runs(tmp_path: Path) -> None:
     assert next_line.startswith("next: ") and next_line.split()[1] != "kvledger"
     again = subprocess.run(shlex.split(next_line[len("next: ") :]), env=env, cwd=ROOT)
     assert again.returncode == 0
+
+
+def _strict(text: str) -> Any:
+    """``text`` parsed as RFC 8259 JSON: NaN and Infinity, which Python's json writes by
+    default and jq and browsers refuse, raise."""
+
+    def refuse(name: str) -> None:
+        raise ValueError(f"not JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_the_json_verdict_is_strict_json(capsys: Any) -> None:
+    """Either demo's ``--json`` document is the strict JSON every other ``--json`` prints: a
+    figure of the run that is not finite (a ratio over nothing) becomes null."""
+    args = SimpleNamespace(json=True)
+    rows = [("hit rate  ", float("nan")), ("speed-up", float("inf")), ("requests", 4)]
+    code = demo.verdict(args, [], rows, {"ratio": -float("inf")}, "/tmp/x.kvlog", "ok")
+    doc = _strict(capsys.readouterr().out)
+    assert code == 0 and doc["ok"] is True
+    assert doc["summary"] == {"hit rate": None, "speed-up": None, "requests": 4}
+    assert doc["ratio"] is None and doc["exit_code"] == 0
+    assert demo.setup_error(args, "no vLLM", "here") == 2
+    assert _strict(capsys.readouterr().out) == {"error": "no vLLM here", "exit_code": 2}
