@@ -15,8 +15,8 @@ import sys
 import tempfile
 from typing import Any
 
-from kvledger.replay.commands.common import json_text
 from kvledger.replay.extras import progress_bar
+from kvledger.replay.format import json_text
 
 __all__ = ["add_arguments", "command_name", "main", "problems_in", "setup_error"]
 

@@ -16,11 +16,15 @@
   (``replay.extras.Output``) apply it.
 - :func:`printable`: a file name as text every encoder takes (bytes that are not UTF-8 as
   ``\\xff``), for what is drawn or written as UTF-8 (``timeline``'s pictures and pages).
+- :func:`json_text`: a document as strict JSON, what every ``--json`` prints (the commands'
+  and the demos').
 """
 
 from __future__ import annotations
 
 import enum
+import json
+import math
 import os
 import sys
 import typing
@@ -41,6 +45,7 @@ __all__ = [
     "event_fields",
     "field_names",
     "format_event",
+    "json_text",
     "jsonable",
     "plain_fields",
     "printable",
@@ -266,3 +271,21 @@ def format_event(event: Any) -> str:
         if f.name not in ("step", "req_id") and not _is_default(f, getattr(event, f.name))
     ]
     return " ".join([type(event).__name__, *fields])
+
+
+def _finite(obj: Any) -> Any:
+    """``obj`` with every float that is not finite (inf, -inf, nan: ``sql``'s ``1/0``) as None,
+    in dicts, lists and tuples at any depth: JSON has no such numbers."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def json_text(obj: Any, *, indent: int | None = None) -> str:
+    """``obj`` as strict JSON (RFC 8259, which every parser takes): a float that is not finite
+    becomes null; what json cannot write, its ``str``. Every ``--json`` output is this."""
+    return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)

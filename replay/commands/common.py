@@ -5,14 +5,12 @@ exit 2, damage and missing segments reported after a command, JSON output, argum
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from kvledger.replay.extras import MissingExtra
-from kvledger.replay.format import WIDE
+from kvledger.replay.format import WIDE, json_text
 from kvledger.replay.naming import RequestNotFound
 from kvledger.replay.source import LogUnreadable, take_opened, watch_opened
 from kvledger.tracker.framing import StopInfo
@@ -93,24 +91,6 @@ def worse(a: int, b: int) -> int:
 def fail(message: str) -> int:
     print(f"kvledger: {message}", file=sys.stderr)
     return EXIT_UNREADABLE
-
-
-def _finite(obj: Any) -> Any:
-    """``obj`` with every float that is not finite (inf, -inf, nan: ``sql``'s ``1/0``) as None,
-    in dicts, lists and tuples at any depth: JSON has no such numbers."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def json_text(obj: Any, *, indent: int | None = None) -> str:
-    """``obj`` as strict JSON (RFC 8259, which every parser takes): a float that is not finite
-    becomes null; what json cannot write, its ``str``. Every ``--json`` output is this."""
-    return json.dumps(_finite(obj), indent=indent, default=str, allow_nan=False)
 
 
 def print_json(obj: Any) -> None:
