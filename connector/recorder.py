@@ -301,7 +301,11 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
     def on_new_request(self, request: Any) -> None:
         with self._stop:
             self._record("on_new_request", self._see, request)
-            _optional(self._inner, "on_new_request", None, request)
+            try:
+                _optional(self._inner, "on_new_request", None, request)
+            except BaseException as exc:
+                self._raised("on_new_request", exc, _req_id(request))
+                raise
 
     def _see(self, request: Any) -> None:
         assert self.recording is not None
@@ -448,7 +452,11 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
         self.recording.inner_events(events)
 
     def get_kv_connector_stats(self) -> Any:
-        stats = _optional(self._inner, "get_kv_connector_stats", None)
+        try:
+            stats = _optional(self._inner, "get_kv_connector_stats", None)
+        except BaseException as exc:
+            self._raised("get_kv_connector_stats", exc)
+            raise
         if stats is not None and self.recording is not None:
             self._record("get_kv_connector_stats", self._scheduler_stats, stats)
         return stats

@@ -24,7 +24,7 @@ from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.messages import StepPlan, TransferPlan, WorkerReport
 from kvledger.connector.metrics import Counters
 from kvledger.connector.pool_events import PoolEvent, PoolEvents
-from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier
+from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier, serving
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DigestPlanner
@@ -308,7 +308,7 @@ class SchedulerSide:
         and nothing remote is offered."""
         assert self.remote is not None
         state = self.tracker.state(req_id)
-        if state is None or not self.remote.available():
+        if state is None or not serving(self.remote):
             return
         c = self.tracker_config.chunk_size
         keys = lookup_keys(state, all_token_ids, len(all_token_ids), c)
@@ -317,18 +317,18 @@ class SchedulerSide:
         if not ask:
             return
         try:
-            found = self.remote.exists(ask)
+            found = tuple(self.remote.exists(ask))
         except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
             self._remote_outage(self._remote_error(exc))
             return
         self._remote_back()
-        self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, tuple(found)))
+        self.tracker.apply(ev.RemoteFound(self.tracker.step, req_id, ask, found))
 
     def _probe_remote(self) -> None:
         """Once per step while the tier is down, when its back-off allows: one bounded
         ``check`` (Redis: a PING), so that the tier comes back even when no lookup needs it."""
         assert self.remote is not None
-        if not self.remote.available():
+        if not serving(self.remote):
             return
         try:
             down = self.remote.check()  # refused credentials, now, are an outage like any
@@ -601,13 +601,19 @@ class SchedulerSide:
         return StepPlan(step, tuple(loads), tuple(saves), tuple(refused), preempted, delayed)
 
     def _describe(self, plan: TransferPlan) -> None:
-        """The saved chunks, described for their KV events while vLLM's request exists."""
+        """The saved chunks, described for their KV events while vLLM's request exists. A
+        request whose hashes or tokens cannot be read (an adapter error) leaves its chunks
+        undescribed: they are stored and served as planned, and never published
+        half-described (``PoolEvents.undescribed``)."""
         assert self.pool_events is not None
         request = self._requests.get(plan.req_id)
         if request is None:
             return
-        for c in plan.chunks:
-            self.pool_events.planned(request, c.key, c.chunk_start, c.token_end)
+        try:
+            for c in plan.chunks:
+                self.pool_events.planned(request, c.key, c.chunk_start, c.token_end)
+        except Exception as exc:  # vLLM's request, read by duck typing; the plan stands
+            self._adapter_error("build_connector_meta", exc)
 
     def take_events(self, publish: Callable[[list[PoolEvent]], list[Any]]) -> list[Any]:
         """The pool's KV events since the last call, as ``publish`` makes them vLLM's; an empty

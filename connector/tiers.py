@@ -69,6 +69,7 @@ __all__ = [
     "open_tier",
     "register_tier",
     "registered_tiers",
+    "serving",
 ]
 
 # Why a chunk's read or write failed, as the facts record it (RemoteLoadFailed,
@@ -216,5 +217,20 @@ def _check_interface(cls: Any, scheme: str) -> None:
 
 def down_reason(tier: Tier, exc: Exception) -> str:
     """What an exception a tier raised says, for the log: a ``TierUnavailable``'s own
-    message (already scrubbed by the tier), or the tier's ``describe`` of anything else."""
-    return str(exc) if isinstance(exc, TierUnavailable) else tier.describe(exc)
+    message (already scrubbed by the tier), or the tier's ``describe`` of anything else; its
+    type alone when ``describe`` raises too (the message may hold a secret)."""
+    if isinstance(exc, TierUnavailable):
+        return str(exc)
+    try:
+        return str(tier.describe(exc))
+    except Exception:  # a tier's own bug: the sides still record the outage
+        return type(exc).__name__
+
+
+def serving(tier: Tier) -> bool:
+    """``tier.available()``; False when it raises: a tier that cannot tell is not asked, and
+    what the sides would have asked of it fails as unavailable (a miss, or a recompute)."""
+    try:
+        return bool(tier.available())
+    except Exception:
+        return False

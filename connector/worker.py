@@ -73,6 +73,7 @@ from kvledger.connector.tiers import (
     TierUnavailable,
     down_reason,
     open_tier,
+    serving,
 )
 from kvledger.connector.transfer import (
     KVCacheLayoutError,
@@ -224,9 +225,17 @@ class WorkerSide:
         # Order this step's forward pass after every save still reading blocks: a block freed
         # by a preemption may be reused right now, and older vLLM never calls
         # handle_preemptions (connector/edge.py). The compute stream waits; the host does
-        # not block.
-        for _, _, handle in self._saves_in_flight:
-            handle.wait(self._compute)
+        # not block. A save that cannot be waited for (its event raised: the device's error)
+        # may read blocks the forward overwrites: it fails, and its chunk is never stored.
+        lost: list[tuple[str, bytes]] = []
+        for req_id, key, handle in self._saves_in_flight:
+            try:
+                handle.wait(self._compute)
+            except Exception as exc:
+                lost.append((req_id, key))
+                _log.warning("kvledger.save_failed", req_id=req_id, error=repr(exc))
+        if lost:
+            self._saves_lost(lost)
         self._plan = plan
         self._to_save = plan.saves
         self._digest_plan = plan.digests
@@ -312,7 +321,7 @@ class WorkerSide:
         if not keys:
             return
         _, pool = self._ready()
-        if self.remote is None or self.values is None or not self.remote.available():
+        if self.remote is None or self.values is None or not serving(self.remote):
             self._fetched = dict.fromkeys(keys, UNAVAILABLE)
             return
         got: list[bytes | memoryview | str]
@@ -505,10 +514,17 @@ class WorkerSide:
         """Move finished saves into the report; with ``block``, wait for all of them."""
         still: list[tuple[str, bytes, TransferHandle]] = []
         done: dict[str, list[bytes]] = {}
+        lost: list[tuple[str, bytes]] = []
         for req_id, key, handle in self._saves_in_flight:
-            if block:
-                handle.synchronize()
-            if handle.done():
+            try:
+                if block:
+                    handle.synchronize()
+                finished = handle.done()
+            except Exception as exc:  # the copy's event raised (the device's error)
+                lost.append((req_id, key))
+                _log.warning("kvledger.save_failed", req_id=req_id, error=repr(exc))
+                continue
+            if finished:
                 done.setdefault(req_id, []).append(key)
                 where = self._upload_slot.pop((req_id, key), None)
                 if where is not None:
@@ -516,12 +532,29 @@ class WorkerSide:
             else:
                 still.append((req_id, key, handle))
         self._saves_in_flight = still
+        if lost:
+            self._saves_lost(lost, in_flight=False)
         if done:
             self._report = self._report.merged(
                 WorkerReport(
                     saves_done=tuple((r, tuple(k)) for r, k in done.items()), rank=self.rank
                 )
             )
+
+    def _saves_lost(self, lost: list[tuple[str, bytes]], *, in_flight: bool = True) -> None:
+        """Saves whose copy failed after it was issued: reported failed (their chunks are never
+        stored, so no load reads them), out of the saves in flight (``in_flight``: still
+        listed there) and of the uploads."""
+        gone = set(lost)
+        if in_flight:
+            self._saves_in_flight = [s for s in self._saves_in_flight if s[:2] not in gone]
+        for req_key in gone:
+            self._upload_slot.pop(req_key, None)
+        by_request: dict[str, list[bytes]] = {}
+        for req_id, key in lost:
+            by_request.setdefault(req_id, []).append(key)
+        failed = tuple((r, tuple(keys)) for r, keys in by_request.items())
+        self._report = self._report.merged(WorkerReport(saves_failed=failed, rank=self.rank))
 
     def get_finished(
         self, finished_req_ids: set[str] | None = None
@@ -551,7 +584,7 @@ class WorkerSide:
         pool, seal, digests = self.pool, self.values, self.digests
         n = self.config.chunk_size // pool.spec.block_size  # a chunk's blocks
         results: list[str | None]
-        if not self.remote.available():
+        if not serving(self.remote):
             results = [UNAVAILABLE] * len(items)
         else:
             try:
@@ -566,9 +599,13 @@ class WorkerSide:
                     )
                     for req_id, key, slot, first in items
                 ]
-                results = self.remote.put(values)
+                results = list(self.remote.put(values))
                 if len(results) != len(items):
                     raise TierUnavailable(f"TierError: {len(results)} results for {len(items)}")
+                if not all(why is None or isinstance(why, str) for why in results):
+                    raise TierUnavailable(
+                        "TierError: put gave a result that is neither None nor a reason"
+                    )
             except Exception as exc:  # the tier's boundary: TierUnavailable, or unforeseen
                 down = f"{UNAVAILABLE}: {self._remote_error(exc)}"
                 _log.warning("kvledger.remote_unavailable", rank=self.rank, error=down)

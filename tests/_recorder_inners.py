@@ -25,16 +25,32 @@ class InnerBoom(RuntimeError):
 
 class RaisingExample(ExampleConnector):
     """Raises ``InnerBoom`` from ``get_num_new_matched_tokens`` for a request whose id
-    contains ``boom``."""
+    contains ``boom``, from ``on_new_request`` for one whose id contains ``early``, and from
+    the scheduler's ``get_kv_connector_stats`` while ``stats_boom`` is set."""
 
     raised: ClassVar[list[InnerBoom]] = []
+    stats_boom: ClassVar[bool] = False
+
+    @staticmethod
+    def _boom(text: str) -> InnerBoom:
+        exc = InnerBoom(text)
+        RaisingExample.raised.append(exc)
+        return exc
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
         if "boom" in request.request_id:
-            exc = InnerBoom(f"inner refuses {request.request_id}")
-            RaisingExample.raised.append(exc)
-            raise exc
+            raise self._boom(f"inner refuses {request.request_id}")
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def on_new_request(self, request: Any) -> None:
+        if "early" in request.request_id:
+            raise self._boom(f"inner refuses {request.request_id}")
+        super().on_new_request(request)
+
+    def get_kv_connector_stats(self) -> Any:
+        if RaisingExample.stats_boom:
+            raise self._boom("inner has no stats")
+        return super().get_kv_connector_stats()
 
 
 class OverclaimingKVLedger(KVLedgerConnector):

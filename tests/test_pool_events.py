@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from _kv_events import assert_matches_log, assert_vllms_own_hashes
-from _rigs import assert_clean
+from _rigs import assert_clean, check_clean
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -111,6 +111,54 @@ def test_with_events_off_nothing_is_described(
     assert events == []
     [side] = built
     assert side.pool_events is None and side.tracker.index.watch is None
+
+
+@pytest.mark.vllm
+def test_a_request_whose_hashes_cannot_be_read_costs_its_events_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The chunks a save plans are described from vLLM's request (its block hashes and
+    tokens), read by duck typing. When they cannot be read, that is an adapter error of the
+    step's build_connector_meta, counted and logged, and the chunks go undescribed: the plan
+    stands (the KV-content oracle holds at every step, the log checks clean), and nothing is
+    published half-described."""
+    from kvledger.connector.pool_events import PoolEvents as Events
+    from kvledger.connector.scheduler import SchedulerSide
+    from kvledger.connector.testing.harness import skip_reason
+    from kvledger.connector.testing.run import RunSpec, run
+
+    if skip_reason() is not None:
+        pytest.skip(str(skip_reason()))
+    events = _published(monkeypatch)
+    built: list[SchedulerSide] = []
+    original = SchedulerSide.__init__
+
+    def keep(self: SchedulerSide, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    def unreadable(self: Events, request: Any, *_: Any) -> None:
+        raise TypeError("'int' object is not subscriptable")  # block_hashes of another shape
+
+    monkeypatch.setattr(SchedulerSide, "__init__", keep)
+    monkeypatch.setattr(Events, "planned", unreadable)
+    spec = RunSpec(
+        block_size=BLOCK,
+        num_requests=10,
+        prompt_len=(40, 120),
+        max_tokens=(4, 24),
+        enable_prefix_caching=True,
+        kv_events=True,
+        extra_config={"chunk_size": 2 * BLOCK, "host_pool_bytes": SLOTS * 2 * BLOCK * 512},
+    )
+    report = run(spec, log_dir=str(tmp_path / "logs"))
+    assert [m.describe() for m in report.mismatches] == [] and report.violations == ()
+    assert report.finished == report.requests and report.chunks_saved > 0
+    assert report.adapter_errors > 0
+    [side] = built
+    assert side.pool_events is not None and side.pool_events.undescribed > 0
+    assert not [e for e in events if type(e).__name__ == "BlockStored" and e.medium == MEDIUM_CPU]
+    check_clean(report.log_path)
 
 
 # --- the bookkeeping alone, over any order of facts -----------------------------------------

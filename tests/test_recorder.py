@@ -102,6 +102,43 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
     assert "InnerBoom: inner refuses req-boom" in raised[0].error
 
 
+@pytest.mark.parametrize("callback", ["on_new_request", "get_kv_connector_stats"])
+def test_every_scheduler_callback_the_inner_raises_from_is_recorded(
+    callback, tmp_path, monkeypatch
+):
+    """As for the lookup above: vLLM gets the inner's own exception from the callbacks whose
+    answer the recorder does not record too (``on_new_request``, the scheduler's
+    ``get_kv_connector_stats``), and the log says which callback raised what, and for which
+    request, before it left (docs/recording.md: anything that raises is an InnerRaised)."""
+    import _recorder_inners as inners
+
+    from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
+    from kvledger.connector.testing.recorded import kv_transfer_config
+    from kvledger.tracker import events as ev
+
+    kv = kv_transfer_config(
+        "_recorder_inners:RaisingExample",
+        {"shared_storage_path": str(tmp_path / "store")},
+        record=True,
+        log_dir=str(tmp_path / "logs"),
+    )
+    harness = SchedulerHarness(HarnessConfig(kv_connector=kv, num_gpu_blocks=32))
+    inners.RaisingExample.raised.clear()
+    with pytest.raises(inners.InnerBoom) as caught:
+        if callback == "on_new_request":
+            harness.add_request("req-early", list(range(10, 50)), 4)
+        else:
+            harness.add_request("req-0", list(range(10, 50)), 4)
+            monkeypatch.setattr(inners.RaisingExample, "stats_boom", True)
+            harness.step()
+    assert caught.value is inners.RaisingExample.raised[-1]
+    harness.connector.shutdown()
+    events = events_of(harness.connector.log_path)
+    raised = [(e.req_id, e.callback) for e in events if isinstance(e, ev.InnerRaised)]
+    rid = "req-early" if callback == "on_new_request" else ""
+    assert raised == [(rid, callback)]
+
+
 def test_recording_failure_never_reaches_vllm(tmp_path, monkeypatch):
     """The recorder cannot read what it records (a broken request object): vLLM's run goes on
     exactly as unwrapped, and the log says which records were lost and why."""

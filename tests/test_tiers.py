@@ -273,3 +273,69 @@ def test_a_tier_down_is_an_outage_recorded_once_and_served_around(tmp_path: Path
     assert len(outages) == 1 and "MemoryDown" in outages[0].error
     assert not _remote_keys_loaded(events)  # nothing offered from a tier that is down
     check_clean(report.log_path)
+
+
+class BuggyTier(MemoryTier):
+    """A plug-in tier with its own bugs (``FAULTS``): ``available`` or ``describe`` raise
+    where the contract says they answer, ``exists`` raises something that is no
+    ``TierUnavailable``, and ``put`` answers with values that are no reasons."""
+
+    FAULTS: frozenset[str] = frozenset()
+
+    def __init__(self, url: str, rank: int) -> None:
+        super().__init__(url.replace("buggy://", "memory://", 1), rank)
+
+    def available(self) -> bool:
+        if "available" in self.FAULTS:
+            raise RuntimeError("available() of a tier with a bug")
+        return True
+
+    def describe(self, exc: BaseException) -> str:
+        if "describe" in self.FAULTS:
+            raise RuntimeError("describe() of a tier with a bug")
+        return super().describe(exc)
+
+    def exists(self, keys: Any) -> list[int]:
+        if "exists" in self.FAULTS:
+            raise ValueError("an error the tier did not foresee, holding a secret: hunter2")
+        return super().exists(keys)
+
+    def put(self, items: Any) -> list[Any]:
+        super().put(items)
+        return [True] * len(items) if "put" in self.FAULTS else [None] * len(items)
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize(
+    "faults", [("available",), ("exists", "describe"), ("put",)], ids=lambda f: "+".join(f)
+)
+def test_a_plug_in_tiers_own_bugs_never_reach_vllm(
+    faults: tuple[str, ...], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sides catch everything a tier does wrong, its bugs included (connector/tiers.py's
+    contract): under vLLM's real scheduler with the KV-content oracle, no adapter error, no
+    wrong token, every request finished, and what the tier did is a recorded fact that
+    ``kvledger check`` re-derives: nothing offered from a tier that cannot say it serves, an
+    outage named by the error's type alone when the tier cannot describe it (its message may
+    hold a secret), and writes whose results are no reasons recorded as failed."""
+    register_tier("buggy", __name__, "BuggyTier")
+    monkeypatch.setattr(BuggyTier, "FAULTS", frozenset(faults))
+    url = f"buggy://t{uuid.uuid4().hex}"
+    assert_clean(_run(url, tmp_path / "a"))  # the first engine fills the tier
+    report = _run(url, tmp_path / "b")  # the second asks it
+    assert_clean(report)
+    events = events_of(report.log_path)
+    outages = [e.error for e in events if isinstance(e, ev.RemoteOutage)]
+    failed = [e.reason for e in events if isinstance(e, ev.RemoteSaveFailed)]
+    if "available" in faults:
+        assert not _remote_keys_loaded(events)
+        assert failed and set(failed) == {"unavailable"}
+        assert outages and all(o.endswith("unavailable") for o in outages)
+    elif "exists" in faults:
+        assert outages and set(outages) == {"ValueError"} and "hunter2" not in str(events)
+        assert not _remote_keys_loaded(events)
+    else:
+        assert failed and all(r.startswith("unavailable: TierError: put gave") for r in failed)
+        assert not any(isinstance(e, ev.RemoteSaveDone) for e in events)
+    check_clean(report.log_path)

@@ -620,3 +620,39 @@ def test_cuda_worker_orders_its_transfers_against_the_forward_stream() -> None:
     torch.cuda.synchronize()
     assert report.loads_done == ("Q",)
     assert all(bool((s == 3.0).all()) for s in seen)
+
+
+# --- a copy that fails after it was issued (the device's error) ------------------------------
+
+
+@pytest.mark.parametrize("where", ["query", "synchronize", "wait"])
+def test_a_save_whose_copy_fails_later_is_reported_failed_and_nothing_raises(
+    where: str, monkeypatch: Any
+) -> None:
+    """An asynchronous save's event raises once it is asked about (a CUDA error surfaces
+    there, long after the copy was issued): polled (``get_finished``, ``build_report``),
+    waited for by the host (a preemption, ``shutdown``) or by the next forward (``bind``).
+    The worker raises into vLLM from none of them: the chunk is reported failed, once, so the
+    scheduler never counts it stored, and the next step's saves go on as usual."""
+    worker, oracle = make("flash_attn")
+    events = hold_saves(worker, monkeypatch)
+    oracle.write("R", tokens(8), [1, 2], 0, 8)
+    oracle.write("S", tokens(8, seed=1), [3, 4], 0, 8)
+    first = run_step(worker, StepPlan(step=0, saves=(plan("R", "save", [1, 2], 0, 8, [0]),)))
+    assert first.saves_done == () and first.saves_failed == ()  # still in flight
+
+    def broken(*_: Any, **__: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(events[0], where, broken)
+    step = StepPlan(step=1, saves=(plan("S", "save", [3, 4], 0, 8, [1]),))
+    if where == "synchronize":
+        step = StepPlan(step=1, saves=step.saves, preempted=("R",))
+    report = run_step(worker, step)
+    assert report.saves_failed == (("R", (key(0),)),)
+    assert all(r != "R" for r, _ in report.saves_done)
+    events[1].completed = True
+    later = run_step(worker, StepPlan(step=2))
+    assert later.saves_done == (("S", (key(1),)),) and later.saves_failed == ()
+    worker.shutdown()
+    assert worker.build_report().saves_failed == ()  # said once
