@@ -61,6 +61,7 @@ class HostChunkPool:
             )
         # Per slot, the transfers issued on it that may still be running.
         self._pending: list[list[tuple[SlotMode, TransferHandle]]] = [[] for _ in range(num_slots)]
+        self._staging: torch.Tensor | None = None  # staging(), made on first use
 
     @classmethod
     def from_bytes_budget(
@@ -94,6 +95,17 @@ class HostChunkPool:
         """View of slot ``i``; bookkeeping is the caller's job when it transfers through this."""
         self._check_index(i)
         return self._buffer[i]
+
+    def staging(self) -> torch.Tensor:
+        """One chunk of host memory outside the slots, pinned when the slots are: where bytes
+        from elsewhere (a remote tier's value, pageable) are put for a copy to the device,
+        which reads pinned memory only (``TransferBackend``). One buffer, made on first use
+        and reused: its user waits for each copy out of it before the next."""
+        if self._staging is None:
+            self._staging = torch.empty(
+                self.chunk_shape, dtype=self.spec.dtype, pin_memory=self.pinned
+            )
+        return self._staging
 
     # -- transfers with bookkeeping -----------------------------------------------------------
 

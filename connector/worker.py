@@ -394,13 +394,15 @@ class WorkerSide:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
         src = raw.view(pool.spec.dtype).view(pool.chunk_shape)
+        if pool.pinned:  # a copy to the device reads pinned memory only; the value is pageable
+            src = pool.staging().copy_(src)
         mapping = slot_mapping_for(
             load.block_ids, backend.spec.block_size, chunk.token_start, chunk.token_end
         )
         compute = self._compute
         after = (compute,) if compute is not None else ()
         handle = backend.load(src, mapping, chunk.slot_offset, after=after)
-        handle.synchronize()  # src is pageable memory that goes away with this call
+        handle.synchronize()  # src goes away with this call, or is the staging reused next
         self.stats["tokens_loaded"] += chunk.token_end - chunk.token_start
         self.stats["chunks_loaded"] += 1
         self.stats["remote_chunks_loaded"] += 1

@@ -37,7 +37,22 @@ def _published(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return events
 
 
-def _run(tmp_path: Path, kv_events: bool, **extra: Any) -> Any:
+def _sides(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every SchedulerSide the run builds, as it builds it."""
+    from kvledger.connector.scheduler import SchedulerSide
+
+    built: list[SchedulerSide] = []
+    original = SchedulerSide.__init__
+
+    def keep(self: SchedulerSide, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(SchedulerSide, "__init__", keep)
+    return built
+
+
+def _run(tmp_path: Path, kv_events: bool, *, clean: bool = True, **extra: Any) -> Any:
     from kvledger.connector.testing.harness import skip_reason
     from kvledger.connector.testing.run import RunSpec, run
 
@@ -58,7 +73,8 @@ def _run(tmp_path: Path, kv_events: bool, **extra: Any) -> Any:
         },
     )
     report = run(spec, log_dir=str(tmp_path / "logs"))
-    assert_clean(report)
+    if clean:
+        assert_clean(report)
     assert report.log_path is not None
     return report
 
@@ -96,17 +112,8 @@ def test_with_events_off_nothing_is_described(
 ) -> None:
     """vLLM still calls take_events every step; with its KV events off the connector keeps no
     description, the index no watcher, and nothing reaches the publisher."""
-    from kvledger.connector.scheduler import SchedulerSide
-
     events = _published(monkeypatch)
-    built: list[SchedulerSide] = []
-    original = SchedulerSide.__init__
-
-    def keep(self: SchedulerSide, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(SchedulerSide, "__init__", keep)
+    built = _sides(monkeypatch)
     _run(tmp_path, kv_events=False)
     assert events == []
     [side] = built
@@ -123,35 +130,15 @@ def test_a_request_whose_hashes_cannot_be_read_costs_its_events_only(
     stands (the KV-content oracle holds at every step, the log checks clean), and nothing is
     published half-described."""
     from kvledger.connector.pool_events import PoolEvents as Events
-    from kvledger.connector.scheduler import SchedulerSide
-    from kvledger.connector.testing.harness import skip_reason
-    from kvledger.connector.testing.run import RunSpec, run
 
-    if skip_reason() is not None:
-        pytest.skip(str(skip_reason()))
     events = _published(monkeypatch)
-    built: list[SchedulerSide] = []
-    original = SchedulerSide.__init__
-
-    def keep(self: SchedulerSide, *args: Any, **kwargs: Any) -> None:
-        original(self, *args, **kwargs)
-        built.append(self)
+    built = _sides(monkeypatch)
 
     def unreadable(self: Events, request: Any, *_: Any) -> None:
         raise TypeError("'int' object is not subscriptable")  # block_hashes of another shape
 
-    monkeypatch.setattr(SchedulerSide, "__init__", keep)
     monkeypatch.setattr(Events, "planned", unreadable)
-    spec = RunSpec(
-        block_size=BLOCK,
-        num_requests=10,
-        prompt_len=(40, 120),
-        max_tokens=(4, 24),
-        enable_prefix_caching=True,
-        kv_events=True,
-        extra_config={"chunk_size": 2 * BLOCK, "host_pool_bytes": SLOTS * 2 * BLOCK * 512},
-    )
-    report = run(spec, log_dir=str(tmp_path / "logs"))
+    report = _run(tmp_path, kv_events=True, clean=False)
     assert [m.describe() for m in report.mismatches] == [] and report.violations == ()
     assert report.finished == report.requests and report.chunks_saved > 0
     assert report.adapter_errors > 0

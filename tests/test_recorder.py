@@ -74,14 +74,11 @@ def test_wrapping_changes_nothing_vllm_sees(tmp_path):
     assert bare.log_path is None and wrapped.log_path is not None
 
 
-def test_inner_exception_reaches_vllm_unchanged(tmp_path):
-    """The inner raises in get_num_new_matched_tokens: vLLM gets that very exception object,
-    and the log records it (InnerRaised) before it left."""
-    import _recorder_inners as inners
-
+def _raising_harness(tmp_path):
+    """vLLM's scheduler with KVLedgerRecorder (logging) over tests/_recorder_inners.py's
+    RaisingExample."""
     from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
     from kvledger.connector.testing.recorded import kv_transfer_config
-    from kvledger.tracker import events as ev
 
     kv = kv_transfer_config(
         "_recorder_inners:RaisingExample",
@@ -89,7 +86,17 @@ def test_inner_exception_reaches_vllm_unchanged(tmp_path):
         record=True,
         log_dir=str(tmp_path / "logs"),
     )
-    harness = SchedulerHarness(HarnessConfig(kv_connector=kv, num_gpu_blocks=32))
+    return SchedulerHarness(HarnessConfig(kv_connector=kv, num_gpu_blocks=32))
+
+
+def test_inner_exception_reaches_vllm_unchanged(tmp_path):
+    """The inner raises in get_num_new_matched_tokens: vLLM gets that very exception object,
+    and the log records it (InnerRaised) before it left."""
+    import _recorder_inners as inners
+
+    from kvledger.tracker import events as ev
+
+    harness = _raising_harness(tmp_path)
     harness.add_request("req-boom", list(range(10, 50)), 4)
     inners.RaisingExample.raised.clear()
     with pytest.raises(inners.InnerBoom) as caught:
@@ -112,17 +119,9 @@ def test_every_scheduler_callback_the_inner_raises_from_is_recorded(
     request, before it left (docs/recording.md: anything that raises is an InnerRaised)."""
     import _recorder_inners as inners
 
-    from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
-    from kvledger.connector.testing.recorded import kv_transfer_config
     from kvledger.tracker import events as ev
 
-    kv = kv_transfer_config(
-        "_recorder_inners:RaisingExample",
-        {"shared_storage_path": str(tmp_path / "store")},
-        record=True,
-        log_dir=str(tmp_path / "logs"),
-    )
-    harness = SchedulerHarness(HarnessConfig(kv_connector=kv, num_gpu_blocks=32))
+    harness = _raising_harness(tmp_path)
     inners.RaisingExample.raised.clear()
     with pytest.raises(inners.InnerBoom) as caught:
         if callback == "on_new_request":

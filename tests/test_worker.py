@@ -656,3 +656,97 @@ def test_a_save_whose_copy_fails_later_is_reported_failed_and_nothing_raises(
     assert later.saves_done == (("S", (key(1),)),) and later.saves_failed == ()
     worker.shutdown()
     assert worker.build_report().saves_failed == ()  # said once
+
+
+# --- a chunk read back from a remote tier -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_a_chunk_saved_by_one_worker_loads_from_the_tier_into_another(device: str) -> None:
+    """One worker saves a chunk and writes it to the tier; another, sharing the tier, loads it
+    into other blocks (the remote slot): the bytes land exactly. On CUDA the value read from
+    the tier is pageable host memory, which a copy to the device cannot read: it goes through
+    the pool's pinned staging chunk (a load that failed there would only be recomputed, and
+    the tier would never serve a GPU)."""
+    import uuid
+
+    import _memory_tier
+
+    from kvledger.connector.config import TIER_SCHEMES
+    from kvledger.tracker.tiers import REMOTE_SLOT
+
+    before = dict(TIER_SCHEMES)
+    _memory_tier.register()
+    try:
+        config = ConnectorConfig.from_extra_config(
+            {"chunk_size": C, "remote_url": f"memory://t{uuid.uuid4().hex}"}, environ={}
+        )
+
+        def worker() -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+            caches = {
+                name: torch.zeros((2, 16, B, 2, 4), dtype=torch.float32, device=device)
+                for name in LAYERS
+            }
+            side = WorkerSide(config, num_slots=4, layout="flash_attn")
+            side.register_kv_caches(caches)
+            return side, caches
+
+        saver, written = worker()
+        for i, cache in enumerate(written.values()):
+            cache[:, 1:3] = (
+                torch.arange(2 * 2 * B * 8, dtype=torch.float32).view(2, 2, B, 2, 4) + 1000 * i
+            )
+        report = run_step(saver, StepPlan(step=0, saves=(plan("R", "save", [1, 2], 0, 8, [0]),)))
+        report = report.merged(saver.build_report())
+        assert report.saves_done == (("R", (key(0),)),)
+        assert [(what, r, keys) for what, r, keys, _ in report.remote] == [
+            ("saved", "R", (key(0),))
+        ]
+
+        loader, read = worker()
+        chunk = ChunkTransfer(key(0), REMOTE_SLOT, 0, 8, 0)
+        load = TransferPlan("Q", "load", (5, 6), (chunk,))
+        report = run_step(loader, StepPlan(step=0, loads=(load,)))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert report.loads_done == ("Q",) and report.loads_failed == ()
+        assert loader.stats["remote_chunks_loaded"] == 1
+        for name in LAYERS:
+            assert torch.equal(read[name][:, 5:7].cpu(), written[name][:, 1:3].cpu())
+        if device == "cpu":
+            # What the CUDA case relies on, seen without a device: with the pool pinned (as it
+            # is on CUDA), the copy reads the pool's staging chunk, never the tier's bytes.
+            assert loader.pool is not None and loader.backend is not None
+            staging = torch.zeros(loader.pool.chunk_shape)  # stands for the pinned chunk
+            sources: list[torch.Tensor] = []
+            real_load = loader.backend.load
+
+            def spy(src: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                sources.append(src)
+                return real_load(src, *args, **kwargs)
+
+            loader.pool.pinned = True
+            loader.pool.staging = lambda: staging  # type: ignore[method-assign]
+            loader.backend.load = spy  # type: ignore[method-assign]
+            for cache in read.values():
+                cache.zero_()
+            report = run_step(loader, StepPlan(step=1, loads=(load,)))
+            assert report.loads_done == ("Q",) and len(sources) == 1
+            assert sources[0] is staging
+            for name in LAYERS:
+                assert torch.equal(read[name][:, 5:7], written[name][:, 1:3])
+    finally:
+        TIER_SCHEMES.clear()
+        TIER_SCHEMES.update(before)
