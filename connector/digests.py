@@ -110,6 +110,12 @@ class BlockDigester:
         n = len(blocks)
         if n == 0:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
+        # Checked on the host: on CUDA an index out of range is a device-side assert, which
+        # no except catches and which fails every later CUDA call of the engine.
+        limit = self.spec.num_blocks
+        bad = next((b.block_id for b in blocks if not 0 <= b.block_id < limit), None)
+        if bad is not None:
+            raise ValueError(f"block id {bad} out of range [0, {limit})")
         if self.mode == "full":
             ids = torch.tensor([b.block_id for b in blocks], dtype=torch.int64).to(self.device)
             total = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -175,9 +181,9 @@ class WorkerDigests:
             # step without one, kv_connector_no_forward, when nothing is scheduled but an
             # asynchronous load starts): kept for their verification, at a host wait.
             self._settle_before()
-        if plan is None or not plan.before or self.digester is None:
-            return
         try:
+            if plan is None or not plan.before or self.digester is None:
+                return
             self._before = (plan.before, self.digester.digest(plan.before))
         except Exception as exc:
             self._failed("before_load", exc)
@@ -188,11 +194,10 @@ class WorkerDigests:
             return
         try:
             values = before[1].tolist()
+            for b, v in zip(before[0], values, strict=True):
+                self._keep_before(b, self.digester.finish(v))
         except Exception as exc:
             self._failed("before_load", exc)
-            return
-        for b, v in zip(before[0], values, strict=True):
-            self._keep_before(b, self.digester.finish(v))
 
     def _keep_before(self, b: DigestBlock, digest: int) -> None:
         pending = self._before_of
@@ -200,17 +205,29 @@ class WorkerDigests:
         if len(pending) > _MAX_PENDING:  # loads never verified (their requests went away)
             del pending[next(iter(pending))]
 
-    def after_forward(self, plan: DigestPlan | None, load_errors: Collection[int] = ()) -> None:
+    def after_forward(
+        self,
+        plan: DigestPlan | None,
+        load_errors: Collection[int] = (),
+        failed: Collection[str] = (),
+    ) -> None:
         """Digest the plan's ``full`` and ``verify`` blocks; a loaded block in ``load_errors``
-        (its load failed or was refused: vLLM recomputes it) is not judged."""
+        (its load failed or was refused: vLLM recomputes it) is not judged, and no block of a
+        request in ``failed`` (its load failed this step) is digested as its key's: this
+        step's forward ran over a prefix that was never loaded, so its new blocks are not
+        what their keys name (its saves are refused for the same reason)."""
         before, self._before = self._before, None
         if plan is None or self.digester is None:
             return
-        if load_errors and plan.verify:
-            plan = attrs.evolve(
-                plan, verify=tuple(b for b in plan.verify if b.block_id not in load_errors)
-            )
         try:
+            if load_errors and plan.verify:
+                plan = attrs.evolve(
+                    plan, verify=tuple(b for b in plan.verify if b.block_id not in load_errors)
+                )
+            if failed and plan.full:
+                plan = attrs.evolve(
+                    plan, full=tuple(b for b in plan.full if b.req_id not in failed)
+                )
             self._after(plan, before)
         except Exception as exc:
             self._failed("after_forward", exc)

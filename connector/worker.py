@@ -477,7 +477,7 @@ class WorkerSide:
         next report."""
         if self.digests is not None and self._digest_plan is not None:
             plan, self._digest_plan = self._digest_plan, None
-            self.digests.after_forward(plan, self._step_load_errors)
+            self.digests.after_forward(plan, self._step_load_errors, self._step_failed_loads)
         saves, self._to_save = self._to_save, ()
         if not saves:
             return

@@ -404,6 +404,35 @@ def test_the_worker_reports_blocks_and_loads_and_drops_refused_ones(layout: str)
     assert w.report() is None  # reported once
 
 
+def test_a_request_whose_load_failed_has_no_block_digested_as_its_keys() -> None:
+    """The step's forward ran over a prefix whose load failed (vLLM recomputes it): the blocks
+    it filled are not what their keys name, so none is reported as the key's digest (a later
+    load of wrong bytes would read as verified against it). Another request's are."""
+    caches = _caches("flash_attn")
+    w = WorkerDigests("full", layout="flash_attn")
+    w.register_kv_caches(caches)
+    full = (DigestBlock("bad", 2, 3, KEYS[2]), DigestBlock("ok", 0, 4, KEYS[3]))
+    w.after_forward(DigestPlan(5, full=full), load_errors={1}, failed={"bad"})
+    report = w.report()
+    assert report is not None
+    assert [(rid, index) for rid, index, _, _ in report.blocks] == [("ok", 0)]
+
+
+@pytest.mark.parametrize("block_id", [-1, NB])
+def test_a_block_id_out_of_range_is_a_failed_digest_never_a_device_error(block_id: int) -> None:
+    """Checked on the host before any index reaches the device (on CUDA an index out of range
+    is a device-side assert that fails the engine's every later call): the step's digests are
+    skipped and counted, the worker's step goes on."""
+    w = WorkerDigests("full", layout="flash_attn")
+    w.register_kv_caches(_caches("flash_attn"))
+    with pytest.raises(ValueError, match=rf"block id {block_id} out of range \[0, {NB}\)"):
+        assert w.digester is not None
+        w.digester.digest((DigestBlock("r", 0, block_id, KEYS[0]),))
+    w.before_load(DigestPlan(1, before=(DigestBlock("r", 0, block_id, KEYS[0]),)))
+    w.after_forward(DigestPlan(1, full=(DigestBlock("r", 1, block_id, KEYS[1]),)))
+    assert w.errors == 2 and w.report() is None
+
+
 def test_moved_bytes_change_the_digest(layout: str) -> None:
     """Not a checksum of the values: the same values in other places (K and V swapped, tokens
     in another order) digest differently."""

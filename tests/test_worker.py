@@ -31,11 +31,12 @@ def make(
     num_blocks: int = 16,
     slots: int = 4,
     load_fault: Any = None,
+    digests: str = "off",
 ) -> tuple[WorkerSide, KVOracle]:
     oracle = KVOracle(
         LAYERS, num_blocks=num_blocks, block_size=B, num_kv_heads=2, head_size=4, layout=layout
     )
-    config = ConnectorConfig(chunk_size=C)
+    config = ConnectorConfig(chunk_size=C, digests=digests)
     worker = (
         WorkerSide(config, num_slots=slots, layout=layout)
         if load_fault is None
@@ -233,8 +234,11 @@ def test_load_fault_reports_the_blocks_from_the_failed_chunk_on(
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_saves_of_a_request_whose_load_failed_are_not_stored(layout: str) -> None:
     """Its forward ran over a prefix that is not in the cache: the save is reported failed
-    and its host slot is never written; another request's save in the step goes on."""
-    worker, oracle = make(layout, load_fault=lambda req, ch: req == "B")
+    and its host slot is never written, and no block the step filled is digested as its
+    key's (with digests on); another request's save and digests in the step go on."""
+    from kvledger.tracker.digests import DigestBlock, DigestPlan
+
+    worker, oracle = make(layout, load_fault=lambda req, ch: req == "B", digests="full")
     toks = tokens(16)
     stored(worker, oracle, "A", toks, [1, 2, 3, 4])
     table = [9, 10, 11, 12, 13, 14]
@@ -245,10 +249,15 @@ def test_saves_of_a_request_whose_load_failed_are_not_stored(layout: str) -> Non
     load = plan("B", "load", table, 0, 8, [0])
     save_b = plan("B", "save", table, 16, 24, [2])
     save_o = plan("O", "save", [7, 8], 0, 8, [3])
-    report = run_step(worker, StepPlan(step=1, loads=(load,), saves=(save_b, save_o)))
+    full = (DigestBlock("B", 4, 13, key(2)), DigestBlock("O", 0, 7, key(3)))
+    digests = DigestPlan(1, full=full)
+    step = StepPlan(step=1, loads=(load,), saves=(save_b, save_o), digests=digests)
+    report = run_step(worker, step)
     assert report.loads_failed == (("B", (9, 10)),)
     assert report.saves_failed == (("B", (key(2),)),)
     assert report.saves_done == (("O", (key(3),)),)
+    assert report.digests is not None
+    assert [(rid, index) for rid, index, _, _ in report.digests.blocks] == [("O", 0)]
     assert torch.equal(worker.pool.slot(2), sentinel)
     assert worker.stats["chunks_saved"] == 3  # A's two chunks, then O's; never B's
 
