@@ -668,14 +668,17 @@ class SchedulerSide:
             for new in out.scheduled_new_reqs:
                 rid = str(new.req_id)
                 request = requests.get(rid)
-                planner.scheduled(
-                    rid,
-                    replace=True,
-                    block_ids=first_group(new.block_ids),
-                    num_computed=int(new.num_computed_tokens),
-                    num_scheduled=int(num_scheduled.get(rid, 0)),
-                    token_ids=request.all_token_ids if request is not None else (),
-                )
+                try:
+                    planner.scheduled(
+                        rid,
+                        replace=True,
+                        block_ids=first_group(new.block_ids),
+                        num_computed=int(new.num_computed_tokens),
+                        num_scheduled=int(num_scheduled.get(rid, 0)),
+                        token_ids=request.all_token_ids if request is not None else (),
+                    )
+                except Exception as exc:  # this request's facts: it alone goes undigested
+                    self._digests_lost(planner, step, exc, rid)
             cached = out.scheduled_cached_reqs
             resumed_ids, flags = resumed_markers(cached)
             bs = planner.block_size
@@ -683,32 +686,43 @@ class SchedulerSide:
             computed = cached.num_computed_tokens
             new_blocks = cached.new_block_ids
             for i, rid in enumerate(cached.req_ids):
-                nc, ns = int(computed[i]), int(num_scheduled.get(rid, 0))
-                blocks = new_blocks[i]
-                resumed = (
-                    rid in resumed_ids if resumed_ids is not None else bool(flags and flags[i])
-                )
-                if (
-                    not resumed
-                    and (nc + ns) // bs == nc // bs
-                    and not (blocks and any(blocks))
-                    and rid not in deferred
-                ):
-                    continue  # the hot path: no block appended, none filled
-                request = requests.get(rid)
-                planner.scheduled(
-                    rid,
-                    replace=resumed,
-                    block_ids=first_group(blocks),
-                    num_computed=nc,
-                    num_scheduled=ns,
-                    token_ids=request.all_token_ids if request is not None else (),
-                )
+                try:
+                    nc, ns = int(computed[i]), int(num_scheduled.get(rid, 0))
+                    blocks = new_blocks[i]
+                    resumed = (
+                        rid in resumed_ids if resumed_ids is not None else bool(flags and flags[i])
+                    )
+                    if (
+                        not resumed
+                        and (nc + ns) // bs == nc // bs
+                        and not (blocks and any(blocks))
+                        and rid not in deferred
+                    ):
+                        continue  # the hot path: no block appended, none filled
+                    request = requests.get(rid)
+                    planner.scheduled(
+                        rid,
+                        replace=resumed,
+                        block_ids=first_group(blocks),
+                        num_computed=nc,
+                        num_scheduled=ns,
+                        token_ids=request.all_token_ids if request is not None else (),
+                    )
+                except Exception as exc:  # this request's facts: it alone goes undigested
+                    self._digests_lost(planner, step, exc, str(rid))
             return planner.plan(step)
         except Exception as exc:
-            planner.plan(step)  # drop what was half planned
-            _log.warning("kvledger.digest_plan_failed", step=step, error=repr(exc))
+            # What the step did to every table is unknown: no request is digested until vLLM
+            # gives its whole table again; what was half planned is dropped.
+            self._digests_lost(planner, step, exc)
+            planner.plan(step)
             return None
+
+    def _digests_lost(
+        self, planner: DigestPlanner, step: int, exc: Exception, req_id: str | None = None
+    ) -> None:
+        planner.lose(None if req_id is None else (req_id,))
+        _log.warning("kvledger.digest_plan_failed", step=step, req_id=req_id, error=repr(exc))
 
     def _refuse_unprocessed_admissions(self) -> list[int]:
         """vLLM counts the external tokens of every allocated admission as computed. One whose

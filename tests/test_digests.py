@@ -4,6 +4,8 @@ in every layout (connector/digests.py, torch on CPU)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -109,6 +111,118 @@ def test_every_block_is_planned_once_when_it_becomes_full(
     assert len(planned) == full or (lag and len(planned) == full - 1)
     assert [b.key for b in planned] == list(keys[: len(planned)])
     assert [b.block_id for b in planned] == table[: len(planned)]
+
+
+def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_is_whole() -> None:
+    """A step's facts about request ``a`` could not be read (the scheduler side's digest plan
+    catches it): the blocks vLLM appended to its table then are not known, and a table a
+    block short would pair every later key with the next block's bytes. So ``a`` is lost:
+    none of its blocks is planned, whatever is appended, until a resumption gives its whole
+    table; then each block again pairs with its own key. ``b`` is planned throughout."""
+    tokens = [7 * i + 3 for i in range(8 * BS)]
+    planner = DigestPlanner(BS)
+    tables = {"a": [10, 11], "b": [20, 21]}
+    for rid, table in tables.items():
+        planner.added(rid)
+        planner.scheduled(
+            rid,
+            replace=True,
+            block_ids=table,
+            num_computed=0,
+            num_scheduled=2 * BS,
+            token_ids=tokens[: 2 * BS],
+        )
+    plan = planner.plan(0)
+    assert plan is not None and {(b.req_id, b.block_id) for b in plan.full} == {
+        ("a", 10),
+        ("a", 11),
+        ("b", 20),
+        ("b", 21),
+    }
+    planner.lose(["a"])  # step 1: a's facts unreadable (its block 12 never told)
+    planner.scheduled(
+        "b",
+        replace=False,
+        block_ids=[22],
+        num_computed=2 * BS,
+        num_scheduled=BS,
+        token_ids=tokens[: 3 * BS],
+    )
+    plan = planner.plan(1)
+    assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 22)]
+    for step in (2, 3, 4, 5):  # a's next blocks, appended to a table the planner lost
+        planner.scheduled(
+            "a",
+            replace=False,
+            block_ids=[11 + step],
+            num_computed=(step + 1) * BS,
+            num_scheduled=BS,
+            token_ids=tokens[: (step + 2) * BS],
+        )
+        assert planner.plan(step) is None
+    planner.scheduled(  # preempted and resumed: its whole table again
+        "a",
+        replace=True,
+        block_ids=[30, 31, 32, 33, 34, 35, 36, 37],
+        num_computed=7 * BS,
+        num_scheduled=BS,
+        token_ids=tokens[: 8 * BS],
+    )
+    plan = planner.plan(6)
+    keys = block_keys(tokens[: 8 * BS], BS)
+    assert plan is not None
+    assert [(b.req_id, b.block_index, b.block_id, b.key) for b in plan.full] == [
+        ("a", 7, 37, keys[7])
+    ]
+
+
+def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read() -> None:
+    """``_plan_digests`` reads vLLM's step request by request: one request's unreadable count
+    loses that request (as above), and the others of the step are planned as ever."""
+    from types import SimpleNamespace
+
+    from kvledger.connector.config import ConnectorConfig
+    from kvledger.connector.scheduler import SchedulerSide
+
+    side = SchedulerSide(
+        ConnectorConfig(chunk_size=2 * BS, digests="full"), block_size=BS, num_slots=4
+    )
+    planner = side.digests
+    assert planner is not None
+    tokens = [7 * i + 3 for i in range(4 * BS)]
+    for rid, table in {"a": [10, 11], "b": [20, 21]}.items():
+        planner.added(rid)
+        planner.scheduled(
+            rid,
+            replace=True,
+            block_ids=table,
+            num_computed=0,
+            num_scheduled=2 * BS,
+            token_ids=tokens[: 2 * BS],
+        )
+        side._requests[rid] = SimpleNamespace(all_token_ids=tokens[: 3 * BS])
+    planner.plan(0)
+
+    def step(counts: list[Any], blocks: list[int]) -> Any:
+        cached = SimpleNamespace(
+            req_ids=["a", "b"],
+            num_computed_tokens=counts,
+            new_block_ids=[([blocks[0]],), ([blocks[1]],)],
+            resumed_req_ids=set(),
+        )
+        out = SimpleNamespace(
+            num_scheduled_tokens={"a": BS, "b": BS},
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+        )
+        return side._plan_digests(1, out, ())
+
+    plan = step([None, 2 * BS], [12, 22])  # a's count cannot be read
+    assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 22)]
+    for rid in ("a", "b"):
+        side._requests[rid].all_token_ids = tokens[: 4 * BS]
+    plan = step([3 * BS, 3 * BS], [13, 23])
+    assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 23)]
 
 
 def test_a_sync_load_is_digested_before_and_after_in_the_step_that_schedules_it() -> None:

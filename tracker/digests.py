@@ -259,6 +259,9 @@ class DigestPlanner:
         # hit and async flag (for the allocation that follows it).
         self._tokens: dict[str, list[int]] = {}
         self._lookups: dict[str, tuple[int, bool]] = {}
+        # Requests whose block table is not known any more (lose()): none of their blocks is
+        # paired with a key until vLLM gives their whole table again.
+        self._lost: set[str] = set()
 
     def _req(self, req_id: str, cache_salt: str = "") -> _Req:
         r = self._reqs.get(req_id)
@@ -306,6 +309,7 @@ class DigestPlanner:
             r.load = num_external
             self._allocated_now.add(req_id)
             return
+        self._lost.discard(req_id)  # the whole table again
         r.blocks = list(block_ids)
         r.async_load = self._loaded_blocks(
             req_id, r, local_hit, local_hit + num_external, token_ids
@@ -340,6 +344,10 @@ class DigestPlanner:
         the request's whole table (``replace``: a new or resumed admission) or the blocks
         appended to it. ``token_ids``: the request's token ids known now (blocks whose tokens
         are not all known yet, under async scheduling, are not digested)."""
+        if req_id in self._lost:
+            if not replace:
+                return  # blocks appended to a table not known: nothing to pair them with
+            self._lost.discard(req_id)
         r = self._req(req_id)
         if replace:
             r.blocks = list(block_ids)
@@ -384,7 +392,23 @@ class DigestPlanner:
     def finished(self, req_id: str) -> None:
         """The request finished: its blocks may be freed (its pending checks are dropped)."""
         self._reqs.pop(req_id, None)
+        self._lost.discard(req_id)
         self.deferred.discard(req_id)
+
+    def lose(self, req_ids: Iterable[str] | None = None) -> None:
+        """What vLLM did to these requests' block tables this step could not be read (None:
+        to every request's): none of their blocks is digested again until vLLM gives a whole
+        table (a resumption, an asynchronous load's allocation). A table a block short would
+        pair each key with the next block's bytes: wrong digests, recorded as the keys'."""
+        for req_id in list(self._reqs) if req_ids is None else req_ids:
+            r = self._reqs.get(req_id)
+            if r is None:
+                continue
+            self._lost.add(req_id)
+            r.blocks = []
+            r.load = None
+            r.async_load = ()
+            self.deferred.discard(req_id)
 
     def preempted(self, req_id: str) -> None:
         """Preempted: vLLM frees its blocks; a resumption brings a whole new table."""
