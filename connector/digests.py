@@ -27,6 +27,7 @@ the device; the host waits once per step (one ``tolist`` for every digest of the
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
@@ -327,12 +328,18 @@ class RecorderDigests:
             recording.observe = self.observe
 
     def observe(self, *events: ev.Event) -> None:
-        """Told of each event the recorder is about to write."""
-        try:
-            for e in events:
+        """Told of each event the recorder is about to write. One the plan cannot take loses
+        the request it is about (every request, for one about none) to the planner until
+        vLLM gives its whole table again (``DigestPlanner.lose``); the events after it are
+        still taken, and every record is still written."""
+        for e in events:
+            try:
                 self._observe(e)
-        except Exception as exc:  # the plan loses a fact; the record is still written
-            _log.warning("kvledger.digest_observe_failed", error=repr(exc))
+            except Exception as exc:
+                rid = getattr(e, "req_id", "")
+                with contextlib.suppress(Exception):
+                    self.planner.lose((rid,) if isinstance(rid, str) and rid else None)
+                _log.warning("kvledger.digest_observe_failed", req_id=rid, error=repr(exc))
 
     def _observe(self, e: ev.Event) -> None:
         if isinstance(e, ev.InnerLoadErrors):

@@ -225,6 +225,32 @@ def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read
     assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 23)]
 
 
+def test_a_recorded_fact_the_plan_cannot_take_loses_its_request_only(monkeypatch) -> None:
+    """The recorder's digests read the events it writes (``RecorderDigests.observe``): one
+    the planner cannot take loses its request, and the events after it, in the same call,
+    are still taken (they were dropped with it)."""
+    from kvledger.connector.digests import RecorderDigests
+
+    digests = RecorderDigests(None, BS)
+    tokens = tuple(7 * i + 3 for i in range(2 * BS))
+    real = digests.planner.observe
+
+    def refuse_a(e: ev.Event) -> None:
+        if e.req_id == "a" and isinstance(e, ev.Scheduled):
+            raise ValueError("a fact this planner cannot take")
+        real(e)
+
+    monkeypatch.setattr(digests.planner, "observe", refuse_a)
+    admitted = [
+        ev.Scheduled(0, rid, 0, 2 * BS, 0, tokens, table, ev.Admission.NEW)
+        for rid, table in (("a", (10, 11)), ("b", (20, 21)))
+    ]
+    digests.observe(*(ev.RequestAdded(0, rid, tokens) for rid in ("a", "b")), *admitted)
+    plan = digests.plan(None)
+    assert plan is not None
+    assert [(b.req_id, b.block_id) for b in plan.full] == [("b", 20), ("b", 21)]
+
+
 def test_a_sync_load_is_digested_before_and_after_in_the_step_that_schedules_it() -> None:
     tokens = list(range(30))
     planner = DigestPlanner(BS)
