@@ -18,6 +18,8 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import attrs
+
 from kvledger.connector.config import ConnectorConfig
 from kvledger.connector.logfile import open_log
 from kvledger.connector.logsafe import safe_logger
@@ -710,7 +712,16 @@ class SchedulerSide:
                     )
                 except Exception as exc:  # this request's facts: it alone goes undigested
                     self._digests_lost(planner, step, exc, str(rid))
-            return planner.plan(step)
+            plan = planner.plan(step)
+            if plan is not None and plan.full:
+                # A request that fell back to recompute (a refused or failed load, a broken
+                # rule) may have computed this step over blocks vLLM recomputes: its blocks
+                # are not recorded as their keys' digests, and it is never saved again.
+                recomputing = self.tracker.recomputing
+                full = tuple(b for b in plan.full if not recomputing(b.req_id))
+                if len(full) != len(plan.full):
+                    plan = attrs.evolve(plan, full=full)
+            return plan
         except Exception as exc:
             # What the step did to every table is unknown: no request is digested until vLLM
             # gives its whole table again; what was half planned is dropped.

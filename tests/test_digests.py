@@ -178,7 +178,8 @@ def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_
 
 def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read() -> None:
     """``_plan_digests`` reads vLLM's step request by request: one request's unreadable count
-    loses that request (as above), and the others of the step are planned as ever."""
+    loses that request (as above), and the others of the step are planned as ever; a request
+    that fell back to recompute is never digested again."""
     from types import SimpleNamespace
 
     from kvledger.connector.config import ConnectorConfig
@@ -223,6 +224,24 @@ def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read
         side._requests[rid].all_token_ids = tokens[: 4 * BS]
     plan = step([3 * BS, 3 * BS], [13, 23])
     assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 23)]
+    # b falls back to recompute (a refused load, say): what its step computed may stand on
+    # blocks vLLM recomputes, so none of its blocks is recorded as its key's any more.
+    side.tracker.add_request("b", tokens[: 2 * BS])
+    side.tracker.mark_violation("b", "adapter_error", "Scheduled")
+    side.tracker.violations.clear()
+    for rid in ("a", "b"):
+        side._requests[rid].all_token_ids = tokens
+    planner.scheduled(
+        "a",
+        replace=True,
+        block_ids=[30, 31, 32, 33],
+        num_computed=3 * BS,
+        num_scheduled=0,
+        token_ids=tokens,
+    )
+    planner.plan(2)
+    plan = step([3 * BS, 3 * BS], [34, 24])
+    assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("a", 33)]
 
 
 def test_a_recorded_fact_the_plan_cannot_take_loses_its_request_only(monkeypatch) -> None:

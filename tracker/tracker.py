@@ -533,6 +533,12 @@ class Tracker:
         self.step += 1
         return self.step
 
+    def recomputing(self, req_id: str) -> bool:
+        """Whether the request fell back to recompute (a broken rule, a refused load): read
+        without folding its pending steady steps in, which never change it."""
+        state = self._states.get(req_id)
+        return state is not None and state.recompute_only
+
     def state(self, req_id: str) -> RequestState | None:
         if req_id in self._pending:
             self._materialize(req_id)
