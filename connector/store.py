@@ -158,7 +158,8 @@ class HostChunkPool:
         """Block the host until every transfer touching slot ``i`` has finished."""
         self._check_index(i)
         for _, handle in self._pending[i]:
-            handle.synchronize()
+            with contextlib.suppress(Exception):  # failed: over all the same (see _over)
+                handle.synchronize()
         self._pending[i].clear()
 
     def wait_all(self) -> None:
@@ -185,7 +186,7 @@ class HostChunkPool:
             )
 
     def _prune(self, i: int) -> None:
-        self._pending[i] = [(m, h) for m, h in self._pending[i] if not h.done()]
+        self._pending[i] = [(m, h) for m, h in self._pending[i] if not _over(h)]
 
     def _claim(self, i: int, mode: SlotMode) -> None:
         """Refuse a transfer that would race one in flight: a write must be alone on its slot;
@@ -198,6 +199,16 @@ class HostChunkPool:
                     f"slot {i}: cannot start a {mode} while a {other} is in flight; "
                     f"call wait_slot({i}) first"
                 )
+
+
+def _over(handle: TransferHandle) -> bool:
+    """Whether a transfer no longer uses its slot: done, or failed (its event raised, the
+    device's error). A failure is its owner's to report (the worker's saves in flight); kept
+    here, it would raise again at every later transfer on the slot, and refuse them all."""
+    try:
+        return handle.done()
+    except Exception:
+        return True
 
 
 def _pin_in_place(buffer: torch.Tensor, owner: object) -> bool:

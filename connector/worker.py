@@ -122,6 +122,7 @@ class WorkerSide:
         # whose load failed in that plan's step (their saves are refused).
         self._to_save: tuple[TransferPlan, ...] = ()
         self._step_failed_loads: set[str] = set()
+        self._failed_before: set[str] = set()  # the step before's (digests only)
         # The stream the bound step's forward runs on (None on CPU); see the module docstring.
         self._compute: Any = None
         # (req_id, key, handle) of saves not yet known to be complete.
@@ -240,6 +241,9 @@ class WorkerSide:
         self._to_save = plan.saves
         self._digest_plan = plan.digests
         self._step_load_errors = set(plan.refused_blocks)  # and the loads failing below
+        # Under async scheduling the step after a failed load was scheduled before vLLM
+        # heard of it, and runs over the same unloaded blocks: its digests are not its keys'.
+        self._failed_before = self._step_failed_loads
         self._step_failed_loads = set()
         self._awaiting_free.update(plan.delayed_free)
         self._load_errors.update(plan.refused_blocks)
@@ -477,7 +481,8 @@ class WorkerSide:
         next report."""
         if self.digests is not None and self._digest_plan is not None:
             plan, self._digest_plan = self._digest_plan, None
-            self.digests.after_forward(plan, self._step_load_errors, self._step_failed_loads)
+            failed = self._step_failed_loads | self._failed_before
+            self.digests.after_forward(plan, self._step_load_errors, failed)
         saves, self._to_save = self._to_save, ()
         if not saves:
             return

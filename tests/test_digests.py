@@ -139,7 +139,7 @@ def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_
         ("b", 20),
         ("b", 21),
     }
-    planner.lose(["a"])  # step 1: a's facts unreadable (its block 12 never told)
+    planner.lose(["a", "c"])  # step 1: a's facts unreadable (its block 12 never told)
     planner.scheduled(
         "b",
         replace=False,
@@ -147,6 +147,14 @@ def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_
         num_computed=2 * BS,
         num_scheduled=BS,
         token_ids=tokens[: 3 * BS],
+    )
+    planner.scheduled(  # c, never told of before, lost too: no table of it is known
+        "c",
+        replace=False,
+        block_ids=[40, 41],
+        num_computed=0,
+        num_scheduled=2 * BS,
+        token_ids=tokens[: 2 * BS],
     )
     plan = planner.plan(1)
     assert plan is not None and [(b.req_id, b.block_id) for b in plan.full] == [("b", 22)]

@@ -258,6 +258,12 @@ def test_saves_of_a_request_whose_load_failed_are_not_stored(layout: str) -> Non
     assert report.saves_done == (("O", (key(3),)),)
     assert report.digests is not None
     assert [(rid, index) for rid, index, _, _ in report.digests.blocks] == [("O", 0)]
+    # Under async scheduling the next step was scheduled before vLLM heard of the failure,
+    # and runs over the same unloaded blocks: B's blocks are not digested then either.
+    full = (DigestBlock("B", 5, 14, key(3)), DigestBlock("O", 1, 8, key(2)))
+    report = run_step(worker, StepPlan(step=2, digests=DigestPlan(2, full=full)))
+    assert report.digests is not None
+    assert [(rid, index) for rid, index, _, _ in report.digests.blocks] == [("O", 1)]
     assert torch.equal(worker.pool.slot(2), sentinel)
     assert worker.stats["chunks_saved"] == 3  # A's two chunks, then O's; never B's
 
@@ -663,6 +669,13 @@ def test_a_save_whose_copy_fails_later_is_reported_failed_and_nothing_raises(
     events[1].completed = True
     later = run_step(worker, StepPlan(step=2))
     assert later.saves_done == (("S", (key(1),)),) and later.saves_failed == ()
+    # The failed copy's slot is free again: a save into it is not refused for the rest of
+    # the run (the pool drops a transfer whose event raised).
+    oracle.write("T", tokens(8, seed=2), [5, 6], 0, 8)
+    run_step(worker, StepPlan(step=3, saves=(plan("T", "save", [5, 6], 0, 8, [0]),)))
+    events[2].completed = True
+    again = run_step(worker, StepPlan(step=4))
+    assert again.saves_done == (("T", (key(0),)),) and again.saves_failed == ()
     worker.shutdown()
     assert worker.build_report().saves_failed == ()  # said once
 

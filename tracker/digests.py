@@ -216,6 +216,10 @@ _LOAD = operator.attrgetter("load")
 _NEXT_FULL = operator.attrgetter("next_full")
 
 
+# A block index no request reaches: where a lost request's next full block is (lose()).
+_NEVER_DUE = 1 << 62
+
+
 class _Req:
     __slots__ = ("async_load", "blocks", "keys", "load", "next_full", "salt")
 
@@ -401,13 +405,16 @@ class DigestPlanner:
         table (a resumption, an asynchronous load's allocation). A table a block short would
         pair each key with the next block's bytes: wrong digests, recorded as the keys'."""
         for req_id in list(self._reqs) if req_ids is None else req_ids:
+            self._lost.add(req_id)  # one never told of yet too: no table of it is known
             r = self._reqs.get(req_id)
             if r is None:
                 continue
-            self._lost.add(req_id)
             r.blocks = []
             r.load = None
             r.async_load = ()
+            # Nothing of it is due until a whole table resets this (scheduled with replace):
+            # a lost request never asks to be told of its steps (decoded_columns).
+            r.next_full = _NEVER_DUE
             self.deferred.discard(req_id)
 
     def preempted(self, req_id: str) -> None:
