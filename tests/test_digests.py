@@ -184,6 +184,39 @@ def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_
     ]
 
 
+def test_a_lost_request_costs_the_recorders_steady_steps_nothing(monkeypatch) -> None:
+    """A lost request plans nothing until its whole table comes again, so a steady step that
+    fills none of its blocks does not go through ``scheduled`` for it: only a step that fills
+    a block or appends one does (as for any request), where it returns at once."""
+    tokens = [7 * i + 3 for i in range(8 * BS)]
+    planner = DigestPlanner(BS)
+    planner.added("a")
+    planner.scheduled(
+        "a",
+        replace=True,
+        block_ids=[10, 11],
+        num_computed=0,
+        num_scheduled=2 * BS,
+        token_ids=tokens[: 2 * BS],
+    )
+    planner._tokens["a"] = list(tokens[: 2 * BS])
+    planner.plan(0)
+    planner.lose(["a"])
+    told: list[int] = []
+    real = planner.scheduled
+
+    def spy(rid: str, **kw: Any) -> None:
+        told.append(kw["num_computed"])
+        real(rid, **kw)
+
+    monkeypatch.setattr(planner, "scheduled", spy)
+    for nc in range(2 * BS, 5 * BS):  # steady steps; a block fills at every BS-th
+        block = 12 + (nc - 2 * BS) // BS if nc % BS == 0 else None
+        planner.decoded([("a", nc, nc, tokens[nc], block)])
+        assert planner.plan(nc) is None
+    assert told == [2 * BS, 3 * BS - 1, 3 * BS, 4 * BS - 1, 4 * BS, 5 * BS - 1]
+
+
 def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read() -> None:
     """``_plan_digests`` reads vLLM's step request by request: one request's unreadable count
     loses that request (as above), and the others of the step are planned as ever; a request
