@@ -113,6 +113,21 @@ def test_every_block_is_planned_once_when_it_becomes_full(
     assert [b.block_id for b in planned] == table[: len(planned)]
 
 
+def _admitted(planner: DigestPlanner, tables: dict[str, list[int]], tokens: list[int]) -> None:
+    """Each request of ``tables`` added, then admitted with its whole table, whose blocks it
+    computes in one step."""
+    for rid, table in tables.items():
+        planner.added(rid)
+        planner.scheduled(
+            rid,
+            replace=True,
+            block_ids=table,
+            num_computed=0,
+            num_scheduled=len(table) * BS,
+            token_ids=tokens[: len(table) * BS],
+        )
+
+
 def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_is_whole() -> None:
     """A step's facts about request ``a`` could not be read (the scheduler side's digest plan
     catches it): the blocks vLLM appended to its table then are not known, and a table a
@@ -121,17 +136,7 @@ def test_a_request_whose_step_could_not_be_read_is_not_digested_until_its_table_
     table; then each block again pairs with its own key. ``b`` is planned throughout."""
     tokens = [7 * i + 3 for i in range(8 * BS)]
     planner = DigestPlanner(BS)
-    tables = {"a": [10, 11], "b": [20, 21]}
-    for rid, table in tables.items():
-        planner.added(rid)
-        planner.scheduled(
-            rid,
-            replace=True,
-            block_ids=table,
-            num_computed=0,
-            num_scheduled=2 * BS,
-            token_ids=tokens[: 2 * BS],
-        )
+    _admitted(planner, {"a": [10, 11], "b": [20, 21]}, tokens)
     plan = planner.plan(0)
     assert plan is not None and {(b.req_id, b.block_id) for b in plan.full} == {
         ("a", 10),
@@ -190,15 +195,7 @@ def test_a_lost_request_costs_the_recorders_steady_steps_nothing(monkeypatch) ->
     a block or appends one does (as for any request), where it returns at once."""
     tokens = [7 * i + 3 for i in range(8 * BS)]
     planner = DigestPlanner(BS)
-    planner.added("a")
-    planner.scheduled(
-        "a",
-        replace=True,
-        block_ids=[10, 11],
-        num_computed=0,
-        num_scheduled=2 * BS,
-        token_ids=tokens[: 2 * BS],
-    )
+    _admitted(planner, {"a": [10, 11]}, tokens)
     planner._tokens["a"] = list(tokens[: 2 * BS])
     planner.plan(0)
     planner.lose(["a"])
@@ -232,16 +229,8 @@ def test_the_scheduler_side_loses_only_the_request_whose_facts_it_could_not_read
     planner = side.digests
     assert planner is not None
     tokens = [7 * i + 3 for i in range(4 * BS)]
-    for rid, table in {"a": [10, 11], "b": [20, 21]}.items():
-        planner.added(rid)
-        planner.scheduled(
-            rid,
-            replace=True,
-            block_ids=table,
-            num_computed=0,
-            num_scheduled=2 * BS,
-            token_ids=tokens[: 2 * BS],
-        )
+    _admitted(planner, {"a": [10, 11], "b": [20, 21]}, tokens)
+    for rid in ("a", "b"):
         side._requests[rid] = SimpleNamespace(all_token_ids=tokens[: 3 * BS])
     planner.plan(0)
 
