@@ -714,9 +714,11 @@ class SchedulerSide:
                     self._digests_lost(planner, step, exc, str(rid))
             plan = planner.plan(step)
             if plan is not None and plan.full:
-                # A request that fell back to recompute (a refused or failed load, a broken
-                # rule) may have computed this step over blocks vLLM recomputes: its blocks
-                # are not recorded as their keys' digests, and it is never saved again.
+                # A request that fell back to recompute (a refused load, a broken rule) may
+                # have computed this step over blocks vLLM recomputes: its blocks are not
+                # recorded as their keys' digests, and it is never saved again. (A load that
+                # failed on the worker does not set it: the worker leaves that step's and the
+                # next one's blocks out itself.)
                 recomputing = self.tracker.recomputing
                 full = tuple(b for b in plan.full if not recomputing(b.req_id))
                 if len(full) != len(plan.full):

@@ -540,7 +540,7 @@ class WorkerSide:
                 still.append((req_id, key, handle))
         self._saves_in_flight = still
         if lost:
-            self._saves_lost(lost, in_flight=False)
+            self._saves_lost(lost)
         if done:
             self._report = self._report.merged(
                 WorkerReport(
@@ -548,13 +548,11 @@ class WorkerSide:
                 )
             )
 
-    def _saves_lost(self, lost: list[tuple[str, bytes]], *, in_flight: bool = True) -> None:
+    def _saves_lost(self, lost: list[tuple[str, bytes]]) -> None:
         """Saves whose copy failed after it was issued: reported failed (their chunks are never
-        stored, so no load reads them), out of the saves in flight (``in_flight``: still
-        listed there) and of the uploads."""
+        stored, so no load reads them), out of the saves in flight and of the uploads."""
         gone = set(lost)
-        if in_flight:
-            self._saves_in_flight = [s for s in self._saves_in_flight if s[:2] not in gone]
+        self._saves_in_flight = [s for s in self._saves_in_flight if s[:2] not in gone]
         for req_key in gone:
             self._upload_slot.pop(req_key, None)
         by_request: dict[str, list[bytes]] = {}
