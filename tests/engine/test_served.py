@@ -188,11 +188,25 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     with Server(spec) as server:
         pool = concurrent.futures.ThreadPoolExecutor(1)
         running = pool.submit(server.complete, rounds(tiny_model)[0][0], 150)
-        # A few decode steps in, then the stop at once. The tiny model can decode the 150
-        # tokens in about a second on a quiet machine: a stop sent after a fixed half second
-        # once found them all done (CI, 2026-12-03).
+        # All four in the engine core, a few decode steps more, then the stop at once. The
+        # tiny model can decode the 150 tokens in about a second on a quiet machine: a stop
+        # sent after a fixed half second once found them all done (CI, 2026-12-03). The
+        # four arrive one by one, and the first three can generate 8 tokens before the
+        # fourth is in: a stop at 8 tokens once came before the scheduler had seen it.
         deadline = time.monotonic() + 120
-        while server.metric("vllm:generation_tokens_total") < 8 and time.monotonic() < deadline:
+
+        def arrived() -> float:
+            return server.metric("vllm:num_requests_running") + server.metric(
+                "vllm:num_requests_waiting"
+            )
+
+        while arrived() < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        generated = server.metric("vllm:generation_tokens_total") + 8
+        while (
+            server.metric("vllm:generation_tokens_total") < generated
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.02)
         assert not running.done(), "the completions ended before the stop"
         core = server.engine_core()
