@@ -490,9 +490,15 @@ class WorkerSide:
         block_size = backend.spec.block_size
         after = self._save_after()  # everything the forward and the drafter wrote
         refused: list[tuple[str, tuple[bytes, ...]]] = []
+        missing = self._step_load_errors
         for save in saves:
-            if save.req_id in self._step_failed_loads:
-                # This step computed over a prefix that failed to load: its KV is wrong.
+            if save.req_id in self._step_failed_loads or (
+                missing and not missing.isdisjoint(save.block_ids)
+            ):
+                # This step computed over a prefix that was never loaded: its KV is wrong.
+                # Its own load failed, or its table holds a block another request's load
+                # failed to fill (vLLM's prefix cache shares a block from its allocation on,
+                # and reschedules every request that holds it).
                 refused.append((save.req_id, tuple(ch.key for ch in save.chunks)))
                 continue
             for chunk in save.chunks:

@@ -139,6 +139,60 @@ def test_injected_load_failures_recompute_exactly():
     assert all(" tokens_match_schedule at Scheduled " in v for v in report.violations)
 
 
+def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over_it(tmp_path):
+    """vLLM's prefix cache shares a block from its allocation on. B, admitted in the step
+    in which A's load of a shared 64-token prefix fails, takes A's blocks as a local hit and
+    computes its own 32 tokens over KV that was never loaded; vLLM reschedules both. B's
+    chunks of that step must not be saved: D, B's prompt again, would load them (the save of
+    KV computed over a prefix that failed to load). The oracle checks every token of every
+    step, D's loaded ones included."""
+    import random
+
+    from kvledger.connector.testing.run import RunSpec, runner
+    from kvledger.replay.replayer import check
+    from kvledger.tracker import events as ev
+
+    if not load_failures_reportable():
+        pytest.skip("this vLLM cannot be told of a failed load (invalid_block_ids: 0.11.1 on)")
+    failing = {"A"}
+    spec = RunSpec(num_gpu_blocks=24, max_num_batched_tokens=256, extra_config={"chunk_size": 16})
+    rig = runner(spec, load_fault=lambda req_id, chunk: req_id in failing, log_dir=str(tmp_path))
+    rng = random.Random(3)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 900) for _ in range(n)]
+
+    def fill() -> list[tuple[str, list[int], int]]:  # evicts the prefix from vLLM's cache
+        return [(f"fill-{rng.random()}", tokens(112), 2) for _ in range(3)]
+
+    prefix, b_prompt = tokens(64), tokens(32)
+    rig.run([("R", prefix + tokens(16), 2)], max_steps=200)  # the pool holds the prefix
+    rig.run(fill(), max_steps=200)
+    rig.run([("A", prefix + tokens(8), 2), ("B", prefix + b_prompt, 2)], max_steps=200)
+    rig.run(fill(), max_steps=200)
+    failing.clear()
+    rig.run([("D", prefix + b_prompt, 2)], max_steps=200)
+    side = rig.harness.connector.scheduler_side
+    side.shutdown()
+    rig.harness.close()
+    assert rig.load_errors > 0
+    assert [m.describe() for _, m in rig.mismatches] == []
+    events = [e for frame in _frames(side.log_path) for e in frame.events]
+    failed_at = {e.step for e in events if isinstance(e, ev.LoadFailed) and e.req_id == "A"}
+    refused = [e for e in events if isinstance(e, ev.SaveFailed) and e.req_id == "B"]
+    assert failed_at and refused and all(e.step >= min(failed_at) for e in refused)
+    (d_lookup,) = [e for e in events if isinstance(e, ev.Allocated) and e.req_id == "D"]
+    assert d_lookup.num_external >= 64  # D loaded from the pool
+    result = check(side.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+
+
+def _frames(path):
+    from kvledger.replay.logreader import LogReader
+
+    return LogReader(path)
+
+
 def test_failed_loads_under_async_scheduling_are_named_where_vllm_loses_a_token(tmp_path):
     """The same failed loads under async scheduling. vLLM up to 0.33 rolls the request back
     but keeps the failed step's output placeholder (issues #45138, #49250), so the next

@@ -25,7 +25,7 @@ from kvledger.connector.testing.faults import FaultyWorkerSide, LoadFault
 from kvledger.connector.testing.harness import HarnessConfig, SchedulerHarness
 from kvledger.connector.testing.oracle import Mismatch, TokenMismatch
 
-__all__ = ["RunReport", "RunSpec", "run", "run_workload", "summarize"]
+__all__ = ["RunReport", "RunSpec", "run", "run_workload", "runner", "summarize"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +164,18 @@ class _Runner(ModelRunner):
         if refused:
             bad |= {r for r in out.num_scheduled_tokens if refused & set(self.blocks_of(r))}
         return bad
+
+
+def runner(
+    spec: RunSpec | None = None,
+    *,
+    load_fault: LoadFault | None = None,
+    log_dir: str | None = None,
+) -> ModelRunner:
+    """The model runner of ``spec`` (KVLedgerConnector; ``FaultyKVLedgerConnector`` as the
+    worker role), for a test that sends its own requests, phase by phase
+    (``ModelRunner.run``: the oracle checks every step)."""
+    return _Runner(spec or RunSpec(), load_fault, log_dir)
 
 
 def run(
