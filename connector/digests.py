@@ -324,6 +324,9 @@ class RecorderDigests:
         self._steps: RecordedSteps | None = getattr(recording, "steps", None)
         self._block_of: dict[tuple[str, int], int] = {}
         self._load_errors: set[int] = set()
+        # Requests whose forward ran over a failed load in the last step reported: under async
+        # scheduling their next step was scheduled before vLLM heard of it.
+        self._failed_before: set[str] = set()
         if recording is not None:
             recording.observe = self.observe
 
@@ -359,7 +362,18 @@ class RecorderDigests:
         return plan
 
     def report(self, reports: Sequence[Any]) -> list[ev.Event]:
+        """The events of the workers' reports that came with this step's output (called for
+        every output, with or without reports, so that a failed load's window is counted in
+        steps). A block whose load the inner reported failed is not judged. No block is
+        recorded as its key's that a request computed over a failed load: one holding a block
+        in error (its own load, or a block shared through vLLM's prefix cache), in this
+        output's step and in the next (scheduled, under async scheduling, before vLLM heard
+        of the failure). Its forward ran over KV that was never there, so those bytes are not
+        what the key names; recorded, they would verify a later load of the same wrong bytes
+        (vLLM recomputes the blocks, and the recomputed digests are recorded)."""
         errors, self._load_errors = self._load_errors, set()
+        failed = self.planner.holding(errors) if errors else set()
+        skipped, self._failed_before = failed | self._failed_before, failed
         events: list[ev.Event] = []
         step = getattr(self._recording, "step", 0)
         for report in reports:
@@ -370,5 +384,8 @@ class RecorderDigests:
                 block = self._block_of.pop((row[0], row[1]), None)
                 if block not in errors:
                     loads.append(row)
-            events += attrs.evolve(report, loads=tuple(loads)).events(step)
+            blocks = report.blocks
+            if skipped:
+                blocks = tuple(row for row in blocks if row[0] not in skipped)
+            events += attrs.evolve(report, loads=tuple(loads), blocks=blocks).events(step)
         return events

@@ -404,9 +404,11 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                 except Exception as exc:  # a failure costs that record only
                     with _suppressed():
                         rec.lost("update_connector_output", exc)
-            if reports and self._digest_planner is not None:
+            if self._digest_planner is not None:  # every output: it counts the steps
                 try:
-                    self.recording_write(*self._digest_planner.report(reports))
+                    digested = self._digest_planner.report(reports)
+                    if digested:
+                        self.recording_write(*digested)
                 except Exception as exc:
                     self._record_lost("digest_report", exc, None)
             try:

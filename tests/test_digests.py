@@ -300,6 +300,42 @@ def test_a_recorded_fact_the_plan_cannot_take_loses_its_request_only(monkeypatch
     assert [(b.req_id, b.block_id) for b in plan.full] == [("b", 20), ("b", 21)]
 
 
+def test_the_recorder_records_no_digest_computed_over_a_failed_load() -> None:
+    """``RecorderDigests.report``: a request holding a block the wrapped connector reported
+    in error (its own load's, or one vLLM shares with it through its prefix cache: "b"
+    holds block 10 too) has none of its blocks of that step recorded as its keys', nor of
+    the next (async scheduling scheduled it before vLLM heard); those of the step after
+    are, and another request's always. An output without reports counts as a step."""
+    from kvledger.connector.digests import RecorderDigests
+
+    tokens = tuple(7 * i + 3 for i in range(4 * BS))
+    tables = {"a": (10, 11, 12, 13), "b": (10, 21, 22, 23), "c": (30, 31, 32, 33)}
+
+    def recorded(digests: RecorderDigests, *rids: str, empty: bool = False) -> list[str]:
+        rows = tuple((rid, 3, KEYS[0], 5) for rid in rids)
+        events = digests.report([] if empty else [DigestReport(blocks=rows)])
+        return sorted(e.req_id for e in events if isinstance(e, ev.BlockDigested))
+
+    for gap in (False, True):
+        digests = RecorderDigests(None, BS)
+        digests.observe(
+            *(ev.RequestAdded(0, rid, tokens) for rid in tables),
+            *(
+                ev.Scheduled(0, rid, 0, 4 * BS, 0, tokens, table, ev.Admission.NEW)
+                for rid, table in tables.items()
+            ),
+        )
+        digests.plan(None)
+        assert recorded(digests, "a", "b", "c") == ["a", "b", "c"]
+        digests.observe(ev.InnerLoadErrors(1, "", (10,)))
+        assert recorded(digests, "a", "b", "c") == ["c"]
+        if gap:
+            assert recorded(digests, empty=True) == []
+        else:
+            assert recorded(digests, "a", "b", "c") == ["c"]  # the step scheduled before
+        assert recorded(digests, "a", "b", "c") == ["a", "b", "c"]
+
+
 def test_a_sync_load_is_digested_before_and_after_in_the_step_that_schedules_it() -> None:
     tokens = list(range(30))
     planner = DigestPlanner(BS)

@@ -204,3 +204,41 @@ def test_a_wrapped_connectors_silent_bad_load_is_found_by_check(
         and e.admission != _ev().Admission.RUNNING
     ]
     assert named[0][2] in admitted and loads[0].step == named[0][2] + 1
+
+
+def test_a_wrapped_connectors_failed_load_records_no_digest_of_what_was_computed_over_it(
+    tmp_path,
+) -> None:
+    """vLLM's ExampleConnector loading nothing and reporting every block it was to load as a
+    load error: the repeated prompts' forwards run over a prefix that is not there (the rig
+    writes their KV poisoned) and vLLM recomputes them. No digest of those poisoned blocks is
+    recorded as its key's (it would verify a later load of the same wrong bytes): every key
+    of the log has one digest, that of its recomputed, correct bytes. (Prompts of 64 tokens:
+    the failed load covers blocks 0 to 2, and the forward over it fills block 3.) The step
+    after, which async scheduling schedules before vLLM hears of the failure, is
+    tests/test_digests.py's: vLLM 0.33's own recovery keeps that step's placeholder token,
+    and the oracle cannot tell the two apart."""
+    from kvledger.connector.testing.recorded import WrappedSpec, run_wrapped
+
+    spec = WrappedSpec(
+        inner="_digest_inners:FailingExample",
+        digests="full",
+        extra_config={"shared_storage_path": str(tmp_path / "store")},
+        prompt_len=(64, 64),
+    )
+    report = run_wrapped(spec, log_dir=str(tmp_path / "logs"))
+    assert report.mismatches == ()  # vLLM recomputed what failed
+    assert report.load_errors > 0
+    events = events_of(report.log_path)
+    failed = {e.step for e in events if isinstance(e, _ev().InnerLoadErrors) and e.block_ids}
+    assert failed
+    digests: dict[bytes, set[int]] = {}
+    for e in events:
+        if isinstance(e, _ev().BlockDigested):
+            for key, digest in zip(e.keys, e.digests, strict=True):
+                digests.setdefault(key, set()).add(digest)
+    assert digests and all(len(d) == 1 for d in digests.values()), [
+        len(d) for d in digests.values()
+    ]
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]

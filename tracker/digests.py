@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import repeat
 from typing import Any, NamedTuple
 
@@ -392,6 +392,12 @@ class DigestPlanner:
             if r is not None and r.async_load:
                 self._verify.extend(r.async_load)
                 r.async_load = ()
+
+    def holding(self, block_ids: Collection[int]) -> set[str]:
+        """The live requests whose block table holds one of ``block_ids``: the request whose
+        load they were, and any other that shares them through vLLM's prefix cache."""
+        ids = set(block_ids)
+        return {rid for rid, r in self._reqs.items() if not ids.isdisjoint(r.blocks)}
 
     def finished(self, req_id: str) -> None:
         """The request finished: its blocks may be freed (its pending checks are dropped)."""
