@@ -122,7 +122,7 @@ class WorkerSide:
         # whose load failed in that plan's step (their saves are refused).
         self._to_save: tuple[TransferPlan, ...] = ()
         self._step_failed_loads: set[str] = set()
-        self._failed_before: set[str] = set()  # the step before's (digests only)
+        self._failed_before: set[str] = set()  # the step before's
         # The stream the bound step's forward runs on (None on CPU); see the module docstring.
         self._compute: Any = None
         # (req_id, key, handle) of saves not yet known to be complete.
@@ -163,6 +163,9 @@ class WorkerSide:
             self.digests = WorkerDigests(config.digests, layout=layout, rank=rank)
         self._digest_plan: Any = None
         self._step_load_errors: set[int] = set()
+        # The step before's load errors (refused and failed blocks): under async scheduling
+        # the step after a failed load was scheduled before vLLM heard of it.
+        self._missing_before: set[int] = set()
 
     # --- setup ----------------------------------------------------------------------------
 
@@ -240,6 +243,7 @@ class WorkerSide:
         self._plan = plan
         self._to_save = plan.saves
         self._digest_plan = plan.digests
+        self._missing_before = self._step_load_errors
         self._step_load_errors = set(plan.refused_blocks)  # and the loads failing below
         # Under async scheduling the step after a failed load was scheduled before vLLM
         # heard of it, and runs over the same unloaded blocks: its digests are not its keys'.
@@ -490,15 +494,8 @@ class WorkerSide:
         block_size = backend.spec.block_size
         after = self._save_after()  # everything the forward and the drafter wrote
         refused: list[tuple[str, tuple[bytes, ...]]] = []
-        missing = self._step_load_errors
         for save in saves:
-            if save.req_id in self._step_failed_loads or (
-                missing and not missing.isdisjoint(save.block_ids)
-            ):
-                # This step computed over a prefix that was never loaded: its KV is wrong.
-                # Its own load failed, or its table holds a block another request's load
-                # failed to fill (vLLM's prefix cache shares a block from its allocation on,
-                # and reschedules every request that holds it).
+            if self._computed_over_missing(save):
                 refused.append((save.req_id, tuple(ch.key for ch in save.chunks)))
                 continue
             for chunk in save.chunks:
@@ -522,6 +519,26 @@ class WorkerSide:
             self._report = self._report.merged(
                 WorkerReport(saves_failed=tuple(refused), rank=self.rank)
             )
+
+    def _computed_over_missing(self, save: TransferPlan) -> bool:
+        """Whether the step computed this save's KV over blocks never loaded: its own load
+        failed in the step; or its table holds a block that failed to load, or that the
+        scheduler refused, in the step (vLLM's prefix cache shares a block from its
+        allocation on, so a request admitted in the same step as the load computes over it;
+        vLLM reschedules every request that holds it), or in the step before (under async
+        scheduling this step was scheduled before vLLM heard of it). The request whose own
+        load failed the step before is the tracker's: its ``LoadFailed`` cancels the saves
+        planned over the failed blocks."""
+        if save.req_id in self._step_failed_loads:
+            return True
+        table = save.block_ids
+        if self._step_load_errors and not self._step_load_errors.isdisjoint(table):
+            return True
+        return (
+            bool(self._missing_before)
+            and save.req_id not in self._failed_before
+            and not self._missing_before.isdisjoint(table)
+        )
 
     def _drain_saves(self, *, block: bool) -> None:
         """Move finished saves into the report; with ``block``, wait for all of them."""

@@ -268,6 +268,35 @@ def test_saves_of_a_request_whose_load_failed_are_not_stored(layout: str) -> Non
     assert worker.stats["chunks_saved"] == 3  # A's two chunks, then O's; never B's
 
 
+def test_saves_over_a_block_shared_with_a_failed_load_are_refused_that_step_and_the_next() -> None:
+    """``H`` holds ``B``'s first block (vLLM's prefix cache shares it from ``B``'s allocation
+    on) and computes over it in the step in which ``B``'s load of it fails, and again in the
+    next (async scheduling scheduled it before vLLM heard): its saves of both steps are
+    refused, that of the step after is not. ``B``'s own save the next step is the tracker's
+    to cancel; a request holding none of the blocks saves as usual. So does ``H`` over a
+    block the scheduler refused to load."""
+    worker, oracle = make("flash_attn", load_fault=lambda req, ch: req == "B")
+    toks = tokens(16)
+    stored(worker, oracle, "A", toks, [1, 2, 3, 4])
+    load = plan("B", "load", [9, 10, 11], 0, 8, [0])
+    holder = [9, 10, 12, 13]
+
+    def save(req_id: str, table: list[int], slot: int) -> TransferPlan:
+        return plan(req_id, "save", table, 8, 16, [slot])
+
+    def step(n: int, *saves: TransferPlan, **more: Any) -> tuple[list[str], list[str]]:
+        """The requests whose saves failed, and those whose saves were done."""
+        report = run_step(worker, StepPlan(step=n, saves=saves, **more))
+        return [r for r, _ in report.saves_failed], [r for r, _ in report.saves_done]
+
+    other = save("O", [5, 6, 7, 8], 2)
+    assert step(1, save("H", holder, 1), other, loads=(load,)) == (["H"], ["O"])
+    assert worker.get_block_ids_with_load_errors() == {9, 10}
+    assert step(2, save("H", holder, 1), save("B", [9, 10, 11, 14], 3)) == (["H"], ["B"])
+    assert step(3, save("H", holder, 1)) == ([], ["H"])
+    assert step(4, save("H", holder, 1), refused_blocks=(12,)) == (["H"], [])
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_refused_blocks_are_reported_as_load_errors(layout: str) -> None:
     worker, _ = make(layout)
