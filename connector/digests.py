@@ -324,9 +324,6 @@ class RecorderDigests:
         self._steps: RecordedSteps | None = getattr(recording, "steps", None)
         self._block_of: dict[tuple[str, int], int] = {}
         self._load_errors: set[int] = set()
-        # Requests whose forward ran over a failed load in the last step reported: under async
-        # scheduling their next step was scheduled before vLLM heard of it.
-        self._failed_before: set[str] = set()
         if recording is not None:
             recording.observe = self.observe
 
@@ -364,16 +361,11 @@ class RecorderDigests:
     def report(self, reports: Sequence[Any]) -> list[ev.Event]:
         """The events of the workers' reports that came with this step's output (called for
         every output, with or without reports, so that a failed load's window is counted in
-        steps). A block whose load the inner reported failed is not judged. No block is
-        recorded as its key's that a request computed over a failed load: one holding a block
-        in error (its own load, or a block shared through vLLM's prefix cache), in this
-        output's step and in the next (scheduled, under async scheduling, before vLLM heard
-        of the failure). Its forward ran over KV that was never there, so those bytes are not
-        what the key names; recorded, they would verify a later load of the same wrong bytes
-        (vLLM recomputes the blocks, and the recomputed digests are recorded)."""
+        steps). A block whose load the inner reported failed is not judged, and no block is
+        recorded as its key's that a request computed over a failed load
+        (``DigestPlanner.computed_over_failed``)."""
         errors, self._load_errors = self._load_errors, set()
-        failed = self.planner.holding(errors) if errors else set()
-        skipped, self._failed_before = failed | self._failed_before, failed
+        skipped = self.planner.computed_over_failed(errors)
         events: list[ev.Event] = []
         step = getattr(self._recording, "step", 0)
         for report in reports:
@@ -384,8 +376,6 @@ class RecorderDigests:
                 block = self._block_of.pop((row[0], row[1]), None)
                 if block not in errors:
                     loads.append(row)
-            blocks = report.blocks
-            if skipped:
-                blocks = tuple(row for row in blocks if row[0] not in skipped)
-            events += attrs.evolve(report, loads=tuple(loads), blocks=blocks).events(step)
+            report = attrs.evolve(report, loads=tuple(loads)).without(skipped)
+            events += report.events(step)
         return events

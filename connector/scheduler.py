@@ -13,9 +13,10 @@ the request concerned, logged, and the request falls back to recompute.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, TypeVar
 
 import attrs
@@ -758,9 +759,11 @@ class SchedulerSide:
         """Apply every worker report of the step. Each report, and each entry of a report, is
         judged on its own: one that cannot be read is a recorded violation (``adapter_error``,
         about the request it names, else about no request) and costs only itself."""
-        for report in self._reports_of(connector_output):
+        reports = self._reports_of(connector_output)
+        skipped = self._computed_over_failed(reports)
+        for report in reports:
             if isinstance(report, WorkerReport):
-                self.apply_report(report)
+                self.apply_report(report, skipped)
             else:
                 self._unreadable_result(
                     None, "WorkerReport", TypeError(f"not a report: {report!r}")
@@ -791,9 +794,29 @@ class SchedulerSide:
                 self._unreadable_result(None, "WorkerReport", exc)
         return parsed
 
-    def apply_report(self, report: WorkerReport) -> None:
+    def _computed_over_failed(self, reports: list[Any]) -> set[str]:
+        """With digests on, the requests whose blocks digested in this output's step are not
+        recorded as their keys' (``DigestPlanner.computed_over_failed``): those holding a
+        block whose load failed, the request whose load it was and any that vLLM's prefix
+        cache shares it with (the worker leaves out the first; it cannot see the others).
+        Unreadable entries are the reports' to record."""
+        if self.digests is None:
+            return set()
+        failed: set[int] = set()
+        for report in reports:
+            for entry in getattr(report, "loads_failed", None) or ():
+                with contextlib.suppress(Exception):
+                    failed.update(_read_blocks(entry)[1])
+        try:
+            return self.digests.computed_over_failed(failed)
+        except Exception as exc:
+            self._adapter_error("update_connector_output", exc)
+            return set()
+
+    def apply_report(self, report: WorkerReport, skip_digests: Collection[str] = ()) -> None:
         """One rank's results. A failure on any rank wins at once; a success counts only once
-        every rank reported it (each rank holds its share of every chunk's bytes).
+        every rank reported it (each rank holds its share of every chunk's bytes). The
+        digests of ``skip_digests``' blocks are not recorded (:meth:`_computed_over_failed`).
 
         Each entry is read whole before anything is applied; one that cannot be read is a
         recorded violation, and the request it names gives up its transfers on this rank (its
@@ -829,7 +852,8 @@ class SchedulerSide:
             self._give_up_transfers(req_id, rank)
         if report.digests is not None:
             try:
-                for digested in report.digests.events(self.tracker.step):
+                digests = report.digests.without(skip_digests)
+                for digested in digests.events(self.tracker.step):
                     self.tracker.apply(digested)
             except Exception as exc:
                 self._unreadable_result(None, "BlockDigested", exc)

@@ -144,8 +144,8 @@ def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over
     in which A's load of a shared 64-token prefix fails, takes A's blocks as a local hit and
     computes its own 32 tokens over KV that was never loaded; vLLM reschedules both. B's
     chunks of that step must not be saved: D, B's prompt again, would load them (the save of
-    KV computed over a prefix that failed to load). The oracle checks every token of every
-    step, D's loaded ones included."""
+    KV computed over a prefix that failed to load), nor their digests recorded as their keys'.
+    The oracle checks every token of every step, D's loaded ones included."""
     import random
 
     from kvledger.connector.testing.run import RunSpec, runner
@@ -155,7 +155,8 @@ def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over
     if not load_failures_reportable():
         pytest.skip("this vLLM cannot be told of a failed load (invalid_block_ids: 0.11.1 on)")
     failing = {"A"}
-    spec = RunSpec(num_gpu_blocks=24, max_num_batched_tokens=256, extra_config={"chunk_size": 16})
+    extra = {"chunk_size": 16, "digests": "full"}
+    spec = RunSpec(num_gpu_blocks=24, max_num_batched_tokens=256, extra_config=extra)
     rig = runner(spec, load_fault=lambda req_id, chunk: req_id in failing, log_dir=str(tmp_path))
     rng = random.Random(3)
 
@@ -183,6 +184,14 @@ def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over
     assert failed_at and refused and all(e.step >= min(failed_at) for e in refused)
     (d_lookup,) = [e for e in events if isinstance(e, ev.Allocated) and e.req_id == "D"]
     assert d_lookup.num_external >= 64  # D loaded from the pool
+    # Nor is a digest of what B computed over the failed load recorded as its keys': every
+    # key has the one digest of its correct bytes.
+    digests: dict[bytes, set[int]] = {}
+    for e in events:
+        if isinstance(e, ev.BlockDigested):
+            for k, d in zip(e.keys, e.digests, strict=True):
+                digests.setdefault(k, set()).add(d)
+    assert digests and all(len(d) == 1 for d in digests.values())
     result = check(side.log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems]
 

@@ -161,6 +161,12 @@ class DigestReport:
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in carried),
         )
 
+    def without(self, req_ids: Collection[str]) -> DigestReport:
+        """The report less the blocks these requests digested (their loads stay)."""
+        if not req_ids:
+            return self
+        return attrs.evolve(self, blocks=tuple(b for b in self.blocks if b[0] not in req_ids))
+
     def events(self, step: int) -> list[ev.Event]:
         """The report as log events: one ``BlockDigested`` / ``LoadDigested`` per run of
         consecutive blocks of one request, in report order; the carried digests first, so
@@ -266,6 +272,8 @@ class DigestPlanner:
         # Requests whose block table is not known any more (lose()): none of their blocks is
         # paired with a key until vLLM gives their whole table again.
         self._lost: set[str] = set()
+        # The holders of the last output's failed blocks (computed_over_failed).
+        self._failed_before: set[str] = set()
 
     def _req(self, req_id: str, cache_salt: str = "") -> _Req:
         r = self._reqs.get(req_id)
@@ -398,6 +406,18 @@ class DigestPlanner:
         load they were, and any other that shares them through vLLM's prefix cache."""
         ids = set(block_ids)
         return {rid for rid, r in self._reqs.items() if not ids.isdisjoint(r.blocks)}
+
+    def computed_over_failed(self, block_ids: Collection[int]) -> set[str]:
+        """Told once per step's output the blocks whose load failed in that step: the
+        requests none of whose blocks digested in it may be recorded as their keys'. Those
+        that hold one of the blocks (:meth:`holding`) ran the step's forward over KV that was
+        never loaded, and so did the holders of the step before's (under async scheduling,
+        this step was scheduled before vLLM heard of it). Recorded, such a digest would
+        verify a later load of the same wrong bytes; vLLM recomputes the blocks, and the
+        recomputed digests are recorded."""
+        failed = self.holding(block_ids) if block_ids else set()
+        skipped, self._failed_before = failed | self._failed_before, failed
+        return skipped
 
     def finished(self, req_id: str) -> None:
         """The request finished: its blocks may be freed (its pending checks are dropped)."""
