@@ -719,7 +719,8 @@ class SchedulerSide:
                 # have computed this step over blocks vLLM recomputes: its blocks are not
                 # recorded as their keys' digests, and it is never saved again. (A load that
                 # failed on the worker does not set it: the worker leaves that step's and the
-                # next one's blocks out itself.)
+                # next one's blocks out itself, and _computed_over_failed those of every
+                # request holding a failed block.)
                 recomputing = self.tracker.recomputing
                 full = tuple(b for b in plan.full if not recomputing(b.req_id))
                 if len(full) != len(plan.full):

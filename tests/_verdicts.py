@@ -63,6 +63,17 @@ def events_of(path: str) -> list[ev.Event]:
     return [e for frame in open_log(path).frames() for e in frame.events]
 
 
+def digests_by_key(events: list[ev.Event]) -> dict[bytes, set[int]]:
+    """Every digest the ``BlockDigested`` events recorded, by key (a run whose bytes are
+    exact records one per key)."""
+    out: dict[bytes, set[int]] = {}
+    for e in events:
+        if isinstance(e, ev.BlockDigested):
+            for key, digest in zip(e.keys, e.digests, strict=True):
+                out.setdefault(key, set()).add(digest)
+    return out
+
+
 def expanded(events: list[ev.Event]) -> list[ev.Event]:
     """The events, each ``StepDecoded`` replaced by the ``Scheduled`` events it stands for
     (an entry that stands for none fails the test)."""

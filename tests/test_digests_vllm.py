@@ -5,7 +5,7 @@ success, is found by ``kvledger check`` of the log alone."""
 from __future__ import annotations
 
 import pytest
-from _verdicts import events_of
+from _verdicts import digests_by_key, events_of
 
 from kvledger.connector.testing.harness import skip_reason
 
@@ -232,11 +232,7 @@ def test_a_wrapped_connectors_failed_load_records_no_digest_of_what_was_computed
     events = events_of(report.log_path)
     failed = {e.step for e in events if isinstance(e, _ev().InnerLoadErrors) and e.block_ids}
     assert failed
-    digests: dict[bytes, set[int]] = {}
-    for e in events:
-        if isinstance(e, _ev().BlockDigested):
-            for key, digest in zip(e.keys, e.digests, strict=True):
-                digests.setdefault(key, set()).add(digest)
+    digests = digests_by_key(events)
     assert digests and all(len(d) == 1 for d in digests.values()), [
         len(d) for d in digests.values()
     ]

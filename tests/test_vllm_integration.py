@@ -8,6 +8,7 @@ import itertools
 
 import pytest
 from _rigs import PREEMPTING, assert_clean
+from _verdicts import digests_by_key, events_of
 
 from kvledger.connector.testing.harness import (
     async_recovery_keeps_placeholders,
@@ -178,7 +179,7 @@ def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over
     rig.harness.close()
     assert rig.load_errors > 0
     assert [m.describe() for _, m in rig.mismatches] == []
-    events = [e for frame in _frames(side.log_path) for e in frame.events]
+    events = events_of(side.log_path)
     failed_at = {e.step for e in events if isinstance(e, ev.LoadFailed) and e.req_id == "A"}
     refused = [e for e in events if isinstance(e, ev.SaveFailed) and e.req_id == "B"]
     assert failed_at and refused and all(e.step >= min(failed_at) for e in refused)
@@ -186,20 +187,10 @@ def test_a_request_sharing_a_block_whose_load_failed_saves_nothing_computed_over
     assert d_lookup.num_external >= 64  # D loaded from the pool
     # Nor is a digest of what B computed over the failed load recorded as its keys': every
     # key has the one digest of its correct bytes.
-    digests: dict[bytes, set[int]] = {}
-    for e in events:
-        if isinstance(e, ev.BlockDigested):
-            for k, d in zip(e.keys, e.digests, strict=True):
-                digests.setdefault(k, set()).add(d)
+    digests = digests_by_key(events)
     assert digests and all(len(d) == 1 for d in digests.values())
     result = check(side.log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems]
-
-
-def _frames(path):
-    from kvledger.replay.logreader import LogReader
-
-    return LogReader(path)
 
 
 def test_failed_loads_under_async_scheduling_are_named_where_vllm_loses_a_token(tmp_path):

@@ -194,6 +194,13 @@ class ModelRunner:
     def blocks_of(self, req_id: str) -> tuple[int, ...]:
         return self.harness.request_view(req_id).block_ids[0]
 
+    def holders(self, out: Any, blocks: set[int]) -> set[str]:
+        """The requests scheduled in ``out`` whose block table holds one of ``blocks``: a
+        block vLLM's prefix cache shares runs every holder's forward over what it holds."""
+        if not blocks:
+            return set()
+        return {r for r in out.num_scheduled_tokens if blocks & set(self.blocks_of(r))}
+
     def execute_model(self, out: Any) -> Any:
         """One step of the worker for ``out`` (a SchedulerOutput): the KVConnectorOutput."""
         worker = self.worker
@@ -235,7 +242,7 @@ class ModelRunner:
             worker.wait_for_save()
         worker.clear_connector_metadata()
         self.load_errors += len(errors)
-        holders = {r for r in out.num_scheduled_tokens if errors & set(self.blocks_of(r))}
+        holders = self.holders(out, errors)
         self.skip_verify = poisoned | holders | self.finished_step(out, output)
         return output
 

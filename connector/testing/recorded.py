@@ -178,10 +178,7 @@ class _WrappedRunner(ModelRunner):
 
     def failed_loads(self, out: Any) -> set[str]:
         told = getattr(self.worker, "load_error_blocks", None)  # the recorder's: the inner's
-        missing = told() if callable(told) else set()
-        if not missing:
-            return set()
-        return {r for r in out.num_scheduled_tokens if missing & set(self.blocks_of(r))}
+        return self.holders(out, told() if callable(told) else set())
 
 
 def run_wrapped(spec: WrappedSpec, *, log_dir: str | None = None) -> WrappedReport:

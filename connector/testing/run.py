@@ -161,9 +161,7 @@ class _Runner(ModelRunner):
         side: FaultyWorkerSide = self.worker.worker_side
         bad = side.failed_load_requests()
         refused = set(out.kv_connector_metadata.plan.refused_blocks) | side.load_error_blocks()
-        if refused:
-            bad |= {r for r in out.num_scheduled_tokens if refused & set(self.blocks_of(r))}
-        return bad
+        return bad | self.holders(out, refused)
 
 
 def runner(
