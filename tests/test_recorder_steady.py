@@ -361,10 +361,13 @@ class _Sink:
         pass
 
 
-def _drive(steady: bool, *, legacy: bool, view: bool, lose_at: int = -1) -> list[ev.Event]:
+def _drive(
+    steady: bool, *, legacy: bool, view: bool, lose_at: int = -1, back_at: int = -1
+) -> list[ev.Event]:
     """Four requests admitted, then decode steps as vLLM schedules them: a block every 16
     tokens, request r1 not scheduled in step 5, r2 preempted in step 7 and resumed in step 9,
-    and (``lose_at``) the log dropping a step."""
+    (``lose_at``) the log dropping a step, and (``back_at``) vLLM scheduling r3 one token
+    back, at a count one short of the log's (a token it computes again)."""
     from fakes import (
         CachedRequestData,
         FakeRequest,
@@ -422,6 +425,8 @@ def _drive(steady: bool, *, legacy: bool, view: bool, lose_at: int = -1) -> list
                     preempted.add(rid)
                 continue
             resumed = rid == "r2" and step == 9
+            if rid == "r3" and step == back_at:
+                computed[rid] -= 1
             nc = computed[rid]
             grow = None
             if resumed:
@@ -463,6 +468,23 @@ def test_after_the_log_drops_a_step_every_step_is_written_in_full() -> None:
     events = _drive(True, legacy=False, view=False, lose_at=4)
     assert {e.step for e in events if isinstance(e, ev.StepDecoded)} == {1, 2, 3}
     assert expanded(events) == _drive(False, legacy=False, view=False)
+
+
+@pytest.mark.parametrize("back_at", [3, 11])
+def test_a_request_scheduled_at_another_count_than_the_logs_is_written_in_full(
+    back_at: int,
+) -> None:
+    """The steady batch checks vLLM's count of every member against the log's: one request
+    scheduled a token back is written as its Scheduled, not as an entry at the log's count
+    (its token, at that count, is still in its list: only the count tells). In step 3 every
+    request is a batch member; in step 11, r2 resumed two steps before."""
+    pytest.importorskip("vllm")
+    batched = _drive(True, legacy=False, view=True, back_at=back_at)
+    full = _drive(False, legacy=False, view=True, back_at=back_at)
+    assert expanded(batched) == full
+    at = [e for e in batched if e.step == back_at]
+    assert [e.req_id for e in at if isinstance(e, ev.Scheduled)] == ["r3"]
+    assert any(isinstance(e, ev.StepDecoded) for e in at)
 
 
 def test_the_tables_hold_the_steady_steps_tokens(tmp_path: Path) -> None:
