@@ -121,15 +121,17 @@ class _Batch:
             if list(map(_KNOWN, lives)) != counts or list(map(rec._lives.get, req_ids)) != lives:
                 return False
             self.last, self.changes = [n - 1 for n in counts], steps.changes
-        counts = cached.num_computed_tokens
+        counts, n = cached.num_computed_tokens, len(lives)
+        # Each "all one" below counts the ones in a list (each item's identity tested first:
+        # 1 is one object), where a set of the items hashed every one.
         if (
-            len(counts) != len(lives)
-            or set(map(operator.sub, counts, self.last)) != {1}
+            len(counts) != n
+            or [*map(operator.sub, counts, self.last)].count(1) != n
             # every one scheduled one token: vLLM's counts all 1 and no more of them than
             # these (its keys are the new and the cached requests), which reads no request
             # id; else each one's (KeyError if not scheduled)
             or (
-                (len(scheduled) != len(req_ids) or set(scheduled.values()) != {1})
+                (len(scheduled) != n or [*scheduled.values()].count(1) != n)
                 and self.scheduled_of(scheduled) != self.one_each
             )
         ):
@@ -407,7 +409,7 @@ class SchedulerRecorder:
             # lost (connector/logwriter.py, _packed), off this thread, where it also builds
             # the event (append_decoded). An observer gets them as ints here.
             if observe is None and self._append_decoded is not None:
-                self._append_decoded(self.step, nums, ev.int_tuple(grown), tokens)
+                self._append_decoded(self.step, nums, ev.int_tuple(grown) if grown else (), tokens)
             else:
                 event = ev.StepDecoded(
                     self.step,

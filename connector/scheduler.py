@@ -517,9 +517,11 @@ class SchedulerSide:
             num_scheduled = out.num_scheduled_tokens
             # One token for every request: vLLM's counts all 1 and no more of them than cached
             # requests (its keys are the new and the cached requests), which reads no request
-            # id; with new requests beside them, the cached ones' counts one by one.
-            if not (len(num_scheduled) == len(ids) and set(num_scheduled.values()) == {1}) and (
-                set(map(num_scheduled.get, ids)) != {1}
+            # id; with new requests beside them, the cached ones' counts one by one. ("All 1":
+            # the ones counted, each item's identity tested first, where a set hashed each.)
+            n = len(ids)
+            if not (len(num_scheduled) == n and [*num_scheduled.values()].count(1) == n) and (
+                [*map(num_scheduled.get, ids)].count(1) != n
             ):
                 return None
             new_block_ids = cached.new_block_ids
