@@ -172,6 +172,9 @@ class WorkerDigests:
         # Digests that came with values loaded from the remote tier, reported as carried.
         self._carried: list[tuple[str, int, bytes, int]] = []
         self.errors = 0
+        # Failures since the last report, where -> [how many, the first one's error]: one
+        # RecordLost each per report (DigestReport.errors), however often a step failed.
+        self._errors: dict[str, list[Any]] = {}
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.digester = BlockDigester(kv_caches, self.mode, self.layout)
@@ -270,7 +273,13 @@ class WorkerDigests:
 
     def _failed(self, where: str, exc: Exception) -> None:
         self.errors += 1
-        _log.warning("kvledger.digest_failed", where=where, error=f"{type(exc).__name__}: {exc}")
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        _log.warning("kvledger.digest_failed", where=where, error=error)
+        seen = self._errors.get(where)
+        if seen is None:
+            self._errors[where] = [1, error]
+        else:
+            seen[0] += 1
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Requests that finished: their pending before-digests are dropped (the digests of
@@ -299,10 +308,16 @@ class WorkerDigests:
 
     def report(self) -> DigestReport | None:
         """What was digested since the last report."""
-        if not (self._blocks or self._loads or self._carried):
+        if not (self._blocks or self._loads or self._carried or self._errors):
             return None
-        out = DigestReport(tuple(self._blocks), tuple(self._loads), self.rank, tuple(self._carried))
-        self._blocks, self._loads, self._carried = [], [], []
+        errors = tuple(
+            (where, error if n == 1 else f"{error} (and {n - 1} more since the last report)")
+            for where, (n, error) in self._errors.items()
+        )
+        out = DigestReport(
+            tuple(self._blocks), tuple(self._loads), self.rank, tuple(self._carried), errors
+        )
+        self._blocks, self._loads, self._carried, self._errors = [], [], [], {}
         return out
 
 

@@ -739,7 +739,13 @@ class SchedulerSide:
         self, planner: DigestPlanner, step: int, exc: Exception, req_id: str | None = None
     ) -> None:
         planner.lose(None if req_id is None else (req_id,))
-        _log.warning("kvledger.digest_plan_failed", step=step, req_id=req_id, error=repr(exc))
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        _log.warning("kvledger.digest_plan_failed", step=step, req_id=req_id, error=error)
+        # The log says which digests are missing and why (as the recorder's "digest_plan").
+        try:
+            self.tracker.apply(ev.RecordLost(step, req_id or "", "digest_plan", error))
+        except Exception as exc2:  # the log's own failure: the Tracker has said it
+            _log.warning("kvledger.digest_plan_failed", step=step, error=repr(exc2))
 
     def _refuse_unprocessed_admissions(self) -> list[int]:
         """vLLM counts the external tokens of every allocated admission as computed. One whose

@@ -647,7 +647,7 @@ def test_a_request_whose_load_failed_has_no_block_digested_as_its_keys() -> None
 def test_a_block_id_out_of_range_is_a_failed_digest_never_a_device_error(block_id: int) -> None:
     """Checked on the host before any index reaches the device (on CUDA an index out of range
     is a device-side assert that fails the engine's every later call): the step's digests are
-    skipped and counted, the worker's step goes on."""
+    skipped, counted and reported as errors, the worker's step goes on."""
     w = WorkerDigests("full", layout="flash_attn")
     w.register_kv_caches(_caches("flash_attn"))
     with pytest.raises(ValueError, match=rf"block id {block_id} out of range \[0, {NB}\)"):
@@ -655,7 +655,39 @@ def test_a_block_id_out_of_range_is_a_failed_digest_never_a_device_error(block_i
         w.digester.digest((DigestBlock("r", 0, block_id, KEYS[0]),))
     w.before_load(DigestPlan(1, before=(DigestBlock("r", 0, block_id, KEYS[0]),)))
     w.after_forward(DigestPlan(1, full=(DigestBlock("r", 1, block_id, KEYS[1]),)))
-    assert w.errors == 2 and w.report() is None
+    assert w.errors == 2
+    report = w.report()
+    assert report is not None and not (report.blocks or report.loads or report.carried)
+    assert report.errors == tuple(
+        (where, f"ValueError: block id {block_id} out of range [0, {NB})")
+        for where in ("before_load", "after_forward")
+    )
+    assert w.report() is None  # said once
+
+
+def test_a_failed_digest_is_a_record_lost_in_the_log() -> None:
+    """Each place the worker's digests failed since its last report is one RecordLost (the
+    rank and the first error in its text, how many more after it), through the report's plain
+    form (the connector's worker stats); a plain report of before the errors reads as none."""
+    w = WorkerDigests("full", layout="flash_attn", rank=3)
+    w.register_kv_caches(_caches("flash_attn"))
+    for block_id in (NB, NB + 1, NB + 2):
+        w.after_forward(DigestPlan(1, full=(DigestBlock("r", 1, block_id, KEYS[1]),)))
+    report = w.report()
+    assert report is not None
+    again = DigestReport.from_plain(report.to_plain())
+    assert again == report
+    assert [(type(e), e.step, e.req_id, e.callback, e.error) for e in again.events(9)] == [
+        (
+            ev.RecordLost,
+            9,
+            "",
+            "digest_after_forward",
+            f"rank 3: ValueError: block id {NB} out of range [0, {NB}) "
+            "(and 2 more since the last report)",
+        )
+    ]
+    assert DigestReport.from_plain(report.to_plain()[:4]).errors == ()
 
 
 def test_moved_bytes_change_the_digest(layout: str) -> None:

@@ -238,3 +238,73 @@ def test_a_wrapped_connectors_failed_load_records_no_digest_of_what_was_computed
     ]
     result = _check(report.log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems]
+
+
+# --- a digest that fails: a recorded fact, and the run goes on -----------------------------
+
+
+@pytest.mark.parametrize("who", ["connector", "recorder"])
+def test_a_worker_digest_that_fails_is_a_record_lost_in_the_log(
+    tmp_path, monkeypatch, who: str
+) -> None:
+    """torch raising in the worker's digests (every third digest call, from the tenth on)
+    costs those digests only: the run goes on and its output is right, its log says which
+    digests are missing and why (a RecordLost, callback ``digest_after_forward`` or
+    ``digest_before_load``, naming the rank and the error), and ``kvledger check`` finds
+    nothing broken. Before, only the worker's structlog said it."""
+    from kvledger.connector.digests import BlockDigester
+
+    real = BlockDigester.digest
+    calls = {"n": 0}
+
+    def flaky(self, blocks):
+        calls["n"] += 1
+        if calls["n"] >= 10 and calls["n"] % 3 == 0:
+            raise RuntimeError("CUDA error: an illegal memory access (injected)")
+        return real(self, blocks)
+
+    monkeypatch.setattr(BlockDigester, "digest", flaky)
+    if who == "connector":
+        report = _run(tmp_path, "full")
+        assert report.ok, (report.violations, report.mismatches)
+    else:
+        report = _wrapped(tmp_path, "ExampleConnector", "full")
+        assert report.mismatches == ()
+    assert calls["n"] >= 12
+    lost = [e for e in events_of(report.log_path) if isinstance(e, _ev().RecordLost)]
+    assert lost, "no RecordLost for the failed digests"
+    assert {e.callback for e in lost} <= {"digest_after_forward", "digest_before_load"}
+    assert all(e.error.startswith("rank 0: RuntimeError: CUDA error") for e in lost)
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.counts["by_type"]["RecordLost"] == len(lost)
+    assert result.counts["digests"]["digested"] > 0  # the others were recorded
+
+
+def test_a_digest_plan_that_fails_is_a_record_lost_in_the_connectors_log(
+    tmp_path, monkeypatch
+) -> None:
+    """KVLedgerConnector's scheduler side failing to plan one request's digests (its facts
+    unreadable) leaves that request undigested and says so in the log: a RecordLost naming
+    the request, callback ``digest_plan``, as the recorder's log has said since it had
+    digests. The run and the verdict are untouched."""
+    from kvledger.tracker.digests import DigestPlanner
+
+    real = DigestPlanner.scheduled
+    failed: list[str] = []
+
+    def flaky(self, req_id, **kw):
+        if not failed and kw.get("num_scheduled", 0) > 1:  # the first prefill
+            failed.append(req_id)
+            raise TypeError("a block table vLLM never gives (injected)")
+        return real(self, req_id, **kw)
+
+    monkeypatch.setattr(DigestPlanner, "scheduled", flaky)
+    report = _run(tmp_path, "full")
+    assert report.ok, (report.violations, report.mismatches)
+    assert failed
+    lost = [e for e in events_of(report.log_path) if isinstance(e, _ev().RecordLost)]
+    assert [(e.req_id, e.callback) for e in lost] == [(failed[0], "digest_plan")]
+    assert lost[0].error == "TypeError: a block table vLLM never gives (injected)"
+    result = _check(report.log_path)
+    assert result.exit_code == 0, [p.describe() for p in result.problems]

@@ -130,9 +130,13 @@ class DigestReport:
     # Digests that came with values loaded from the remote tier (req id, block index, key,
     # digest): the saving engine's (connector/values.py).
     carried: tuple[tuple[str, int, bytes, int], ...] = ()
+    # What the rank failed to digest since its last report, (where, error): torch raised, or
+    # the layout could not be read. Those digests are missing; each becomes a RecordLost, so
+    # the log says so and why, not only the worker's own log.
+    errors: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:
-        return bool(self.blocks or self.loads or self.carried)
+        return bool(self.blocks or self.loads or self.carried or self.errors)
 
     def merged(self, other: DigestReport) -> DigestReport:
         return DigestReport(
@@ -140,6 +144,7 @@ class DigestReport:
             self.loads + other.loads,
             self.rank,
             self.carried + other.carried,
+            self.errors + other.errors,
         )
 
     def to_plain(self) -> list[Any]:
@@ -148,17 +153,20 @@ class DigestReport:
             [list(x) for x in self.loads],
             self.rank,
             [list(c) for c in self.carried],
+            [list(e) for e in self.errors],
         ]
 
     @classmethod
     def from_plain(cls, data: Any) -> DigestReport:
         blocks, loads, rank, *rest = data
         carried = rest[0] if rest else ()
+        errors = rest[1] if len(rest) > 1 else ()
         return cls(
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in blocks),
             tuple((str(r), int(i), bytes(k), int(b), int(a), int(s)) for r, i, k, b, a, s in loads),
             int(rank),
             tuple((str(r), int(i), bytes(k), int(d)) for r, i, k, d in carried),
+            tuple((str(where), str(error)) for where, error in errors),
         )
 
     def without(self, req_ids: Collection[str]) -> DigestReport:
@@ -170,7 +178,8 @@ class DigestReport:
     def events(self, step: int) -> list[ev.Event]:
         """The report as log events: one ``BlockDigested`` / ``LoadDigested`` per run of
         consecutive blocks of one request, in report order; the carried digests first, so
-        that the loads they came with are judged by them."""
+        that the loads they came with are judged by them; then a ``RecordLost`` for each
+        error (callback ``digest_<where>``, the rank in its text)."""
         out: list[ev.Event] = []
         for rows_of, carried in ((self.carried, True), (self.blocks, False)):
             for req_id, start, rows in _runs(rows_of):
@@ -198,6 +207,8 @@ class DigestReport:
                     lrows[0][5],
                 )
             )
+        for where, error in self.errors:
+            out.append(ev.RecordLost(step, "", f"digest_{where}", f"rank {self.rank}: {error}"))
         return out
 
 
