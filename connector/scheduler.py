@@ -30,7 +30,7 @@ from kvledger.connector.pool_events import PoolEvent, PoolEvents
 from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier, serving
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
-from kvledger.tracker.digests import DigestPlanner
+from kvledger.tracker.digests import DIGEST_LOSS, DigestPlanner
 from kvledger.tracker.plans import blocks_covering, transfer_plan
 from kvledger.tracker.remote import lookup_keys
 from kvledger.tracker.tracker import Tracker
@@ -743,7 +743,7 @@ class SchedulerSide:
         _log.warning("kvledger.digest_plan_failed", step=step, req_id=req_id, error=error)
         # The log says which digests are missing and why (as the recorder's "digest_plan").
         try:
-            self.tracker.apply(ev.RecordLost(step, req_id or "", "digest_plan", error))
+            self.tracker.apply(ev.RecordLost(step, req_id or "", DIGEST_LOSS + "plan", error))
         except Exception as exc2:  # the log's own failure: the Tracker has said it
             _log.warning("kvledger.digest_plan_failed", step=step, error=repr(exc2))
 

@@ -50,6 +50,7 @@ from kvledger.replay.source import LogPath, LogSource, open_log
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import ChunkIndex, RemoteKeys
 from kvledger.tracker.config import MAX_ASYNC_LAG, ConfigError, TrackerConfig
+from kvledger.tracker.digests import digests_only
 from kvledger.tracker.framing import Frame, StopInfo
 from kvledger.tracker.plans import answer_lookup
 from kvledger.tracker.remote import REMOTE_TYPES
@@ -483,8 +484,9 @@ class _Forecaster:
     def _run_violation(self, e: ev.ViolationRecorded) -> None:
         self.run_rules[e.rule] += 1
 
-    def _lost(self, e: ev.Event) -> None:
-        self.lost_records += 1
+    def _lost(self, e: ev.RecordLost) -> None:
+        if not digests_only(e):  # a digest lost is no scheduler fact missing
+            self.lost_records += 1
 
     def _remote_fact(self, e: ev.Event) -> None:
         """The remote tier's facts. What the store held (found, down, back) is replayed when

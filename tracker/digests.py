@@ -43,6 +43,7 @@ from kvledger.tracker.state import Violation
 from kvledger.tracker.wellformed import malformed
 
 __all__ = [
+    "DIGEST_LOSS",
     "DIGEST_MODES",
     "DIGEST_RULES",
     "DIGEST_TYPES",
@@ -53,6 +54,7 @@ __all__ = [
     "DigestPlanner",
     "DigestReport",
     "block_keys",
+    "digests_only",
 ]
 
 # `off`: nothing digested; `sampled`: every planned block, one layer of it (chosen by its key,
@@ -114,6 +116,17 @@ class DigestPlan:
 
     def __bool__(self) -> bool:
         return bool(self.full or self.before or self.verify)
+
+
+# The callbacks of a RecordLost that lost digests only (the worker's, a plan's, a report's):
+# every scheduler fact of the run is in the log, only the content check of some blocks is not.
+DIGEST_LOSS = "digest_"
+
+
+def digests_only(e: ev.RecordLost) -> bool:
+    """Whether this lost record is digests only (a replay of the scheduler's facts, such as
+    ``kvledger whatif``, misses nothing)."""
+    return e.callback.startswith(DIGEST_LOSS)
 
 
 @attrs.frozen
@@ -208,7 +221,7 @@ class DigestReport:
                 )
             )
         for where, error in self.errors:
-            out.append(ev.RecordLost(step, "", f"digest_{where}", f"rank {self.rank}: {error}"))
+            out.append(ev.RecordLost(step, "", DIGEST_LOSS + where, f"rank {self.rank}: {error}"))
         return out
 
 
