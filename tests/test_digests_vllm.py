@@ -4,12 +4,15 @@ success, is found by ``kvledger check`` of the log alone."""
 
 from __future__ import annotations
 
+import io
+
 import attrs
 import pytest
 from _replay_logs import copy_log
 from _verdicts import digests_by_key, events_of
 
 from kvledger.connector.testing.harness import skip_reason
+from kvledger.replay.commands.check import render
 from kvledger.replay.whatif import whatif
 
 pytestmark = [
@@ -282,6 +285,9 @@ def test_a_worker_digest_that_fails_is_a_record_lost_in_the_log(
     assert result.exit_code == 0, [p.describe() for p in result.problems]
     assert result.counts["by_type"]["RecordLost"] == len(lost)
     assert result.counts["digests"]["digested"] > 0  # the others were recorded
+    text = io.StringIO()
+    render(result, text)
+    assert f"  lost      {len(lost)} records the run could not make (RecordLost" in text.getvalue()
     # kvledger whatif replays the scheduler's facts, none of which is missing: no caveat.
     # The same records under a scheduler callback's name are one each.
     changes = {"num_slots": 4}

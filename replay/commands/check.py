@@ -323,6 +323,13 @@ def render(result: CheckResult, out: TextIO, *, limit: int = 20) -> None:
             f"{_n(dg['verified'])} verified, {_n(dg['mismatched'])} mismatched, "
             f"{_n(dg['unchanged'])} unchanged, {_n(dg['unverifiable'])} unverifiable\n"
         )
+    lost = (c.get("by_type") or {}).get("RecordLost", 0)
+    if lost:
+        w(
+            f"  lost      {_n(lost)} records the run could not make (RecordLost: what they "
+            "would have shown is not judged; kvledger sql LOG 'select * from ev_record_lost' "
+            "says which and why)\n"
+        )
     if result.recorded_violations:
         rules = Counter(v.rule for v in result.recorded_violations)
         w(
