@@ -38,6 +38,7 @@ import torch
 from kvledger.connector.kv_layout import describe_kv_caches
 from kvledger.connector.logsafe import safe_logger
 from kvledger.tracker import events as ev
+from kvledger.tracker.codec import describe_exception
 from kvledger.tracker.digests import (
     DIGEST_MODES,
     DigestBlock,
@@ -172,9 +173,10 @@ class WorkerDigests:
         # Digests that came with values loaded from the remote tier, reported as carried.
         self._carried: list[tuple[str, int, bytes, int]] = []
         self.errors = 0
-        # Failures since the last report, where -> [how many, the first one's error]: one
-        # RecordLost each per report (DigestReport.errors), however often a step failed.
-        self._errors: dict[str, list[Any]] = {}
+        # Failures of each place so far, and what the next report says of them (one
+        # RecordLost each: DigestReport.errors).
+        self._failures: dict[str, int] = {}
+        self._errors: dict[str, str] = {}
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.digester = BlockDigester(kv_caches, self.mode, self.layout)
@@ -273,13 +275,15 @@ class WorkerDigests:
 
     def _failed(self, where: str, exc: Exception) -> None:
         self.errors += 1
-        error = f"{type(exc).__name__}: {exc}"[:500]
+        error = describe_exception(exc, 500)
         _log.warning("kvledger.digest_failed", where=where, error=error)
-        seen = self._errors.get(where)
-        if seen is None:
-            self._errors[where] = [1, error]
-        else:
-            seen[0] += 1
+        n = self._failures[where] = self._failures.get(where, 0) + 1
+        # The 1st, 2nd, 4th, 8th, ... failure of a place is reported: a digester failing at
+        # every step costs the log a record per doubling, not one per step.
+        if n & (n - 1) == 0:
+            self._errors[where] = (
+                error if n == 1 else f"{error} (failure {n} here; the next said: failure {2 * n})"
+            )
 
     def forget(self, req_ids: Sequence[str]) -> None:
         """Requests that finished: their pending before-digests are dropped (the digests of
@@ -310,12 +314,12 @@ class WorkerDigests:
         """What was digested since the last report."""
         if not (self._blocks or self._loads or self._carried or self._errors):
             return None
-        errors = tuple(
-            (where, error if n == 1 else f"{error} (and {n - 1} more since the last report)")
-            for where, (n, error) in self._errors.items()
-        )
         out = DigestReport(
-            tuple(self._blocks), tuple(self._loads), self.rank, tuple(self._carried), errors
+            tuple(self._blocks),
+            tuple(self._loads),
+            self.rank,
+            tuple(self._carried),
+            tuple(self._errors.items()),
         )
         self._blocks, self._loads, self._carried, self._errors = [], [], [], {}
         return out

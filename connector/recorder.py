@@ -66,6 +66,7 @@ from kvledger.connector.scheduler import first_group
 from kvledger.connector.stopping import NO_HOOK, StopHook
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
+from kvledger.tracker.digests import DIGEST_LOSS
 
 __all__ = [
     "KVLedgerRecorder",
@@ -379,7 +380,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                 try:
                     plan = self._digest_planner.plan(scheduler_output)
                 except Exception as exc:
-                    self._record_lost("digest_plan", exc, None)
+                    self._record_lost(DIGEST_LOSS + "plan", exc, None)
             if rec is not None:
                 # Every step: inline, where _suppressed costs two calls.
                 try:  # noqa: SIM105
@@ -410,7 +411,7 @@ class KVLedgerRecorder(KVConnectorBase_V1):  # type: ignore[misc, unused-ignore]
                     if digested:
                         self.recording_write(*digested)
                 except Exception as exc:
-                    self._record_lost("digest_report", exc, None)
+                    self._record_lost(DIGEST_LOSS + "report", exc, None)
             try:
                 return _optional(self._inner, "update_connector_output", None, connector_output)
             except BaseException as exc:

@@ -26,7 +26,7 @@ from typing import Any
 from kvledger.connector.logsafe import safe_logger
 from kvledger.connector.scheduler import first_group, status_name
 from kvledger.tracker import events as ev
-from kvledger.tracker.codec import EncodeError
+from kvledger.tracker.codec import EncodeError, describe_exception, escaped
 from kvledger.tracker.recorded_steps import Life, RecordedSteps
 from kvledger.tracker.tracker import close_log, seal_log
 
@@ -42,7 +42,7 @@ RECORDER_FORMAT = 2
 
 
 def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:500]
+    return describe_exception(exc, 500)
 
 
 def _stats_text(stats: Any) -> str:
@@ -232,7 +232,8 @@ class SchedulerRecorder:
         if self.log is None:
             return
         try:
-            self.log.append(ev.RecordLost(self.step, req_id, callback, _error_text(exc)))
+            # The id escaped: the record it could not hold is often lost for its own id.
+            self.log.append(ev.RecordLost(self.step, escaped(req_id), callback, _error_text(exc)))
         except Exception as exc2:
             self._log_failed(exc2)
 

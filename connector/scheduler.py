@@ -29,6 +29,7 @@ from kvledger.connector.metrics import Counters
 from kvledger.connector.pool_events import PoolEvent, PoolEvents
 from kvledger.connector.tiers import UNAVAILABLE, Tier, down_reason, open_tier, serving
 from kvledger.tracker import events as ev
+from kvledger.tracker.codec import describe_exception, escaped
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DIGEST_LOSS, DigestPlanner
 from kvledger.tracker.plans import blocks_covering, transfer_plan
@@ -739,13 +740,16 @@ class SchedulerSide:
         self, planner: DigestPlanner, step: int, exc: Exception, req_id: str | None = None
     ) -> None:
         planner.lose(None if req_id is None else (req_id,))
-        error = f"{type(exc).__name__}: {exc}"[:500]
+        error = describe_exception(exc, 500)
         _log.warning("kvledger.digest_plan_failed", step=step, req_id=req_id, error=error)
-        # The log says which digests are missing and why (as the recorder's "digest_plan").
+        # The log says which digests are missing and why. The request is named in the text,
+        # not as the record's request: a record of a request is folded into its state, and a
+        # digest must never change what is decided for it.
+        text = error if req_id is None else f"{escaped(req_id)}: {error}"
         try:
-            self.tracker.apply(ev.RecordLost(step, req_id or "", DIGEST_LOSS + "plan", error))
-        except Exception as exc2:  # the log's own failure: the Tracker has said it
-            _log.warning("kvledger.digest_plan_failed", step=step, error=repr(exc2))
+            self.tracker.apply(ev.RecordLost(step, "", DIGEST_LOSS + "plan", text))
+        except Exception as exc2:  # a strict Tracker's raise: the digests never cost a step
+            _log.warning("kvledger.digest_loss_unrecorded", step=step, error=repr(exc2))
 
     def _refuse_unprocessed_admissions(self) -> list[int]:
         """vLLM counts the external tokens of every allocated admission as computed. One whose

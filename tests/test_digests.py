@@ -666,28 +666,39 @@ def test_a_block_id_out_of_range_is_a_failed_digest_never_a_device_error(block_i
 
 
 def test_a_failed_digest_is_a_record_lost_in_the_log() -> None:
-    """Each place the worker's digests failed since its last report is one RecordLost (the
-    rank and the first error in its text, how many more after it), through the report's plain
-    form (the connector's worker stats); a plain report of before the errors reads as none."""
+    """A place where the worker's digests failed is a RecordLost (the rank and the error in
+    its text) at its 1st, 2nd, 4th, 8th, ... failure: a digester failing at every step costs
+    the log a record per doubling. Through the report's plain form (the connector's worker
+    stats); a plain report of before the errors reads as none."""
     w = WorkerDigests("full", layout="flash_attn", rank=3)
     w.register_kv_caches(_caches("flash_attn"))
-    for block_id in (NB, NB + 1, NB + 2):
-        w.after_forward(DigestPlan(1, full=(DigestBlock("r", 1, block_id, KEYS[1]),)))
-    report = w.report()
-    assert report is not None
-    again = DigestReport.from_plain(report.to_plain())
-    assert again == report
-    assert [(type(e), e.step, e.req_id, e.callback, e.error) for e in again.events(9)] == [
-        (
-            ev.RecordLost,
-            9,
-            "",
-            "digest_after_forward",
-            f"rank 3: ValueError: block id {NB} out of range [0, {NB}) "
-            "(and 2 more since the last report)",
-        )
-    ]
-    assert DigestReport.from_plain(report.to_plain()[:4]).errors == ()
+    said: dict[int, list[tuple[Any, ...]]] = {}
+    for n in range(1, 10):  # a step each: its forward's digests fail, then the report
+        w.after_forward(DigestPlan(n, full=(DigestBlock("r", 1, NB + n, KEYS[1]),)))
+        report = w.report()
+        if report is None:
+            continue
+        again = DigestReport.from_plain(report.to_plain())
+        assert again == report
+        assert DigestReport.from_plain(report.to_plain()[:4]).errors == ()
+        said[n] = [(type(e), e.step, e.req_id, e.callback, e.error) for e in again.events(n)]
+    error = "rank 3: ValueError: block id {} out of range [0, {})"
+    assert said == {
+        1: [(ev.RecordLost, 1, "", "digest_after_forward", error.format(NB + 1, NB))],
+        **{
+            n: [
+                (
+                    ev.RecordLost,
+                    n,
+                    "",
+                    "digest_after_forward",
+                    error.format(NB + n, NB)
+                    + f" (failure {n} here; the next said: failure {2 * n})",
+                )
+            ]
+            for n in (2, 4, 8)
+        },
+    }
 
 
 def test_moved_bytes_change_the_digest(layout: str) -> None:

@@ -309,9 +309,9 @@ def test_a_digest_plan_that_fails_is_a_record_lost_in_the_connectors_log(
     tmp_path, monkeypatch
 ) -> None:
     """KVLedgerConnector's scheduler side failing to plan one request's digests (its facts
-    unreadable) leaves that request undigested and says so in the log: a RecordLost naming
-    the request, callback ``digest_plan``, as the recorder's log has said since it had
-    digests. The run and the verdict are untouched."""
+    unreadable) leaves that request undigested and says so in the log: a RecordLost with
+    callback ``digest_plan`` (the recorder's name for its own plan's failure), the request
+    named in its text. The run and the verdict are untouched."""
     from kvledger.tracker.digests import DigestPlanner
 
     real = DigestPlanner.scheduled
@@ -328,7 +328,8 @@ def test_a_digest_plan_that_fails_is_a_record_lost_in_the_connectors_log(
     assert report.ok, (report.violations, report.mismatches)
     assert failed
     lost = [e for e in events_of(report.log_path) if isinstance(e, _ev().RecordLost)]
-    assert [(e.req_id, e.callback) for e in lost] == [(failed[0], "digest_plan")]
-    assert lost[0].error == "TypeError: a block table vLLM never gives (injected)"
+    # Named in the text: a record of the request would be folded into its state.
+    assert [(e.req_id, e.callback) for e in lost] == [("", "digest_plan")]
+    assert lost[0].error == f"{failed[0]}: TypeError: a block table vLLM never gives (injected)"
     result = _check(report.log_path)
     assert result.exit_code == 0, [p.describe() for p in result.problems]

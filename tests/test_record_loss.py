@@ -143,3 +143,54 @@ def test_a_request_id_the_log_cannot_hold_costs_its_records_not_the_log(tmp_path
     result = replay.check(path)
     assert result.exit_code == 1  # never "clean"
     assert {p.req_id for p in result.problems} == {"bad-\\ud800"}
+
+
+def test_a_request_id_the_recorders_log_cannot_hold_costs_its_records_not_the_log(
+    tmp_path: Path,
+) -> None:
+    """The same lone surrogate reaching KVLedgerRecorder's bookkeeping: each record naming it
+    is lost, and its loss is written with the id escaped. Before, the loss record could not be
+    written either, and that turned the recorder's log off for the rest of the run."""
+    from fakes import CachedRequestData, FakeRequest, NewRequestData, SchedulerOutput
+
+    from kvledger.connector.recording import SchedulerRecorder
+    from kvledger.replay.replayer import check
+
+    path = tmp_path / "recorded.kvlog"
+    rec = SchedulerRecorder(LogWriter(path, {}, fsync="never"))
+    requests = [FakeRequest(rid, list(range(7 * i, 7 * i + 8))) for i, rid in enumerate(IDS)]
+    for r in requests:
+        rec.see(r)
+    rec.scheduled(
+        SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(r.request_id, r.prompt_token_ids, ([10 + i, 20 + i],), 0)
+                for i, r in enumerate(requests)
+            ],
+            num_scheduled_tokens={r.request_id: 8 for r in requests},
+        )
+    )
+    rec.end_step()
+    for step in range(1, 4):
+        cached = CachedRequestData()
+        for r in requests:
+            r.all_token_ids.append(step)
+            cached.add(r.request_id, 7 + step, None)
+        rec.scheduled(
+            SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={r: 1 for r in IDS})
+        )
+        rec.end_step()
+    rec.close()
+    assert rec.log_error is None and rec.records_lost > 0
+    events = _logged(path)
+    lost = [e for e in events if isinstance(e, ev.RecordLost)]
+    assert lost and {e.req_id for e in lost} == {"bad-\\ud800"}
+    assert [e.req_id for e in events if isinstance(e, ev.RequestAdded)] == ["ok-1", "ok-2"]
+    # The log was on to the end: the last step's decode is in it, and the log is complete.
+    assert any(e.step == 3 and not isinstance(e, ev.RecordLost) for e in events)
+    result = check(path)
+    assert result.exit_code in (0, 1), result.exit_code
+    assert {p.req_id for p in result.problems} <= {"bad-\\ud800"}
+
+
+IDS = ("ok-1", "bad-\ud800", "ok-2")

@@ -63,6 +63,7 @@ __all__ = [
     "defaults",
     "describe_exception",
     "encoder_table",
+    "escaped",
     "generated_source",
     "schemas",
     "transforms",
@@ -790,9 +791,20 @@ class Decoder:
         return s.cls(step, rid, *fields)
 
 
-def describe_exception(e: BaseException) -> str:
-    """An exception as one short line for a stop reason or a loss record."""
-    return f"{type(e).__name__}: {e}"[:200]
+def describe_exception(e: BaseException, limit: int = 200) -> str:
+    """An exception as one short line for a stop reason or a loss record, cut to ``limit``
+    characters and :func:`escaped` (an error can quote a request id vLLM was handed)."""
+    return escaped(f"{type(e).__name__}: {e}"[:limit])
+
+
+def escaped(text: str) -> str:
+    """``text`` as the log can hold it: what UTF-8 cannot encode (lone surrogates, which a
+    JSON request id can carry into vLLM) escaped as ``\\udXXXX``; any other text unchanged."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
 
 
 def _describe(value: Any) -> str:

@@ -62,6 +62,7 @@ __all__ = [
 DIGEST_MODES = ("off", "sampled", "full")
 DIGEST_RULES = frozenset({"digest_mismatch", "load_unchanged"})
 DIGEST_TYPES: tuple[type[ev.Event], ...] = (ev.BlockDigested, ev.LoadDigested)
+_DIGEST_EVENT_NAMES = frozenset(t.__name__ for t in DIGEST_TYPES)
 
 # The root of the digest keys' chain: its own, so a block key never equals a chunk key.
 _ROOT = root_key("kvledger-digest")
@@ -118,15 +119,17 @@ class DigestPlan:
         return bool(self.full or self.before or self.verify)
 
 
-# The callbacks of a RecordLost that lost digests only (the worker's, a plan's, a report's):
-# every scheduler fact of the run is in the log, only the content check of some blocks is not.
+# The callbacks of a RecordLost that lost digests only (the worker's, a plan's, a report's:
+# digest_plan, digest_report, digest_before_load, digest_after_forward): every scheduler fact
+# of the run is in the log, only the content check of some blocks is not.
 DIGEST_LOSS = "digest_"
 
 
 def digests_only(e: ev.RecordLost) -> bool:
     """Whether this lost record is digests only (a replay of the scheduler's facts, such as
-    ``kvledger whatif``, misses nothing)."""
-    return e.callback.startswith(DIGEST_LOSS)
+    ``kvledger whatif``, misses nothing): a digest failure, or a digest event the log could
+    not hold."""
+    return e.callback.startswith(DIGEST_LOSS) or e.callback in _DIGEST_EVENT_NAMES
 
 
 @attrs.frozen
@@ -143,9 +146,10 @@ class DigestReport:
     # Digests that came with values loaded from the remote tier (req id, block index, key,
     # digest): the saving engine's (connector/values.py).
     carried: tuple[tuple[str, int, bytes, int], ...] = ()
-    # What the rank failed to digest since its last report, (where, error): torch raised, or
-    # the layout could not be read. Those digests are missing; each becomes a RecordLost, so
-    # the log says so and why, not only the worker's own log.
+    # Where the rank's digests failed since its last report, (where, error): torch raised, a
+    # block id out of range. Those digests are missing; each becomes a RecordLost, so the log
+    # says so and why, not only the worker's own log (connector/digests.py says which
+    # failures are reported).
     errors: tuple[tuple[str, str], ...] = ()
 
     def __bool__(self) -> bool:

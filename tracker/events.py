@@ -435,9 +435,9 @@ class InnerRaised(InputEvent):
 class RecordLost(InputEvent):
     """The recorder failed while recording ``callback`` (a vLLM object it could not read, a
     value the log cannot hold), or the KV-content digests failed (``digest_plan``,
-    ``digest_before_load``, ``digest_after_forward``: those digests are missing): that record
-    is missing; vLLM and the inner never saw the failure. The rules do not judge what a lost
-    record would have shown."""
+    ``digest_report``, ``digest_before_load``, ``digest_after_forward``: those digests are
+    missing): that record is missing; vLLM and the inner never saw the failure. The rules do
+    not judge what a lost record would have shown."""
 
     TAG: ClassVar[int] = 47
     callback: str = ""

@@ -25,7 +25,7 @@ import attrs
 from kvledger.tracker import decoded, invariants
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import ChunkIndex
-from kvledger.tracker.codec import EncodeError
+from kvledger.tracker.codec import EncodeError, escaped
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DIGEST_TYPES, DigestBook
 from kvledger.tracker.history import RETIRED_MEMORY, retires
@@ -102,16 +102,6 @@ class _Hot:
 
 # The offset of a position no member of the batch holds: no count of vLLM's matches it.
 _NEVER = -(1 << 62)
-
-
-def _escaped(text: str) -> str:
-    """``text`` as the log can hold it: what UTF-8 cannot encode (lone surrogates) escaped
-    as ``\\udXXXX``; any other text unchanged."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
 
 
 class _Decoding:
@@ -850,7 +840,7 @@ class Tracker:
         even that cannot be written."""
         try:
             assert self._log is not None
-            self._log.append(attrs.evolve(v, req_id=_escaped(v.req_id), detail=_escaped(v.detail)))
+            self._log.append(attrs.evolve(v, req_id=escaped(v.req_id), detail=escaped(v.detail)))
         except Exception:
             self._log_failed(exc)  # not even the loss can be written
 
