@@ -172,11 +172,15 @@ class WorkerDigests:
         self._computed: OrderedDict[tuple[str, int], tuple[bytes, int]] = OrderedDict()
         # Digests that came with values loaded from the remote tier, reported as carried.
         self._carried: list[tuple[str, int, bytes, int]] = []
-        self.errors = 0
         # Failures of each place so far, and what the next report says of them (one
         # RecordLost each: DigestReport.errors).
         self._failures: dict[str, int] = {}
         self._errors: dict[str, str] = {}
+
+    @property
+    def errors(self) -> int:
+        """How many times the digests failed, every place together."""
+        return sum(self._failures.values())
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         self.digester = BlockDigester(kv_caches, self.mode, self.layout)
@@ -274,7 +278,6 @@ class WorkerDigests:
                         self._loads.append((b.req_id, b.block_index, b.key, was, v, plan.step))
 
     def _failed(self, where: str, exc: Exception) -> None:
-        self.errors += 1
         error = describe_exception(exc, 500)
         _log.warning("kvledger.digest_failed", where=where, error=error)
         n = self._failures[where] = self._failures.get(where, 0) + 1

@@ -156,9 +156,10 @@ def test_a_request_id_the_recorders_log_cannot_hold_costs_its_records_not_the_lo
     from kvledger.connector.recording import SchedulerRecorder
     from kvledger.replay.replayer import check
 
+    ids = ("ok-1", "bad-\ud800", "ok-2")
     path = tmp_path / "recorded.kvlog"
     rec = SchedulerRecorder(LogWriter(path, {}, fsync="never"))
-    requests = [FakeRequest(rid, list(range(7 * i, 7 * i + 8))) for i, rid in enumerate(IDS)]
+    requests = [FakeRequest(rid, list(range(7 * i, 7 * i + 8))) for i, rid in enumerate(ids)]
     for r in requests:
         rec.see(r)
     rec.scheduled(
@@ -177,7 +178,7 @@ def test_a_request_id_the_recorders_log_cannot_hold_costs_its_records_not_the_lo
             r.all_token_ids.append(step)
             cached.add(r.request_id, 7 + step, None)
         rec.scheduled(
-            SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={r: 1 for r in IDS})
+            SchedulerOutput(scheduled_cached_reqs=cached, num_scheduled_tokens={r: 1 for r in ids})
         )
         rec.end_step()
     rec.close()
@@ -188,9 +189,5 @@ def test_a_request_id_the_recorders_log_cannot_hold_costs_its_records_not_the_lo
     assert [e.req_id for e in events if isinstance(e, ev.RequestAdded)] == ["ok-1", "ok-2"]
     # The log was on to the end: the last step's decode is in it, and the log is complete.
     assert any(e.step == 3 and not isinstance(e, ev.RecordLost) for e in events)
-    result = check(path)
-    assert result.exit_code in (0, 1), result.exit_code
-    assert {p.req_id for p in result.problems} <= {"bad-\\ud800"}
-
-
-IDS = ("ok-1", "bad-\ud800", "ok-2")
+    result = check(path)  # what the lost records would have shown is not judged
+    assert result.exit_code == 0 and not result.problems, result.exit_code
