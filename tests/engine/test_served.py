@@ -94,13 +94,21 @@ def assert_ended_by(log: str, output: str, stop: str, *, race: bool) -> str:
     record names it; ``check`` exits 0), or, only where vLLM may SIGKILL its engine core before
     the core has run its handler (``race``: SIGTERM to the server alone, SIGINT to the group),
     cut by that kill: open, and everything it holds consistent (``check`` exits 3, the SIGKILL
-    row of docs/using-with-vllm.md, "How the log ends"). Returns ``check``'s output."""
+    row of docs/using-with-vllm.md, "How the log ends"); or, in that race, sealed by the signal
+    and killed before its line saying so was printed. Returns ``check``'s output."""
     check = kvledger("check", log)
     sealed = "kvledger.log_sealed" in output
     if check.returncode == 0 or not race:
         assert check.returncode == 0, check.stdout + check.stderr
-        assert sealed, "the log checks complete, but the server never said it sealed it"
+        # Only the seal names the stop in the end record: the signal's handler sealed it.
         assert f"ended     on {stop}" in check.stdout, check.stdout
+        if not sealed:
+            # The seal is written first and said after: vLLM's kill, at once after the
+            # signal, can take the line and not the seal (seen once in CI, on 2026-12-04).
+            assert race, "the log checks complete, but the server never said it sealed it"
+            assert "force killing remaining process" in output, "no line, and no kill by vLLM"
+            cut = f"vLLM killed its engine core after it sealed on {stop}, before it said so"
+            warnings.warn(cut, stacklevel=2)
     else:
         # The kill won the race (once in CI, on a loaded machine): the log says so, honestly.
         assert check.returncode == 3, check.stdout + check.stderr
