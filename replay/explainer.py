@@ -241,7 +241,9 @@ class Explainer:
         self.run = name
         self.config = config
         self._last_pos = -1
-        self.index = ChunkIndex(config.num_slots)
+        # Asked whether a chunk is held by its own key, which can be another chunk's alias
+        # (a partial chunk's key names the same prefix): every alias hashed when stored.
+        self.index = ChunkIndex(config.num_slots, hash_on_store=True)
         self.lives: dict[str, _Life] = {}
         # Retired requests that explain others' misses: label -> (recompute_only, pool full).
         self.retired: dict[str, tuple[bool, int | None]] = {}

@@ -846,6 +846,10 @@ class _StackView:
         assert isinstance(key, bytes)
         return self._held(self.distance(key)) or self._held(self.alias_distance(key))
 
+    def hash_aliases(self, group: bytes) -> None:
+        """Nothing to do: every alias's time was taken when its chunk was referenced
+        (``ChunkIndex.aliases``)."""
+
 
 class _Curve:
     """The tokens each pool size would have offered from the pool, summed over the lookups

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_connector_scenarios import blocks, make_engine, no_violations, ok_kv, prompt
@@ -16,6 +17,7 @@ from kvledger.connector.logwriter import LogWriter
 from kvledger.replay.logreader import LogReader
 from kvledger.replay.replayer import check
 from kvledger.tracker import events as ev
+from kvledger.tracker.chunks import ChunkIndex
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.plans import answer_lookup, transfer_plan
 from kvledger.tracker.tracker import Tracker
@@ -110,6 +112,34 @@ def test_an_evicted_chunk_takes_its_aliases_with_it() -> None:
     compute(t, "x", ids(48, 9000), 40)  # three new chunks evict a's three
     assert t.lookup("b", 0, b) == 0
     assert answer_lookup(t.state("b"), t.index, t.config, 0, len(b)) == (0, 0)
+
+
+@pytest.mark.parametrize("hash_on_store", [False, True], ids=["hashed-when-asked", "when-stored"])
+def test_a_load_finds_an_alias_stored_after_its_lookup(hash_on_store: bool) -> None:
+    """``b``'s lookup hits its first block in ``a``'s chunk (an alias); before ``b`` is
+    admitted, ``c`` stores a chunk holding the same block and ``a``'s is evicted. ``b``'s load
+    reads ``c``'s: the alias names every chunk stored under it, though ``c``'s aliases were
+    never asked about before the load (they are hashed when first asked: the load asks), as
+    when each chunk's aliases are hashed at its store."""
+    t = Tracker(TrackerConfig(block_size=B, chunk_size=C, num_slots=2))
+    t.index = ChunkIndex(2, hash_on_store=hash_on_store)
+    a = ids(17, 100)
+    compute(t, "a", a, 1)
+    b = [*a[:6], *ids(11, 5000)]
+    t.add_request("b", b)
+    assert t.lookup("b", 0, b) == 4  # a's first block, by its alias
+    c = [*a[:4], *ids(13, 7000)]
+    c_saves = [d for d in compute(t, "c", c, 10) if isinstance(d, ev.SavePlanned)]
+    (c_chunk,) = [k for d in c_saves for k in d.keys]
+    (a_chunk,) = [k for k in t.index if k != c_chunk]
+    compute(t, "x", ids(17, 9000), 20)  # evicts a's chunk, the least recently used
+    assert c_chunk in t.index and a_chunk not in t.index
+    t.allocated("b", list(range(30, 35)), 4)
+    ds = t.scheduled("b", num_computed=4, num_scheduled=13, all_token_ids=b,
+                     block_ids=list(range(30, 35)), admission=ev.Admission.NEW)  # fmt: skip
+    (load,) = [d for d in ds if isinstance(d, ev.LoadPlanned)]
+    assert (load.start, load.end, load.keys) == (0, 4, (c_chunk,))
+    assert t.violations == []
 
 
 def test_whole_chunks_only_when_block_hits_are_off() -> None:

@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import struct
 
 from _pool import stored_items
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvledger.tracker.chunks import ChunkIndex, chunk_keys, partial_key, root_key, tokens_bytes
+from kvledger.tracker.chunks import (
+    BlockPrefixes,
+    ChunkIndex,
+    block_prefixes,
+    chunk_keys,
+    partial_key,
+    root_key,
+    tokens_bytes,
+)
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.state import new_state
 
@@ -375,3 +384,74 @@ def test_a_request_packed_once_keys_its_prompt_as_the_chain_does(
         expected.append(prev)
     assert list(state.keys) == expected
     assert list(new_state("r", tokens, config, cache_salt).keys) == expected
+
+
+# --- aliases hashed when first asked about: the same answers as hashed when stored ----------
+
+_STEMS = ((1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9, 9, 9), (5, 6, 7, 8, 1, 2, 3, 4))
+# What a chunk's aliases are hashed from: (the key before it, stem, cut, whole blocks). Most
+# share a group (the key before and the first block) and some aliases: stems 0 and 1 share
+# their first two blocks.
+_SOURCES = ((0, 0, 8, 3), (0, 1, 8, 3), (0, 0, 2, 2), (0, 1, 4, 1), (0, 2, 8, 3), (1, 0, 8, 3))
+
+
+def _prefixes(prev: int, stem: int, cut: int, blocks: int) -> BlockPrefixes | None:
+    """The whole-block prefixes (2 tokens a block) of a stem cut at ``cut`` and continued by
+    tokens of its own."""
+    tokens = [*_STEMS[stem][:cut], *range(100 + cut, 108)][:8]
+    return block_prefixes(_k(100 + prev), tokens, 2, blocks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_slots=st.integers(1, 5),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["save", "plan", "done", "fail", "cancel", "evict", "ask", "aliases"]),
+            st.integers(0, 3),  # the chunk
+            st.integers(0, len(_SOURCES)),  # its source (the last: no aliases)
+        ),
+        max_size=30,
+    ),
+)
+def test_aliases_hashed_when_asked_answer_as_if_hashed_when_stored(
+    num_slots: int, ops: list[tuple[str, int, int]]
+) -> None:
+    """A stored chunk's aliases are hashed when a lookup or a load first asks about its group
+    (``hash_aliases``), not when stored: the same operations on an index that hashes each at
+    its store (as the index did before) give, to every question asked through a group, the
+    same answer: whether a prefix key is held, the chunk it resolves to (the first stored),
+    and a chunk's aliases."""
+    lazy, eager = ChunkIndex(num_slots), ChunkIndex(num_slots, hash_on_store=True)
+    for op, i, source in ops:
+        key = _k(i)
+        if op in ("save", "plan"):  # a save planned, and (save) stored
+            if key in eager._stored or eager.is_writing(key):
+                continue
+            slots, evicted = eager.choose_slots(1)
+            assert lazy.choose_slots(1) == (slots, evicted)
+            if slots:
+                prefixes = _prefixes(*_SOURCES[source]) if source < len(_SOURCES) else None
+                for index in (lazy, eager):
+                    index.apply_save_planned([key], slots, evicted, [prefixes])
+                    if op == "save":
+                        index.apply_save_done(key)
+        elif op in ("done", "fail", "cancel", "evict"):
+            for index in (lazy, eager):
+                {
+                    "done": index.apply_save_done,
+                    "fail": index.apply_save_failed,
+                    "cancel": index.cancel_write,
+                    "evict": index.apply_evicted,
+                }[op](key)
+        elif op == "ask":  # a lookup of every stem, whole, after either key
+            for prev, stem in itertools.product((0, 1), range(len(_STEMS))):
+                query = _prefixes(prev, stem, 8, 4)
+                assert query is not None
+                lazy.hash_aliases(query.group)
+                for name in query.prefix_keys():
+                    assert (name in lazy) == (name in eager)
+                    assert lazy.resolve(name) == eager.resolve(name)
+        else:
+            assert lazy.aliases(key) == eager.aliases(key)
+    assert list(lazy) == list(eager)

@@ -20,11 +20,13 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import NamedTuple
 
 __all__ = [
+    "BlockPrefixes",
     "ChunkIndex",
     "RemoteKeys",
-    "block_prefix_keys",
+    "block_prefixes",
     "chunk_keys",
     "packed_chunk_keys",
     "partial_key",
@@ -103,20 +105,39 @@ def partial_key(prev: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def block_prefix_keys(
+class BlockPrefixes(NamedTuple):
+    """The whole-block prefixes of a chunk's tokens after the key ``prev`` (the chain's
+    previous link), unhashed: ``data`` the tokens packed (:func:`tokens_bytes`), ``width``
+    bytes a block. What a stored chunk's aliases are hashed from when first needed
+    (``ChunkIndex``), and what a block hit looks up."""
+
+    prev: bytes
+    data: bytes
+    width: int
+    # What every prefix that can share a key with these shares: ``prev`` and the first block
+    # (a prefix holds at least one whole block).
+    group: bytes
+
+    def prefix_keys(self) -> Iterator[bytes]:
+        """``partial_key(prev, tokens[: j * block_size])`` for j = 1, 2, ...: the key of each
+        whole-block prefix, hashed in one pass (lazily: a caller that stops at the first key
+        the pool lacks hashes no further)."""
+        h = hashlib.blake2b(self.prev, digest_size=KEY_BYTES, person=_PART)
+        view, width = memoryview(self.data), self.width
+        for j in range(0, len(view) - width + 1, width):
+            h.update(view[j : j + width])
+            yield h.copy().digest()
+
+
+def block_prefixes(
     prev: bytes, tokens: Sequence[int], block_size: int, blocks: int
-) -> Iterator[bytes]:
-    """``partial_key(prev, tokens[: j * block_size])`` for j = 1, 2, ..., ``blocks``: the keys
-    of a chunk's first whole blocks, hashed in one pass (lazily: a caller that stops at the
-    first key the pool lacks hashes no further)."""
+) -> BlockPrefixes | None:
+    """The first ``blocks`` whole-block prefixes of ``tokens`` after ``prev`` (None: none)."""
     if blocks <= 0:
-        return
-    h = hashlib.blake2b(prev, digest_size=KEY_BYTES, person=_PART)
-    data = memoryview(tokens_bytes(tokens[: blocks * block_size]))
+        return None
+    data = tokens_bytes(tokens[: blocks * block_size])
     width = block_size * _TOKEN_BYTES
-    for j in range(blocks):
-        h.update(data[j * width : (j + 1) * width])
-        yield h.copy().digest()
+    return BlockPrefixes(prev, data, width, prev + data[:width])
 
 
 class ChunkIndex:
@@ -128,10 +149,18 @@ class ChunkIndex:
     slot when the worker reports back, and are never stored.
 
     Aliases (block hits, design note 14): a stored chunk is also found under the key of each
-    whole-block prefix it holds (``block_prefix_keys``), so a prompt that shares only its
+    whole-block prefix it holds (``BlockPrefixes.prefix_keys``), so a prompt that shares only its
     first blocks with a stored chunk finds them. An alias names its chunks (the first stored
     one serves it); it goes when they go. Only keys are aliased: slots, pins and LRU order
     belong to the chunk's own key.
+
+    A stored chunk's aliases are hashed when a lookup or a load first asks about its group
+    (``BlockPrefixes.group``: the key before it and its first block; every prefix that could
+    name it starts there), not when its save is planned: most chunks are never asked about
+    (a hash a block was a tenth of a replay, and of a long prompt's prefill on vLLM's
+    scheduler thread). A group's chunks are hashed all at once, in the order they were
+    stored, so each alias still names its chunks in that order. ``hash_on_store``: each as
+    it is stored instead, for a reader that asks about any key, not only through a group.
     """
 
     __slots__ = (
@@ -139,9 +168,12 @@ class ChunkIndex:
         "_aliases",
         "_cancelled",
         "_free",
+        "_hash_on_store",
         "_pending_aliases",
         "_readers",
         "_stored",
+        "_unhashed",
+        "_unhashed_groups",
         "_writing",
         "num_slots",
         "remote",
@@ -151,8 +183,9 @@ class ChunkIndex:
     # Every operation here is O(chunks involved), never O(num_slots): a 4 GiB pool of small
     # chunks has hundreds of thousands of slots, and plans run on vLLM's scheduler thread.
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, *, hash_on_store: bool = False) -> None:
         self.num_slots = num_slots
+        self._hash_on_store = hash_on_store
         self._stored: OrderedDict[bytes, int] = OrderedDict()
         self._writing: dict[bytes, int] = {}
         self._cancelled: set[bytes] = set()
@@ -163,10 +196,14 @@ class ChunkIndex:
         # The remote tier's facts (tracker/remote.py folds them); empty without one.
         self.remote = RemoteKeys()
         # alias -> the stored chunks it names, in the order they were stored; chunk -> its
-        # aliases; and the aliases of writes in flight, taken up when the write is stored.
+        # aliases (hashed); the stored chunks whose aliases are not hashed yet, and each
+        # group's of them in the order they were stored; and the writes in flight, whose
+        # sources are taken up when the write is stored.
         self._aliases: dict[bytes, list[bytes]] = {}
         self._alias_of: dict[bytes, tuple[bytes, ...]] = {}
-        self._pending_aliases: dict[bytes, tuple[bytes, ...]] = {}
+        self._unhashed: dict[bytes, BlockPrefixes] = {}
+        self._unhashed_groups: dict[bytes, list[bytes]] = {}
+        self._pending_aliases: dict[bytes, BlockPrefixes] = {}
         # Told ``(key, True)`` when a chunk becomes stored and ``(key, False)`` when it leaves,
         # nothing else: the connector's KV events for the pool (connector/pool_events.py). None,
         # the default, costs one test per stored or dropped chunk.
@@ -178,7 +215,8 @@ class ChunkIndex:
         return len(self._stored)
 
     def __contains__(self, key: object) -> bool:
-        """Whether a stored chunk is found under ``key``: its own key, or an alias."""
+        """Whether a stored chunk is found under ``key``: its own key, or an alias (of a
+        group hashed: :meth:`hash_aliases` first)."""
         return key in self._stored or key in self._aliases
 
     def __iter__(self) -> Iterator[bytes]:
@@ -190,8 +228,9 @@ class ChunkIndex:
         return self._stored.get(key)
 
     def resolve(self, key: bytes) -> bytes | None:
-        """The stored chunk's own key that ``key`` names: itself, or for an alias the first
-        chunk stored under it; None when nothing is stored under ``key``."""
+        """The stored chunk's own key that ``key`` names: itself, or for an alias (of a group
+        hashed: :meth:`hash_aliases` first) the first chunk stored under it; None when nothing
+        is stored under ``key``."""
         if key in self._stored:
             return key
         chunks = self._aliases.get(key)
@@ -200,7 +239,25 @@ class ChunkIndex:
     def aliases(self, key: bytes) -> tuple[bytes, ...]:
         """The whole-block prefix keys a stored chunk is also found under (none: not stored,
         or no block hits)."""
+        source = self._unhashed.get(key)
+        if source is not None:
+            self.hash_aliases(source.group)
         return self._alias_of.get(key, ())
+
+    def hash_aliases(self, group: bytes) -> None:
+        """Hash the aliases of the stored chunks of ``group`` (``BlockPrefixes.group``) not hashed
+        yet, in the order they were stored: from here on :meth:`__contains__` and
+        :meth:`resolve` see every alias of a prefix of that group. The index's contents do
+        not change, only when their hashes are computed."""
+        keys = self._unhashed_groups.pop(group, None)
+        if keys is None:
+            return
+        unhashed, aliases = self._unhashed, self._aliases
+        for key in keys:
+            names = tuple(unhashed.pop(key).prefix_keys())
+            self._alias_of[key] = names
+            for name in names:
+                aliases.setdefault(name, []).append(key)
 
     def is_writing(self, key: bytes) -> bool:
         return key in self._writing
@@ -249,26 +306,27 @@ class ChunkIndex:
         keys: Sequence[bytes],
         slots: Sequence[int],
         evicted: Sequence[bytes],
-        aliases: Sequence[tuple[bytes, ...]] = (),
+        aliases: Sequence[BlockPrefixes | None] = (),
     ) -> None:
-        """Reserve ``slots`` for ``keys`` (evicting ``evicted``); ``aliases``: each chunk's
-        whole-block prefix keys, found once it is stored."""
+        """Reserve ``slots`` for ``keys`` (evicting ``evicted``); ``aliases``: what each
+        chunk's whole-block prefix keys are hashed from (None: it has none), found once it
+        is stored."""
         for key in evicted:
             self.apply_evicted(key)
         for slot in slots:
             self._free.discard(slot)
         for key, slot in zip(keys, slots, strict=True):
             self._writing[key] = slot
-        for key, names in zip(keys, aliases, strict=False):
-            if names:
-                self._pending_aliases[key] = names
+        for key, source in zip(keys, aliases, strict=False):
+            if source is not None:
+                self._pending_aliases[key] = source
 
     def apply_save_done(self, key: bytes) -> bool:
         """The worker stored ``key``; False if no such write was planned."""
         slot = self._writing.pop(key, None)
         if slot is None:
             return False
-        names = self._pending_aliases.pop(key, ())
+        source = self._pending_aliases.pop(key, None)
         if key in self._cancelled or key in self._stored:
             # Never stored (its source KV was wrong), or stored meanwhile in another slot:
             # either way this slot goes back, and the key keeps at most one slot.
@@ -278,10 +336,12 @@ class ChunkIndex:
         self._stored[key] = slot
         if self.watch is not None:
             self.watch(key, True)
-        if names:
-            self._alias_of[key] = names
-            for name in names:
-                self._aliases.setdefault(name, []).append(key)
+        if source is not None:
+            group = source.group
+            self._unhashed[key] = source
+            self._unhashed_groups.setdefault(group, []).append(key)
+            if self._hash_on_store:
+                self.hash_aliases(group)
         return True
 
     def apply_save_failed(self, key: bytes) -> bool:
@@ -339,6 +399,12 @@ class ChunkIndex:
                 chunks.remove(key)
                 if not chunks:
                     del self._aliases[name]
+            source = self._unhashed.pop(key, None)
+            if source is not None:
+                group = self._unhashed_groups[source.group]
+                group.remove(key)
+                if not group:
+                    del self._unhashed_groups[source.group]
 
 
 class RemoteKeys:

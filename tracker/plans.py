@@ -31,7 +31,13 @@ from typing import NamedTuple, Protocol
 import attrs
 
 from kvledger.tracker import events as ev
-from kvledger.tracker.chunks import ChunkIndex, RemoteKeys, block_prefix_keys, partial_key
+from kvledger.tracker.chunks import (
+    BlockPrefixes,
+    ChunkIndex,
+    RemoteKeys,
+    block_prefixes,
+    partial_key,
+)
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.state import Phase, RequestState, Violation
 from kvledger.tracker.tiers import POOL, REMOTE, slot_of
@@ -64,6 +70,9 @@ class PoolView(Protocol):
     def slot_of(self, key: bytes) -> int | None: ...
 
     def __contains__(self, key: object) -> bool: ...
+
+    def hash_aliases(self, group: bytes) -> None:
+        """Before asking about the aliases of a group of prefixes (``ChunkIndex``)."""
 
 
 def _prefix_key(state: RequestState, chunk: int) -> bytes:
@@ -146,8 +155,11 @@ def block_hit(state: RequestState, index: PoolView, config: TrackerConfig, chunk
     if blocks <= 0:
         return 0
     tokens = state.token_ids[start : start + blocks * b]
+    prefixes = block_prefixes(_prefix_key(state, chunk), tokens, b, blocks)
+    assert prefixes is not None
+    index.hash_aliases(prefixes.group)
     found = 0
-    for key in block_prefix_keys(_prefix_key(state, chunk), tokens, b, blocks):
+    for key in prefixes.prefix_keys():
         if key not in index:
             break
         found += 1
@@ -243,6 +255,10 @@ def plan_load(
             # or a prompt tail saved at the end of a prefill. The load reads the chunk
             # stored under it, from its start.
             key = _tail_key(state, config, state.lookup.hit)
+            if config.block_hits:
+                # Not only the chunk the lookup found: one of its group stored since may be
+                # the one to read now (the lookup's was evicted), its aliases not yet hashed.
+                _hash_group(index, state, config, state.lookup.hit // c)
         stored = index.resolve(key)
         if stored is not None:
             key, slot = stored, index.slot_of(stored)
@@ -354,31 +370,40 @@ def _partial_tail(
     return _tail_key(state, config, end), start, end
 
 
+def _hash_group(index: PoolView, state: RequestState, config: TrackerConfig, chunk: int) -> None:
+    """Before resolving a key that may be an alias of chunk ``chunk``'s prefixes: its group's
+    aliases, hashed (``ChunkIndex.hash_aliases``)."""
+    b, start = config.block_size, chunk * config.chunk_size
+    prefixes = block_prefixes(_prefix_key(state, chunk), state.token_ids[start : start + b], b, 1)
+    if prefixes is not None and len(prefixes.data) == prefixes.width:
+        index.hash_aliases(prefixes.group)
+
+
 def save_aliases(
     decision: ev.SavePlanned, state: RequestState, config: TrackerConfig
-) -> tuple[tuple[bytes, ...], ...]:
-    """For each chunk a save plan writes, the keys of its whole-block prefixes other than its
-    own key (``block_hits``; else none): the index finds the chunk under them once it is
-    stored. Derived from the request's recorded token ids, so a replay derives the same."""
+) -> tuple[BlockPrefixes | None, ...]:
+    """For each chunk a save plan writes, its whole-block prefixes other than its own key
+    (``block_hits``; else none), unhashed: the index finds the chunk under their keys once it
+    is stored, hashed when first asked about. Derived from the request's recorded token ids,
+    so a replay derives the same."""
     if not config.block_hits or not decision.keys:
         return ()
     b, c = config.block_size, config.chunk_size
-    out: list[tuple[bytes, ...]] = []
+    out: list[BlockPrefixes | None] = []
     first = decision.start // c
     for i in range(len(decision.keys)):
         chunk = first + i
         if not 0 <= chunk <= len(state.keys):
             # A recorded plan for tokens this state never keyed (a hostile or damaged log):
             # no aliases, as there is no chain to hang them on.
-            out.append(())
+            out.append(None)
             continue
         chunk_start = chunk * c
         tokens = state.token_ids[chunk_start : min(chunk_start + c, decision.end)]
         blocks = len(tokens) // b
         if blocks * b == len(tokens):
             blocks -= 1  # the last prefix is the chunk itself: its own key, or a full one
-        prev = _prefix_key(state, chunk)
-        out.append(tuple(block_prefix_keys(prev, tokens, b, blocks)))
+        out.append(block_prefixes(_prefix_key(state, chunk), tokens, b, blocks))
     return tuple(out)
 
 
