@@ -26,6 +26,7 @@ a *record* is what the file holds. Then, over that log:
     python bench/replay_bench.py                      # 1M events, and 250k for the memory row
     python bench/replay_bench.py --events 200000 --rounds 1   # quicker
     python bench/replay_bench.py --full --events 200000       # one record per event
+    python bench/replay_bench.py --by-type                    # and apply's time by event type
 
 Timings are medians of ``--rounds`` rounds; each round runs every variant once, in a random
 order. The machine is shared: expect noise.
@@ -251,6 +252,26 @@ def bare_apply(path: Path) -> int:
     return n
 
 
+def apply_by_type(path: Path) -> dict[str, tuple[int, float]]:
+    """``bare_apply`` with each ``Tracker.apply`` timed: event type -> (records, seconds).
+    The timer's own cost (about 0.1 us a call) is in each figure."""
+    reader = LogReader(path)
+    t = Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
+    out: dict[str, list[float]] = {}
+    clock = time.perf_counter
+    for frame in reader:
+        for e in frame.events:
+            if e.KIND == "input":
+                t.step = e.step
+                start = clock()
+                t.apply(e)
+                spent = clock() - start
+                row = out.setdefault(type(e).__name__, [0, 0.0])
+                row[0] += 1
+                row[1] += spent
+    return {name: (int(n), secs) for name, (n, secs) in out.items()}
+
+
 def check_peak(path: Path) -> int:
     gc.collect()
     tracemalloc.start()
@@ -281,6 +302,12 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=2, help="timed runs of each (median)")
     ap.add_argument("--keep", action="store_true", help="keep the logs (prints where)")
+    ap.add_argument(
+        "--by-type",
+        action="store_true",
+        help="after the timed rounds, one more pass of the floor timing Tracker.apply by "
+        "event type (where a replay's time goes)",
+    )
     args = ap.parse_args()
 
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-replay-bench-"))
@@ -364,8 +391,16 @@ def main() -> None:
             f"{rc['peak_live_requests']:>6}{peaks[name] / 2**20:>8.1f}MB"
         )
     print(f"peak ratio big/small: {peaks['big'] / peaks['small']:.2f}")
+    if args.by_type:
+        by_type = apply_by_type(big)
+        total = sum(secs for _, secs in by_type.values())
+        print()
+        print(f"{'Tracker.apply by event type':<30}{'records':>9}{'seconds':>9}{'us each':>9}")
+        for name, (n, secs) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+            print(f"{name:<30}{n:>9,}{secs:>9.3f}{secs / n * 1e6:>9.1f}")
+        print(f"{'all':<30}{sum(n for n, _ in by_type.values()):>9,}{total:>9.3f}")
     print()
-    flags = " --full" if args.full else ""
+    flags = (" --full" if args.full else "") + (" --by-type" if args.by_type else "")
     print(
         f"command: python bench/replay_bench.py --events {args.events} --live {args.live} "
         f"--slots {args.slots} --rounds {args.rounds}{flags}"
