@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Final, Protocol
 
 import attrs
 
@@ -314,6 +314,13 @@ class _Decoding:
         return True
 
 
+# The inputs the Tracker derives decisions from (``_decide``), and those that take or give
+# back a request's number (``RequestNumbers.follow``): each event of another type skips that
+# call.
+_DECIDED: Final = frozenset({ev.LookupAsked, ev.Scheduled})
+_NUMBERED: Final = frozenset({ev.RequestAdded, ev.Finished})
+
+
 class _Silent:
     """A logger that tells nobody: the default of a Tracker whose caller passed none (a replay,
     a test, a library user). Violations are still recorded and counted."""
@@ -491,25 +498,29 @@ class Tracker:
 
         decisions: list[ev.DecisionEvent] = []
         if state is not None:
-            state, decisions, more = self._decide(state, event)
-            violations = violations + more
-            checked: list[Violation] = []
-            for d in decisions:
-                checked.extend(invariants.check(state, d, config))
-            if checked:
-                violations = violations + tuple(checked)
-                state = state._replace(recompute_only=True)
-            if isinstance(event, ev.Allocated) and not state.recompute_only:
+            cls = event.__class__
+            if cls in _DECIDED:  # only these derive decisions (most events do not)
+                state, decisions, more = self._decide(state, event)
+                violations = violations + more
+                checked: list[Violation] = []
+                for d in decisions:
+                    checked.extend(invariants.check(state, d, config))
+                if checked:
+                    violations = violations + tuple(checked)
+                    state = state._replace(recompute_only=True)
+            if cls is ev.Allocated and not state.recompute_only:
                 self._reserve(state, event.step)
-            if event.__class__ is ev.Finished:
+            if cls is ev.Finished:
                 self._stop_decoding(req_id)  # a finished request never decodes again
-            self._numbers.follow(event)
+            if cls in _NUMBERED:
+                self._numbers.follow(event)
             self._store(req_id, state)
             if retires(state):
                 self._retire(req_id)
         if reserved:
             self.index.unpin(reserved)
-        self._record(event, decisions)
+        if self._log is not None:
+            self._record(event, decisions)
         if violations:
             decisions.extend(self._report(violations, state))
         return decisions
