@@ -215,8 +215,9 @@ class ChunkIndex:
         return len(self._stored)
 
     def __contains__(self, key: object) -> bool:
-        """Whether a stored chunk is found under ``key``: its own key, or an alias (of a
-        group hashed: :meth:`hash_aliases` first)."""
+        """Whether a stored chunk is found under ``key``: its own key, or an alias. A partial
+        key (a prompt tail, a block prefix) can be an alias: ask :meth:`hash_aliases` for its
+        group first, or an alias not hashed yet is not seen."""
         return key in self._stored or key in self._aliases
 
     def __iter__(self) -> Iterator[bytes]:

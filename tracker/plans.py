@@ -321,6 +321,9 @@ def plan_save(
         tail = _partial_tail(state, config, limit, at)
         if tail is not None:
             key, start, end = tail
+            if config.block_hits:
+                # Its whole blocks: the key can be another chunk's alias, hashed or not yet.
+                _hash_group(index, state, config, start // c)
             if key in index:
                 if not ranges:
                     skip_to = end  # the pool already holds this exact tail
@@ -371,8 +374,9 @@ def _partial_tail(
 
 
 def _hash_group(index: PoolView, state: RequestState, config: TrackerConfig, chunk: int) -> None:
-    """Before resolving a key that may be an alias of chunk ``chunk``'s prefixes: its group's
-    aliases, hashed (``ChunkIndex.hash_aliases``)."""
+    """Before asking the index about a partial key of chunk ``chunk`` (a prompt tail, a block
+    hit's prefix): it may be a stored chunk's alias, so the aliases of its group are hashed
+    first (``ChunkIndex.hash_aliases``). Every such question in this module asks here first."""
     b, start = config.block_size, chunk * config.chunk_size
     prefixes = block_prefixes(_prefix_key(state, chunk), state.token_ids[start : start + b], b, 1)
     if prefixes is not None and len(prefixes.data) == prefixes.width:
