@@ -363,6 +363,17 @@ def test_oracle_the_same_prompt_again_hits_to_its_last_whole_block() -> None:
 # --- logs written before block hits -----------------------------------------------------------
 
 
+def test_a_log_written_when_aliases_were_hashed_at_the_store_checks_clean() -> None:
+    """tests/data/tail-alias-dd9a848.kvlog was written by the Tracker of ``dd9a848``, whose
+    index hashed every alias when its chunk was stored, driven through
+    ``test_a_prompt_tail_another_chunk_holds_is_not_saved_again``'s sequence (``r``'s saves
+    confirmed, both finished). Today's index hashes when asked; check re-derives the same plans
+    (the save plan of ``r``'s tail once differed)."""
+    result = check(Path(__file__).parent / "data" / "tail-alias-dd9a848.kvlog")
+    assert result.exit_code == 0, [p.describe() for p in result.problems]
+    assert result.counts["by_type"]["SavePlanned"] == 2
+
+
 def test_a_log_without_the_setting_replays_as_its_run_decided(tmp_path: Path) -> None:
     """A header without ``block_hits`` was written by whole-chunk code: check re-derives its
     decisions with block hits off, and a what-if turns them on."""
