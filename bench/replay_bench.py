@@ -237,11 +237,16 @@ def decode(path: Path) -> int:
     return sum(len(f.events) for f in LogReader(path))
 
 
+def _tracker_for(reader: LogReader) -> Tracker:
+    """A Tracker of the log's own configuration, never strict (as ``check`` builds it)."""
+    return Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
+
+
 def bare_apply(path: Path) -> int:
     """The floor a replay cannot go under: decode, and ``Tracker.apply`` every input event
     (no comparison, no bookkeeping)."""
     reader = LogReader(path)
-    t = Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
+    t = _tracker_for(reader)
     n = 0
     for frame in reader:
         for e in frame.events:
@@ -256,7 +261,7 @@ def apply_by_type(path: Path) -> dict[str, tuple[int, float]]:
     """``bare_apply`` with each ``Tracker.apply`` timed: event type -> (records, seconds).
     The timer's own cost (about 0.1 us a call) is in each figure."""
     reader = LogReader(path)
-    t = Tracker(TrackerConfig.from_header({**reader.header["config"], "strict": False}))
+    t = _tracker_for(reader)
     out: dict[str, list[float]] = {}
     clock = time.perf_counter
     for frame in reader:

@@ -14,7 +14,10 @@ import heapq
 
 from kvledger.tracker import events as ev
 
-__all__ = ["RequestNumbers"]
+__all__ = ["NUMBERED", "RequestNumbers"]
+
+# The only events that change the numbers (``RequestNumbers.follow``).
+NUMBERED = frozenset({ev.RequestAdded, ev.Finished})
 
 
 class RequestNumbers:

@@ -255,10 +255,9 @@ def plan_load(
             # or a prompt tail saved at the end of a prefill. The load reads the chunk
             # stored under it, from its start.
             key = _tail_key(state, config, state.lookup.hit)
-            if config.block_hits:
-                # Not only the chunk the lookup found: one of its group stored since may be
-                # the one to read now (the lookup's was evicted), its aliases not yet hashed.
-                _hash_group(index, state, config, state.lookup.hit // c)
+            # Not only the chunk the lookup found: one of its group stored since may be the
+            # one to read now (the lookup's was evicted), its aliases not yet hashed.
+            _hash_group(index, state, config, state.lookup.hit // c)
         stored = index.resolve(key)
         if stored is not None:
             key, slot = stored, index.slot_of(stored)
@@ -321,9 +320,8 @@ def plan_save(
         tail = _partial_tail(state, config, limit, at)
         if tail is not None:
             key, start, end = tail
-            if config.block_hits:
-                # Its whole blocks: the key can be another chunk's alias, hashed or not yet.
-                _hash_group(index, state, config, start // c)
+            # Its whole blocks: the key can be another chunk's alias, hashed or not yet.
+            _hash_group(index, state, config, start // c)
             if key in index:
                 if not ranges:
                     skip_to = end  # the pool already holds this exact tail
@@ -376,7 +374,10 @@ def _partial_tail(
 def _hash_group(index: PoolView, state: RequestState, config: TrackerConfig, chunk: int) -> None:
     """Before asking the index about a partial key of chunk ``chunk`` (a prompt tail, a block
     hit's prefix): it may be a stored chunk's alias, so the aliases of its group are hashed
-    first (``ChunkIndex.hash_aliases``). Every such question in this module asks here first."""
+    first (``ChunkIndex.hash_aliases``). Every such question in this module asks here first.
+    Without ``block_hits`` no chunk has aliases: nothing to do."""
+    if not config.block_hits:
+        return
     b, start = config.block_size, chunk * config.chunk_size
     prefixes = block_prefixes(_prefix_key(state, chunk), state.token_ids[start : start + b], b, 1)
     if prefixes is not None and len(prefixes.data) == prefixes.width:

@@ -30,7 +30,7 @@ from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.digests import DIGEST_TYPES, DigestBook
 from kvledger.tracker.history import RETIRED_MEMORY, retires
 from kvledger.tracker.index_fold import apply_decision, apply_input
-from kvledger.tracker.numbering import RequestNumbers
+from kvledger.tracker.numbering import NUMBERED, RequestNumbers
 from kvledger.tracker.plans import answer_lookup, plan_load, plan_save
 from kvledger.tracker.remote import REMOTE_TYPES, apply_remote, foreign_violations
 from kvledger.tracker.state import (
@@ -314,11 +314,9 @@ class _Decoding:
         return True
 
 
-# The inputs the Tracker derives decisions from (``_decide``), and those that take or give
-# back a request's number (``RequestNumbers.follow``): each event of another type skips that
-# call.
+# The inputs the Tracker derives decisions from (``_decide``): an event of another type
+# skips that call.
 _DECIDED: Final = frozenset({ev.LookupAsked, ev.Scheduled})
-_NUMBERED: Final = frozenset({ev.RequestAdded, ev.Finished})
 
 
 class _Silent:
@@ -512,7 +510,7 @@ class Tracker:
                 self._reserve(state, event.step)
             if cls is ev.Finished:
                 self._stop_decoding(req_id)  # a finished request never decodes again
-            if cls in _NUMBERED:
+            if cls in NUMBERED:
                 self._numbers.follow(event)
             self._store(req_id, state)
             if retires(state):
