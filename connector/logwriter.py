@@ -15,9 +15,9 @@ Durability: every ``end_step`` writes its frame and flushes it to the OS (a proc
 at most the step being written, seen as a torn tail), or, with ``background``, hands it to the
 log's thread, which writes what was handed over in one call every 50 ms (``_WAKE_S``; at once
 past 1 MiB, or for an fsync, a rotation, the seal): a group commit, whose crash loses what
-was still handed over, the last 50 ms of steps (at most ``max_queue_bytes`` when the disk is
-behind). ``fsync`` runs on rotation and on close (``fsync="step"`` also after every step,
-``"never"`` never). An ``fsync`` error is logged and
+was still handed over, the last 50 ms of steps (at most ``max_queue_bytes`` when the disk, or
+the thread, is behind). ``fsync`` runs on rotation and on close (``fsync="step"`` also after
+every step, ``"never"`` never). An ``fsync`` error is logged and
 never retried (after a failed fsync the kernel may have dropped the dirty pages and a retry can
 falsely succeed, "fsyncgate"): the writer marks itself failed and the next write, or ``close``,
 raises :class:`LogWriteError`. Open a new log to continue. A failed ``write`` does the same.
@@ -733,8 +733,8 @@ class _BackgroundOutput(_DirectOutput):
     payload, checksums, and the segment's digest) and writes it. In vLLM that is Python work
     done while the scheduler thread waits for the model, off the step's path. The thread
     wakes on its own every ``_WAKE_S``, or at once for anything but a step (an ``fsync``, a
-    rotation, the stop) and when ``_WAKE_BYTES`` are waiting, and writes what it finds in one
-    call. Each counter is written by one thread only (``_enqueued`` by the caller,
+    rotation, the stop) and when ``_WAKE_BYTES`` are waiting, and writes what it finds then in
+    one call; what comes while it frames waits for the next round. Each counter is written by one thread only (``_enqueued`` by the caller,
     ``_written`` by the thread), so neither needs a lock; a step counts at the bound the
     writer gave it on both sides."""
 
@@ -819,24 +819,35 @@ class _BackgroundOutput(_DirectOutput):
 
     def _run(self) -> None:
         ops, wake = self._ops, self._wake
+        began = time.monotonic()
         while True:
-            wake.wait(self._WAKE_S)
+            # A round every _WAKE_S from the start of the last: a thread that is behind goes
+            # on at once.
+            wake.wait(max(0.0, began + self._WAKE_S - time.monotonic()))
             wake.clear()
-            while ops:
+            began = time.monotonic()
+            # What was handed over by now, and no more: the steps queued while these are framed
+            # wait for the next round. Taking them too, a thread that frames no faster than the
+            # scheduler steps (the two share the CPU and the GIL) frames on and writes nothing
+            # until the scheduler pauses, and a crash loses all of it.
+            due = len(ops)
+            while due:
                 op, arg = ops.popleft()
+                due -= 1
                 if op == "stop":
                     return
                 size = 0
                 try:
-                    if op in _DATA:  # with every write queued behind it: one call
+                    if op in _DATA:  # with every write due behind it: one call
                         parts = []
                         while True:
                             size += len(arg) if op == "write" else arg[-1]
                             if self.failure is None:
                                 parts.append(arg if op == "write" else self._frame(*arg[:-1]))
-                            if not ops or ops[0][0] not in _DATA:
+                            if not due or ops[0][0] not in _DATA:
                                 break
                             op, arg = ops.popleft()
+                            due -= 1
                         op = "write"
                         if self.failure is None:
                             self._do(op, b"".join(parts))

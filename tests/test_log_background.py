@@ -103,3 +103,49 @@ def test_close_on_a_hung_disk_gives_up_and_says_so(
     with pytest.raises(LogWriteError, match=r"did not finish writing .* is the disk hung"):
         w.close()
     disk.release.set()
+
+
+def test_steps_handed_over_while_the_thread_frames_wait_for_its_next_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The thread writes what was handed over when it woke. Here the scheduler hands over a
+    step each time the thread frames one, as on a loaded machine where the two share the CPU
+    and the GIL: a thread that went on framing what kept coming once wrote nothing for
+    seconds (a served test's engine core, 2026-12-04), and a crash then loses seconds of
+    steps, and ``tail`` shows none of them."""
+    framed, handed = threading.Semaphore(0), threading.Semaphore(0)
+    lockstep = threading.Event()
+    lockstep.set()
+    since_write: list[int] = [0]
+    writes: list[int] = []  # frames per write
+    real_frame, real_do = logwriter._BackgroundOutput._frame, logwriter._BackgroundOutput._do
+
+    def frame(out: Any, *args: Any) -> Any:
+        if lockstep.is_set():
+            framed.release()
+            handed.acquire(timeout=10)
+        since_write[0] += 1
+        return real_frame(out, *args)
+
+    def do(out: Any, op: str, arg: Any) -> None:
+        if op == "write" and threading.current_thread().name == "kvledger-log":
+            writes.append(since_write[0])
+            since_write[0] = 0
+        real_do(out, op, arg)
+
+    monkeypatch.setattr(logwriter._BackgroundOutput, "_frame", frame)
+    monkeypatch.setattr(logwriter._BackgroundOutput, "_do", do)
+    path = tmp_path / "run.kvlog"
+    w = LogWriter(path, {}, background=True, fsync="never")
+    _run_steps(w, range(5), per_step=2)  # handed over before the thread's first round
+    for step in range(5, 200):
+        assert framed.acquire(timeout=10), "the thread stopped framing"
+        _run_steps(w, range(step, step + 1), per_step=2)
+        handed.release()
+    lockstep.clear()
+    handed.release()
+    w.close()
+    # Every write held at most the 5 steps there were when its round began.
+    assert sum(writes) == 200 and max(writes) <= 5, writes
+    frames, reader = _frames(path)
+    assert [f.step for f in frames] == list(range(200)) and reader.ending == "closed"
