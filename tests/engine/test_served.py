@@ -203,17 +203,13 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     spec = ServerSpec(tiny_model, kv_transfer_config=kv, **LONG_ENGINE)
     with Server(spec) as server:
         # Four completions of LONG_TOKENS, and the stop once the log has shown all four
-        # running for 8 steps. The log is the engine core's own account; the API server's
-        # /metrics, polled before, lagged it by seconds on a loaded machine, and a stop timed
-        # by it came after all four had ended (CI, 2026-12-04). On a loaded machine vLLM can
-        # still admit the fourth late and the log's thread can fall seconds behind (both wait
-        # for the engine core's GIL), so where all four ended before the log showed them
-        # running, the four are sent again; those that ended count below.
+        # running for 8 steps. The log is the engine core's own account. The API server's
+        # /metrics, polled before, could lag it: in CI a stop timed by it came after all four
+        # had ended (2026-12-04). And a machine loaded enough can keep this process off the
+        # CPU for seconds (seen with two CPU burners in its session: a 10 ms sleep took 6 s),
+        # so where all four ended before the stop, they are sent again; those that ended
+        # count below.
         four = rounds(tiny_model)[0][0]
-        # Imported here, not first in the pool's thread: on a loaded machine the import held
-        # the GIL and the import lock for seconds, and the loop below needs both.
-        import openai  # noqa: F401
-
         pool = concurrent.futures.ThreadPoolExecutor(1)
         follower = LogFollower(tmp_path)
         live: set[str] = set()  # scheduled, not finished: as far as the log has come
