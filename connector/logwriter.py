@@ -751,6 +751,9 @@ class _BackgroundOutput(_DirectOutput):
         self._wake = threading.Event()
         self._path: Path | None = None
         self._thread: threading.Thread | None = None
+        # Between rounds, holding no op (the thread's, read by handover): an empty queue alone
+        # does not say it, as an op taken off it may still be running (an open, a close).
+        self._idle = True
 
     def open(self, path: Path, start: Callable[[str], bytes], *, sync_dir: bool) -> None:
         if self._thread is None:
@@ -803,8 +806,14 @@ class _BackgroundOutput(_DirectOutput):
         """Drain the queue and stop the thread; the file goes on as a direct output. When the
         thread has written every byte handed to it and holds nothing else to do (the usual case
         between steps), it is told to stop and not waited for: a stopping engine may be killed
-        within a millisecond, and the thread touches the file no more."""
-        if self._thread is not None and not self._ops and self._enqueued == self._written:
+        within a millisecond, and the thread touches the file no more. A thread in a round
+        (opening the next segment, say) is waited for."""
+        if (
+            self._thread is not None
+            and self._idle
+            and not self._ops
+            and self._enqueued == self._written
+        ):
             self._put("stop", None)
         elif self.finish(timeout) is not None:
             return None
@@ -826,6 +835,7 @@ class _BackgroundOutput(_DirectOutput):
             wake.wait(max(0.0, began + self._WAKE_S - time.monotonic()))
             wake.clear()
             began = time.monotonic()
+            self._idle = False
             # What was handed over by now, and no more: the steps queued while these are framed
             # wait for the next round. Taking them too, a thread that frames no faster than the
             # scheduler steps (the two share the CPU and the GIL) frames on and writes nothing
@@ -857,6 +867,7 @@ class _BackgroundOutput(_DirectOutput):
                     self.failure = f"{op} of {self._path} failed: {e}"
                 finally:
                     self._written += size
+            self._idle = True
 
     def _do(self, op: str, arg: Any) -> None:
         """One queued operation, done as the direct output does it."""

@@ -149,3 +149,42 @@ def test_steps_handed_over_while_the_thread_frames_wait_for_its_next_write(
     assert sum(writes) == 200 and max(writes) <= 5, writes
     frames, reader = _frames(path)
     assert [f.step for f in frames] == list(range(200)) and reader.ending == "closed"
+
+
+def test_a_seal_while_the_thread_opens_the_next_segment_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stop signal's seal that comes while the log's thread opens a new segment waits for
+    the open, then seals the new segment. The rotation's operations are off the queue by
+    then and every byte handed over is written, so the thread looked idle: the seal went on
+    with the file the thread was replacing, and failed (an AssertionError out of ``seal``;
+    found by a review, 2026-12-04)."""
+    opening, release = threading.Event(), threading.Event()
+    real_do = logwriter._BackgroundOutput._do
+
+    def do(out: Any, op: str, arg: Any) -> None:
+        if op == "open" and threading.current_thread().name == "kvledger-log":
+            opening.set()
+            release.wait(10)
+        real_do(out, op, arg)
+
+    monkeypatch.setattr(logwriter._BackgroundOutput, "_do", do)
+    w = LogWriter(tmp_path / "run.kvlog", {}, background=True, rotate_bytes=2000, fsync="never")
+    step = 0
+    while not w._rotate_due:  # the segment is full: the next frame rotates first
+        _run_steps(w, range(step, step + 1), per_step=4)
+        step += 1
+    w.append(ev.Scheduled(step, "r0", step, 1, step, (step,)))  # the next frame begins
+    assert opening.wait(10), "no rotation"
+    sealed: list[bool] = []
+    sealing = threading.Thread(target=lambda: sealed.append(w.seal("SIGINT")))
+    sealing.start()
+    sealing.join(0.3)  # the seal waits for the open, however long the disk takes
+    release.set()
+    sealing.join(10)
+    assert sealed == [True]
+    w.close()
+    frames, reader = _frames(tmp_path)
+    assert len(w.paths) == 2 and reader.stop is None and reader.ending == "closed"
+    assert [f.step for f in frames] == list(range(step + 1)) and reader.gaps == []
+    assert frames[-1].path == str(w.paths[1])  # the sealed step, in the new segment
