@@ -734,9 +734,9 @@ class _BackgroundOutput(_DirectOutput):
     done while the scheduler thread waits for the model, off the step's path. The thread
     wakes on its own every ``_WAKE_S``, or at once for anything but a step (an ``fsync``, a
     rotation, the stop) and when ``_WAKE_BYTES`` are waiting, and writes what it finds then in
-    one call; what comes while it frames waits for the next round. Each counter is written by one thread only (``_enqueued`` by the caller,
-    ``_written`` by the thread), so neither needs a lock; a step counts at the bound the
-    writer gave it on both sides."""
+    one call; what comes while it frames waits for the next round. Each counter is written by
+    one thread only (``_enqueued`` by the caller, ``_written`` by the thread), so neither needs
+    a lock; a step counts at the bound the writer gave it on both sides."""
 
     _WAKE_S = 0.05
     _WAKE_BYTES = 1 << 20
