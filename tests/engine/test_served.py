@@ -250,9 +250,12 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
             os.killpg(server.proc.pid, signal.SIGKILL)
         server.returncode = server.proc.wait(60)
         server.wait_group()
-        # Cut off: the client's call failed, or vLLM's abort returned short completions.
+        # Cut off: the client's call failed, or vLLM's abort returned short completions. A
+        # machine loaded enough to keep this process off the CPU for seconds lets some end
+        # first (seen with two CPU burners: one of the four came back whole), never all.
         failed = running.exception(60) is not None
-        assert failed or all(len(out) < LONG_TOKENS for out in running.result()), running.result()
+        whole = 0 if failed else sum(len(out) == LONG_TOKENS for out in running.result())
+        assert whole < len(four), "all four ended before the stop"
         pool.shutdown()
         output = server.output()
     log = the_log(tmp_path)
@@ -260,12 +263,12 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     stats = kvledger("stats", log, "--json")
     assert stats.returncode == 0, stats.stderr
     doc = json.loads(stats.stdout)
-    # Every request sent was admitted, and the last four were still decoding at the stop
-    # (each had hundreds of tokens to go): only those sent before them ended, but by the stop's
-    # abort (or not at all where the kill was first).
+    # Every request sent was admitted. Those sent before the last four ended; of the last
+    # four, at most those the client got whole ended (the log may miss an ending where vLLM's
+    # kill came first), and the rest only by the stop's abort.
     assert doc["requests"] == 4 * sent and doc["steps"] > 4, doc
-    ended = {r: n for r, n in doc["finish_reasons"].items() if r != "finished_aborted"}
-    assert sum(ended.values()) == 4 * (sent - 1), doc["finish_reasons"]
+    ended = sum(n for r, n in doc["finish_reasons"].items() if r != "finished_aborted")
+    assert 4 * (sent - 1) <= ended <= 4 * (sent - 1) + whole, (whole, doc["finish_reasons"])
 
 
 def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: Path) -> None:
