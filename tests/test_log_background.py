@@ -109,10 +109,10 @@ def test_steps_handed_over_while_the_thread_frames_wait_for_its_next_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The thread writes what was handed over when it woke. Here the scheduler hands over a
-    step each time the thread frames one, as on a loaded machine where the two share the CPU
-    and the GIL: a thread that went on framing what kept coming once wrote nothing for
-    seconds (a served test's engine core, 2026-12-04), and a crash then loses seconds of
-    steps, and ``tail`` shows none of them."""
+    step each time the thread frames one, as where the two share the CPU and the GIL and the
+    thread frames no faster than the scheduler steps: a thread that went on framing what kept
+    coming would write nothing until the scheduler paused, and a crash would lose all of it,
+    and ``tail`` would show none of it."""
     framed, handed = threading.Semaphore(0), threading.Semaphore(0)
     lockstep = threading.Event()
     lockstep.set()
