@@ -20,6 +20,7 @@ skipped; a test skipped inside a version's run is reported with its reason.
     python .ci/vllm_matrix.py 0.11.0 0.33.0     # build (once) and test these versions
     python .ci/vllm_matrix.py --all             # every version of VERSIONS (make matrix)
     python .ci/vllm_matrix.py --oldest --harness-only   # make test (.venv runs 0.33.0)
+    python .ci/vllm_matrix.py --oldest --build-only     # its environment only (make setup-all)
     python .ci/vllm_matrix.py --report          # the markdown table of the last results
 
 Exit status: 0 when every requested version passed, 1 when one failed, 2 on bad usage.
@@ -384,6 +385,11 @@ def main(argv: list[str] | None = None) -> int:
         help=f"only the harness suite ({', '.join(HARNESS_SUITE)}), not every vllm-marked module",
     )
     parser.add_argument("--rebuild", action="store_true", help="rebuild the environments")
+    parser.add_argument(
+        "--build-only",
+        action="store_true",
+        help="build the environments and run no tests (make test builds them beside the others)",
+    )
     parser.add_argument("--report", action="store_true", help="print the last results")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments")
     args = parser.parse_args(argv)
@@ -396,6 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in versions if v not in VERSIONS]
     if unknown:
         parser.error(f"not in the matrix: {', '.join(unknown)} (known: {', '.join(VERSIONS)})")
+    if args.build_only:
+        for version in versions:
+            build_env(version, args.rebuild)
+            log(f"vllm {version}: environment ready")
+        return 0
     results = []
     for version in versions:
         py = build_env(version, args.rebuild)

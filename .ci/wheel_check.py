@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "wheel-check"
 TORCH = "torch==2.13.0"  # the Makefile's pin: on these machines a local CPU wheel
 VLLM_NODEPS = ["vllm==0.33.0", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11"]  # as the Makefile
+# What setuptools reads to build the wheel (pyproject.toml's packages.find and package-data).
+SOURCES = ["pyproject.toml", "README.md", "kvledger", "tracker", "connector", "replay"]
 
 PROBE = """
 import importlib.metadata, sys
@@ -58,6 +60,27 @@ def run(*argv: str | Path, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def source_copy() -> Path:
+    """What the wheel is built from: the project's files copied out of the checkout.
+    setuptools builds in the tree it is given (``build/``, ``kvledger.egg-info``), and
+    ``make test`` builds this wheel while pip installs the checkout, editable, into
+    ``.venv-engine``: two builds in one tree can interleave. The copy is also what an sdist
+    holds, so a file the wheel needs and the checkout merely happens to have shows up here."""
+    copy = WORK / "src"
+    for name in SOURCES:
+        src = ROOT / name
+        if src.is_dir():
+            # kvledger/ holds links to ../tracker and friends: copied as links, so the copy
+            # packages its own tracker/, connector/ and replay/.
+            shutil.copytree(
+                src, copy / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
+            )
+        else:
+            copy.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, copy / name)
+    return copy
+
+
 def wheel_names(wheel: Path) -> list[str]:
     with zipfile.ZipFile(wheel) as z:
         return z.namelist()
@@ -70,7 +93,7 @@ def main() -> int:
     shutil.rmtree(WORK, ignore_errors=True)
     dist = WORK / "dist"
     print("wheel check: building the wheel", flush=True)
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, ROOT)
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", dist, source_copy())
     [wheel] = dist.glob("kvledger-*.whl")
     names = wheel_names(wheel)
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
