@@ -60,7 +60,7 @@ COMMANDS: dict[str, Callable[[Path, Path], list[str]]] = {
     "show, the wide id": lambda log, tmp: ["show", str(log), "-r", "wide-"],
     "show, an ambiguous part": lambda log, tmp: ["show", str(log), "-r", "i"],
     "stats": lambda log, tmp: ["stats", str(log)],
-    "diff": lambda log, tmp: ["diff", str(log), str(tmp / "other.kvlog")],
+    "diff": lambda log, tmp: ["diff", str(log), str(log.with_name("other.kvlog"))],
     "timeline": lambda log, tmp: ["timeline", str(log), "-o", str(tmp / "t.html")],
     "export": lambda log, tmp: ["export", str(log), "-o", str(tmp / "tables"), "--format", "jsonl"],
     "export perfetto": lambda log, tmp: ["export", str(log), "-o", str(tmp / "trace.json")],
@@ -81,16 +81,22 @@ def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
     return code, out, err
 
 
-@pytest.mark.parametrize("recorder", [False, True], ids=["connector", "recorder"])
+@pytest.fixture(scope="module", params=[False, True], ids=["connector", "recorder"])
+def wide_log(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wide log of a connector or of a recorder, written once for every command (each
+    is 47 MB: written per test, the file's tests wrote 2.4 GB), beside ``other.kvlog``: the
+    same, one value changed, so that diff prints its divergence. No command writes to them."""
+    home = tmp_path_factory.mktemp("wide")
+    log = _wide_log(home / "wide.kvlog", recorder=request.param)
+    (home / "other.kvlog").write_bytes(log.read_bytes().replace(b"s" * 100, b"S" * 100, 1))
+    return log
+
+
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_every_command_prints_a_bounded_amount(
-    command: str, recorder: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    command: str, wide_log: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    log = _wide_log(tmp_path / "wide.kvlog", recorder=recorder)
-    # diff's other log: the same, one value changed, so that diff prints its divergence.
-    other = tmp_path / "other.kvlog"
-    other.write_bytes(log.read_bytes().replace(b"s" * 100, b"S" * 100, 1))
-    code, out, err = _run(COMMANDS[command](log, tmp_path), capsys)
+    code, out, err = _run(COMMANDS[command](wide_log, tmp_path), capsys)
     assert code in (0, 1, 2, 3)
     assert len(out) + len(err) < BOUND, f"{command} printed {len(out) + len(err):,} characters"
 
