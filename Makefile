@@ -165,8 +165,10 @@ prepare:
 	$(MAKE) -j$(PREPARE_JOBS) --output-sync=target lint typecheck wheel-check docs lmcache \
 		setup-engine vllm-oldest-env
 
-test: prepare
-	$(MAKE) pytest pytest-engine pytest-vllm-oldest
+test:
+	@t0=$$(date +%s) && $(MAKE) prepare && t1=$$(date +%s) && \
+		$(MAKE) pytest pytest-engine pytest-vllm-oldest && t2=$$(date +%s) && \
+		echo "make test: passed; environments and checks $$((t1 - t0)) s, suites $$((t2 - t1)) s"
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py
