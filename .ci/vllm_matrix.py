@@ -20,7 +20,7 @@ skipped; a test skipped inside a version's run is reported with its reason.
     python .ci/vllm_matrix.py 0.11.0 0.33.0     # build (once) and test these versions
     python .ci/vllm_matrix.py --all             # every version of VERSIONS (make matrix)
     python .ci/vllm_matrix.py --oldest --harness-only   # make test (.venv runs 0.33.0)
-    python .ci/vllm_matrix.py --oldest --build-only     # its environment only (make setup-all)
+    python .ci/vllm_matrix.py --oldest --build-only     # its environment only (make vllm-oldest-env)
     python .ci/vllm_matrix.py --report          # the markdown table of the last results
 
 Exit status: 0 when every requested version passed, 1 when one failed, 2 on bad usage.

@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "wheel-check"
 TORCH = "torch==2.13.0"  # the Makefile's pin: on these machines a local CPU wheel
 VLLM_NODEPS = ["vllm==0.33.0", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11"]  # as the Makefile
-# What setuptools reads to build the wheel (pyproject.toml's packages.find and package-data).
-SOURCES = ["pyproject.toml", "README.md", "kvledger", "tracker", "connector", "replay"]
 
 PROBE = """
 import importlib.metadata, sys
@@ -67,11 +65,13 @@ def source_copy() -> Path:
     ``.venv-engine``: two builds in one tree can interleave. The copy is also what an sdist
     holds, so a file the wheel needs and the checkout merely happens to have shows up here."""
     copy = WORK / "src"
-    for name in SOURCES:
+    # kvledger/ holds links to the folders it packages (../tracker and friends): those are
+    # copied too, and the links as links, so the copy packages its own.
+    package = ROOT / "kvledger"
+    linked = [str(p.resolve().relative_to(ROOT)) for p in package.iterdir() if p.is_symlink()]
+    for name in ["pyproject.toml", "README.md", "kvledger", *sorted(linked)]:
         src = ROOT / name
         if src.is_dir():
-            # kvledger/ holds links to ../tracker and friends: copied as links, so the copy
-            # packages its own tracker/, connector/ and replay/.
             shutil.copytree(
                 src, copy / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__")
             )
