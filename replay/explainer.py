@@ -309,6 +309,13 @@ class Explainer:
             if len(self.retired) > RETIRED_MEMORY:
                 del self.retired[next(iter(self.retired))]
 
+    def _held(self, key: bytes) -> bool:
+        """Whether the pool holds a chunk under its own ``key``, as a lookup finds a unit
+        (``span_tier``). Not an alias: a block prefix of another chunk with the same tokens
+        is that chunk's, and its fate is not this key's (a write cancelled over a failed load
+        would pass for stored, and the tail it names, missed later, for unexplained)."""
+        return self.index.slot_of(key) is not None
+
     def _fate(self, key: bytes, fate: _Fate) -> None:
         fates = self.fates
         fates.pop(key, None)
@@ -331,20 +338,20 @@ class Explainer:
         e = item.event
         assert isinstance(e, ev.SavePlanned)
         for key in e.evicted:
-            if key in self.index:
+            if self._held(key):
                 self._fate(key, _Fate("evicted", e.step, item.life))
 
     def _load_failed_before(self, item: Folded) -> None:
         before = item.before
         if before is not None and before.load is not None and not before.load.done:
-            self._reading = [k for k in before.load.keys if k in self.index]
+            self._reading = [k for k in before.load.keys if self._held(k)]
         else:
             self._reading = []
 
     def _chunk_evicted(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.ChunkEvicted)
-        if e.key in self.index:
+        if self._held(e.key):
             self._fate(e.key, _Fate("evicted", e.step, None, "outside the plans"))
 
     # --- handlers: after ---------------------------------------------------------------------
@@ -417,7 +424,7 @@ class Explainer:
         e, after = item.event, item.after
         if isinstance(e, ev.LoadFailed):
             for key in self._reading:
-                if key not in self.index:
+                if not self._held(key):
                     self._fate(key, _Fate("dropped", e.step, item.life, "a load of it failed"))
         if life is None or life.current is None:
             return
@@ -440,7 +447,7 @@ class Explainer:
         for key in e.keys:
             if failed:
                 self._fate(key, _Fate("failed", e.step, item.life))
-            elif key in self.index:
+            elif self._held(key):
                 self._fate(key, _Fate("stored", e.step, item.life))
             else:
                 fate = self.fates.get(key)
@@ -458,7 +465,7 @@ class Explainer:
     def _chunk_stored(self, item: Folded) -> None:
         e = item.event
         assert isinstance(e, ev.ChunkStored)
-        if e.key in self.index:
+        if self._held(e.key):
             self._fate(e.key, _Fate("stored", e.step, None, "outside the plans"))
 
     def _ended(self, item: Folded) -> None:

@@ -320,6 +320,42 @@ def test_a_failed_load_is_recomputed_and_the_chunk_dropped(tmp_path: Path) -> No
     assert misses(c) == [(8, 16, "dropped")] and c.misses[0].by == "b"
 
 
+def test_a_tail_written_over_a_failed_load_is_not_stored_though_another_chunk_holds_its_tokens(
+    tmp_path: Path,
+) -> None:
+    """test_explain_props' failures machine found this. ``c`` writes its prompt's tail (one
+    whole block) over a load that then fails: the write is cancelled. By the time its result
+    arrives, another chunk (``o``'s, same tokens in its first block) holds those tokens as an
+    alias. The tail's own key is stored nowhere, so a later lookup of it is missed because
+    the write was cancelled, not "stored, yet not held"."""
+    r = Run(tmp_path / "log", num_slots=4)
+    p = prompt(12, 3)  # a chunk, and a tail of one whole block
+    _saved_then(r, "a", p)
+    r.step()
+    o = [*p, 1, 2, 3, 4]
+    r.add("o", o)
+    r.admit("o")  # reads a's chunk and tail
+    r.step()
+    r.load("o", failed_block=2)  # the tail fails: dropped; o recomputes from token 8
+    r.saved("o")  # its first write, computed over the failed load: cancelled
+    r.step()
+    r._note("o", r.t.scheduled("o", num_computed=8, num_scheduled=8, all_token_ids=o))
+    r.add("c", p)
+    r.admit("c")  # hits the chunk only (o's write is in flight); writes the tail anew
+    r.load("c", failed_block=0)  # the chunk fails: dropped, c's tail write cancelled
+    r.saved("o")  # o's [8, 16) is stored: the tail's tokens, as an alias
+    r.saved("c")
+    r.finish("c")
+    r.finish("o")
+    r.step()
+    r.add("d", p)
+    r.admit("d")
+    x = explained(r.close())
+    d = admission(x, "d")
+    assert misses(d) == [(0, 8, "dropped"), (8, 12, "save_failed")]
+    assert d.misses[1].by == "c" and d.misses[1].detail == "computed over a failed load"
+
+
 def test_a_prefix_another_request_computes_in_the_lookups_step_names_it(tmp_path: Path) -> None:
     """Two requests share a prompt and arrive together; the second looks up while the first
     computes the prompt's second chunk in the same step (vLLM records a step's schedule after
