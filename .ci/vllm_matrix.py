@@ -178,11 +178,12 @@ def build_base(rebuild: bool) -> Path:
         shutil.rmtree(venv)
     stamp.unlink(missing_ok=True)
     run([sys.executable, "-m", "venv", str(venv)])
-    pip = str(venv / "bin" / "pip")
-    run([pip, "install", "-q", "--no-compile", TORCH])
+    # By uv (.ci/uvpip.py, as make's venvs): torch is most of the time pip took here.
+    pip = [sys.executable, str(ROOT / ".ci" / "uvpip.py"), str(venv / "bin" / "python")]
+    run([*pip, "install", "-q", "--no-compile", TORCH])
     run(
         [
-            pip,
+            *pip,
             "install",
             "-q",
             "--no-compile",

