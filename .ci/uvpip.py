@@ -32,9 +32,9 @@ _MAPPED = {
     "constraint": "--constraint",
     "trusted-host": "--allow-insecure-host",
 }
-# Settings that change nothing uv resolves or installs (how pip talks, logs or caches).
+# Settings that change nothing uv resolves or installs (how pip talks, logs or caches); pip's
+# cert is handed over as uv's SSL_CERT_FILE (uv_flags).
 _HARMLESS = {
-    "cert",
     "default-timeout",
     "timeout",
     "retries",

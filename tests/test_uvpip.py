@@ -6,6 +6,7 @@ through the real ``pip config list`` of this venv."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,8 +32,6 @@ uvpip = _uvpip()
 def pip_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A pip config file of this test's own, no user or XDG config (the machine's may set
     indexes), and no PIP_* variables but the ones a test sets."""
-    import os
-
     for name in list(os.environ):
         if name.startswith("PIP_"):
             monkeypatch.delenv(name)
