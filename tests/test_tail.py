@@ -56,6 +56,14 @@ def _totals(lines: list[dict]) -> dict[str, object]:
     return {**{k: v for k, v in c.items() if v}, "violations": violations}
 
 
+def _as_a_terminals_job() -> None:
+    # A command typed at a terminal has Ctrl-C at its default. pytest started in the background
+    # (`make test &`, a CI runner's job) has SIGINT ignored, and an ignored signal stays ignored
+    # across exec: Python then installs no KeyboardInterrupt handler, and the Ctrl-C below
+    # never arrives (tail waited out the test's 30 s).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _kvledger(*args: str, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
@@ -64,6 +72,7 @@ def _kvledger(*args: str, **kw) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_as_a_terminals_job,
         **kw,
     )
 
