@@ -24,6 +24,9 @@ $(BIN)/python:
 $(VENV)/.base-installed: $(BIN)/python pyproject.toml
 	$(UVPIP) $(BIN)/python install -q $(TORCH)
 	$(UVPIP) $(BIN)/python install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
+	# An editable install compiles nothing: where PYTHONDONTWRITEBYTECODE is set, every
+	# kvledger command, server process and test child would compile the tree again.
+	$(BIN)/python -m compileall -q -j0 tracker connector replay kvledger
 	touch $@
 
 # vLLM's scheduler runs on CPU torch; vllm and two compiled helpers go in without their deps
