@@ -139,15 +139,17 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 
 # The engine suite (tests/engine, marker `engine`): a missing engine fails here, never skips.
-# The served tests run alone, after the rest: they stop a real server by Ctrl-C and SIGTERM,
-# and vLLM kills its engine core soon after; whether the connector's stop handler runs first
-# is a race that another engine's load, on a 2-vCPU machine, can decide (docs/using-with-vllm.md,
-# its table of how the engine stopped).
+# The served tests run after the rest, two at a time, a stop never beside anything: they stop
+# a real server by Ctrl-C and SIGTERM, and vLLM kills its engine core soon after; whether the
+# connector's stop handler runs first is a race that another engine's load, on a 2-vCPU
+# machine, can decide (docs/using-with-vllm.md, its table of how the engine stopped). So each
+# stop has the machine to itself: the other worker's servers are frozen meanwhile
+# (tests/engine/_turns.py). Their starts, most of their time, run two at once.
 pytest-engine: setup-engine
 	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest $(PYTEST_ARGS) -m engine tests/engine \
 		--ignore tests/engine/test_served.py
-	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q --durations=15 -m engine \
-		tests/engine/test_served.py
+	KVLEDGER_ENGINE_TESTS=1 $(EBIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load \
+		--durations=15 -m engine tests/engine/test_served.py
 
 # The scheduler-harness tests (marker vllm) against other releases' real scheduler, each in its
 # own build/vllm-matrix/<version>/venv (.ci/vllm_matrix.py; the table is in

@@ -2,11 +2,13 @@
 call, then the script ends, with nothing closed by hand. Run as a program (vLLM may spawn
 processes, so the work sits under ``if __name__ == "__main__"``)::
 
-    python -m kvledger.connector.testing.offline MODEL LOG_DIR [--multiprocessing 0|1] [--end normal|raise]
+    python -m kvledger.connector.testing.offline MODEL LOG_DIR [--multiprocessing 0|1] [--end normal|raise] [--wait-stdin]
 
 ``--multiprocessing``: vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING`` (1, vLLM's default: the engine
 core in a process of its own; 0: in this one). ``--end raise``: the script ends by an uncaught
 exception instead of returning. Prints the generated token ids as JSON on a line starting with ``OUTPUTS``.
+``--wait-stdin``: then reads its input to the end before it ends, so that whoever runs it says
+when (the served tests: when the machine is theirs alone, tests/engine/_turns.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import sys
 
 
 def main() -> None:
@@ -23,6 +26,7 @@ def main() -> None:
     parser.add_argument("log_dir")
     parser.add_argument("--multiprocessing", choices=("0", "1"), default="1")
     parser.add_argument("--end", choices=("normal", "raise"), default="normal")
+    parser.add_argument("--wait-stdin", action="store_true")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = args.multiprocessing
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -61,6 +65,8 @@ def main() -> None:
         for _ in range(2)
     ]  # fmt: skip
     print("OUTPUTS", json.dumps(outs), flush=True)
+    if args.wait_stdin:
+        sys.stdin.read()
     if args.end == "raise":
         raise RuntimeError("the script fails after generating (an uncaught exception)")
 

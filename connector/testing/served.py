@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +96,13 @@ class Server:
     """``with Server(spec) as server:`` starts it and waits until it serves; ``stop(sig)``
     stops it the way a user does and waits for every process of its group to end."""
 
-    def __init__(self, spec: ServerSpec, *, start_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        *,
+        start_timeout: float = 600.0,
+        on_spawn: Callable[[int], None] | None = None,
+    ) -> None:
         self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -116,6 +122,8 @@ class Server:
             start_new_session=True,  # its own session and process group, as a shell job
         )
         self.returncode: int | None = None
+        if on_spawn is not None:  # the group's id (its leader's pid), before the wait
+            on_spawn(self.proc.pid)
         self._wait_ready(start_timeout)
 
     # --- lifecycle ------------------------------------------------------------------------

@@ -12,20 +12,27 @@ core is killed before it would call the connector's ``shutdown()`` (SIGKILL righ
 SIGTERM by default), and the log must still end complete: ``kvledger check`` exits 0. Where
 vLLM's kill can come before the engine core runs its handler at all, a log the kill cut must
 say so (exit 3) and hold nothing inconsistent.
+
+make runs these tests in two pytest-xdist workers: the servers' starts, most of the time, run
+two at once, and each stop has the machine to itself, the other worker's servers frozen until
+it is over (_turns.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ._turns import Turns
 from .conftest import prompts
 
 BLOCK = 32
@@ -49,26 +56,64 @@ def rounds(model: str) -> list[tuple[list[list[int]], int]]:
     return [(overflow, 96), (overflow, 16), (shared, 16)]
 
 
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every pytest-xdist worker of this run sees (each worker's own base
+    directory sits in it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="session")
+def turns(shared_dir: Path) -> Any:
+    """Where make runs these tests in two workers, each stop has the machine to itself
+    (_turns.py)."""
+    shared = Turns(shared_dir)
+    yield shared
+    shared.close()
+
+
+@contextlib.contextmanager
+def started(spec: Any, turns: Turns) -> Iterator[Any]:
+    """``Server(spec)``, its process group frozen while another worker's test stops a server."""
+    from kvledger.connector.testing.served import Server
+
+    groups: list[int] = []
+
+    def spawned(pgid: int) -> None:
+        groups.append(pgid)
+        turns.spawned(pgid)
+
+    try:
+        with Server(spec, on_spawn=spawned) as server:
+            yield server
+    finally:
+        for pgid in groups:
+            turns.ended(pgid)
+
+
 def serve(
     model: str,
     kv: dict[str, Any] | None,
     sig: signal.Signals,
     group: bool,
+    turns: Turns,
     extra_args: Sequence[str] = (),
     before_stop: Callable[[], None] | None = None,
     **engine: Any,
 ) -> Any:
     """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``
-    (``before_stop`` first, when given)."""
-    from kvledger.connector.testing.served import Server, ServerSpec
+    (``before_stop`` first, when given), alone on the machine."""
+    from kvledger.connector.testing.served import ServerSpec
 
     spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **{**ENGINE, **engine})
-    with Server(spec) as server:
+    with started(spec, turns) as server:
         outputs = [server.complete(p, n) for p, n in rounds(model)]
         preemptions = server.metric("vllm:num_preemptions_total")
         if before_stop is not None:
             before_stop()
-        status = server.stop(sig, group=group)
+        with turns.alone():
+            status = server.stop(sig, group=group)
         return outputs, preemptions, status, server.output()
 
 
@@ -84,9 +129,20 @@ def the_log(log_dir: Path) -> str:
     return str(logs[0])
 
 
-@pytest.fixture(scope="module")
-def base(tiny_model: str) -> Any:
-    return serve(tiny_model, None, signal.SIGINT, group=True)
+@pytest.fixture(scope="session")
+def base(tiny_model: str, turns: Turns, shared_dir: Path) -> Any:
+    """The server without a connector, once for every worker: the first to need it serves it
+    and writes what it said; another waits for that and reads it (pytest-xdist's recipe for a
+    session fixture run once)."""
+    import fcntl
+    import json
+
+    said = shared_dir / "served-base.json"
+    with open(shared_dir / "served-base.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not said.exists():
+            said.write_text(json.dumps(serve(tiny_model, None, signal.SIGINT, True, turns)))
+        return json.loads(said.read_text())
 
 
 def connector_config(log_dir: Path) -> dict[str, Any]:
@@ -131,53 +187,21 @@ def assert_same(base: Sequence[Any], other: Sequence[Any]) -> None:
         assert all(len(o) > 0 for o in a)
 
 
-@pytest.mark.parametrize(
-    ("sig", "group", "extra_args", "race"),
-    [
-        (signal.SIGINT, True, (), True),
-        (signal.SIGTERM, False, (), True),
-        (signal.SIGTERM, False, ("--shutdown-timeout", "10"), False),
-    ],
-    ids=["ctrl-c", "sigterm", "sigterm-shutdown-timeout"],
-)
-def test_served_outputs_and_a_complete_log(
-    tiny_model: str,
-    base: Any,
-    tmp_path: Path,
-    sig: signal.Signals,
-    group: bool,
-    extra_args: tuple[str, ...],
-    race: bool,
-) -> None:
-    """Same tokens as without the connector; preempted and pool-hit requests; after the stop
-    (by Ctrl-C; by SIGTERM to the server, which vLLM follows with SIGKILL to the engine core at
-    once, or after draining with --shutdown-timeout), the stop signal sealed the log (vLLM
-    never reached the connector's shutdown before the kill), which checks clean, and stats
-    shows the preemptions and the loads. Where the kill can come first (``race``), a log it
-    cut must say so and check clean up to its last step."""
-    kv = connector_config(tmp_path)
-    outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, extra_args)
-    base_outputs, base_preemptions, _, _ = base
-    assert_same(base_outputs, outputs)
-    assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
-    log = the_log(tmp_path)
-    assert_ended_by(log, output, sig.name, race=race)
-    stats = kvledger("stats", log, "--json")
-    assert stats.returncode == 0, stats.stderr
-    import json
-
-    doc = json.loads(stats.stdout)
-    assert doc["preemptions"] > 0
-    assert doc["tokens_loaded"] > 0
-
-
+# The stops in the middle of requests first: pytest-xdist hands each worker two tests in
+# this order, and the base (a server without the connector) is then served by one worker
+# while the other runs a stop.
 @pytest.mark.parametrize(
     ("sig", "group", "recorder"),
     [(signal.SIGINT, True, False), (signal.SIGTERM, False, False), (signal.SIGINT, True, True)],
     ids=["ctrl-c", "sigterm", "recorder-ctrl-c"],
 )
 def test_a_stop_while_requests_run_leaves_a_checked_log(
-    tiny_model: str, tmp_path: Path, sig: signal.Signals, group: bool, recorder: bool
+    tiny_model: str,
+    turns: Turns,
+    tmp_path: Path,
+    sig: signal.Signals,
+    group: bool,
+    recorder: bool,
 ) -> None:
     """The usual stop: Ctrl-C, or a service manager's SIGTERM, while four completions are
     still decoding (KVLedgerConnector; and the recorder around vLLM's own CPU offloading
@@ -195,54 +219,58 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     import os
     import time
 
-    from kvledger.connector.testing.served import Server, ServerSpec, group_members
+    from kvledger.connector.testing.served import ServerSpec, group_members
     from kvledger.replay.logreader import LogFollower
     from kvledger.tracker import events as ev
 
     kv = recorder_config(tmp_path) if recorder else connector_config(tmp_path)
     spec = ServerSpec(tiny_model, kv_transfer_config=kv, **LONG_ENGINE)
-    with Server(spec) as server:
-        # Four completions of LONG_TOKENS, and the stop once the log has shown all four
-        # running for 8 steps. The log is the engine core's own account. The API server's
-        # /metrics, polled before, could lag it: in CI a stop timed by it came after all four
-        # had ended (2026-12-04). And a machine loaded enough can keep this process off the
-        # CPU for seconds (seen with two CPU burners in its session: a 10 ms sleep took 6 s),
-        # so where all four ended before the stop, they are sent again; those that ended
-        # count below.
-        four = rounds(tiny_model)[0][0]
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-        follower = LogFollower(tmp_path)
-        live: set[str] = set()  # scheduled, not finished: as far as the log has come
-        deadline = time.monotonic() + 240
-        sent = 0
-        while True:
-            sent += 1
-            running = pool.submit(server.complete, four, LONG_TOKENS)
-            steps_live = 0
-            while steps_live < 8 and not running.done():
-                assert time.monotonic() < deadline, f"{live} live for {steps_live} steps"
-                for frame in follower.poll():
-                    steps_live = steps_live + 1 if len(live) == len(four) else 0
-                    for e in frame.events:
-                        if isinstance(e, ev.Scheduled):
-                            live.add(e.req_id)
-                        elif isinstance(e, ev.Finished):
-                            live.discard(e.req_id)
-                time.sleep(0.01)
-            if not running.done():
-                break
-            assert sent < 3, "three times the completions ended before the log showed them"
-            assert all(len(out) == LONG_TOKENS for out in running.result())
-        follower.close()
-        core = server.engine_core()
-        if group:
-            os.killpg(server.proc.pid, sig)
-        else:
-            server.proc.send_signal(sig)
-        deadline = time.monotonic() + 60
-        while core in group_members(server.proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert core not in group_members(server.proc.pid), "the engine core outlived the stop"
+    with started(spec, turns) as server:
+        # The machine to itself (_turns.py) from the completions until the engine core is
+        # gone: a stop that waited for its turn while they decoded could come after they had
+        # ended.
+        with turns.alone():
+            # Four completions of LONG_TOKENS, and the stop once the log has shown all four
+            # running for 8 steps. The log is the engine core's own account. The API
+            # server's /metrics, polled before, could lag it: in CI a stop timed by it came
+            # after all four had ended (2026-12-04). And a machine loaded enough can keep
+            # this process off the CPU for seconds (seen with two CPU burners in its
+            # session: a 10 ms sleep took 6 s), so where all four ended before the stop,
+            # they are sent again; those that ended count below.
+            four = rounds(tiny_model)[0][0]
+            pool = concurrent.futures.ThreadPoolExecutor(1)
+            follower = LogFollower(tmp_path)
+            live: set[str] = set()  # scheduled, not finished: as far as the log has come
+            deadline = time.monotonic() + 240
+            sent = 0
+            while True:
+                sent += 1
+                running = pool.submit(server.complete, four, LONG_TOKENS)
+                steps_live = 0
+                while steps_live < 8 and not running.done():
+                    assert time.monotonic() < deadline, f"{live} live for {steps_live} steps"
+                    for frame in follower.poll():
+                        steps_live = steps_live + 1 if len(live) == len(four) else 0
+                        for e in frame.events:
+                            if isinstance(e, ev.Scheduled):
+                                live.add(e.req_id)
+                            elif isinstance(e, ev.Finished):
+                                live.discard(e.req_id)
+                    time.sleep(0.01)
+                if not running.done():
+                    break
+                assert sent < 3, "three times the completions ended before the log showed them"
+                assert all(len(out) == LONG_TOKENS for out in running.result())
+            follower.close()
+            core = server.engine_core()
+            if group:
+                os.killpg(server.proc.pid, sig)
+            else:
+                server.proc.send_signal(sig)
+            deadline = time.monotonic() + 60
+            while core in group_members(server.proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert core not in group_members(server.proc.pid), "the engine core outlived the stop"
         try:
             server.proc.wait(10)  # docker stop's grace period
         except subprocess.TimeoutExpired:
@@ -271,7 +299,50 @@ def test_a_stop_while_requests_run_leaves_a_checked_log(
     assert 4 * (sent - 1) <= ended <= 4 * (sent - 1) + whole, (whole, doc["finish_reasons"])
 
 
-def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "group", "extra_args", "race"),
+    [
+        (signal.SIGINT, True, (), True),
+        (signal.SIGTERM, False, (), True),
+        (signal.SIGTERM, False, ("--shutdown-timeout", "10"), False),
+    ],
+    ids=["ctrl-c", "sigterm", "sigterm-shutdown-timeout"],
+)
+def test_served_outputs_and_a_complete_log(
+    tiny_model: str,
+    base: Any,
+    turns: Turns,
+    tmp_path: Path,
+    sig: signal.Signals,
+    group: bool,
+    extra_args: tuple[str, ...],
+    race: bool,
+) -> None:
+    """Same tokens as without the connector; preempted and pool-hit requests; after the stop
+    (by Ctrl-C; by SIGTERM to the server, which vLLM follows with SIGKILL to the engine core at
+    once, or after draining with --shutdown-timeout), the stop signal sealed the log (vLLM
+    never reached the connector's shutdown before the kill), which checks clean, and stats
+    shows the preemptions and the loads. Where the kill can come first (``race``), a log it
+    cut must say so and check clean up to its last step."""
+    kv = connector_config(tmp_path)
+    outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, turns, extra_args)
+    base_outputs, base_preemptions, _, _ = base
+    assert_same(base_outputs, outputs)
+    assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
+    log = the_log(tmp_path)
+    assert_ended_by(log, output, sig.name, race=race)
+    stats = kvledger("stats", log, "--json")
+    assert stats.returncode == 0, stats.stderr
+    import json
+
+    doc = json.loads(stats.stdout)
+    assert doc["preemptions"] > 0
+    assert doc["tokens_loaded"] > 0
+
+
+def test_a_served_runs_kv_events_agree_with_its_log(
+    tiny_model: str, turns: Turns, tmp_path: Path
+) -> None:
     """The server with vLLM's KV events on (its zmq publisher) and prefix caching on, and a
     router's ZMQ subscriber on the stream: every chunk the log stored has its BlockStored
     (medium CPU) with its tokens, every eviction its BlockRemoved, and every hash is the one
@@ -295,6 +366,7 @@ def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: P
             kv,
             signal.SIGTERM,
             False,
+            turns,
             args,
             before_stop=subscriber.wait_quiet,
             prefix_caching=True,
@@ -318,20 +390,39 @@ def test_a_served_runs_kv_events_agree_with_its_log(tiny_model: str, tmp_path: P
     ids=["multiprocessing", "in-process", "uncaught-exception"],
 )
 def test_an_offline_script_ends_with_a_complete_log(
-    tiny_model: str, tmp_path: Path, mp: str, end: str
+    tiny_model: str, turns: Turns, tmp_path: Path, mp: str, end: str
 ) -> None:
     """``vllm.LLM`` in a script that just ends (vLLM's default multiprocessing, or the engine
     in the script's process, or an uncaught exception after generating): nothing closes the
-    connector by hand, and the log is complete."""
+    connector by hand, and the log is complete. (The script reads its stdin to the end
+    before it ends, so that this test says when.)"""
     import json
 
-    done = subprocess.run(
+    # With multiprocessing the script's end is a stop by signal (SIGTERM to the engine core):
+    # the script waits, once it has printed its outputs, for its stdin to close, and this test
+    # closes it when the machine is its own (_turns.py). Its process group, the engine core's
+    # too, is frozen meanwhile while another worker stops a server.
+    script = subprocess.Popen(
         [sys.executable, "-m", "kvledger.connector.testing.offline", tiny_model, str(tmp_path),
-         "--multiprocessing", mp, "--end", end],
-        capture_output=True, text=True, timeout=900,
+         "--multiprocessing", mp, "--end", end, "--wait-stdin"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
-    assert done.returncode == (0 if end == "normal" else 1), done.stderr[-3000:]
-    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("OUTPUTS ")]
+    assert script.stdin is not None and script.stdout is not None
+    turns.spawned(script.pid)
+    try:
+        said: list[str] = []
+        while not (said and said[-1].startswith("OUTPUTS ")):
+            said.append(script.stdout.readline())
+            assert said[-1], "the script ended before its outputs:\n" + "".join(said)[-3000:]
+        with turns.alone() if mp == "1" else contextlib.nullcontext():
+            said.append(script.communicate(timeout=300)[0])  # its stdin closed: it ends
+    finally:
+        turns.ended(script.pid)
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == (0 if end == "normal" else 1), "".join(said)[-3000:]
+    (line,) = [ln for ln in "".join(said).splitlines() if ln.startswith("OUTPUTS ")]
     outputs = json.loads(line.removeprefix("OUTPUTS "))
     assert outputs[0] == outputs[1] and all(len(o) == 48 for o in outputs[0])
     check = kvledger("check", the_log(tmp_path))
@@ -339,15 +430,15 @@ def test_an_offline_script_ends_with_a_complete_log(
 
 
 def test_a_killed_server_leaves_its_engine_core_writing_until_it_is_stopped(
-    tiny_model: str, tmp_path: Path
+    tiny_model: str, turns: Turns, tmp_path: Path
 ) -> None:
     """The server SIGKILLed: vLLM 0.32's engine core does not watch its parent, so it lives
     on, and its log is honestly open (check exits 3: the engine is still writing it). The
     orphan stopped by SIGTERM (a service manager cleaning up) seals it: complete, exit 0."""
-    from kvledger.connector.testing.served import Server, ServerSpec
+    from kvledger.connector.testing.served import ServerSpec
 
     spec = ServerSpec(tiny_model, kv_transfer_config=connector_config(tmp_path), **ENGINE)
-    with Server(spec) as server:
+    with started(spec, turns) as server:
         server.complete(rounds(tiny_model)[0][0], 16)
         core = server.engine_core()
         server.proc.kill()
@@ -384,13 +475,15 @@ def recorder_config(log_dir: Path) -> dict[str, Any]:
     }
 
 
-def test_recorded_serving_stopped_by_sigterm(tiny_model: str, base: Any, tmp_path: Path) -> None:
+def test_recorded_serving_stopped_by_sigterm(
+    tiny_model: str, base: Any, turns: Turns, tmp_path: Path
+) -> None:
     """The recorder around vLLM's own CPU offloading connector, as a user would record it:
     the same tokens as without any connector, and after SIGTERM to the server the log is
     sealed (or, where vLLM's kill came first, says it is open), checks clean with its loads
     verified by the sampled digests, and stats reads it as a recorder's log."""
     outputs, preemptions, _, output = serve(
-        tiny_model, recorder_config(tmp_path), signal.SIGTERM, group=False
+        tiny_model, recorder_config(tmp_path), signal.SIGTERM, False, turns
     )
     assert_same(base[0], outputs)
     assert preemptions > 0
