@@ -122,6 +122,7 @@ class Server:
             start_new_session=True,  # its own session and process group, as a shell job
         )
         self.returncode: int | None = None
+        self._said: str | None = None
         if on_spawn is not None:  # the group's id (its leader's pid), before the wait
             on_spawn(self.proc.pid)
         self._wait_ready(start_timeout)
@@ -181,6 +182,8 @@ class Server:
             self.proc.wait(30)
 
     def output(self) -> str:
+        if self._said is not None:
+            return self._said
         return Path(self._output.name).read_text(errors="replace")
 
     def __enter__(self) -> Server:
@@ -189,6 +192,11 @@ class Server:
     def __exit__(self, *exc: object) -> None:
         if self.returncode is None:
             self.kill()
+        # What the server said stays readable; its file goes (a run of the served tests
+        # left a dozen in /tmp).
+        self._said = self.output()
+        self._output.close()
+        Path(self._output.name).unlink(missing_ok=True)
 
     # --- driving it -----------------------------------------------------------------------
 
