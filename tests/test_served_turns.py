@@ -10,8 +10,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 from engine._turns import Turns
 
 # A process that appends the monotonic clock to a file every millisecond, for ever.
@@ -42,52 +44,53 @@ def _wait_ticking(path: Path) -> None:
         time.sleep(0.01)
 
 
-def test_another_workers_groups_are_frozen_during_a_stop_and_its_own_are_not(
-    tmp_path: Path,
-) -> None:
-    a, b = Turns(tmp_path), Turns(tmp_path)
-    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
-    procs = [_spawn(b, theirs), _spawn(a, mine)]
-    try:
-        _wait_ticking(theirs)
-        _wait_ticking(mine)
-        with a.alone():
-            t0 = time.monotonic()
-            time.sleep(0.3)
-            t1 = time.monotonic()
-        time.sleep(0.1)
-        inside = [t for t in _ticks(theirs) if t0 + MARGIN < t < t1]
-        assert not inside, f"the other worker's group ran {len(inside)} times during the stop"
-        assert _ticks(theirs)[-1] > t1, "thawed after the stop"
-        assert len([t for t in _ticks(mine) if t0 < t < t1]) > 50, "its own group kept running"
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        a.close()
-        b.close()
+Workers = tuple[Turns, Turns, list[subprocess.Popen[bytes]]]
 
 
-def test_a_group_spawned_during_a_stop_waits_for_its_end(tmp_path: Path) -> None:
+@pytest.fixture
+def workers(tmp_path: Path) -> Iterator[Workers]:
+    """Two workers' turns over one directory, and the tickers they start (killed after)."""
     a, b = Turns(tmp_path), Turns(tmp_path)
-    ticks = tmp_path / "late"
     procs: list[subprocess.Popen[bytes]] = []
-    try:
-        with a.alone():
-            spawner = threading.Thread(target=lambda: procs.append(_spawn(b, ticks)))
-            spawner.start()
-            time.sleep(0.5)  # a Python process starts and ticks well within this
-            t1 = time.monotonic()
-            assert spawner.is_alive(), "spawned() returned while the stop held the lock"
-        spawner.join(10)
-        _wait_ticking(ticks)
-        assert min(_ticks(ticks)) > t1 - MARGIN, "the late group ran during the stop"
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-        a.close()
-        b.close()
+    yield a, b, procs
+    for p in procs:
+        p.kill()
+        p.wait()
+    a.close()
+    b.close()
+
+
+def test_another_workers_groups_are_frozen_during_a_stop_and_its_own_are_not(
+    workers: Workers, tmp_path: Path
+) -> None:
+    a, b, procs = workers
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    procs += [_spawn(b, theirs), _spawn(a, mine)]
+    _wait_ticking(theirs)
+    _wait_ticking(mine)
+    with a.alone():
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        t1 = time.monotonic()
+    time.sleep(0.1)
+    inside = [t for t in _ticks(theirs) if t0 + MARGIN < t < t1]
+    assert not inside, f"the other worker's group ran {len(inside)} times during the stop"
+    assert _ticks(theirs)[-1] > t1, "thawed after the stop"
+    assert len([t for t in _ticks(mine) if t0 < t < t1]) > 50, "its own group kept running"
+
+
+def test_a_group_spawned_during_a_stop_waits_for_its_end(workers: Workers, tmp_path: Path) -> None:
+    a, b, procs = workers
+    ticks = tmp_path / "late"
+    with a.alone():
+        spawner = threading.Thread(target=lambda: procs.append(_spawn(b, ticks)))
+        spawner.start()
+        time.sleep(0.5)  # a Python process starts and ticks well within this
+        t1 = time.monotonic()
+        assert spawner.is_alive(), "spawned() returned while the stop held the lock"
+    spawner.join(10)
+    _wait_ticking(ticks)
+    assert min(_ticks(ticks)) > t1 - MARGIN, "the late group ran during the stop"
 
 
 def test_stops_take_turns(tmp_path: Path) -> None:
