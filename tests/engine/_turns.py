@@ -11,7 +11,9 @@ Every pytest-xdist worker makes a ``Turns`` over one directory they share. Each 
 process group is registered when it is spawned. ``alone()`` takes the stop lock and freezes
 (SIGSTOP) every group the other workers registered until the stop is over (SIGCONT): their
 servers, starting or serving, wait where they are, and nobody waits for them. A group spawned
-while a stop holds the lock freezes itself until the stop is over.
+while a stop holds the lock freezes itself until the stop is over. The other worker's pytest
+process itself runs on: what it does between servers (reading a log, a `kvledger check` of a
+few tenths of a second) may share the machine with a stop.
 """
 
 from __future__ import annotations
