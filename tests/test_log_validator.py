@@ -9,9 +9,11 @@ from __future__ import annotations
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
+import attrs
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvledger.connector.logwriter import LogWriter
@@ -100,6 +102,20 @@ def _follow(blobs: list[tuple[str, bytes]], where: Path, rng: random.Random) -> 
     return frames, follower.stop, follower.ending
 
 
+def _plain(stop: Any, dirs: list[Path]) -> Any:
+    """A stop (a ``StopInfo``, or ``("format", message)``) with ``dirs`` named alike in its
+    message: the same damage, whichever directory its file is in."""
+
+    def named(message: str) -> str:
+        for directory in dirs:
+            message = message.replace(str(directory), "<dir>")
+        return message
+
+    if isinstance(stop, tuple):
+        return (stop[0], named(stop[1]))
+    return None if stop is None else attrs.evolve(stop, reason=named(stop.reason))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=FUNCTION_TMP)
 @given(
     steps=st.lists(st.integers(0, 40), min_size=1, max_size=30).map(
@@ -110,6 +126,12 @@ def _follow(blobs: list[tuple[str, bytes]], where: Path, rng: random.Random) -> 
     how=st.sampled_from(["none", "truncate", "flip", "zeros", "splice", "drop segment"]),
     seed=st.integers(0, 2**32 - 1),
 )
+# Cases this test once failed on, for the test's own reasons (found in full runs: rare).
+# Zeros after the closed log's end record: the cut at the very end of the last segment.
+@example(steps=[0] * 13, rotate=None, lost=None, how="zeros", seed=719)
+# A bit flipped in a segment's magic: the error names the file, in either directory.
+@example(steps=[0], rotate=None, lost=None, how="flip", seed=9723)
+@example(steps=[0, 0], rotate=300, lost=None, how="flip", seed=9723)
 def test_following_a_log_as_it_is_written_reads_what_reading_it_whole_reads(
     tmp_path: Path, steps: list[int], rotate: int | None, lost: int | None, how: str, seed: int
 ) -> None:
@@ -120,6 +142,8 @@ def test_following_a_log_as_it_is_written_reads_what_reading_it_whole_reads(
     (work / "written").mkdir(parents=True)
     _write(work / "written" / "run.kvlog", steps, rotate, lost)
     segments = [(p.name, bytearray(p.read_bytes())) for p in _segments(work / "written")]
+    # Each segment's size as written: it ends with its end record (the writer closed the log).
+    written = {name: len(data) for name, data in segments}
     _mutate(segments, how, rng)
     names = [name for name, _ in segments]
     data = [d for _, d in segments]
@@ -132,6 +156,7 @@ def test_following_a_log_as_it_is_written_reads_what_reading_it_whole_reads(
     followed, f_stop, f_ending = _follow(
         [(n, bytes(d)) for n, d in zip(names, data, strict=True)], work / "live", rng
     )
+    stop, f_stop = (_plain(s, [whole, work / "live"]) for s in (stop, f_stop))
     as_read = [(f.seq, f.step, f.events, f.offset, Path(f.path).name) for f in read]
     as_followed = [(f.seq, f.step, f.events, f.offset, Path(f.path).name) for f in followed]
     assert as_followed == as_read
@@ -139,7 +164,15 @@ def test_following_a_log_as_it_is_written_reads_what_reading_it_whole_reads(
         assert f_stop == stop
         return
     last = names[-1]
-    if stop is not None and stop.kind == "torn_tail" and Path(stop.path).name == last:
+    if (
+        stop is not None
+        and stop.kind == "torn_tail"
+        and Path(stop.path).name == last
+        # Torn before the end record the writer wrote last: what follows may still come. A
+        # tail after it (zeros, a piece of a frame) comes after the log said it was closed,
+        # and the follower reports it as the reader does.
+        and stop.offset < written.get(last, 0)
+    ):
         assert f_stop is None and f_ending in (None, "open")  # waiting for the rest
     elif stop is not None:
         assert f_stop is not None
