@@ -174,10 +174,14 @@ prepare:
 	$(MAKE) -j$(PREPARE_JOBS) --output-sync=target lint typecheck wheel-check docs lmcache \
 		setup-engine vllm-oldest-env
 
+# Each phase's wall time and the CPU time of all it ran so far (the shell's `times`: its
+# own, then its children's, user and system), against what $(nproc) CPUs give in that time.
 test:
 	@t0=$$(date +%s) && $(MAKE) prepare && t1=$$(date +%s) && \
-		$(MAKE) pytest pytest-engine pytest-vllm-oldest && t2=$$(date +%s) && \
-		echo "make test: passed; environments and checks $$((t1 - t0)) s, suites $$((t2 - t1)) s"
+		echo "make test: environments and checks took $$((t1 - t0)) s on $$(nproc) CPUs; CPU time:" && \
+		times && $(MAKE) pytest pytest-engine pytest-vllm-oldest && t2=$$(date +%s) && \
+		echo "make test: passed; environments and checks $$((t1 - t0)) s, suites $$((t2 - t1)) s" && \
+		echo "make test: CPU time of all of it:" && times
 
 bench: setup-vllm
 	$(BIN)/python bench/tracker_bench.py
