@@ -2,7 +2,8 @@
 written (LogFollower, ``kvledger tail``) gives the frames and the damage a log read whole gives
 (LogReader, ``kvledger check``), whatever the log, the damage, and the pieces its bytes arrive
 in. The one difference is the point of following: a frame not whole yet at the end of the last
-segment is a torn tail to the reader and, to the follower, bytes still to come."""
+segment is a torn tail to the reader and, to the follower, bytes still to come (unless the
+log's end record, which says it was closed, came before it)."""
 
 from __future__ import annotations
 
