@@ -153,7 +153,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 # And drip (not in FAULTS: a worker's reads are bounded one by one, not as a whole): the right
 # reply, a byte at a time, each a little later.
 FAULTS = ("garbage", "truncated", "slow", "error", "shape")
-SLOW_S = 1.5
+SLOW_S = 1.0  # over every client timeout the tests set (0.4 s at most), twice over
 DRIP_S = 0.06
 # A real server's error reply to each command, of the kind that command can meet.
 ERRORS = {

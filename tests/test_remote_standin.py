@@ -36,9 +36,11 @@ QUERY = "?client_name=kvledger-test"
 
 
 def _store(server: StandIn, **kw: Any) -> RemoteStore:
-    # 0.8 s: under SLOW_S, so a slow reply times out, and loose enough that a loaded machine
-    # (tests in parallel) does not time out a reply that came at once.
-    return RemoteStore(server.url("/1", QUERY), timeout_s=0.8, retry_s=0.001, **kw)
+    # 0.4 s: under SLOW_S, so a slow reply times out, and loose enough that a loaded machine
+    # (tests in parallel) does not time out a reply that came at once (the scheduler's tests
+    # below bound theirs at 400 ms too). Every slow fault waits it out, eight times a test:
+    # at 0.8 s this file spent a minute of its two waiting.
+    return RemoteStore(server.url("/1", QUERY), timeout_s=0.4, retry_s=0.001, **kw)
 
 
 def _parsed(reply: bytes) -> BaseException:
