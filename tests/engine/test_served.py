@@ -65,7 +65,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def own_core() -> Iterator[str]:
+def own_core() -> Iterator[None]:
     """Each worker's vLLM workers on a core of their own. vLLM's CPU worker binds its OpenMP
     threads, the forward pass, to cores it picks (``VLLM_CPU_OMP_THREADS_BIND=auto``): the
     same core for every server on the machine, so two workers' servers took turns on one core
@@ -74,12 +74,10 @@ def own_core() -> Iterator[str]:
     cores = sorted(os.sched_getaffinity(0))
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     index = int(worker[2:]) if worker[2:].isdigit() else 0
-    before = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if before is None:
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cores[index % len(cores)])
-    yield os.environ["VLLM_CPU_OMP_THREADS_BIND"]
-    if before is None:
-        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+    with pytest.MonkeyPatch.context() as mp:  # undone at the session's end
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            mp.setenv("VLLM_CPU_OMP_THREADS_BIND", str(cores[index % len(cores)]))
+        yield
 
 
 @pytest.fixture(scope="session")
