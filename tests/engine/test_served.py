@@ -128,7 +128,8 @@ def serve(
 
     spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **{**ENGINE, **engine})
     with started(spec, turns) as server:
-        outputs = [server.complete(p, n) for p, n in rounds(model)]
+        work = rounds(model)
+        outputs = [server.complete(p, n) for p, n in work]
         preemptions = server.metric("vllm:num_preemptions_total")
         for _ in range(2 if preempted else 0):
             if preemptions:
@@ -137,8 +138,7 @@ def serve(
             # sent at once, but a loaded machine can spread their arrival until they barely
             # overlap (seen once in CI, 2026-12-06, with the recorder): sent again, they
             # must come back the same.
-            prompts, tokens = rounds(model)[0]
-            assert server.complete(prompts, tokens) == outputs[0]
+            assert server.complete(*work[0]) == outputs[0]
             preemptions = server.metric("vllm:num_preemptions_total")
         if before_stop is not None:
             before_stop()
