@@ -171,7 +171,9 @@ def base(tiny_model: str, turns: Turns, shared_dir: Path) -> Any:
     with open(shared_dir / "served-base.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not said.exists():
-            said.write_text(json.dumps(serve(tiny_model, None, signal.SIGINT, True, turns)))
+            said.write_text(
+                json.dumps(serve(tiny_model, None, signal.SIGINT, True, turns, preempted=True))
+            )
         return json.loads(said.read_text())
 
 
@@ -366,7 +368,9 @@ def test_served_outputs_and_a_complete_log(
     shows the preemptions and the loads. Where the kill can come first (``race``), a log it
     cut must say so and check clean up to its last step."""
     kv = connector_config(tmp_path)
-    outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, turns, extra_args)
+    outputs, preemptions, _, output = serve(
+        tiny_model, kv, sig, group, turns, extra_args, preempted=True
+    )
     base_outputs, base_preemptions, _, _ = base
     assert_same(base_outputs, outputs)
     assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
