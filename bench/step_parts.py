@@ -78,29 +78,11 @@ def parts(recorder: bool) -> list[tuple[Any, str]]:
     ]
 
 
-def wrap(cls: Any, name: str) -> list[int]:
-    """Time ``cls.name`` into the returned one-element list (nanoseconds, summed)."""
-    original = getattr(cls, name)
-    spent = [0]
-    clock = time.perf_counter_ns
-
-    @functools.wraps(original)
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            spent[0] += clock() - t0
-
-    setattr(cls, name, timed)
-    return spent
-
-
-def wrap_thread(cls: Any, name: str) -> list[int]:
-    """Time each call of ``cls.name`` in its thread's CPU time, into the returned list (ns)."""
+def wrap(cls: Any, name: str, clock: Any = time.perf_counter_ns) -> list[int]:
+    """Time each call of ``cls.name`` by ``clock`` into the returned list (nanoseconds);
+    ``time.thread_time_ns`` counts the calling thread's CPU time alone."""
     original = getattr(cls, name)
     calls: list[int] = []
-    clock = time.thread_time_ns
 
     @functools.wraps(original)
     def timed(*args: Any, **kwargs: Any) -> Any:
@@ -131,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         timers = [(f"{cls.__name__}.{name}", wrap(cls, name)) for cls, name in parts(args.recorder)]
         from kvledger.connector.logwriter import _BackgroundOutput
 
-        framed = wrap_thread(_BackgroundOutput, "_frame")
-        wrote = wrap_thread(_BackgroundOutput, "_do")
+        framed = wrap(_BackgroundOutput, "_frame", time.thread_time_ns)
+        wrote = wrap(_BackgroundOutput, "_do", time.thread_time_ns)
         if args.recorder:
             spec = recorder_bench.recorder_spec(tmp)
         else:
@@ -150,13 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             framed.clear()
             wrote.clear()
             for _ in range(args.steps):
-                for _, spent in timers:
-                    spent[0] = 0
+                for _, calls in timers:
+                    calls.clear()
                 t0 = time.perf_counter_ns()
                 v.step()
                 steps.append(time.perf_counter_ns() - t0)
-                for label, spent in timers:
-                    per[label].append(spent[0])
+                for label, calls in timers:
+                    per[label].append(sum(calls))
             # The thread's work of the timed steps (a round under way when they ended, whose
             # frames are not counted yet, is left out on both sides of the division).
             thread = list(framed), list(wrote)
