@@ -118,12 +118,12 @@ def serve(
     turns: Turns,
     extra_args: Sequence[str] = (),
     before_stop: Callable[[], None] | None = None,
-    preempted: bool = False,
     **engine: Any,
 ) -> Any:
     """Start the server, run the rounds concurrently, read its metrics, stop it by ``sig``
-    (``before_stop`` first, when given), alone on the machine. ``preempted``: where the
-    rounds preempted nothing, the first round again, at most twice, until vLLM preempts."""
+    (``before_stop`` first, when given), alone on the machine. Where the rounds preempted
+    nothing, the first round again, at most twice, until vLLM preempts: every test here
+    but the KV events' asserts preemptions, and the others' logs are no worse for it."""
     from kvledger.connector.testing.served import ServerSpec
 
     spec = ServerSpec(model, kv_transfer_config=kv, extra_args=extra_args, **{**ENGINE, **engine})
@@ -131,7 +131,7 @@ def serve(
         work = rounds(model)
         outputs = [server.complete(p, n) for p, n in work]
         preemptions = server.metric("vllm:num_preemptions_total")
-        for _ in range(2 if preempted else 0):
+        for _ in range(2):
             if preemptions:
                 break
             # The first round preempts when its four requests decode together. They are
@@ -171,9 +171,7 @@ def base(tiny_model: str, turns: Turns, shared_dir: Path) -> Any:
     with open(shared_dir / "served-base.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not said.exists():
-            said.write_text(
-                json.dumps(serve(tiny_model, None, signal.SIGINT, True, turns, preempted=True))
-            )
+            said.write_text(json.dumps(serve(tiny_model, None, signal.SIGINT, True, turns)))
         return json.loads(said.read_text())
 
 
@@ -368,9 +366,7 @@ def test_served_outputs_and_a_complete_log(
     shows the preemptions and the loads. Where the kill can come first (``race``), a log it
     cut must say so and check clean up to its last step."""
     kv = connector_config(tmp_path)
-    outputs, preemptions, _, output = serve(
-        tiny_model, kv, sig, group, turns, extra_args, preempted=True
-    )
+    outputs, preemptions, _, output = serve(tiny_model, kv, sig, group, turns, extra_args)
     base_outputs, base_preemptions, _, _ = base
     assert_same(base_outputs, outputs)
     assert base_preemptions > 0 and preemptions > 0  # the workload preempts, either way
@@ -533,7 +529,7 @@ def test_recorded_serving_stopped_by_sigterm(
     sealed (or, where vLLM's kill came first, says it is open), checks clean with its loads
     verified by the sampled digests, and stats reads it as a recorder's log."""
     outputs, preemptions, _, output = serve(
-        tiny_model, recorder_config(tmp_path), signal.SIGTERM, False, turns, preempted=True
+        tiny_model, recorder_config(tmp_path), signal.SIGTERM, False, turns
     )
     assert_same(base[0], outputs)
     assert preemptions > 0
