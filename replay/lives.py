@@ -26,7 +26,7 @@ from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.framing import StopInfo
 from kvledger.tracker.history import GLOBAL_TYPES, POOL, Folded, walk
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 
 __all__ = [
     "Fold",

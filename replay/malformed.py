@@ -36,7 +36,8 @@ from kvledger.tracker import decoded
 from kvledger.tracker import events as ev
 from kvledger.tracker.history import Folded, Labelled, labelled
 from kvledger.tracker.numbering import RequestNumbers
-from kvledger.tracker.state import Violation, starts_life
+from kvledger.tracker.state import starts_life
+from kvledger.tracker.violation import Violation
 from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["KEPT", "Malformed", "MalformedRecords", "detail_text", "read"]

@@ -42,8 +42,8 @@ from kvledger.connector.scheduler import SchedulerSide
 from kvledger.connector.testing.faults import FaultyWorkerSide
 from kvledger.connector.testing.oracle import KVOracle
 from kvledger.connector.transfer import TransferHandle
-from kvledger.tracker.invariants import InvariantViolation
 from kvledger.tracker.state import LookupResult, Phase
+from kvledger.tracker.violation import InvariantViolation
 
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 

@@ -19,11 +19,11 @@ from kvledger.tracker.state import (
     Phase,
     RequestState,
     SaveProgress,
-    Violation,
     fold,
     new_state,
 )
 from kvledger.tracker.tracker import Tracker
+from kvledger.tracker.violation import Violation
 
 CFG = TrackerConfig(block_size=4, chunk_size=8)
 NEW, RESUMED, RUNNING = ev.Admission.NEW, ev.Admission.RESUMED, ev.Admission.RUNNING

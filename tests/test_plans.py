@@ -28,9 +28,9 @@ from kvledger.tracker.state import (
     Phase,
     RequestState,
     SaveProgress,
-    Violation,
     new_state,
 )
+from kvledger.tracker.violation import Violation
 
 # The chunk-granular rules (block hits off, as every run before them); hits at block
 # granularity are tested further down with BLOCKS.

@@ -17,10 +17,10 @@ from _pool import stored_items
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import chunk_keys, root_key
 from kvledger.tracker.config import TrackerConfig
-from kvledger.tracker.invariants import InvariantViolation
 from kvledger.tracker.plans import ChunkTransfer, transfer_plan
 from kvledger.tracker.state import LookupResult, Phase, RequestState
 from kvledger.tracker.tracker import Tracker
+from kvledger.tracker.violation import InvariantViolation
 
 NEW, RESUMED = ev.Admission.NEW, ev.Admission.RESUMED
 

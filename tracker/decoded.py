@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from kvledger.tracker import events as ev
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 
 __all__ = ["Entry", "entries", "not_steady", "unknown"]
 

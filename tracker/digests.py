@@ -39,7 +39,7 @@ import attrs
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import chunk_keys, root_key
 from kvledger.tracker.recorded_steps import RecordedSteps
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 from kvledger.tracker.wellformed import malformed
 
 __all__ = [

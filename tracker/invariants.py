@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
-from kvledger.tracker.state import Phase, RequestState, Violation
+from kvledger.tracker.state import Phase, RequestState
+from kvledger.tracker.violation import InvariantViolation, Violation
 
 __all__ = [
     "ALL_CHECKS",
@@ -23,14 +24,6 @@ __all__ = [
     "tokens_match_schedule",
     "tokens_within_blocks",
 ]
-
-
-class InvariantViolation(AssertionError):
-    """Raised in strict mode (tests); carries the Violation."""
-
-    def __init__(self, violation: Violation) -> None:
-        super().__init__(violation.describe())
-        self.violation = violation
 
 
 Check = Callable[[RequestState, ev.Event, TrackerConfig], "Violation | None"]

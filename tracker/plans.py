@@ -39,8 +39,9 @@ from kvledger.tracker.chunks import (
     partial_key,
 )
 from kvledger.tracker.config import TrackerConfig
-from kvledger.tracker.state import Phase, RequestState, Violation
+from kvledger.tracker.state import Phase, RequestState
 from kvledger.tracker.tiers import POOL, REMOTE, slot_of
+from kvledger.tracker.violation import Violation
 
 __all__ = [
     "ChunkTransfer",

@@ -76,7 +76,7 @@ from typing import Any
 from kvledger.tracker import events as ev
 from kvledger.tracker.inner_store import InnerStore
 from kvledger.tracker.recorded_steps import RecordedSteps
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 from kvledger.tracker.wellformed import Wellformed
 
 __all__ = ["RECORDED_RULES", "RecordedRules", "check_recorded"]

@@ -30,7 +30,7 @@ from typing import Any
 from kvledger.tracker import decoded
 from kvledger.tracker import events as ev
 from kvledger.tracker.numbering import RequestNumbers
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 
 __all__ = ["Life", "RecordedSteps", "advance"]
 

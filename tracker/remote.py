@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import ChunkIndex, RemoteKeys, chunk_keys
-from kvledger.tracker.state import RequestState, Violation
+from kvledger.tracker.state import RequestState
+from kvledger.tracker.violation import Violation
 from kvledger.tracker.wellformed import malformed
 
 __all__ = [

@@ -29,12 +29,11 @@ import struct
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import attrs
-
 from kvledger.tracker import events as ev
 from kvledger.tracker.chunks import chunk_keys, packed_chunk_keys, root_key, tokens_bytes
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.seq import Seq
+from kvledger.tracker.violation import Violation
 
 __all__ = [
     "Lifetime",
@@ -57,21 +56,6 @@ class Phase(enum.IntEnum):
     RUNNING = 1
     PREEMPTED = 2
     FINISHED = 3
-
-
-@attrs.frozen(slots=True)
-class Violation:
-    """A broken rule: which, where, and the numbers involved."""
-
-    rule: str
-    step: int
-    req_id: str
-    event: str
-    detail: dict[str, Any] = attrs.field(factory=dict, eq=False)
-
-    def describe(self) -> str:
-        nums = ", ".join(f"{k}={v}" for k, v in self.detail.items())
-        return f"step {self.step} {self.req_id}: {self.rule} at {self.event} ({nums})"
 
 
 class LookupResult(NamedTuple):

@@ -18,7 +18,7 @@ import itertools
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, ClassVar, Final, Protocol
+from typing import Any, Final, Protocol
 
 import attrs
 
@@ -36,12 +36,12 @@ from kvledger.tracker.remote import REMOTE_TYPES, apply_remote, foreign_violatio
 from kvledger.tracker.state import (
     Phase,
     RequestState,
-    Violation,
     advance_decoded,
     fold,
     steady_decode,
     steady_limit,
 )
+from kvledger.tracker.violation import Violation
 from kvledger.tracker.wellformed import Wellformed, sound_but_nums
 
 __all__ = ["SILENT", "LogSink", "Tracker", "close_log", "seal_log"]
@@ -400,7 +400,7 @@ class Tracker:
         self.counts["events"] += 1
         if event.__class__ is ev.StepDecoded and self._batch_takes(event):
             return []
-        handler = self._APPLY.get(event.__class__, Tracker._apply_request_event)
+        handler = _APPLY.get(event.__class__, Tracker._apply_request_event)
         found = self._wellformed.check(event)
         if found:
             return self._apply_malformed(event, handler, found)
@@ -902,15 +902,6 @@ class Tracker:
             self._store(req_id, state)
         self._report((Violation(rule, self.step, req_id, event, detail),), state)
 
-    # Event types that are not about one request; every other type is.
-    _APPLY: ClassVar[dict[type[ev.Event], Callable[[Tracker, Any], list[ev.DecisionEvent]]]] = {
-        ev.ChunkStored: _apply_pool_event,
-        ev.ChunkEvicted: _apply_pool_event,
-        ev.StepDecoded: _apply_step_decoded,
-        **dict.fromkeys(REMOTE_TYPES, _apply_remote_event),
-        **dict.fromkeys(DIGEST_TYPES, _apply_digest_event),
-    }
-
     # --- one helper per callback: build the event for the current step, apply it ---------
 
     def add_request(
@@ -1003,3 +994,15 @@ class Tracker:
 
     def load_failed(self, req_id: str, block_ids: Iterable[int]) -> None:
         self.apply(ev.LoadFailed(self.step, req_id, ev.int_tuple(block_ids)))
+
+
+# Event types that are not about one request; every other type is. After the class, not in
+# its body: a table of methods built there is a plain function table only to the interpreter
+# (a compiler of typed Python, mypyc, takes the class whole without it).
+_APPLY: Final[dict[type[ev.Event], Callable[[Tracker, Any], list[ev.DecisionEvent]]]] = {
+    ev.ChunkStored: Tracker._apply_pool_event,
+    ev.ChunkEvicted: Tracker._apply_pool_event,
+    ev.StepDecoded: Tracker._apply_step_decoded,
+    **dict.fromkeys(REMOTE_TYPES, Tracker._apply_remote_event),
+    **dict.fromkeys(DIGEST_TYPES, Tracker._apply_digest_event),
+}

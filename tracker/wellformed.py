@@ -46,7 +46,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kvledger.tracker import events as ev
-from kvledger.tracker.state import Violation
+from kvledger.tracker.violation import Violation
 
 __all__ = [
     "RULES",
