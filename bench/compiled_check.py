@@ -30,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +93,16 @@ print(json.dumps({
 """
 
 
+def can_compile() -> str | None:
+    """Why mypyc cannot build here, or None: it needs a C compiler and Python's headers."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        return "mypyc needs a C compiler: none on PATH (Debian: apt-get install gcc)"
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.exists():
+        return f"mypyc needs Python's headers: no {headers} (Debian: apt-get install python3-dev)"
+    return None
+
+
 def build(tmp: Path) -> tuple[Path, Path]:
     """The Python tree and the compiled tree, each a copy of this checkout's packages."""
     trees = []
@@ -151,6 +162,9 @@ def main() -> None:
         "anything, the tests too, on the compiled modules",
     )
     args = ap.parse_args()
+    missing = can_compile()
+    if missing:
+        sys.exit(missing)
 
     from bench.replay_bench import write_log
 
