@@ -529,8 +529,20 @@ class _WhatIf(_Replay):
     configuration's offers (see the module docstring), every planned transfer taken as
     succeeded, and the plans tallied per request against the recorded ones."""
 
-    def __init__(self, result: CheckResult, config: TrackerConfig, **kw: Any) -> None:
-        super().__init__(result, config, **kw)
+    def __init__(
+        self,
+        result: CheckResult,
+        config: TrackerConfig,
+        *,
+        request: str | None,
+        progress: Progress | None,
+        max_problems: int,
+    ) -> None:
+        # Named, not passed on as **kw: mypy checks them, and mypyc's compiled call passed
+        # them by position (bench/compiled_check.py, docs/performance.md).
+        super().__init__(
+            result, config, request=request, progress=progress, max_problems=max_problems
+        )
         assert result.what_if is not None
         self.what_if: WhatIf = result.what_if
         # Each admission of the frame: its request -> the tokens vLLM computes at it.
