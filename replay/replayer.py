@@ -160,6 +160,12 @@ class _Replay:
         self.rewrite: Callable[[ev.Event, RequestState | None], ev.Event | None] | None = None
         # Plans' tokens per request, by column (0 recorded, 1 derived): what-if's tally.
         self.tally: Callable[[str, int, int, int], None] | None = None
+        self._begin()
+
+    def _begin(self) -> None:
+        """A path's own setup, after the replay's: what a subclass would otherwise do in a
+        constructor of its own. One that passed its arguments on as ``**kw`` was called wrong
+        once compiled by mypyc (docs/performance.md, the core compiled)."""
 
     # --- problems -----------------------------------------------------------------------
 
@@ -529,22 +535,9 @@ class _WhatIf(_Replay):
     configuration's offers (see the module docstring), every planned transfer taken as
     succeeded, and the plans tallied per request against the recorded ones."""
 
-    def __init__(
-        self,
-        result: CheckResult,
-        config: TrackerConfig,
-        *,
-        request: str | None,
-        progress: Progress | None,
-        max_problems: int,
-    ) -> None:
-        # Named, not passed on as **kw: mypy checks them, and mypyc's compiled call passed
-        # them by position (bench/compiled_check.py, docs/performance.md).
-        super().__init__(
-            result, config, request=request, progress=progress, max_problems=max_problems
-        )
-        assert result.what_if is not None
-        self.what_if: WhatIf = result.what_if
+    def _begin(self) -> None:
+        assert self.result.what_if is not None
+        self.what_if: WhatIf = self.result.what_if
         # Each admission of the frame: its request -> the tokens vLLM computes at it.
         self.admissions: dict[str, int] = {}
         self.prepare = self._prepare
