@@ -57,36 +57,34 @@ MODULES = (
     "replay/replayer.py",
 )
 
-# Run in each tree's own process: its kvledger first on the path.
+# Run in each tree's own process: its kvledger imported first, then the replay bench's own
+# timer, decoder and count (the bench puts the checkout on the path as it loads, after the
+# tree's package is in place: every module of kvledger still comes from the tree, checked).
 _TIMER = """
-import gc, json, statistics, sys, time
-tree, log, reps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+import json, statistics, sys
+tree, log, reps, bench = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 sys.path.insert(0, tree)
-from kvledger.replay.logreader import LogReader
-from kvledger.replay.replayer import check
+import kvledger.replay.replayer
 import kvledger.tracker.tracker as t
-
-def timed(fn):
-    gc.collect()
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-def decode():
-    return sum(len(f.events) for f in LogReader(log))
+sys.path.append(bench)
+from pathlib import Path
+from replay_bench import decode, events_of, timed
 
 dec, chk = [], []
 for _ in range(reps):
-    dec.append(timed(decode)[0])
-    seconds, result = timed(lambda: check(log))
+    dec.append(timed(lambda: decode(Path(log)))[0])
+    seconds, result = timed(lambda: kvledger.replay.replayer.check(log))
     chk.append(seconds)
 print(json.dumps({
     "compiled": not t.__file__.endswith(".py"),
+    "from_tree": all(
+        m.__file__.startswith(tree)
+        for name, m in sys.modules.items()
+        if name.startswith("kvledger") and getattr(m, "__file__", None)
+    ),
     "decode": statistics.median(dec),
     "check": statistics.median(chk),
-    # An event as replay_bench counts it: a steady decode step one per request.
-    "events": result.counts["events"] - result.counts["by_type"].get("StepDecoded", 0)
-    + result.counts["steady_decode_steps"],
+    "events": events_of(result.counts),
     "verdict": [[p.rule, p.step, p.req_id] for p in result.problems],
     "counts": result.counts,
 }))
@@ -134,7 +132,7 @@ def build(tmp: Path) -> tuple[Path, Path]:
 
 def measure(tree: Path, log: Path, reps: int) -> dict:
     run = subprocess.run(
-        [sys.executable, "-c", _TIMER, str(tree), str(log), str(reps)],
+        [sys.executable, "-c", _TIMER, str(tree), str(log), str(reps), str(ROOT / "bench")],
         cwd=tree,
         capture_output=True,
         text=True,
@@ -142,8 +140,8 @@ def measure(tree: Path, log: Path, reps: int) -> dict:
     if run.returncode != 0:
         sys.exit(f"the run in {tree.name} failed:\n{run.stderr[-3000:]}")
     out: dict = json.loads(run.stdout.splitlines()[-1])
-    if out["compiled"] != (tree.name == "compiled"):
-        sys.exit(f"{tree.name}: its kvledger.tracker.tracker is not the {tree.name} one")
+    if out["compiled"] != (tree.name == "compiled") or not out["from_tree"]:
+        sys.exit(f"{tree.name}: its run imported kvledger from outside the {tree.name} tree")
     return out
 
 

@@ -30,7 +30,7 @@ from kvledger.tracker.state import (
     SaveProgress,
     new_state,
 )
-from kvledger.tracker.violation import Violation
+from kvledger.tracker.violation import InvariantViolation, Violation
 
 # The chunk-granular rules (block hits off, as every run before them); hits at block
 # granularity are tested further down with BLOCKS.
@@ -461,7 +461,7 @@ def test_check_runs_the_checks_of_the_event_type() -> None:
 
 def test_invariant_violation_carries_the_violation() -> None:
     v = Violation("tokens_within_blocks", 3, "r", "Scheduled", {"num_tokens": 17})
-    err = inv.InvariantViolation(v)
+    err = InvariantViolation(v)
     assert isinstance(err, AssertionError)
     assert err.violation is v
     assert str(err) == "step 3 r: tokens_within_blocks at Scheduled (num_tokens=17)"

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from kvledger.tracker import events as ev
 from kvledger.tracker.config import TrackerConfig
 from kvledger.tracker.state import Phase, RequestState
-from kvledger.tracker.violation import InvariantViolation, Violation
+from kvledger.tracker.violation import Violation
 
 __all__ = [
     "ALL_CHECKS",
     "CHECKS_BY_EVENT",
-    "InvariantViolation",
     "check",
     "load_within_allocation",
     "saved_le_computed",

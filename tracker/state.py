@@ -42,7 +42,6 @@ __all__ = [
     "Phase",
     "RequestState",
     "SaveProgress",
-    "Violation",
     "advance_decoded",
     "fold",
     "new_state",

@@ -41,7 +41,7 @@ from kvledger.tracker.state import (
     steady_decode,
     steady_limit,
 )
-from kvledger.tracker.violation import Violation
+from kvledger.tracker.violation import InvariantViolation, Violation
 from kvledger.tracker.wellformed import Wellformed, sound_but_nums
 
 __all__ = ["SILENT", "LogSink", "Tracker", "close_log", "seal_log"]
@@ -890,7 +890,7 @@ class Tracker:
                 state=state.summary() if state is not None else None,
             )
         if self.config.strict and recorded:
-            raise invariants.InvariantViolation(self.violations[-len(recorded)])
+            raise InvariantViolation(self.violations[-len(recorded)])
         return recorded
 
     def mark_violation(self, req_id: str, rule: str, event: str, **detail: Any) -> None:
@@ -996,9 +996,9 @@ class Tracker:
         self.apply(ev.LoadFailed(self.step, req_id, ev.int_tuple(block_ids)))
 
 
-# Event types that are not about one request; every other type is. After the class, not in
-# its body: a table of methods built there is a plain function table only to the interpreter
-# (a compiler of typed Python, mypyc, takes the class whole without it).
+# Event types that are not about one request; every other type is. Built after the class, not
+# in its body, where mypyc cannot compile a table of the class's own functions
+# (bench/compiled_check.py).
 _APPLY: Final[dict[type[ev.Event], Callable[[Tracker, Any], list[ev.DecisionEvent]]]] = {
     ev.ChunkStored: Tracker._apply_pool_event,
     ev.ChunkEvicted: Tracker._apply_pool_event,

@@ -1,11 +1,10 @@
 """A broken rule as a value (``Violation``), and the error strict mode raises with one.
 
 Their own module, apart from the fold (``state``) and the checks (``invariants``) that make
-them: every layer of the core names a violation, and the modules that fold and plan hold
-only functions and tuples, so a compiler of typed Python (mypyc, ``bench/compiled_check.py``)
-can take them whole. An attrs class with a field default, and a subclass of a built-in
-exception, are what it cannot compile.
-"""
+them: every layer of the core names a violation, and these two classes are what mypyc, a
+compiler of typed Python, refuses in a compiled module (an attrs class with a field default,
+a subclass of a built-in exception). Here, the modules that fold and plan compile whole
+(``bench/compiled_check.py``)."""
 
 from __future__ import annotations
 
