@@ -18,6 +18,9 @@ Variants:
           (steady_decode false: one Scheduled per request per step, the format before)
   recdig  (--digests) reclog with digests sampled: the scheduler side's part of them (which
           blocks to digest each step; the digests themselves are the worker's)
+  recfree (--free-thread) reclog whose log thread frames and writes nothing: all that
+          recording costs the scheduler's thread, and the bound of any writer off the
+          process (issue 25: a writer process fed through a ring would still pay its handover)
 
 The target line compares each recorder variant with ``null``, the wrapped connector alone:
 what recording costs a connector (its own work comes on top in both). The worker side is not
@@ -63,6 +66,20 @@ def recorder_spec(
     }
 
 
+def free_log_thread(connector: Any) -> None:
+    """Make the recorder's log thread take each round and do nothing with it: no frame built,
+    nothing written. The scheduler's thread hands its records over as always."""
+    out = connector.recording.log._out
+    do = out._do
+
+    def no_write(op: str, arg: Any) -> None:
+        if op != "write":  # fsync, close: as always
+            do(op, arg)
+
+    out._frame = lambda *_: b""
+    out._do = no_write
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -71,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--full", action="store_true", help="also time steady_decode false")
     p.add_argument(
         "--digests", action="store_true", help="also time digests sampled (the planner's part)"
+    )
+    p.add_argument(
+        "--free-thread",
+        action="store_true",
+        help="also time reclog with a log thread that frames and writes nothing",
     )
     args = so.parse_timing(p, argv)
     cfg = so.decode_config(args)
@@ -101,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.digests:
                 spec = recorder_spec(os.path.join(tmp, "dig"), digests="sampled")
                 specs.append(("recdig", spec))
+            if args.free_thread:
+                specs.append(("recfree", recorder_spec(os.path.join(tmp, "free"))))
             for name, spec in specs:
                 variants.append(so.Variant(name, cfg.with_(kv_connector=spec)))
+                if name == "recfree":
+                    free_log_thread(variants[-1].connector)
             for v in variants:
                 so.warm_up(v, args)
             wall = so.run_timed(variants, args)
