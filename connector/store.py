@@ -59,8 +59,10 @@ class HostChunkPool:
             self._buffer = torch.empty(
                 (num_slots, *self.chunk_shape), dtype=spec.dtype, pin_memory=True
             )
-        # Per slot, the transfers issued on it that may still be running.
-        self._pending: list[list[tuple[SlotMode, TransferHandle]]] = [[] for _ in range(num_slots)]
+        # The transfers that may still be running, by slot; a slot with none has no entry. Kept
+        # sparse: a small model's default pool has hundreds of thousands of slots, and a list
+        # for each took half a second to build (and ``wait_all`` as long to walk).
+        self._pending: dict[int, list[tuple[SlotMode, TransferHandle]]] = {}
         self._staging: torch.Tensor | None = None  # staging(), made on first use
 
     @classmethod
@@ -123,7 +125,7 @@ class HostChunkPool:
         self._check_backend(backend)
         self._claim(i, "write")
         handle = backend.save(self._buffer[i], slot_mapping, offset, after=after)
-        self._pending[i].append(("write", handle))
+        self._pending.setdefault(i, []).append(("write", handle))
         return handle
 
     def load(
@@ -140,30 +142,29 @@ class HostChunkPool:
         self._check_backend(backend)
         self._claim(i, "read")
         handle = backend.load(self._buffer[i], slot_mapping, offset, after=after)
-        self._pending[i].append(("read", handle))
+        self._pending.setdefault(i, []).append(("read", handle))
         return handle
 
     def track(self, i: int, mode: SlotMode, handle: TransferHandle) -> None:
         """Record a transfer on slot ``i`` that was issued through :meth:`slot` directly."""
         self._claim(i, mode)
-        self._pending[i].append((mode, handle))
+        self._pending.setdefault(i, []).append((mode, handle))
 
     def in_flight(self, i: int) -> bool:
         """True while a transfer on slot ``i`` may still be running."""
         self._check_index(i)
         self._prune(i)
-        return bool(self._pending[i])
+        return i in self._pending
 
     def wait_slot(self, i: int) -> None:
         """Block the host until every transfer touching slot ``i`` has finished."""
         self._check_index(i)
-        for _, handle in self._pending[i]:
+        for _, handle in self._pending.pop(i, ()):
             with contextlib.suppress(Exception):  # failed: over all the same (see _over)
                 handle.synchronize()
-        self._pending[i].clear()
 
     def wait_all(self) -> None:
-        for i in range(self.num_slots):
+        for i in list(self._pending):
             self.wait_slot(i)
 
     # -- internals ----------------------------------------------------------------------------
@@ -186,14 +187,20 @@ class HostChunkPool:
             )
 
     def _prune(self, i: int) -> None:
-        self._pending[i] = [(m, h) for m, h in self._pending[i] if not _over(h)]
+        pending = self._pending.get(i)
+        if pending is not None:
+            live = [(m, h) for m, h in pending if not _over(h)]
+            if live:
+                self._pending[i] = live
+            else:
+                del self._pending[i]
 
     def _claim(self, i: int, mode: SlotMode) -> None:
         """Refuse a transfer that would race one in flight: a write must be alone on its slot;
         reads may share it with other reads."""
         self._check_index(i)
         self._prune(i)
-        for other, _ in self._pending[i]:
+        for other, _ in self._pending.get(i, ()):
             if mode == "write" or other == "write":
                 raise SlotBusyError(
                     f"slot {i}: cannot start a {mode} while a {other} is in flight; "

@@ -186,3 +186,34 @@ def test_wait_slot_blocks_on_every_pending_transfer():
     pool.wait_all()
     assert other_event.synchronized
     assert not pool.in_flight(0) and not pool.in_flight(1)
+
+
+def test_a_pool_of_a_million_slots_keeps_nothing_per_idle_slot():
+    """A small model's default pool has hundreds of thousands of slots (4 GiB of 16 KiB
+    chunks): the bookkeeping holds only the slots with a transfer, so building the pool and
+    waiting for it cost what those transfers cost, not what the slots would."""
+    import tracemalloc
+
+    n = 1 << 20
+    tracemalloc.start()
+    try:
+        pool = HostChunkPool(SPEC, C, n)
+        built = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert pool.num_slots == n
+    # A list per slot was 56 bytes each: 60 MB here.
+    assert built < 1 << 20, f"{built:,} bytes of Python objects for an idle pool"
+    write, write_event = pending()
+    read, read_event = pending()
+    pool.track(n - 1, "write", write)
+    pool.track(7, "read", read)
+    assert pool.in_flight(n - 1) and pool.in_flight(7) and not pool.in_flight(8)
+    read_event.finished = True
+    assert not pool.in_flight(7)
+    pool.track(7, "write", pending()[0])  # the finished read no longer holds the slot
+    pool.wait_all()
+    assert write_event.synchronized
+    assert not pool.in_flight(n - 1) and not pool.in_flight(7)
+    with pytest.raises(IndexError, match=rf"slot {n} out of range"):
+        pool.in_flight(n)
