@@ -320,14 +320,25 @@ def test_lmcache_recorded_both_ways_gets_the_same_verdicts(tmp_path, version: st
     verdicts, including the ones that name #1969."""
     from _lmcache import require_lmcache
 
-    from kvledger.connector.testing.lmcache import run_version
+    from kvledger.connector.testing.lmcache import adapter_jobs, run_jobs
 
     require_lmcache([version])
     names = LMCACHE_RUNS[version]
-    runs = {
-        steady: run_version(
-            version, names, record_to=str(tmp_path / f"logs-{steady}"), steady_decode=steady
+    # Both ways in one child (importing vLLM and LMCache is most of a child's time), recorded
+    # runs only: each job's label says which way it was recorded.
+    jobs = [
+        {**job, "label": f"{job['label']}@{steady}"}
+        for steady in (True, False)
+        for name in names
+        for job in adapter_jobs(
+            name, str(tmp_path / f"logs-{steady}"), "sampled", steady, bare=False
         )
+    ]
+    reports = run_jobs(version, jobs, module="kvledger.connector.testing.lmcache")
+    runs = {
+        steady: {
+            label.split("@")[0]: r for label, r in reports.items() if label.endswith(f"@{steady}")
+        }
         for steady in (True, False)
     }
     for name in names:
