@@ -121,9 +121,12 @@ def assert_vllms_own_hashes(events: list[Any], block_size: int) -> None:
 
 class Subscriber:
     """A router's side of vLLM's stream: SUB on the publisher's endpoint, each message
-    ``(topic, seq, payload)`` decoded as vLLM's ``KVEventBatch``."""
+    ``(topic, seq, payload)`` decoded as vLLM's ``KVEventBatch``. With ``replay_port`` (the
+    publisher's ``replay_endpoint``), batches the SUB missed are asked for there, as a router
+    does: a SUB that joins while the PUB is binding misses its first messages (ZMQ's slow
+    joiner), and an engine that starts fast publishes before the SUB has joined."""
 
-    def __init__(self, port: int, topic: str) -> None:
+    def __init__(self, port: int, topic: str, replay_port: int | None = None) -> None:
         import msgspec
         import zmq
         from vllm.distributed.kv_events import KVEventBatch
@@ -133,8 +136,10 @@ class Subscriber:
         self._topic = topic
         self._socket.setsockopt_string(zmq.SUBSCRIBE, topic)
         self._socket.connect(f"tcp://127.0.0.1:{port}")
+        self._replay = None if replay_port is None else f"tcp://127.0.0.1:{replay_port}"
         self.events: list[Any] = []
         self.seqs: list[int] = []
+        self.replayed = 0  # batches the SUB missed, read from the replay endpoint
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -149,8 +154,37 @@ class Subscriber:
                 continue
             topic, seq, payload = self._socket.recv_multipart()
             assert topic.decode() == self._topic
-            self.seqs.append(int.from_bytes(seq, "big", signed=True))
-            self.events.extend(self._decoder.decode(payload).events)
+            n = int.from_bytes(seq, "big", signed=True)
+            missed_from = self.seqs[-1] + 1 if self.seqs else 0
+            if n > missed_from and self._replay is not None:
+                self._missed(missed_from, n)
+            self._take(n, payload)
+
+    def _take(self, seq: int, payload: bytes) -> None:
+        self.seqs.append(seq)
+        self.events.extend(self._decoder.decode(payload).events)
+
+    def _missed(self, start: int, end: int) -> None:
+        """Batches ``start`` to ``end`` (excluded), from the publisher's replay endpoint (a
+        ROUTER: ask with the first seq wanted, read batches up to its end marker, seq -1)."""
+        import zmq
+
+        assert self._replay is not None
+        ask = zmq.Context.instance().socket(zmq.DEALER)
+        ask.connect(self._replay)
+        try:
+            ask.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                assert ask.poll(10_000), f"no replay of batches {start} to {end} in 10 s"
+                _, _, seq, payload = ask.recv_multipart()
+                n = int.from_bytes(seq, "big", signed=True)
+                if n < 0:
+                    return
+                if start <= n < end:
+                    self._take(n, payload)
+                    self.replayed += 1
+        finally:
+            ask.close(linger=0)
 
     def wait_quiet(self, quiet_s: float = 1.0, limit_s: float = 30.0) -> None:
         """Until nothing arrived for ``quiet_s`` (the stream's last batches are in)."""

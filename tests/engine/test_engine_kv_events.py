@@ -36,8 +36,10 @@ TOPIC = "kvledger-test"
 def run(tiny_model: str) -> Iterator[dict[str, Any]]:
     from kvledger.connector.testing.engine import Engine
 
-    port = free_port()
-    subscriber = Subscriber(port, TOPIC)  # before the engine: a SUB may connect before PUB binds
+    port, replay = free_port(), free_port()
+    # Before the engine: a SUB may connect before the PUB binds. What it misses while it joins
+    # it reads from the replay endpoint, as a router does.
+    subscriber = Subscriber(port, TOPIC, replay)
     spec = EngineSpec(
         model=tiny_model,
         num_blocks=8,
@@ -49,6 +51,7 @@ def run(tiny_model: str) -> Iterator[dict[str, Any]]:
             "enable_kv_cache_events": True,
             "publisher": "zmq",
             "endpoint": f"tcp://*:{port}",
+            "replay_endpoint": f"tcp://*:{replay}",
             "topic": TOPIC,
         },
     )
@@ -66,6 +69,7 @@ def run(tiny_model: str) -> Iterator[dict[str, Any]]:
 
 
 def test_every_stored_chunk_and_every_eviction_is_on_the_stream(run: dict[str, Any]) -> None:
+    assert run["seqs"] == list(range(len(run["seqs"]))), "a batch of the stream is missing"
     stored, _ = assert_matches_log(run["events"], run["log"], "CPU")
     assert len(stored) > SLOTS, "the workload must fill the pool and evict"
 

@@ -394,12 +394,13 @@ def test_a_served_runs_kv_events_agree_with_its_log(
 
     from kvledger.connector.testing.served import free_port
 
-    port = free_port()
-    subscriber = Subscriber(port, "kv")
+    port, replay = free_port(), free_port()
+    subscriber = Subscriber(port, "kv", replay)
     kv = connector_config(tmp_path)
     kv["kv_connector_extra_config"]["host_pool_bytes"] = 4 * BLOCK * 2048  # 2 KiB a token
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv"}
     events["endpoint"] = f"tcp://*:{port}"
+    events["replay_endpoint"] = f"tcp://*:{replay}"
     args = ("--shutdown-timeout", "10", "--kv-events-config", json.dumps(events))
     try:
         serve(
@@ -417,6 +418,7 @@ def test_a_served_runs_kv_events_agree_with_its_log(
     log = the_log(tmp_path)
     check = kvledger("check", log)
     assert check.returncode == 0, check.stdout + check.stderr
+    assert subscriber.seqs == list(range(len(subscriber.seqs))), "a batch is missing"
     stored, removed = assert_matches_log(subscriber.events, log, "CPU")
     assert len(stored) > 4 and removed
     assert_vllms_own_hashes(subscriber.events, BLOCK)
