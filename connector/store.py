@@ -59,9 +59,10 @@ class HostChunkPool:
             self._buffer = torch.empty(
                 (num_slots, *self.chunk_shape), dtype=spec.dtype, pin_memory=True
             )
-        # The transfers that may still be running, by slot; a slot with none has no entry. Kept
-        # sparse: a small model's default pool has hundreds of thousands of slots, and a list
-        # for each took half a second to build (and ``wait_all`` as long to walk).
+        # The transfers that may still be running, by slot (``_live``): a slot's list is made
+        # when the slot is first used, and kept. A small model's default pool has hundreds of
+        # thousands of slots, and a list for each took half a second to build (and
+        # ``wait_all`` as long to walk).
         self._pending: dict[int, list[tuple[SlotMode, TransferHandle]]] = {}
         self._staging: torch.Tensor | None = None  # staging(), made on first use
 
@@ -123,9 +124,9 @@ class HostChunkPool:
         """Save the tokens at ``slot_mapping`` into slot ``i`` at ``offset``, and track it
         (``after``: see ``TransferBackend.save``)."""
         self._check_backend(backend)
-        self._claim(i, "write")
+        pending = self._claim(i, "write")
         handle = backend.save(self._buffer[i], slot_mapping, offset, after=after)
-        self._pending.setdefault(i, []).append(("write", handle))
+        pending.append(("write", handle))
         return handle
 
     def load(
@@ -140,31 +141,32 @@ class HostChunkPool:
         """Load slot ``i`` from ``offset`` into the cache at ``slot_mapping``, and track it
         (``after``: see ``TransferBackend.load``)."""
         self._check_backend(backend)
-        self._claim(i, "read")
+        pending = self._claim(i, "read")
         handle = backend.load(self._buffer[i], slot_mapping, offset, after=after)
-        self._pending.setdefault(i, []).append(("read", handle))
+        pending.append(("read", handle))
         return handle
 
     def track(self, i: int, mode: SlotMode, handle: TransferHandle) -> None:
         """Record a transfer on slot ``i`` that was issued through :meth:`slot` directly."""
-        self._claim(i, mode)
-        self._pending.setdefault(i, []).append((mode, handle))
+        self._claim(i, mode).append((mode, handle))
 
     def in_flight(self, i: int) -> bool:
         """True while a transfer on slot ``i`` may still be running."""
         self._check_index(i)
-        self._prune(i)
-        return i in self._pending
+        return bool(self._live(i))
 
     def wait_slot(self, i: int) -> None:
         """Block the host until every transfer touching slot ``i`` has finished."""
         self._check_index(i)
-        for _, handle in self._pending.pop(i, ()):
-            with contextlib.suppress(Exception):  # failed: over all the same (see _over)
-                handle.synchronize()
+        pending = self._pending.get(i)
+        if pending:
+            for _, handle in pending:
+                with contextlib.suppress(Exception):  # failed: over all the same (see _over)
+                    handle.synchronize()
+            pending.clear()
 
     def wait_all(self) -> None:
-        for i in list(self._pending):
+        for i in self._pending:  # the slots ever used
             self.wait_slot(i)
 
     # -- internals ----------------------------------------------------------------------------
@@ -186,26 +188,28 @@ class HostChunkPool:
                 f"{mine.pool_format}"
             )
 
-    def _prune(self, i: int) -> None:
+    def _live(self, i: int) -> list[tuple[SlotMode, TransferHandle]]:
+        """Slot ``i``'s transfers that may still be running, those over dropped; the list is
+        made on the slot's first use and kept (so a transfer adds to it, allocating nothing)."""
         pending = self._pending.get(i)
-        if pending is not None:
-            live = [(m, h) for m, h in pending if not _over(h)]
-            if live:
-                self._pending[i] = live
-            else:
-                del self._pending[i]
+        if pending is None:
+            pending = self._pending[i] = []
+        elif pending:
+            pending[:] = [(m, h) for m, h in pending if not _over(h)]
+        return pending
 
-    def _claim(self, i: int, mode: SlotMode) -> None:
+    def _claim(self, i: int, mode: SlotMode) -> list[tuple[SlotMode, TransferHandle]]:
         """Refuse a transfer that would race one in flight: a write must be alone on its slot;
-        reads may share it with other reads."""
+        reads may share it with other reads. Returns the slot's list, to add the transfer to."""
         self._check_index(i)
-        self._prune(i)
-        for other, _ in self._pending.get(i, ()):
+        pending = self._live(i)
+        for other, _ in pending:
             if mode == "write" or other == "write":
                 raise SlotBusyError(
                     f"slot {i}: cannot start a {mode} while a {other} is in flight; "
                     f"call wait_slot({i}) first"
                 )
+        return pending
 
 
 def _over(handle: TransferHandle) -> bool:
