@@ -337,7 +337,9 @@ def test_lmcache_recorded_both_ways_gets_the_same_verdicts(tmp_path, version: st
     reports = run_jobs(version, jobs, module="kvledger.connector.testing.lmcache")
     runs = {
         steady: {
-            label.split("@")[0]: r for label, r in reports.items() if label.endswith(f"@{steady}")
+            label.removesuffix(f"@{steady}"): r
+            for label, r in reports.items()
+            if label.endswith(f"@{steady}")
         }
         for steady in (True, False)
     }
