@@ -26,6 +26,14 @@ settings.register_profile("kvledger", deadline=None, print_blob=True)
 settings.load_profile("kvledger")
 
 
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory every pytest-xdist worker of this run sees (each worker's own base
+    directory sits in it): where one worker leaves what the others read."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture
 def synthetic_log(tmp_path: Path) -> Path:
     from _replay_logs import write_log

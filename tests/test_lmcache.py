@@ -6,11 +6,12 @@ and GPU/server plumbing are replaced. The facts below are measured on the real a
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from kvledger.connector.testing.harness import skip_reason
-from tests._lmcache import require_lmcache
+from tests._lmcache import need, runs
 
 pytestmark = [
     pytest.mark.lmcache,
@@ -20,23 +21,32 @@ pytestmark = [
 ]
 
 Runs = Callable[[str], dict]
+VERSIONS = ("0.3.9.post2", "0.3.10", "0.4.2", "0.5.6")
+
+
+def _workloads(version: str) -> Callable[[], list[str]]:
+    def names() -> list[str]:
+        from kvledger.connector.testing.lmcache import EVENT_WORKLOADS, WORKLOADS
+
+        return list(WORKLOADS) + (list(EVENT_WORKLOADS) if version == "0.5.6" else [])
+
+    return names
+
+
+# Every rig workload against each version, bare and wrapped in KVLedgerRecorder (digests
+# sampled): in the run's one child per version (tests/_lmcache.py).
+for _version in VERSIONS:
+    need(__name__, _version, _workloads(_version), bare=True)
 
 
 @pytest.fixture(scope="module")
-def lmcache_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
-    """Every rig workload against a version, bare and wrapped in KVLedgerRecorder (digests
-    sampled), run once per module in one child process per version (importing vLLM and
-    LMCache is most of its time). Reports by workload name, ``NAME+recorded`` wrapped."""
-    from kvledger.connector.testing.lmcache import EVENT_WORKLOADS, WORKLOADS, run_version
-
+def lmcache_runs(shared_dir: Path) -> Runs:
+    """A version's reports by workload name, ``NAME+recorded`` wrapped in the recorder."""
     cache: dict[str, dict] = {}
 
     def get(version: str) -> dict:
-        require_lmcache([version])
         if version not in cache:
-            logs = tmp_path_factory.mktemp(f"lmcache-{version}")
-            workloads = list(WORKLOADS) + (list(EVENT_WORKLOADS) if version == "0.5.6" else [])
-            cache[version] = run_version(version, workloads, record_to=str(logs))
+            cache[version] = runs(__name__, version, shared_dir)
         return cache[version]
 
     return get

@@ -10,6 +10,7 @@ verdicts from every rule and from ``check``."""
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from kvledger.connector.testing.harness import skip_reason
 from kvledger.tracker import events as ev
 from kvledger.tracker.recorded_rules import check_recorded
 from kvledger.tracker.recorded_steps import RecordedSteps
+from tests._lmcache import need, runs
 
 vllm = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
@@ -308,50 +310,35 @@ LMCACHE_RUNS = {
     "0.4.2": ["big_chunks", "chunked_prefill", "mixed"],
 }
 
+# Each recorded both ways, in the run's one child per version (tests/_lmcache.py).
+for _version, _names in LMCACHE_RUNS.items():
+    need(__name__, _version, functools.partial(list, _names), ways=(True, False))
+
 
 @pytest.mark.lmcache
 @pytest.mark.vllm
 @pytest.mark.slow
 @vllm
 @pytest.mark.parametrize("version", sorted(LMCACHE_RUNS))
-def test_lmcache_recorded_both_ways_gets_the_same_verdicts(tmp_path, version: str) -> None:
+def test_lmcache_recorded_both_ways_gets_the_same_verdicts(shared_dir: Path, version: str) -> None:
     """LMCache's real vLLM adapter wrapped in the recorder (digests sampled), each workload
     recorded with and without the steady-decode batching: the same facts, the same
     verdicts, including the ones that name #1969."""
-    from _lmcache import require_lmcache
-
-    from kvledger.connector.testing.lmcache import adapter_jobs, run_jobs
-
-    require_lmcache([version])
     names = LMCACHE_RUNS[version]
-    # Both ways in one child (importing vLLM and LMCache is most of a child's time), recorded
-    # runs only: each job's label says which way it was recorded.
-    jobs = [
-        {**job, "label": f"{job['label']}@{steady}"}
-        for steady in (True, False)
-        for name in names
-        for job in adapter_jobs(
-            name, str(tmp_path / f"logs-{steady}"), "sampled", steady, bare=False
-        )
-    ]
-    reports = run_jobs(version, jobs, module="kvledger.connector.testing.lmcache")
-    runs = {
-        steady: {
-            label.removesuffix(f"@{steady}"): r
-            for label, r in reports.items()
-            if label.endswith(f"@{steady}")
-        }
+    reports = runs(__name__, version, shared_dir)
+    runs_by_way = {
+        steady: {name: reports[f"{name}+recorded" + ("" if steady else "@False")] for name in names}
         for steady in (True, False)
     }
     for name in names:
-        batched, full = (runs[s][f"{name}+recorded"] for s in (True, False))
+        batched, full = (runs_by_way[s][name] for s in (True, False))
         assert batched.error == full.error
         assert steady_entries(batched.log_path) > 0 and steady_entries(full.log_path) == 0
         assert expanded(events_of(batched.log_path)) == events_of(full.log_path)
         for kw in ({}, {"differential": True}):
             assert verdicts(batched.log_path, **kw) == verdicts(full.log_path, **kw), name
     if version == "0.3.9.post2":  # #1969 is named from the batched log alone
-        found = verdicts(runs[True]["issue1969+recorded"].log_path)
+        found = verdicts(runs_by_way[True]["issue1969"].log_path)
         assert [(p[1], p[2], p[3]) for p in found["problems"]] == [
             ("load_unchanged", 35, "req-1")
         ] * 2

@@ -23,6 +23,7 @@ import pytest
 
 from kvledger.connector.testing.harness import skip_reason
 from kvledger.tracker import events as ev
+from tests._lmcache import need, runs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -382,25 +383,33 @@ LMCACHE = {
 }
 
 
+def _shapes(version: str) -> Callable[[], list[Any]]:
+    def specs() -> list[Any]:
+        from kvledger.connector.testing.zoo import lmcache_shapes
+
+        shapes = lmcache_shapes()
+        return [shapes[n] for n in LMCACHE[version]]
+
+    return specs
+
+
+# Each shape recorded (digests sampled), in the run's one child per version (tests/_lmcache.py).
+for _version in LMCACHE:
+    need(__name__, _version, _shapes(_version))
+
+
 @pytest.fixture(scope="module")
-def lmcache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    """Every version's child process, two at a time (importing vLLM and LMCache is most of
-    their time); reports by version, then workload."""
-    from kvledger.connector.testing.lmcache_mp import run_version
+def lmcache(shared_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every version's reports, two versions at a time (each a child process, or another
+    worker's reports of it); by version, then shape."""
     from kvledger.connector.testing.zoo import lmcache_shapes
     from tests._lmcache import require_lmcache
 
     require_lmcache(list(LMCACHE), mp=True)
-
-    # Made here, before the threads: pytest's mktemp is not safe to call from two at once (one
-    # run failed with "zoo-lmcache-0.3.10 is not a normalized and relative path").
-    dirs = {version: tmp_path_factory.mktemp(f"zoo-lmcache-{version}") for version in LMCACHE}
+    shapes = lmcache_shapes()
 
     def run(version: str) -> dict[str, Any]:
-        logs = dirs[version]
-        shapes = lmcache_shapes()
-        specs = [shapes[n] for n in LMCACHE[version]]
-        reports = run_version(version, specs, record_to=str(logs), bare=False)
+        reports = runs(__name__, version, shared_dir)
         return {n: reports[f"{shapes[n].name}+recorded"] for n in LMCACHE[version]}
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:

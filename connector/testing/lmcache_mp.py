@@ -521,18 +521,39 @@ def run_version(
 ) -> dict[str, LMCacheReport]:
     """``connector.testing.lmcache.run_version`` for a mix of the adapter rig's workloads and
     ``LMCacheMPRun`` ones, in one child process (this module's ``main``)."""
-    jobs: list[dict[str, Any]] = []
-    mp = False
-    for workload in workloads:
-        if not isinstance(workload, LMCacheMPRun):
-            jobs += adapter_jobs(workload, record_to, digests, steady_decode, bare)
-            continue
-        mp = True
-        job = {"mp": True, "spec": workload.to_fields(), "digests": digests}
-        if bare or record_to is None:
-            jobs.append({**job, "label": workload.name, "record_to": None})
-        if record_to is not None:
-            jobs.append({**job, "label": f"{workload.name}+recorded", "record_to": record_to})
+    jobs = [
+        job
+        for workload in workloads
+        for job in version_jobs(workload, record_to, digests, steady_decode, bare)
+    ]
+    return run_mixed(version, jobs, timeout=timeout)
+
+
+def version_jobs(
+    workload: str | LMCacheRun | LMCacheMPRun,
+    record_to: str | None,
+    digests: str,
+    steady_decode: bool,
+    bare: bool,
+) -> list[dict[str, Any]]:
+    """The child's jobs for one workload, of either rig: bare, recorded, or both."""
+    if not isinstance(workload, LMCacheMPRun):
+        return adapter_jobs(workload, record_to, digests, steady_decode, bare)
+    job = {"mp": True, "spec": workload.to_fields(), "digests": digests}
+    jobs = []
+    if bare or record_to is None:
+        jobs.append({**job, "label": workload.name, "record_to": None})
+    if record_to is not None:
+        jobs.append({**job, "label": f"{workload.name}+recorded", "record_to": record_to})
+    return jobs
+
+
+def run_mixed(
+    version: str, jobs: Sequence[Mapping[str, Any]], *, timeout: float = 1200
+) -> dict[str, LMCacheReport]:
+    """Jobs of both rigs (``version_jobs``) in one child process: with the MP server's
+    dependencies and environment where any job runs that server."""
+    mp = any(job.get("mp") for job in jobs)
     if mp and not mp_installed(version):
         raise FileNotFoundError(f"LMCache {version} or {MP_DEPS} not installed (make lmcache)")
     return run_jobs(

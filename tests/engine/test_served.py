@@ -58,14 +58,6 @@ def rounds(model: str) -> list[tuple[list[list[int]], int]]:
     return [(overflow, 96), (overflow, 16), (shared, 16)]
 
 
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A directory every pytest-xdist worker of this run sees (each worker's own base
-    directory sits in it)."""
-    root = tmp_path_factory.getbasetemp()
-    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-
-
 @pytest.fixture(scope="session", autouse=True)
 def own_core() -> Iterator[None]:
     """Each worker's vLLM workers on a core of their own. vLLM's CPU worker binds its OpenMP
