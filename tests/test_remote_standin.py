@@ -35,6 +35,18 @@ SEAL = ValueSeal(rank=0, layout=b"L" * 16)
 QUERY = "?client_name=kvledger-test"
 
 
+@pytest.fixture(autouse=True)
+def _short_back_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store's back-off capped at 4 ms. A fault on the handshake fails every operation
+    a test runs, and each failure doubles the back-off from ``retry_s``: eight of them waited
+    0.26 s, in each of some 140 tests. What a test here asks is what a fault is reported as
+    and that the store answers right again; the back-off's own schedule is
+    ``test_the_back_off_doubles_up_to_its_cap_and_a_success_resets_it``, below."""
+    from kvledger.connector import remote
+
+    monkeypatch.setattr(remote, "MAX_BACKOFF_S", 0.004)
+
+
 def _store(server: StandIn, **kw: Any) -> RemoteStore:
     # 0.4 s: under SLOW_S, so a slow reply times out, and loose enough that a loaded machine
     # (tests in parallel) does not time out a reply that came at once (the scheduler's tests
@@ -112,6 +124,54 @@ def _assert_answers_right(store: RemoteStore) -> None:
     assert [bytes(g.payload) for g in got] == [PAYLOAD] * len(KEYS)  # type: ignore[union-attr]
 
 
+class _Clock:
+    """``time`` as the remote module reads it, at an instant the test sets."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_back_off_doubles_up_to_its_cap_and_a_success_resets_it(
+    standin: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each failure in a row keeps the store unavailable twice as long as the one before,
+    from ``retry_s`` up to ``MAX_BACKOFF_S``; one exchange that succeeds starts it again
+    from ``retry_s``."""
+    from kvledger.connector import remote
+
+    clock = _Clock()
+    monkeypatch.setattr(remote, "time", clock)
+    monkeypatch.setattr(remote, "MAX_BACKOFF_S", 0.5)
+    store = RemoteStore(standin.url("/1", QUERY), timeout_s=0.4, retry_s=0.0625)
+
+    def unavailable_for() -> float:
+        """How long ``available()`` stays False from now (the clock then past it)."""
+        start = clock.now
+        for wait in (0.0625, 0.125, 0.25, 0.5, 1.0):
+            clock.now = start + wait - 0.001
+            if store.available():
+                raise AssertionError(f"available {wait - 0.001} s after a failure")
+            clock.now = start + wait
+            if store.available():
+                return wait
+        raise AssertionError("unavailable for over 1 s")
+
+    standin.fail("PING", "error", b"-ERR down\r\n")
+    waits = []
+    for _ in range(5):
+        assert store.check() is not None
+        waits.append(unavailable_for())
+    assert waits == [0.0625, 0.125, 0.25, 0.5, 0.5]
+    standin.fail(None)
+    assert store.check() is None and store.available()
+    standin.fail("PING", "error", b"-ERR down\r\n")
+    assert store.check() is not None
+    assert unavailable_for() == 0.0625
+
+
 # --- the commands: every one the tier sends is listed, and so faulted below ------------------
 
 
@@ -142,11 +202,15 @@ def test_a_fault_on_any_command_is_reported_never_raised(
     store = _store(standin, ttl_s=60 if command == "EXPIRE" else 0)
     assert store.check(startup=True) is None
     standin.fail(command, fault)
+    expected = _expected(command, fault, None)
     outcomes: list[str] = []
     for _ in range(2):  # a fault on connecting shows on the next connection
         _exercise(store, outcomes)
+        # Once every operation ran beside the fault and it was reported, a second round
+        # would only wait out a slow fault's timeouts again (eight of 0.4 s on a handshake).
+        if standin.injected and any(name in text for text in outcomes for name in expected):
+            break
     assert standin.injected, f"{command} was never sent"
-    expected = _expected(command, fault, None)
     assert any(name in text for text in outcomes for name in expected), outcomes
     standin.fail(None)
     _assert_answers_right(store)
