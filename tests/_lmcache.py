@@ -79,17 +79,16 @@ def runs(module: str, version: str, shared_dir: Path) -> dict[str, Any]:
     workload's name for its bare run, ``NAME+recorded`` for the recorded one, and
     ``NAME+recorded@False`` for one recorded with ``steady_decode`` off. ``shared_dir``: the
     directory every worker of the run sees (the ``shared_dir`` fixture)."""
-    wanted = [n for n in _NEEDS.get(version, ()) if n.module == module]
-    assert wanted, f"{module} never said it needs LMCache {version} (_lmcache.need)"
-    keyed = _keyed(_NEEDS[version])
+    needs = _NEEDS.get(version, [])
+    assert any(n.module == module for n in needs), f"{module} never said it needs {version}"
+    keyed = _keyed(needs)
     require_lmcache([version], mp=any(run["mp"] for run in keyed.values()))
     reports = _shared_reports(version, keyed, shared_dir)
-    mine: dict[str, Any] = {}
-    for key, run in keyed.items():
-        if run["module_labels"].get(module):
-            for label in run["module_labels"][module]:
-                mine[label] = dataclasses.replace(reports[key], workload=label)
-    return mine
+    return {
+        label: dataclasses.replace(reports[key], workload=label)
+        for key, run in keyed.items()
+        for label in run["module_labels"].get(module, ())
+    }
 
 
 def _keyed(needs: Sequence[_Need]) -> dict[str, dict[str, Any]]:
