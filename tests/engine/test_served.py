@@ -74,20 +74,6 @@ def own_core() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(scope="session", autouse=True)
-def own_sockets(shared_dir: Path) -> Iterator[None]:
-    """vLLM's processes talk over ZMQ sockets it makes in ``VLLM_RPC_BASE_PATH`` (the system's
-    temporary directory by default). A process killed, as these tests' stops end, never
-    removes its own: a run of this file left some 80 in /tmp. Here they are made in the run's
-    temporary directory, which pytest removes in turn (unless the variable is set already)."""
-    with pytest.MonkeyPatch.context() as mp:
-        if "VLLM_RPC_BASE_PATH" not in os.environ:
-            sockets = shared_dir / "vllm-rpc"
-            sockets.mkdir(exist_ok=True)
-            mp.setenv("VLLM_RPC_BASE_PATH", str(sockets))
-        yield
-
-
 @pytest.fixture(scope="session")
 def turns(shared_dir: Path) -> Any:
     """Where make runs these tests in two workers, each stop has the machine to itself
