@@ -21,7 +21,8 @@ import os
 import random
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,21 @@ def _engine_present() -> None:
     reason = engine_missing()
     if reason is not None and REQUIRED:
         pytest.fail(f"KVLEDGER_ENGINE_TESTS=1 but {reason}: run make setup-engine", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _temporary_files_in_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What the engines put in a temporary directory goes in one of this run's, which pytest
+    removes in turn: the rig's log directory where a test gives none, vLLM's ZMQ sockets
+    (``VLLM_RPC_BASE_PATH``, the temporary directory by default) and its ``vllm_dist_*``
+    files, in this process and in every process it starts. A process killed, as the served
+    tests' stops end, never removes its sockets. A run of the suite left some 100 entries in
+    /tmp."""
+    tmp = tmp_path_factory.mktemp("tmp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TMPDIR", str(tmp))
+        mp.setattr(tempfile, "tempdir", str(tmp))
+        yield
 
 
 @pytest.fixture(scope="session")
