@@ -53,16 +53,13 @@ def _engine_present() -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _temporary_files_in_the_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """What the engines put in a temporary directory goes in one of this run's, which pytest
-    removes in turn: the rig's log directory where a test gives none, vLLM's ZMQ sockets
-    (``VLLM_RPC_BASE_PATH``, the temporary directory by default) and its ``vllm_dist_*``
-    files, in this process and in every process it starts. A process killed, as the served
-    tests' stops end, never removes its sockets. A run of the suite left some 100 entries in
-    /tmp."""
-    tmp = tmp_path_factory.mktemp("tmp")
+    """What this process puts in a temporary directory goes in one of this run's, which pytest
+    removes in turn: the engine rig's log directory where a test gives none, and the
+    ``vllm_dist_*`` files of the engines it runs in-process. A run of the suite left some 20
+    of them in /tmp. Only this process's ``tempfile``: the processes it starts (the served
+    tests' servers) keep the environment a user's have."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TMPDIR", str(tmp))
-        mp.setattr(tempfile, "tempdir", str(tmp))
+        mp.setattr(tempfile, "tempdir", str(tmp_path_factory.mktemp("tmp")))
         yield
 
 
