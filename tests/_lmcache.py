@@ -81,25 +81,27 @@ def runs(module: str, version: str, shared_dir: Path) -> dict[str, Any]:
     directory every worker of the run sees (the ``shared_dir`` fixture)."""
     needs = _NEEDS.get(version, [])
     assert any(n.module == module for n in needs), f"{module} never said it needs {version}"
-    keyed = _keyed(needs)
+    keyed, labels = _keyed(needs)
     require_lmcache([version], mp=any(run["mp"] for run in keyed.values()))
     reports = _shared_reports(version, keyed, shared_dir)
     return {
         label: dataclasses.replace(reports[key], workload=label)
-        for key, run in keyed.items()
-        for label in run["module_labels"].get(module, ())
+        for (of, label), key in labels.items()
+        if of == module
     }
 
 
-def _keyed(needs: Sequence[_Need]) -> dict[str, dict[str, Any]]:
-    """Every run the needs name, once each: by a key of its spec and way, with the labels each
-    module reads it by."""
+def _keyed(
+    needs: Sequence[_Need],
+) -> tuple[dict[str, dict[str, Any]], dict[tuple[str, str], str]]:
+    """Every run the needs name, once each, by a key of its spec and way; and the key each
+    module's label names."""
     from kvledger.connector.testing.lmcache import EVENT_WORKLOADS, WORKLOADS
     from kvledger.connector.testing.lmcache_mp import LMCacheMPRun
 
     named = {**WORKLOADS, **EVENT_WORKLOADS}
     keyed: dict[str, dict[str, Any]] = {}
-    taken: dict[tuple[str, str], str] = {}
+    labels: dict[tuple[str, str], str] = {}
     for n in needs:
         for workload in n.workloads():
             spec = named[workload] if isinstance(workload, str) else workload
@@ -108,18 +110,13 @@ def _keyed(needs: Sequence[_Need]) -> dict[str, dict[str, Any]]:
             ways: list[bool | None] = [None] if n.bare else []
             for way in [*ways, *n.ways]:
                 key = json.dumps([mp, fields, way], sort_keys=True, default=str)
-                run = keyed.setdefault(
-                    key, {"spec": spec, "way": way, "mp": mp, "module_labels": {}}
-                )
+                keyed.setdefault(key, {"spec": spec, "way": way, "mp": mp})
                 label = spec.name if way is None else f"{spec.name}+recorded"
                 label += "" if way in (None, True) else f"@{way}"
-                labels = run["module_labels"].setdefault(n.module, [])
-                if label not in labels:
-                    labels.append(label)
-                clash = taken.setdefault((n.module, label), key)
-                if clash != key:  # two runs of one module under one label: which is it?
+                if labels.setdefault((n.module, label), key) != key:
+                    # two runs of one module under one label: which is it?
                     raise ValueError(f"{n.module}: two different runs named {label!r}")
-    return keyed
+    return keyed, labels
 
 
 def _shared_reports(version: str, keyed: dict[str, dict[str, Any]], root: Path) -> dict[str, Any]:

@@ -10,12 +10,13 @@ import pytest
 from tests._lmcache import _keyed, _Need
 
 
-def _labels(keyed: dict, module: str) -> dict[str, tuple]:
+def _labels(keyed: tuple[dict, dict], module: str) -> dict[str, tuple]:
     """module's labels, each with the run (spec, way) it reads."""
+    runs, labels = keyed
     return {
-        label: (run["spec"], run["way"])
-        for run in keyed.values()
-        for label in run["module_labels"].get(module, ())
+        label: (runs[key]["spec"], runs[key]["way"])
+        for (of, label), key in labels.items()
+        if of == module
     }
 
 
@@ -32,7 +33,7 @@ def test_a_run_two_modules_need_is_made_once_and_a_same_named_other_spec_is_not(
         ]
     )
     # a's bare run; a's and b's recorded run, once; b's unbatched one; c's own spec.
-    assert len(keyed) == 4
+    assert len(keyed[0]) == 4
     assert _labels(keyed, "a") == {
         "issue1969": (same, None),
         "issue1969+recorded": (same, True),
@@ -42,8 +43,11 @@ def test_a_run_two_modules_need_is_made_once_and_a_same_named_other_spec_is_not(
         "issue1969+recorded@False": (same, False),
     }
     assert _labels(keyed, "c") == {"issue1969+recorded": (other, True)}
-    shared = [run for run in keyed.values() if set(run["module_labels"]) == {"a", "b"}]
-    assert len(shared) == 1 and shared[0]["way"] is True
+    runs, labels = keyed
+    shared = {key for (of, _), key in labels.items() if of == "a"} & {
+        key for (of, _), key in labels.items() if of == "b"
+    }
+    assert len(shared) == 1 and runs[shared.pop()]["way"] is True
 
 
 def test_one_module_naming_two_specs_alike_is_refused() -> None:

@@ -23,7 +23,7 @@ import pytest
 
 from kvledger.connector.testing.harness import skip_reason
 from kvledger.tracker import events as ev
-from tests._lmcache import need, runs
+from tests._lmcache import need, require_lmcache, runs
 
 pytestmark = [
     pytest.mark.vllm,
@@ -403,7 +403,6 @@ def lmcache(shared_dir: Path) -> dict[str, dict[str, Any]]:
     """Every version's reports, two versions at a time (each a child process, or another
     worker's reports of it); by version, then shape."""
     from kvledger.connector.testing.zoo import lmcache_shapes
-    from tests._lmcache import require_lmcache
 
     require_lmcache(list(LMCACHE), mp=True)
     shapes = lmcache_shapes()
