@@ -18,6 +18,9 @@ Variants:
           (steady_decode false: one Scheduled per request per step, the format before)
   recdig  (--digests) reclog with digests sampled: the scheduler side's part of them (which
           blocks to digest each step; the digests themselves are the worker's)
+  spin    (--calibrate US) null spending US microseconds busy a step: a known cost
+  facts   (--facts) null reading each step's counts and new tokens from vLLM as the
+          recorder does, and doing nothing with them: the floor of any recorder
   recfree (--free-thread) reclog whose log thread frames and writes nothing: all that
           recording costs the scheduler's thread, and the bound of any writer off the
           process (issue 25: a writer process fed through a ring would still pay its handover)
@@ -29,7 +32,8 @@ timed here (no worker runs: the harness reports empty connector outputs). Digest
 ``--profile-steps`` more (untimed) steps of ``reclog`` under cProfile.
 
   python bench/recorder_bench.py
-  python bench/recorder_bench.py --requests 128 --steps 200 --rounds 5 --prompt-len 512
+  python bench/recorder_bench.py --requests 128 --steps 1000 --rounds 5 --prompt-len 512
+  python bench/recorder_bench.py --twin --calibrate 20 --facts
 """
 
 from __future__ import annotations
@@ -114,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
                 ("base", None),
                 ("null", so.NULL_CONNECTOR),
                 *([(so.TWIN, so.NULL_CONNECTOR)] if args.twin else []),
+                *([(so.SPIN, so.spin_connector(args.calibrate))] if args.calibrate else []),
+                *([(so.FACTS, so.facts_connector(tokens=True))] if args.facts else []),
                 ("rec", recorder_spec(None)),
                 ("reclog", recorder_spec(os.path.join(tmp, "bg"))),
                 ("recsync", recorder_spec(os.path.join(tmp, "sync"), background=False)),

@@ -12,6 +12,9 @@ only if the run itself went wrong: a preemption, an adapter error, a violation).
          --no-null)
   null2  (--twin) null again, identical but for its name: what two identical variants read
          apart in this run, its noise floor (printed after the target line)
+  spin   (--calibrate US) null spending US microseconds busy a step: a known cost
+  facts  (--facts) null reading each step's counts, scheduled counts and new blocks from vLLM
+         as the connector's steady check does, and doing nothing with them
   conn   KVLedgerConnector, kv_connector_extra_config {"chunk_size": 256}, no event log
   log    the same, writing the event log to a temp dir, on the log's own thread (only with --log)
   logsync  the same, writing the log on the scheduler thread (log_background off; with --log)
@@ -45,11 +48,22 @@ only).
 Figures: median per-step time per variant; "ratio" is median(variant) / median(base) over all
 timed steps; the per-round ratios (median of the variant's steps / median of base's steps in
 the same round) give min / median / max; per connector method, calls and mean time per step.
+The target line reads the paired figure (``paired_ratios``): each turn of a variant over the
+reference's same turn, the median of those per round, the median of the rounds. The two ran
+the same steps of the workload a few milliseconds apart, so what the machine and the
+workload did to both cancels; the unpaired figures follow it. ``--calibrate US`` adds a
+do-nothing connector that spends US microseconds busy in each ``build_connector_meta``,
+a known cost for the figures to recover; ``--facts`` one that reads what checking (and, in the
+recorder bench, recording) a steady step must read from vLLM and does nothing with it: the
+floor of any connector that checks its steps. The default of 1,000 timed steps is what
+brings two identical variants within about a point of each other on these machines (with 200
+they read up to 5 points apart: docs/performance.md).
 ``--profile`` then runs extra (untimed) connector steps under cProfile and prints the top
 functions of tracker/ and connector/ by cumulative time.
 
   python bench/scheduler_overhead.py
-  python bench/scheduler_overhead.py --requests 128 --steps 200 --rounds 5 --prompt-len 512 --log
+  python bench/scheduler_overhead.py --requests 128 --steps 1000 --rounds 5 --prompt-len 512 --log
+  python bench/scheduler_overhead.py --log --twin --calibrate 20 --facts
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ import gc
 import inspect
 import io
 import logging
+import operator
 import os
 import platform
 import pstats
@@ -110,7 +125,17 @@ def _null_connector_class() -> type:
             return None
 
         def build_connector_meta(self, scheduler_output: Any) -> Any:
+            spin = self._spin_ns
+            if spin:  # --calibrate: a known cost, spent where ours is
+                end = time.perf_counter_ns() + spin
+                while time.perf_counter_ns() < end:
+                    pass
             return KVConnectorMetadata()
+
+        @functools.cached_property
+        def _spin_ns(self) -> int:
+            extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+            return int(float(extra.get("spin_us", 0)) * 1000)
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             return None
@@ -137,11 +162,77 @@ NULL_CONNECTOR = {
 }
 
 
+@functools.cache
+def _facts_connector_class() -> type:
+    from kvledger.connector.edge import token_list
+
+    class FactsConnector(_null_connector_class()):  # type: ignore[misc]
+        """``null`` that reads, each step, what checking and recording a steady decode step
+        cannot do without, the way our connectors read it, and decides and writes nothing:
+        vLLM's counts against the step before's (one C pass), its scheduled counts and new
+        blocks (the same), and with ``tokens`` each request's new token from the list vLLM
+        appends it to (the recorder's facts; the connector records none in a steady step).
+        What is left of our cost above it is ours to cut; it is the floor below that."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
+            self.read_tokens = bool(extra.get("tokens"))
+            self.lists_of: dict[str, Any] = {}  # req_id -> the list vLLM appends tokens to
+            self.req_ids: list[str] = []
+            self.lists: list[Any] = []
+            self.last: list[int] = []
+            self.tokens: tuple[int, ...] = ()
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+            self.lists_of[request.request_id] = token_list(request)
+            return 0, False
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            cached = scheduler_output.scheduled_cached_reqs
+            counts, n = cached.num_computed_tokens, len(cached.req_ids)
+            steady = (
+                len(self.last) == n
+                and [*map(operator.sub, counts, self.last)].count(1) == n
+                and [*scheduler_output.num_scheduled_tokens.values()].count(1) == n
+                and cached.new_block_ids.count(None) >= 0
+            )
+            if self.read_tokens:
+                if cached.req_ids != self.req_ids:
+                    self.req_ids = list(cached.req_ids)
+                    self.lists = [self.lists_of[r] for r in self.req_ids]
+                self.tokens = tuple(map(operator.getitem, self.lists, counts))
+            self.last = list(counts)
+            self.steady = steady
+            return super().build_connector_meta(scheduler_output)
+
+    return FactsConnector
+
+
+def facts_connector(tokens: bool) -> dict[str, Any]:
+    """``--facts``: the kv_transfer_config of ``FactsConnector`` (``tokens``: the recorder's
+    facts too)."""
+    return {
+        "kv_connector": "FactsConnector",
+        "kv_connector_module_path": "bench.scheduler_overhead",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"tokens": tokens},
+    }
+
+
+def spin_connector(us: float) -> dict[str, Any]:
+    """``null`` that spends ``us`` microseconds in each ``build_connector_meta``, busy: a known
+    cost, which ``--calibrate`` checks the figures recover."""
+    return {**NULL_CONNECTOR, "kv_connector_extra_config": {"spin_us": us}}
+
+
 def __getattr__(name: str) -> Any:
     """vLLM loads ``NullConnector`` from this module by name; built on first access so that
     importing this file does not import vLLM."""
     if name == "NullConnector":
         return _null_connector_class()
+    if name == "FactsConnector":
+        return _facts_connector_class()
     raise AttributeError(name)
 
 
@@ -231,6 +322,8 @@ class Variant:
         needs its worker's reports."""
         self.name = name
         self.runner: ModelRunner | None = None
+        extra = (config.kv_connector or {}).get("kv_connector_extra_config") or {}
+        self.spin_us = float(extra.get("spin_us", 0))  # --calibrate's known cost
         ours = config.kv_connector is not None and config.kv_connector["kv_connector"] == (
             "KVLedgerConnector"
         )
@@ -250,6 +343,9 @@ class Variant:
         self.sched_us: list[float] = []  # per timed step
         self.conn_us: list[float] = []
         self.rounds: list[list[float]] = []  # per round, per step scheduler us
+        # Per round, per turn: the us of the turn's steps. Every variant runs once a turn, at
+        # the same step of the workload, so turn t of two variants is a pair (paired_ratios).
+        self.turns: list[list[float]] = []
 
     def step(self) -> Any:
         result = self.harness.step()
@@ -261,15 +357,18 @@ class Variant:
         """``steps`` timed decode steps; checks each one decoded every request."""
         preemptions = self.harness.stats.preemptions
         self.timer.take()
+        turn = 0.0
         for _ in range(steps):
             result = self.step()
             sched_ns, conn_ns = self.timer.take()
+            turn += sched_ns / 1e3
             n = len(result.num_scheduled_tokens)
             if n != num_requests or any(v != 1 for v in result.num_scheduled_tokens.values()):
                 raise RuntimeError(f"{self.name}: a timed step scheduled {n} requests, not decode")
             self.sched_us.append(sched_ns / 1e3)
             self.conn_us.append(conn_ns / 1e3)
             self.rounds[-1].append(sched_ns / 1e3)
+        self.turns[-1].append(turn)
         if self.harness.stats.preemptions != preemptions or self.harness.finished:
             raise RuntimeError(f"{self.name}: preemption or finish during the timed phase")
 
@@ -306,7 +405,7 @@ def make_config(args: argparse.Namespace, decode_tokens: int) -> HarnessConfig:
 def timing_arguments(p: argparse.ArgumentParser) -> None:
     """The workload and timing options of the scheduler benches (this one, recorder_bench)."""
     p.add_argument("--requests", type=int, default=128)
-    p.add_argument("--steps", type=int, default=200, help="timed decode steps per variant")
+    p.add_argument("--steps", type=int, default=1000, help="timed decode steps per variant")
     p.add_argument("--rounds", type=int, default=5, help="rounds the timed steps split in")
     p.add_argument(
         "--block", type=int, default=2, help="steps a variant runs before the next one's turn"
@@ -322,6 +421,21 @@ def timing_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also time a second, identical do-nothing connector (null2): this run's own "
         "noise floor, printed beside the target line",
+    )
+    p.add_argument(
+        "--calibrate",
+        type=float,
+        default=0.0,
+        metavar="US",
+        help="also time null spending US microseconds busy in each build_connector_meta: a "
+        "known cost, to see what the figures read for it",
+    )
+    p.add_argument(
+        "--facts",
+        action="store_true",
+        help="also time null reading what a steady step's check (and, in the recorder bench, "
+        "its record) must read from vLLM, deciding and writing nothing: the floor of any "
+        "such connector",
     )
     p.add_argument(
         "--no-gc",
@@ -403,6 +517,7 @@ def run_timed(variants: list[Variant], args: argparse.Namespace) -> float:
     for _ in range(args.rounds):
         for v in variants:
             v.rounds.append([])
+            v.turns.append([])
         done = 0
         while done < per_round:
             n = min(args.block, per_round - done)
@@ -510,6 +625,28 @@ def round_ratios(v: Variant, ref: Variant) -> list[float]:
     ]
 
 
+def paired_ratios(v: Variant, ref: Variant) -> list[float]:
+    """Per round: the median, over the round's turns, of ``v``'s turn over ``ref``'s same turn.
+
+    The two ran the same steps of the workload (every variant's requests are at the same
+    count in a turn; a block boundary is every request's at once), one turn of all the
+    variants apart at most, so the machine's speed, which drifts from one tenth of a second
+    to the next on these shared machines, is nearly the same for both. An unpaired median
+    over the round compares two samples of a step time that spreads twofold (p10 to p90)
+    and reads identical variants several points apart; pairs cancel what the two turns
+    share. A round-off burst (a GC, the log thread's round, a stolen CPU) lands in one turn
+    of one variant: an outlier pair, which the median leaves out, as the unpaired one does."""
+    return [
+        statistics.median(a / b for a, b in zip(x, y, strict=True))
+        for x, y in zip(v.turns, ref.turns, strict=True)
+    ]
+
+
+def paired_ratio(v: Variant, ref: Variant) -> float:
+    """The median of ``paired_ratios``: the figure a target is read on."""
+    return statistics.median(paired_ratios(v, ref))
+
+
 def report(variants: list[Variant], args: argparse.Namespace, reference: str = "base") -> None:
     """The table of every variant against the first (no connector), then the target line:
     each variant after ``reference`` against ``reference``."""
@@ -565,38 +702,77 @@ def report(variants: list[Variant], args: argparse.Namespace, reference: str = "
     names = [v.name for v in variants]
     ref = variants[names.index(reference)]
     ref_med = statistics.median(ref.sched_us)
-    verdict = []
+    verdict, unpaired = [], []
     twin = None
     for v in variants[names.index(reference) + 1 :]:
         if v.name == TWIN:
             twin = v
             continue
-        r = statistics.median(v.sched_us) / ref_med
-        per_round = statistics.median(round_ratios(v, ref))
+        if v.name in (SPIN, FACTS):
+            continue
+        rounds = paired_ratios(v, ref)
+        r = statistics.median(rounds)
         verdict.append(
-            f"{v.name} {r:.3f} {'<=' if r <= TARGET else '>'} {TARGET} (per round {per_round:.3f})"
+            f"{v.name} {r:.3f} {'<=' if r <= TARGET else '>'} {TARGET} "
+            f"(rounds {min(rounds):.3f} to {max(rounds):.3f})"
+        )
+        unpaired.append(
+            f"{v.name} {statistics.median(v.sched_us) / ref_med:.3f} "
+            f"(per round {statistics.median(round_ratios(v, ref)):.3f})"
         )
     print()
-    print(f"target: ratio to {reference} <= {TARGET}: " + ", ".join(verdict))
+    print(
+        f"target: paired ratio to {reference}, median of the rounds, <= {TARGET}: "
+        + ", ".join(verdict)
+    )
     if twin is not None:
         print(floor_line(twin, ref))
+    print("unpaired, the median step over the reference's: " + ", ".join(unpaired))
+    facts = next((v for v in variants if v.name == FACTS), None)
+    if facts is not None:
+        ours = [
+            f"{v.name} {paired_ratio(v, facts):.3f}"
+            for v in variants[names.index(reference) + 1 :]
+            if v.name not in (TWIN, SPIN, FACTS)
+        ]
+        print(
+            f"facts: reading a steady step's facts alone reads {paired_ratio(facts, ref):.3f} "
+            f"paired ({statistics.median(facts.conn_us):.1f} us a step in its methods); "
+            "against it: " + ", ".join(ours)
+        )
+    for v in variants:
+        if v.spin_us:
+            # A known cost, as a share of the reference's median step: what a faithful
+            # figure reads for it.
+            want = 1 + v.spin_us / ref_med
+            print(
+                f"calibration: {v.name} spends {v.spin_us:g} us busy a step, {want:.3f} of "
+                f"{reference}'s median step; it reads {paired_ratio(v, ref):.3f} paired, "
+                f"{statistics.median(v.sched_us) / ref_med:.3f} unpaired"
+            )
 
 
 # --twin's variant: a second do-nothing connector, identical to ``null`` but for its name.
 TWIN = "null2"
+# --calibrate's: null with a known cost.
+SPIN = "spin"
+# --facts': null reading what a steady step must read.
+FACTS = "facts"
 
 
 def floor_line(twin: Variant, ref: Variant) -> str:
-    """What two identical variants read apart in this run (``--twin``): a ratio nearer 1.000
-    than this is not told from the noise in it."""
-    r = statistics.median(twin.sched_us) / statistics.median(ref.sched_us)
-    rounds = round_ratios(twin, ref)
+    """What two identical variants read apart in this run (``--twin``), on both figures: a
+    ratio nearer 1.000 than this is not told from the noise in it."""
+    rounds = paired_ratios(twin, ref)
+    r = statistics.median(rounds)
     floor = max(abs(x - 1) for x in (r, *rounds))
-    spread = "/".join(f"{x:.3f}" for x in (min(rounds), statistics.median(rounds), max(rounds)))
+    unpaired = statistics.median(twin.sched_us) / statistics.median(ref.sched_us)
+    urounds = round_ratios(twin, ref)
     return (
-        f"noise floor: {twin.name}, identical to {ref.name}, reads {r:.3f} "
-        f"(per round min/med/max {spread}): a ratio within {floor:.3f} of 1 is within this "
-        "run's noise"
+        f"noise floor: {twin.name}, identical to {ref.name}, reads {r:.3f} paired (rounds "
+        f"{min(rounds):.3f} to {max(rounds):.3f}; unpaired {unpaired:.3f}, rounds "
+        f"{min(urounds):.3f} to {max(urounds):.3f}): a paired ratio within {floor:.3f} of 1 "
+        "is within this run's noise"
     )
 
 
@@ -683,6 +859,12 @@ def main(argv: list[str] | None = None) -> int:
             variants.append(Variant("null", null_cfg, driven=not args.bare_null))
             if args.twin:
                 variants.append(Variant(TWIN, null_cfg, driven=not args.bare_null))
+            if args.calibrate:
+                spin_cfg = base_cfg.with_(kv_connector=spin_connector(args.calibrate))
+                variants.append(Variant(SPIN, spin_cfg, driven=not args.bare_null))
+            if args.facts:
+                facts_cfg = base_cfg.with_(kv_connector=facts_connector(tokens=False))
+                variants.append(Variant(FACTS, facts_cfg, driven=not args.bare_null))
         conn = Variant("conn", base_cfg.with_(kv_connector=connector_spec(args, tb, None)))
         variants.append(conn)
         if args.kv_events:
