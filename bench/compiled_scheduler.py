@@ -34,20 +34,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.compiled_check import MODULES as CHECK_MODULES  # noqa: E402
 from bench.compiled_check import build, can_compile  # noqa: E402
 
-# The modules of a steady step: the connector's (scheduler.py, the tracker's batch and its
-# plans) and the recorder's (recording.py and the log's steps it follows). Left out: the
-# classes vLLM loads (connector/vllm.py, connector/recorder.py: subclasses of vLLM's base
-# class, which mypyc does not compile natively) and the log writer (its work is on the log's
-# own thread; msgpack's packer is C already).
+# The modules of a steady step: the core's that compiled_check.py compiles, less those only a
+# replay runs in, and the connector's and the recorder's scheduler sides with the log's steps
+# the recorder follows. Left out: the classes vLLM loads (connector/vllm.py,
+# connector/recorder.py: subclasses of vLLM's base class, which mypyc does not compile
+# natively) and the log writer (its work is on the log's own thread; msgpack's packer is C).
+_REPLAY_ONLY = frozenset(
+    {
+        "tracker/index_fold.py",
+        "tracker/decoded.py",
+        "tracker/digests.py",
+        "tracker/remote.py",
+        "tracker/wellformed.py",
+        "replay/replayer.py",
+    }
+)
 MODULES = (
-    "tracker/state.py",
-    "tracker/plans.py",
-    "tracker/invariants.py",
-    "tracker/tracker.py",
-    "tracker/chunks.py",
-    "tracker/numbering.py",
+    *(m for m in CHECK_MODULES if m not in _REPLAY_ONLY),
     "tracker/recorded_steps.py",
     "connector/scheduler.py",
     "connector/recording.py",
