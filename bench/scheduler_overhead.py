@@ -134,8 +134,12 @@ def _null_connector_class() -> type:
 
         @functools.cached_property
         def _spin_ns(self) -> int:
-            extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
-            return int(float(extra.get("spin_us", 0)) * 1000)
+            return int(float(self._extra.get("spin_us", 0)) * 1000)
+
+        @functools.cached_property
+        def _extra(self) -> dict[str, Any]:
+            """The bench's settings of this variant (``spin_connector``, ``facts_connector``)."""
+            return getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
 
         def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
             return None
@@ -176,13 +180,14 @@ def _facts_connector_class() -> type:
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            extra = getattr(self._kv_transfer_config, "kv_connector_extra_config", None) or {}
-            self.read_tokens = bool(extra.get("tokens"))
+            self.read_tokens = bool(self._extra.get("tokens"))
             self.lists_of: dict[str, Any] = {}  # req_id -> the list vLLM appends tokens to
             self.req_ids: list[str] = []
             self.lists: list[Any] = []
             self.last: list[int] = []
             self.tokens: tuple[int, ...] = ()
+            self.steady = False
+            self.grown = 0  # requests whose table grew a block this step
 
         def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
             self.lists_of[request.request_id] = token_list(request)
@@ -195,8 +200,8 @@ def _facts_connector_class() -> type:
                 len(self.last) == n
                 and [*map(operator.sub, counts, self.last)].count(1) == n
                 and [*scheduler_output.num_scheduled_tokens.values()].count(1) == n
-                and cached.new_block_ids.count(None) >= 0
             )
+            self.grown = n - cached.new_block_ids.count(None)
             if self.read_tokens:
                 if cached.req_ids != self.req_ids:
                     self.req_ids = list(cached.req_ids)
@@ -357,18 +362,17 @@ class Variant:
         """``steps`` timed decode steps; checks each one decoded every request."""
         preemptions = self.harness.stats.preemptions
         self.timer.take()
-        turn = 0.0
         for _ in range(steps):
             result = self.step()
             sched_ns, conn_ns = self.timer.take()
-            turn += sched_ns / 1e3
             n = len(result.num_scheduled_tokens)
             if n != num_requests or any(v != 1 for v in result.num_scheduled_tokens.values()):
                 raise RuntimeError(f"{self.name}: a timed step scheduled {n} requests, not decode")
-            self.sched_us.append(sched_ns / 1e3)
+            us = sched_ns / 1e3
+            self.sched_us.append(us)
             self.conn_us.append(conn_ns / 1e3)
-            self.rounds[-1].append(sched_ns / 1e3)
-        self.turns[-1].append(turn)
+            self.rounds[-1].append(us)
+        self.turns[-1].append(sum(self.rounds[-1][-steps:]))  # this turn: the steps just run
         if self.harness.stats.preemptions != preemptions or self.harness.finished:
             raise RuntimeError(f"{self.name}: preemption or finish during the timed phase")
 
@@ -703,13 +707,10 @@ def report(variants: list[Variant], args: argparse.Namespace, reference: str = "
     ref = variants[names.index(reference)]
     ref_med = statistics.median(ref.sched_us)
     verdict, unpaired = [], []
-    twin = None
-    for v in variants[names.index(reference) + 1 :]:
-        if v.name == TWIN:
-            twin = v
-            continue
-        if v.name in (SPIN, FACTS):
-            continue
+    after = variants[names.index(reference) + 1 :]
+    twin = next((v for v in after if v.name == TWIN), None)
+    ours = [v for v in after if v.name not in (TWIN, SPIN, FACTS)]  # the targets' variants
+    for v in ours:
         rounds = paired_ratios(v, ref)
         r = statistics.median(rounds)
         verdict.append(
@@ -730,15 +731,11 @@ def report(variants: list[Variant], args: argparse.Namespace, reference: str = "
     print("unpaired, the median step over the reference's: " + ", ".join(unpaired))
     facts = next((v for v in variants if v.name == FACTS), None)
     if facts is not None:
-        ours = [
-            f"{v.name} {paired_ratio(v, facts):.3f}"
-            for v in variants[names.index(reference) + 1 :]
-            if v.name not in (TWIN, SPIN, FACTS)
-        ]
+        above = [f"{v.name} {paired_ratio(v, facts):.3f}" for v in ours]
         print(
             f"facts: reading a steady step's facts alone reads {paired_ratio(facts, ref):.3f} "
             f"paired ({statistics.median(facts.conn_us):.1f} us a step in its methods); "
-            "against it: " + ", ".join(ours)
+            "against it: " + ", ".join(above)
         )
     for v in variants:
         if v.spin_us:
