@@ -105,17 +105,21 @@ def run(tree: Path, bench: str, seed: int) -> dict[str, float]:
     if proc.returncode != 0:
         sys.exit(f"{bench} in {tree.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     out: dict[str, float] = {}
+    checked = False
     for line in proc.stdout.splitlines():
         if line.startswith("tree-check"):
             _, outside, compiled = line.split()
             if int(outside) or (int(compiled) > 0) != (tree.name == "compiled"):
                 sys.exit(f"{tree.name}: kvledger came from outside the tree, or compiled wrongly")
+            checked = True
         elif line.startswith("target:"):
             out.update((name, float(r)) for name, r in _TARGET.findall(line.split(":", 2)[2]))
         elif m := _METHODS.match(line):
             out[f"{m[1]} us"] = float(m[2])
         elif m := _FLOOR.match(line):
             out["floor"] = float(m[1])
+    if not checked:  # a run whose tree was never checked is no figure of that tree
+        sys.exit(f"{bench} in {tree.name}: the runner did not report where kvledger came from")
     return out
 
 
